@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Builds meshtrain (installing what is missing) and runs the whole test suite through CTest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+cd build && ctest --output-on-failure -j 2 --timeout 600

@@ -1,0 +1,148 @@
+// The meshtrain command.
+//
+//   meshtrain train [--config FILE.toml] [--section.key=value ...]   train a model
+//   meshtrain prepare --input text.txt --out tokens.bin [...]        text -> token file
+//   meshtrain export --checkpoint DIR --out model.safetensors        Hugging Face weights
+//   meshtrain sample --checkpoint DIR [--prompt TEXT] [...]          generate text
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"                       // mt::Error: every user-facing failure
+#include "data/token_file.h"                  // token_file_write
+#include "data/tokenizer.h"                   // tokenizer_make, sentencepiece_train
+#include "nn/hf.h"                            // hf_export
+#include "train/checkpoint.h"                 // checkpoint_latest, checkpoint_load
+#include "train/config.h"                     // config_load, config_keys
+#include "train/sample.h"                     // sample_text
+#include "train/trainer.h"                    // train
+
+namespace {
+
+int cmd_train(const std::vector<std::string>& args) {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::printf("usage: meshtrain train [--config FILE.toml] [--section.key=value ...]\n\nkeys (defaults):\n");
+      auto j = mt::config_to_json(mt::Config{});
+      for (const std::string& k : mt::config_keys()) {
+        std::string sec = k.substr(0, k.find('.')), key = k.substr(k.find('.') + 1);
+        std::printf("  %-26s %s\n", k.c_str(), j[sec][key].dump().c_str());
+      }
+      return 0;
+    }
+    MT_CHECK(a.rfind("--", 0) == 0, "unexpected argument \"" << a << "\"; options look like --training.steps=100");
+    std::string body = a.substr(2);
+    std::string value;
+    size_t eq = body.find('=');
+    if (eq == std::string::npos) {
+      MT_CHECK(i + 1 < args.size(), "option --" << body << " needs a value: --" << body << "=VALUE");
+      value = args[++i];
+    } else {
+      value = body.substr(eq + 1);
+      body = body.substr(0, eq);
+    }
+    if (body == "config") config_path = value;
+    else overrides.push_back(body + "=" + value);
+  }
+  mt::Config cfg = mt::config_load(config_path, overrides);
+  mt::train(cfg);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc >= 2 && std::string(argv[1]) == "train")
+      return cmd_train(std::vector<std::string>(argv + 2, argv + argc));
+
+    CLI::App app{"meshtrain: train transformer language models (see README.md)"};
+    app.require_subcommand(1);
+    app.add_subcommand("train", "train a model: meshtrain train [--config FILE.toml] [--section.key=value ...]");
+
+    auto* prep = app.add_subcommand("prepare", "tokenize a text file into a token file");
+    std::string input, out = "tokens.bin", val_out, tokenizer = "byte", sp_prefix;
+    double val_fraction = 0;
+    int sp_vocab = 0;
+    prep->add_option("--input", input, "UTF-8 text file")->required();
+    prep->add_option("--out", out, "token file to write")->capture_default_str();
+    prep->add_option("--tokenizer", tokenizer, "byte, or a SentencePiece .model file")->capture_default_str();
+    prep->add_option("--train-tokenizer", sp_vocab, "first train a SentencePiece model with this vocabulary size");
+    prep->add_option("--tokenizer-prefix", sp_prefix, "where the trained model goes (<prefix>.model)");
+    prep->add_option("--val-fraction", val_fraction, "tail of the tokens to write to --val-out instead");
+    prep->add_option("--val-out", val_out, "validation token file");
+
+    auto* exp = app.add_subcommand("export", "write a checkpoint's parameters as a Hugging Face safetensors file");
+    std::string ckpt, exp_out;
+    exp->add_option("--checkpoint", ckpt, "checkpoint directory (or checkpoint.dir: the latest)")->required();
+    exp->add_option("--out", exp_out, "safetensors file to write")->required();
+
+    auto* smp = app.add_subcommand("sample", "generate text from a checkpoint");
+    mt::SampleOptions so;
+    smp->add_option("--checkpoint", so.checkpoint, "checkpoint directory (or checkpoint.dir: the latest)")->required();
+    smp->add_option("--prompt", so.prompt, "text to continue");
+    smp->add_option("--tokens", so.max_tokens, "tokens to generate")->capture_default_str();
+    smp->add_option("--temperature", so.temperature, "0 for greedy")->capture_default_str();
+    smp->add_option("--top-k", so.top_k, "sample among the k likeliest (0: all)")->capture_default_str();
+    smp->add_option("--seed", so.seed)->capture_default_str();
+    smp->add_option("--tokenizer", so.tokenizer, "byte or a .model file (default: the checkpoint's)");
+
+    CLI11_PARSE(app, argc, argv);
+
+    if (prep->parsed()) {
+      if (sp_vocab > 0) {
+        if (sp_prefix.empty()) sp_prefix = out + ".spm";
+        mt::sentencepiece_train(input, sp_prefix, sp_vocab);
+        tokenizer = sp_prefix + ".model";
+        std::printf("trained SentencePiece model %s (vocabulary %d)\n", tokenizer.c_str(), sp_vocab);
+      }
+      auto tok = mt::tokenizer_make(tokenizer);
+      FILE* f = std::fopen(input.c_str(), "rb");
+      MT_CHECK(f, "cannot open --input " << input);
+      std::string text;
+      char buf[1 << 16];
+      size_t n;
+      while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+      std::fclose(f);
+      std::vector<int32_t> ids = tok->encode(text);
+      MT_CHECK(val_fraction >= 0 && val_fraction < 1, "--val-fraction must be in [0, 1)");
+      if (val_fraction > 0) {
+        MT_CHECK(!val_out.empty(), "--val-fraction needs --val-out FILE");
+        size_t n_val = static_cast<size_t>(ids.size() * val_fraction);
+        std::vector<int32_t> val(ids.end() - n_val, ids.end());
+        ids.resize(ids.size() - n_val);
+        mt::token_file_write(val_out, val);
+        std::printf("wrote %zu validation tokens to %s\n", val.size(), val_out.c_str());
+      }
+      mt::token_file_write(out, ids);
+      std::printf("wrote %zu tokens to %s (vocabulary %d: set model.vocab_size >= %d)\n", ids.size(), out.c_str(),
+                  tok->vocab_size(), tok->vocab_size());
+    } else if (exp->parsed()) {
+      const std::string dir = mt::checkpoint_latest(ckpt);
+      MT_CHECK(!dir.empty(), "no checkpoint in " << ckpt << "; pass a checkpoint directory or checkpoint.dir");
+      mt::Config cfg = mt::checkpoint_config(dir);
+      std::vector<mt::Unit> units = mt::model_layout(cfg.model);
+      mt::CpuAllocator alloc;
+      for (mt::Unit& u : units) u.w = mt::Tensor::empty({u.numel}, mt::DType::f32, alloc, mt::MemTag::params);
+      mt::checkpoint_load(dir, cfg.model, units, nullptr);
+      mt::hf_export(cfg.model, units, exp_out);
+      std::printf("exported %s to %s\n", dir.c_str(), exp_out.c_str());
+    } else if (smp->parsed()) {
+      std::printf("%s\n", mt::sample_text(so).c_str());
+    }
+    return 0;
+  } catch (const mt::Error& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "meshtrain: internal error: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,55 @@
+// Device allocators that count live and peak bytes per tag, so the trainer can report
+// where memory goes (params, grads, optimizer state, activations, communication buffers).
+// Allocators are objects owned by whoever trains (no global allocator): tensors keep a
+// pointer to the allocator that made their storage and give the bytes back to it.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <string>
+
+namespace mt {
+
+enum class Device { cpu, cuda };
+const char* device_name(Device d);
+
+enum class MemTag { params, grads, optim, activations, comm, other };
+constexpr int kNumMemTags = 6;
+const char* memtag_name(MemTag t);  // "params", "grads", "optim", "activations", "comm", "other"
+
+struct MemStats {
+  std::array<size_t, kNumMemTags> live{};  // bytes allocated now, per tag
+  std::array<size_t, kNumMemTags> peak{};  // highest live bytes seen, per tag
+  size_t live_total = 0;
+  size_t peak_total = 0;  // highest sum over tags seen at one moment
+};
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual Device device() const = 0;
+  void* allocate(size_t bytes, MemTag tag);
+  void deallocate(void* p, size_t bytes, MemTag tag);
+  const MemStats& stats() const { return stats_; }
+  void reset_peaks();  // peaks := live
+
+ protected:
+  virtual void* raw_allocate(size_t bytes) = 0;
+  virtual void raw_deallocate(void* p) = 0;
+
+ private:
+  MemStats stats_;
+};
+
+// Host memory, 64-byte aligned (AVX-512 lines).
+class CpuAllocator final : public Allocator {
+ public:
+  Device device() const override { return Device::cpu; }
+
+ protected:
+  void* raw_allocate(size_t bytes) override;
+  void raw_deallocate(void* p) override;
+};
+
+std::string format_bytes(size_t bytes);  // "12.3 MiB"
+
+}  // namespace mt

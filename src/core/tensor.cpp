@@ -1,0 +1,129 @@
+#include "core/tensor.h"
+
+#include <cstring>
+
+#include "core/error.h"
+
+namespace mt {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f32: return 4;
+    case DType::f64: return 8;
+    case DType::bf16: return 2;
+    case DType::f16: return 2;
+    case DType::i32: return 4;
+    case DType::u16: return 2;
+    case DType::u32: return 4;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "f32";
+    case DType::f64: return "f64";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::i32: return "i32";
+    case DType::u16: return "u16";
+    case DType::u32: return "u32";
+  }
+  return "?";
+}
+
+std::string shape_str(const Shape& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+int64_t shape_numel(const Shape& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+Storage::~Storage() {
+  if (owned && alloc) alloc->deallocate(ptr, bytes, tag);
+}
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Allocator& alloc, MemTag tag) {
+  for (int64_t d : shape) MT_CHECK(d >= 0, "negative dimension in shape " << shape_str(shape));
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>();
+  t.storage_->bytes = shape_numel(shape) * dtype_size(dtype);
+  t.storage_->ptr = alloc.allocate(t.storage_->bytes, tag);
+  t.storage_->alloc = &alloc;
+  t.storage_->tag = tag;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Allocator& alloc, MemTag tag) {
+  Tensor t = empty(shape, dtype, alloc, tag);
+  t.zero_();
+  return t;
+}
+
+Tensor Tensor::wrap(void* ptr, const Shape& shape, DType dtype) {
+  Tensor t;
+  t.storage_ = std::make_shared<Storage>();
+  t.storage_->ptr = ptr;
+  t.storage_->bytes = shape_numel(shape) * dtype_size(dtype);
+  t.storage_->owned = false;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  return t;
+}
+
+int64_t Tensor::dim(int i) const {
+  int n = ndim();
+  if (i < 0) i += n;
+  MT_CHECK(i >= 0 && i < n, "dimension " << i << " out of range for shape " << shape_str(shape_));
+  return shape_[i];
+}
+
+float* Tensor::f32() const {
+  MT_CHECK(dtype_ == DType::f32, "expected an f32 tensor, got " << dtype_name(dtype_));
+  return data<float>();
+}
+double* Tensor::f64() const {
+  MT_CHECK(dtype_ == DType::f64, "expected an f64 tensor, got " << dtype_name(dtype_));
+  return data<double>();
+}
+int32_t* Tensor::i32() const {
+  MT_CHECK(dtype_ == DType::i32, "expected an i32 tensor, got " << dtype_name(dtype_));
+  return data<int32_t>();
+}
+
+Tensor Tensor::view(int64_t offset, const Shape& shape) const {
+  MT_CHECK(offset >= 0 && offset + shape_numel(shape) <= numel(),
+           "view of " << shape_str(shape) << " at offset " << offset << " exceeds tensor of " << numel()
+                      << " elements");
+  Tensor t = *this;
+  t.offset_ = offset_ + offset;
+  t.shape_ = shape;
+  return t;
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  MT_CHECK(shape_numel(shape) == numel(), "cannot reshape " << shape_str(shape_) << " to " << shape_str(shape));
+  Tensor t = *this;
+  t.shape_ = shape;
+  return t;
+}
+
+void Tensor::zero_() const {
+  if (numel()) std::memset(raw(), 0, nbytes());
+}
+
+void Tensor::copy_from(const Tensor& src) const {
+  MT_CHECK(src.numel() == numel() && src.dtype() == dtype_,
+           "copy of " << shape_str(src.shape()) << " " << dtype_name(src.dtype()) << " into "
+                      << shape_str(shape_) << " " << dtype_name(dtype_));
+  if (numel()) std::memmove(raw(), src.raw(), nbytes());
+}
+
+}  // namespace mt

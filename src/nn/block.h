@@ -1,0 +1,47 @@
+// One transformer block, forward and backward, for both families.
+//
+// GPT-2:  h = x + Wo·attn(LN1(x));   out = h + Wp·gelu(Wfc·LN2(h))
+// Llama:  h = x + Wo·attn(rope(RMS1(x)));  out = h + Wd·(silu(Wg·RMS2(h)) * Wu·RMS2(h))
+//
+// q, k and v come from one linear over the fused weight [(NH + 2 NKV) D, C] (GPT-2's
+// c_attn; Llama's q_proj, k_proj, v_proj stored back to back), and Llama's gate and up
+// from one linear over [2F, C] (gate_proj then up_proj).
+#pragma once
+#include "core/tensor.h"
+#include "nn/model.h"
+
+namespace mt {
+
+// Activations kept for backward, allocated for [B, T] = [micro_batch, seq_len];
+// views of the current [B, T] are taken at offset 0.
+struct BlockActs {
+  Tensor ln1, ln1_mean, ln1_rstd;  // [B, T, C], [B, T], [B, T] (rmsnorm: mean unused)
+  Tensor qkv;                      // [B, T, QKV] (after rope for llama)
+  Tensor att;                      // [B, NH, T, T] softmax probabilities
+  Tensor atty;                     // [B, T, C] attention output before the projection
+  Tensor mid;                      // [B, T, C] residual after the attention branch
+  Tensor ln2, ln2_mean, ln2_rstd;  // [B, T, C], [B, T], [B, T]
+  Tensor fc;                       // [B, T, F] gpt2 pre-gelu; llama [B, T, 2F] gate|up
+  Tensor act;                      // [B, T, F] gelu / swiglu output
+  BlockActs(const ModelConfig& cfg, int B, Allocator& alloc);
+};
+
+// Workspace for one block's backward, shared by all blocks.
+struct BlockScratch {
+  Tensor dln;    // [B, T, C]
+  Tensor dqkv;   // [B, T, QKV]
+  Tensor datt;   // [B, NH, T, T]
+  Tensor datty;  // [B, T, C]
+  Tensor dfc;    // [B, T, F or 2F]
+  Tensor dact;   // [B, T, F]
+  BlockScratch(const ModelConfig& cfg, int B, Allocator& alloc);
+};
+
+// out[B, T, C] = block(x[B, T, C]); fills a.
+void block_forward(const ModelConfig& cfg, const Unit& u, BlockActs& a, const Tensor& x, const Tensor& out,
+                   int B, int T);
+// dresid holds d(out) on entry and d(x) on return; parameter gradients accumulate in u.g.
+void block_backward(const ModelConfig& cfg, const Unit& u, const BlockActs& a, BlockScratch& s, const Tensor& x,
+                    const Tensor& dresid, int B, int T);
+
+}  // namespace mt

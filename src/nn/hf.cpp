@@ -1,0 +1,110 @@
+#include "nn/hf.h"
+
+#include <cmath>
+#include <set>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+
+namespace mt {
+
+namespace {
+
+Shape hf_shape(const ParamSpec& p) { return p.hf_transposed ? Shape{p.shape[1], p.shape[0]} : p.shape; }
+
+// Which model key a tensor's shape depends on, for the error message.
+std::string shape_hint(const ParamSpec& p) {
+  if (p.name.find("wte") != std::string::npos || p.name.find("embed_tokens") != std::string::npos ||
+      p.name.find("lm_head") != std::string::npos)
+    return "model.vocab_size and model.d_model";
+  if (p.name.find("wpe") != std::string::npos) return "model.seq_len and model.d_model";
+  if (p.name.find("k_proj") != std::string::npos || p.name.find("v_proj") != std::string::npos)
+    return "model.n_kv_head, model.n_head and model.d_model";
+  if (p.name.find("mlp") != std::string::npos) return "model.d_ff and model.d_model";
+  return "model.d_model and model.n_head";
+}
+
+// Buffers Hugging Face checkpoints carry that are not parameters.
+bool is_hf_buffer(const std::string& name) {
+  auto ends = [&](const char* s) {
+    std::string t(s);
+    return name.size() >= t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0;
+  };
+  return ends(".attn.bias") || ends(".attn.masked_bias") || ends("rotary_emb.inv_freq");
+}
+
+}  // namespace
+
+void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::string& path) {
+  SafetensorsReader r(path);
+  std::set<std::string> used;
+  for (Unit& u : units) {
+    for (const ParamSpec& p : u.params) {
+      MT_CHECK(r.has(p.name), "model.init_from: " << path << " has no tensor " << p.name
+                                                  << "; is it a " << cfg.family << " model with "
+                                                  << cfg.n_layer << " layers (model.family, model.n_layer, "
+                                                  << "model.tie_embeddings)?");
+      const Shape want = hf_shape(p);
+      const Shape got = r.entries().at(p.name).shape;
+      MT_CHECK(got == want, "model.init_from: tensor " << p.name << " in " << path << " has shape "
+                                                       << shape_str(got) << " but this model expects "
+                                                       << shape_str(want) << "; set " << shape_hint(p)
+                                                       << " to match the file");
+      float* dst = u.w.f32() + p.offset;
+      if (!p.hf_transposed) {
+        r.read_f32(p.name, dst, p.numel());
+      } else {
+        std::vector<float> tmp(p.numel());
+        r.read_f32(p.name, tmp.data(), p.numel());
+        const int64_t rows = p.shape[0], cols = p.shape[1];  // here [out, in]; on disk [in, out]
+        for (int64_t i = 0; i < cols; ++i)
+          for (int64_t o = 0; o < rows; ++o) dst[o * cols + i] = tmp[i * rows + o];
+      }
+      used.insert(p.name);
+    }
+  }
+  for (const auto& [name, e] : r.entries()) {
+    if (used.count(name) || is_hf_buffer(name)) continue;
+    if (name == "lm_head.weight" && cfg.tied()) {
+      // A tied checkpoint may still store the head; accept it only if it is the embedding.
+      const std::string emb = cfg.is_llama() ? "model.embed_tokens.weight" : "transformer.wte.weight";
+      std::vector<float> a(shape_numel(e.shape)), b(shape_numel(e.shape));
+      MT_CHECK(r.entries().at(emb).shape == e.shape, "model.init_from: lm_head.weight and " << emb << " differ in shape; set model.tie_embeddings=false");
+      r.read_f32(name, a.data(), a.size());
+      r.read_f32(emb, b.data(), b.size());
+      MT_CHECK(a == b, "model.init_from: " << path << " has an lm_head.weight that differs from " << emb
+                                            << " (an untied head); set model.tie_embeddings=false");
+      continue;
+    }
+    MT_FAIL("model.init_from: " << path << " has tensor " << name << " that this " << cfg.family
+                                << " model has no place for; check model.family, model.n_layer and "
+                                << "model.tie_embeddings against the file");
+  }
+}
+
+void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path) {
+  std::vector<std::pair<std::string, Shape>> list;
+  for (const Unit& u : units)
+    for (const ParamSpec& p : u.params) list.emplace_back(p.name, hf_shape(p));
+  std::map<std::string, std::string> meta = {{"format", "pt"}, {"producer", "meshtrain"},
+                                             {"family", cfg.family}};
+  SafetensorsWriter w(path, list, meta);
+  std::vector<float> tmp;
+  for (const Unit& u : units) {
+    for (const ParamSpec& p : u.params) {
+      const float* src = u.w.f32() + p.offset;
+      if (!p.hf_transposed) {
+        w.write(p.name, src);
+        continue;
+      }
+      const int64_t rows = p.shape[0], cols = p.shape[1];
+      tmp.resize(p.numel());
+      for (int64_t o = 0; o < rows; ++o)
+        for (int64_t i = 0; i < cols; ++i) tmp[i * rows + o] = src[o * cols + i];
+      w.write(p.name, tmp.data());
+    }
+  }
+  w.finish();
+}
+
+}  // namespace mt

@@ -1,0 +1,19 @@
+// Hugging Face safetensors import (model.init_from) and export (meshtrain export).
+// Names and layouts are Hugging Face's; GPT-2's Conv1D weights are [in, out] on disk and
+// [out, in] here, so they are transposed on the way in and out.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "nn/model.h"
+
+namespace mt {
+
+// Loads every parameter of units (their w must be allocated) from a safetensors file.
+// A missing tensor, a shape that differs, or a tensor the model has no place for is an
+// mt::Error naming the tensor, both shapes and the model key to change.
+void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::string& path);
+// Writes units' parameters as a Hugging Face safetensors file (atomically).
+void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path);
+
+}  // namespace mt

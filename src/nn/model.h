@@ -1,0 +1,116 @@
+// The transformer language model: GPT-2 and Llama families, built from units.
+//
+// Parameters live in one flat buffer per unit — unit 0 is the embedding, units 1..L the
+// transformer blocks, unit L+1 the final norm (+ untied head) — so data-parallel buckets,
+// shards and checkpoint I/O work on flat ranges. Each Hugging Face tensor is a ParamSpec:
+// a named range of its unit, stored in the layout the linear ops use ([out, in]), so
+// GPT-2's Conv1D weights ([in, out] on disk) are transposed on import and export.
+//
+//   Model model(cfg, alloc, /*micro_batch=*/B);
+//   model.init(seed);
+//   double loss_sum = model.forward(tokens, targets);   // [B, T] each
+//   model.backward(1.0f / n_tokens);                    // grads += d(loss_sum * scale)
+//
+// Strategies never reach into the model: they attach UnitHooks, called before each unit's
+// forward and backward and after its backward (where a data-parallel bucket may launch).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "nn/model_config.h"
+
+namespace mt {
+
+enum class Init { normal, zeros, ones };
+
+struct ParamSpec {
+  std::string name;   // Hugging Face name, e.g. "transformer.h.0.attn.c_attn.weight"
+  Shape shape;        // as stored here ([out, in] for linear weights)
+  int64_t offset = 0; // elements into the unit's flat buffer
+  bool decay = false; // weight decay applies (parameters of two or more dims)
+  bool hf_transposed = false;  // stored on disk as shape reversed (GPT-2 Conv1D)
+  Init init = Init::normal;
+  float init_std = 0.02f;
+  int64_t numel() const { return shape_numel(shape); }
+};
+
+struct Unit {
+  std::string name;  // "embed", "block.3", "final"
+  std::vector<ParamSpec> params;
+  int64_t numel = 0;
+  Tensor w;  // [numel] parameters
+  Tensor g;  // [numel] gradients (accumulated by backward)
+  Tensor param(const std::string& suffix) const;  // view of the parameter whose name ends with suffix
+};
+
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  virtual void before_forward(int unit) {}
+  virtual void before_backward(int unit) {}
+  virtual void after_backward(int unit) {}
+};
+
+// The units and parameter specs of a configuration, without allocating anything.
+std::vector<Unit> model_layout(const ModelConfig& cfg);
+
+struct BlockActs;  // activations one block keeps for its backward (block.h)
+
+class Model {
+ public:
+  Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute = false);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  std::vector<Unit>& units() { return units_; }
+  const std::vector<Unit>& units() const { return units_; }
+  int64_t num_params() const;
+  const ParamSpec* find_param(const std::string& name, int* unit = nullptr) const;
+  Tensor param(const std::string& name) const;  // a view of one parameter
+
+  // Layout-independent initialisation: element i of parameter p is
+  // normal(seed, stream = hash(p.name), index = i) * p.init_std (or 0 / 1).
+  void init(uint64_t seed);
+  void set_hooks(UnitHooks* hooks) { hooks_ = hooks; }
+  void zero_grad();
+
+  // tokens, targets: [B, T] with B <= micro_batch, T <= seq_len (targets may be null:
+  // logits only). Returns the sum of per-token losses over targets that are not -1.
+  double forward(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // Accumulates into every unit's g the gradient of (forward's loss sum) * scale.
+  void backward(float scale);
+  // Logits [B, T, V] of the last forward (valid until backward, which overwrites them).
+  Tensor logits() const;
+
+ private:
+  void embed_forward();
+  void embed_backward();
+  void final_forward();
+  void final_backward(float scale);
+
+  ModelConfig cfg_;
+  Allocator& alloc_;
+  int micro_batch_;
+  bool recompute_;
+  std::vector<Unit> units_;
+  UnitHooks* hooks_ = nullptr;
+  UnitHooks no_hooks_;
+
+  int B_ = 0, T_ = 0;
+  bool has_targets_ = false;
+  Tensor tokens_, targets_;                 // [B, T] i32
+  std::vector<std::unique_ptr<BlockActs>> acts_;  // per block (one shared set when recomputing)
+  std::vector<Tensor> block_in_;            // [L + 1] residual stream: input of block l; [L] = output
+  Tensor lnf_, lnf_mean_, lnf_rstd_;        // [B, T, C], [B, T], [B, T]
+  Tensor logits_, losses_, lse_;            // [B, T, V], [B, T], [B, T]
+  Tensor dresid_;                           // [B, T, C] gradient of the residual stream
+  struct BlockGrads;
+  std::unique_ptr<BlockGrads> scratch_;     // shared gradient workspace for block backward
+};
+
+}  // namespace mt

@@ -1,0 +1,32 @@
+// The model's shape and numerics (the [model] section of the configuration).
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace mt {
+
+struct ModelConfig {
+  std::string family = "gpt2";  // gpt2 | llama
+  int n_layer = 4;
+  int n_head = 4;
+  int n_kv_head = 0;        // 0: same as n_head (llama grouped-query attention when smaller)
+  int d_model = 128;
+  int d_ff = 0;             // 0: gpt2 4*d_model; llama 32*ceil(8*d_model/3/32)
+  int vocab_size = 257;     // the byte tokenizer's 256 bytes + end-of-text
+  int seq_len = 128;
+  int tie_embeddings = -1;  // -1: family default (gpt2 tied, llama untied); 0 / 1
+  float norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  std::string init_from;    // a safetensors file with Hugging Face names
+
+  bool is_llama() const { return family == "llama"; }
+  int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  int head_dim() const { return d_model / n_head; }
+  int ff_dim() const;
+  bool tied() const { return tie_embeddings < 0 ? !is_llama() : tie_embeddings != 0; }
+  int qkv_dim() const { return (n_head + 2 * kv_heads()) * head_dim(); }
+  // Throws mt::Error naming the key and the fix when the shape cannot work.
+  void validate() const;
+};
+
+}  // namespace mt

@@ -1,0 +1,97 @@
+// Softmax cross-entropy over the vocabulary. Forward keeps lse per row so backward is a
+// single streaming pass: dlogits = exp(logits - lse) * scale, minus scale at the target.
+// Each row is handled by one thread with a fixed reduction order (detail.h lanes), and the
+// loss total is summed in double in row order: deterministic for any thread count.
+#include "ops/cross_entropy.h"
+
+#include <cmath>
+
+#include "ops/detail.h"
+
+namespace mt {
+
+using namespace detail;
+
+namespace {
+void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t& N, int64_t& V,
+              const char* op) {
+  check_f32(logits, op);
+  check_i32(targets, op);
+  check_f32(lse, op);
+  MT_CHECK(logits.ndim() >= 1 && logits.dim(-1) > 0, op << ": logits must be [N, V] with V > 0, got "
+                                                          << shape_str(logits.shape()));
+  V = logits.dim(-1);
+  N = logits.numel() / V;
+  MT_CHECK(targets.numel() == N, op << ": targets has " << targets.numel() << " elements, logits "
+                                    << shape_str(logits.shape()) << " has " << N << " rows");
+  check_numel(lse, N, op);
+  const int32_t* tp = targets.i32();
+  int64_t bad = -1;
+  for (int64_t n = 0; n < N; ++n)
+    if (tp[n] < -1 || tp[n] >= V) {
+      bad = n;
+      break;
+    }
+  MT_CHECK(bad < 0, op << ": target " << tp[bad] << " at row " << bad << " is outside [0, " << V
+                       << ") (use -1 to ignore a position)");
+}
+}  // namespace
+
+// losses[N] = lse - logits[n, target] (0 where target == -1); lse[N] saved. Returns the sum.
+double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets) {
+  int64_t N, V;
+  check_ce(logits, targets, lse, N, V, "cross_entropy_forward: logits/targets/lse");
+  check_f32(losses, "cross_entropy_forward: losses");
+  check_numel(losses, N, "cross_entropy_forward: losses");
+  const float* lp = logits.f32();
+  const int32_t* tp = targets.i32();
+  float* lsep = lse.f32();
+  float* lossp = losses.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = lp + n * V;
+    const float m = max_f32(row, V);
+    // Sum of exp(x - max) in kLanes partial sums; the row (V floats) stays in L2 between
+    // the max pass and this one.
+    float acc[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= V; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) acc[j] += exp_f32(row[i + j] - m);
+    for (int j = 0; i < V; ++i, ++j) acc[j] += exp_f32(row[i] - m);
+    const float l = m + std::log(reduce_lanes(acc));
+    lsep[n] = l;
+    lossp[n] = tp[n] < 0 ? 0.0f : l - row[tp[n]];
+  }
+  double total = 0.0;
+  for (int64_t n = 0; n < N; ++n) total += lossp[n];
+  return total;
+}
+
+// dlogits[N, V] = (softmax(logits) - onehot(target)) * scale; may alias logits.
+void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
+                            float scale) {
+  int64_t N, V;
+  check_ce(logits, targets, lse, N, V, "cross_entropy_backward: logits/targets/lse");
+  check_f32(dlogits, "cross_entropy_backward: dlogits");
+  check_numel(dlogits, N * V, "cross_entropy_backward: dlogits (must match logits)");
+  const float* lp = logits.f32();
+  const int32_t* tp = targets.i32();
+  const float* lsep = lse.f32();
+  float* dp = dlogits.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = lp + n * V;
+    float* d = dp + n * V;
+    const int32_t t = tp[n];
+    if (t < 0) {
+      for (int64_t i = 0; i < V; ++i) d[i] = 0.0f;
+      continue;
+    }
+    const float l = lsep[n];
+    // Each element is read before it is written, so d == row (in place) is fine.
+    for (int64_t i = 0; i < V; ++i) d[i] = exp_f32(row[i] - l) * scale;
+    d[t] -= scale;
+  }
+}
+
+}  // namespace mt

@@ -1,0 +1,119 @@
+// Token and position embeddings: a row gather forward, a deterministic scatter-add backward.
+#include "ops/embedding.h"
+
+#include <omp.h>
+
+#include <algorithm>
+
+#include "ops/detail.h"
+
+namespace mt {
+
+using namespace detail;
+
+namespace {
+// tokens is [B, T] (or any shape whose last dim is T; leading dims fold into B).
+void check_tokens(const Tensor& tokens, int64_t V, int64_t& B, int64_t& T, const char* op) {
+  check_i32(tokens, op);
+  MT_CHECK(tokens.ndim() >= 1, op << ": tokens must be [B, T]");
+  T = tokens.dim(-1);
+  B = T ? tokens.numel() / T : 0;
+  // One pass over the ids is cheap next to the B*T*C gather and keeps a bad id from
+  // reading or writing outside wte.
+  const int32_t* tp = tokens.i32();
+  const int64_t n = tokens.numel();
+  int64_t bad = -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (tp[i] < 0 || tp[i] >= V) {
+      bad = i;
+      break;
+    }
+  MT_CHECK(bad < 0, op << ": token id " << tp[bad] << " at position " << bad << " is outside the vocabulary [0, "
+                       << V << "); check the tokenizer / model.vocab_size");
+}
+}  // namespace
+
+// out[B, T, C] = wte[tokens[b, t]] (+ wpe[t])
+void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor* wpe) {
+  check_f32(out, "embedding_forward: out");
+  check_f32(wte, "embedding_forward: wte");
+  MT_CHECK(wte.ndim() == 2, "embedding_forward: wte must be [V, C], got " << shape_str(wte.shape()));
+  const int64_t V = wte.dim(0), C = wte.dim(1);
+  int64_t B, T;
+  check_tokens(tokens, V, B, T, "embedding_forward: tokens");
+  check_numel(out, B * T * C, "embedding_forward: out ([B, T, C])");
+  MT_CHECK(out.dim(-1) == C, "embedding_forward: out's last dim " << out.dim(-1) << " != C = " << C);
+  const float* wpep = nullptr;
+  if (wpe) {
+    check_f32(*wpe, "embedding_forward: wpe");
+    MT_CHECK(wpe->ndim() == 2 && wpe->dim(1) == C && wpe->dim(0) >= T,
+             "embedding_forward: wpe must be [maxT >= " << T << ", " << C << "], got " << shape_str(wpe->shape()));
+    wpep = wpe->f32();
+  }
+  const int32_t* tp = tokens.i32();
+  const float* wtep = wte.f32();
+  float* op = out.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const float* e = wtep + (int64_t)tp[bt] * C;
+    float* o = op + bt * C;
+    if (wpep) {
+      const float* p = wpep + (bt % T) * C;
+      for (int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
+    } else {
+      std::copy(e, e + C, o);
+    }
+  }
+}
+
+// dwte[V, C] += scatter of dout[B, T, C] by token ; dwpe[maxT, C] += sum over b of dout
+void embedding_backward(const Tensor& dwte, const Tensor* dwpe, const Tensor& dout, const Tensor& tokens) {
+  check_f32(dwte, "embedding_backward: dwte");
+  check_f32(dout, "embedding_backward: dout");
+  MT_CHECK(dwte.ndim() == 2, "embedding_backward: dwte must be [V, C], got " << shape_str(dwte.shape()));
+  const int64_t V = dwte.dim(0), C = dwte.dim(1);
+  int64_t B, T;
+  check_tokens(tokens, V, B, T, "embedding_backward: tokens");
+  check_numel(dout, B * T * C, "embedding_backward: dout ([B, T, C])");
+  MT_CHECK(dout.dim(-1) == C, "embedding_backward: dout's last dim " << dout.dim(-1) << " != C = " << C);
+  if (dwpe) {
+    check_f32(*dwpe, "embedding_backward: dwpe");
+    MT_CHECK(dwpe->ndim() == 2 && dwpe->dim(1) == C && dwpe->dim(0) >= T,
+             "embedding_backward: dwpe must be [maxT >= " << T << ", " << C << "], got " << shape_str(dwpe->shape()));
+  }
+  const int32_t* tp = tokens.i32();
+  const float* dop = dout.f32();
+  float* dwtep = dwte.f32();
+  float* dwpep = dwpe ? dwpe->f32() : nullptr;
+  // Each thread owns a contiguous range of columns (whole cache lines) of every dwte row
+  // and adds the (b, t) rows in order: two equal tokens never race, and each element's
+  // sum order is the row order whatever the thread count or the split.
+  constexpr int64_t CB = 16;
+  const int64_t ncb = (C + CB - 1) / CB;
+  const int64_t BT = B * T;
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t c0 = std::min(C, (ncb * tid / nt) * CB), c1 = std::min(C, (ncb * (tid + 1) / nt) * CB);
+    if (c1 > c0) {
+      for (int64_t bt = 0; bt < BT; ++bt) {
+        float* d = dwtep + (int64_t)tp[bt] * C;
+        const float* g = dop + bt * C;
+        for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
+      }
+    }
+    if (dwpep) {
+      // dwpe[t] += sum over b, in b order; rows t are independent.
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        float* d = dwpep + t * C;
+        for (int64_t b = 0; b < B; ++b) {
+          const float* g = dop + (b * T + t) * C;
+          for (int64_t c = 0; c < C; ++c) d[c] += g[c];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace mt

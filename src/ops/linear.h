@@ -1,0 +1,16 @@
+// Linear layer on CPU through BLAS. Weights are stored [out, in] (PyTorch nn.Linear);
+// leading dims of x and y fold into N rows. Backward is two functions so that a
+// zero-bubble pipeline can run the weight gradient later than the input gradient.
+#pragma once
+#include "core/tensor.h"
+
+namespace mt {
+
+// y[N, O] = x[N, I] @ w[O, I]^T (+ b[O])
+void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b);
+// dx[N, I] = dy[N, O] @ w[O, I]        (accumulate: dx += instead of =)
+void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate);
+// dw[O, I] += dy^T @ x ; db[O] += sum over rows of dy   (always accumulates)
+void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x);
+
+}  // namespace mt

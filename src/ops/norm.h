@@ -1,0 +1,20 @@
+// LayerNorm (GPT-2) and RMSNorm (Llama) over the last dim C; leading dims fold into N rows.
+// Backward adds into dx (the residual stream's gradient already holds the other branch)
+// and into dw/db, with a reduction order that does not depend on the thread count.
+#pragma once
+#include "core/tensor.h"
+
+namespace mt {
+
+// out[N, C] = (x - mean) * rstd * w + b ; saves mean[N], rstd[N]
+void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                       const Tensor& w, const Tensor& b, float eps);
+void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dout,
+                        const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd);
+
+// out[N, C] = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps) ; saves rstd[N]
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps);
+void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, const Tensor& x,
+                      const Tensor& w, const Tensor& rstd);
+
+}  // namespace mt

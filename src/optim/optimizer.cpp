@@ -1,0 +1,151 @@
+#include "optim/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace mt {
+
+void OptimConfig::validate() const {
+  MT_CHECK(name == "adamw" || name == "sgd", "optim.name = \"" << name << "\" is not an optimizer; use adamw or sgd");
+  MT_CHECK(schedule == "constant" || schedule == "cosine" || schedule == "linear" || schedule == "step",
+           "optim.schedule = \"" << schedule << "\" is not a schedule; use constant, cosine, linear or step");
+  MT_CHECK(lr >= 0, "optim.lr = " << lr << " must not be negative");
+  MT_CHECK(weight_decay >= 0, "optim.weight_decay = " << weight_decay << " must not be negative");
+  MT_CHECK(beta1 >= 0 && beta1 < 1, "optim.beta1 = " << beta1 << " must be in [0, 1)");
+  MT_CHECK(beta2 >= 0 && beta2 < 1, "optim.beta2 = " << beta2 << " must be in [0, 1)");
+  MT_CHECK(eps > 0, "optim.eps = " << eps << " must be positive");
+  MT_CHECK(momentum >= 0 && momentum < 1, "optim.momentum = " << momentum << " must be in [0, 1)");
+  MT_CHECK(grad_clip >= 0, "optim.grad_clip = " << grad_clip << " must not be negative (0 disables clipping)");
+  MT_CHECK(warmup_steps >= 0, "optim.warmup_steps = " << warmup_steps << " must not be negative");
+  MT_CHECK(min_lr_ratio >= 0 && min_lr_ratio <= 1, "optim.min_lr_ratio = " << min_lr_ratio << " must be in [0, 1]");
+  MT_CHECK(step_size >= 1, "optim.step_size = " << step_size << " must be at least 1");
+  MT_CHECK(step_gamma > 0, "optim.step_gamma = " << step_gamma << " must be positive");
+}
+
+Optimizer::Optimizer(const OptimConfig& cfg, std::vector<OptimSegment> segments, Allocator& alloc)
+    : cfg_(cfg), segments_(std::move(segments)) {
+  cfg_.validate();
+  for (const OptimSegment& s : segments_) {
+    m_.push_back(Tensor::zeros({s.w.numel()}, DType::f32, alloc, MemTag::optim));
+    if (cfg_.name == "adamw") v_.push_back(Tensor::zeros({s.w.numel()}, DType::f32, alloc, MemTag::optim));
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> Optimizer::state(int i) const {
+  if (cfg_.name == "adamw") return {{"adam_m", m_[i]}, {"adam_v", v_[i]}};
+  return {{"momentum", m_[i]}};
+}
+
+namespace {
+
+// PyTorch AdamW (single-tensor path): p *= 1 - lr wd; m = b1 m + (1 - b1) g;
+// v = b2 v + (1 - b2) g^2; p -= (lr / bc1) m / (sqrt(v) / sqrt(bc2) + eps).
+void adamw_range(float* p, const float* g, float* m, float* v, int64_t n, float decay_mul, float b1, float b2,
+                 float one_minus_b1, float one_minus_b2, float step_size, float bc2_sqrt, float eps) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float pi = p[i] * decay_mul;
+    float mi = m[i] * b1 + one_minus_b1 * g[i];
+    float vi = v[i] * b2 + one_minus_b2 * g[i] * g[i];
+    m[i] = mi;
+    v[i] = vi;
+    float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    p[i] = pi - step_size * (mi / denom);
+  }
+}
+
+// PyTorch SGD: d = g + wd p; buf = d on the first step, else momentum buf + d; p -= lr d'
+// with d' = buf (or d + momentum buf with Nesterov).
+void sgd_range(float* p, const float* g, float* buf, int64_t n, float wd, float lr, float momentum, bool first,
+               bool nesterov) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float d = g[i] + wd * p[i];
+    float b = first ? d : momentum * buf[i] + d;
+    buf[i] = b;
+    float upd = nesterov ? d + momentum * b : b;
+    p[i] = p[i] - lr * upd;
+  }
+}
+
+}  // namespace
+
+void Optimizer::step(double lr) {
+  ++t_;
+  const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(t_));
+  const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(t_));
+  for (size_t si = 0; si < segments_.size(); ++si) {
+    const OptimSegment& s = segments_[si];
+    float* p = s.w.f32();
+    const float* g = s.g.f32();
+    // Walk the segment as alternating no-decay / decay ranges.
+    int64_t pos = 0;
+    auto run = [&](int64_t begin, int64_t end, bool decay) {
+      if (end <= begin) return;
+      const double wd = decay ? cfg_.weight_decay : 0.0;
+      if (cfg_.name == "adamw") {
+        adamw_range(p + begin, g + begin, m_[si].f32() + begin, v_[si].f32() + begin, end - begin,
+                    static_cast<float>(1.0 - lr * wd), static_cast<float>(cfg_.beta1), static_cast<float>(cfg_.beta2),
+                    static_cast<float>(1.0 - cfg_.beta1), static_cast<float>(1.0 - cfg_.beta2),
+                    static_cast<float>(lr / bc1), static_cast<float>(std::sqrt(bc2)), static_cast<float>(cfg_.eps));
+      } else {
+        sgd_range(p + begin, g + begin, m_[si].f32() + begin, end - begin, static_cast<float>(wd),
+                  static_cast<float>(lr), static_cast<float>(cfg_.momentum), t_ == 1, cfg_.nesterov);
+      }
+    };
+    for (const auto& [b, e] : s.decay_ranges) {
+      run(pos, b, false);
+      run(b, e, true);
+      pos = e;
+    }
+    run(pos, s.w.numel(), false);
+  }
+}
+
+double lr_at(const OptimConfig& cfg, int64_t step, int64_t total) {
+  const double lr = cfg.lr;
+  if (step < cfg.warmup_steps) return lr * static_cast<double>(step + 1) / cfg.warmup_steps;
+  const double min_lr = lr * cfg.min_lr_ratio;
+  const int64_t span = std::max<int64_t>(1, total - cfg.warmup_steps);
+  const double progress = std::min(1.0, static_cast<double>(step - cfg.warmup_steps) / span);
+  if (cfg.schedule == "cosine") return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+  if (cfg.schedule == "linear") return min_lr + (lr - min_lr) * (1.0 - progress);
+  if (cfg.schedule == "step") return lr * std::pow(cfg.step_gamma, (step - cfg.warmup_steps) / cfg.step_size);
+  return lr;
+}
+
+double grad_sumsq(const std::vector<OptimSegment>& segments) {
+  // Fixed chunks summed in order: the result does not depend on the thread count.
+  constexpr int64_t kChunk = 1 << 14;
+  double total = 0.0;
+  for (const OptimSegment& s : segments) {
+    const float* g = s.g.f32();
+    const int64_t n = s.g.numel(), nchunks = (n + kChunk - 1) / kChunk;
+    std::vector<double> part(nchunks, 0.0);
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < nchunks; ++c) {
+      double acc = 0.0;
+      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) acc += double(g[i]) * g[i];
+      part[c] = acc;
+    }
+    for (double x : part) total += x;
+  }
+  return total;
+}
+
+void grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm) {
+  if (max_norm <= 0) return;
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef >= 1.0) return;
+  const float c = static_cast<float>(coef);
+  for (const OptimSegment& s : segments) {
+    float* g = s.g.f32();
+    const int64_t n = s.g.numel();
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) g[i] *= c;
+  }
+}
+
+}  // namespace mt

@@ -1,0 +1,65 @@
+// Optimizers over flat parameter buffers (one segment per unit, possibly a shard of it):
+// AdamW and SGD with momentum, with PyTorch's update formulas; global-norm clipping and
+// learning-rate schedules.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace mt {
+
+struct OptimConfig {
+  std::string name = "adamw";  // adamw | sgd
+  double lr = 1e-3;
+  double weight_decay = 0.1;   // applied only to parameters of two or more dims
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double momentum = 0.9;       // sgd
+  bool nesterov = false;       // sgd
+  double grad_clip = 1.0;      // global L2 norm; 0 disables
+  std::string schedule = "cosine";  // constant | cosine | linear | step
+  int warmup_steps = 0;
+  double min_lr_ratio = 0.1;   // cosine / linear decay to lr * min_lr_ratio
+  int step_size = 1000;        // step schedule: multiply by step_gamma every step_size steps
+  double step_gamma = 0.1;
+  void validate() const;
+};
+
+// One flat buffer the optimizer updates: parameters w and gradients g of the same length,
+// with the element ranges [begin, end) that take weight decay.
+struct OptimSegment {
+  Tensor w, g;
+  std::vector<std::pair<int64_t, int64_t>> decay_ranges;
+};
+
+class Optimizer {
+ public:
+  Optimizer(const OptimConfig& cfg, std::vector<OptimSegment> segments, Allocator& alloc);
+  // One update of every segment with learning rate lr; the step count t starts at 1.
+  void step(double lr);
+  int64_t steps_taken() const { return t_; }
+  void set_steps_taken(int64_t t) { t_ = t; }
+  // The state tensors of segment i with their names ("adam_m", "adam_v" or "momentum").
+  std::vector<std::pair<std::string, Tensor>> state(int i) const;
+  const std::vector<OptimSegment>& segments() const { return segments_; }
+
+ private:
+  OptimConfig cfg_;
+  std::vector<OptimSegment> segments_;
+  std::vector<Tensor> m_, v_;  // adam moments, or (m_ only) sgd momentum buffers
+  int64_t t_ = 0;
+};
+
+// The learning rate at optimizer step `step` (0-based) of `total` steps.
+double lr_at(const OptimConfig& cfg, int64_t step, int64_t total);
+
+// Sum of squares of the gradients of all segments (double accumulation, fixed order).
+double grad_sumsq(const std::vector<OptimSegment>& segments);
+// Scales every gradient by max_norm / (norm + 1e-6) when that is below 1 (clip_grad_norm_).
+void grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm);
+
+}  // namespace mt

@@ -1,0 +1,268 @@
+#include "train/config.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <toml++/toml.h>
+
+#include "core/error.h"
+
+namespace mt {
+
+namespace {
+
+// One configuration key: how to set it from text and read it back as JSON.
+struct Key {
+  std::string name;
+  std::string accepts;  // for messages: "an integer", "true or false", "gpt2 | llama"
+  std::function<void(Config&, const std::string&)> set;
+  std::function<nlohmann::json(const Config&)> get;
+};
+
+[[noreturn]] void bad_value(const std::string& key, const std::string& v, const std::string& accepts) {
+  MT_FAIL("bad value \"" << v << "\" for " << key << ": expected " << accepts);
+}
+
+int64_t parse_int(const std::string& key, const std::string& v) {
+  char* end = nullptr;
+  errno = 0;
+  long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end || errno) bad_value(key, v, "an integer");
+  return x;
+}
+
+double parse_double(const std::string& key, const std::string& v) {
+  char* end = nullptr;
+  errno = 0;
+  double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end || errno) bad_value(key, v, "a number");
+  return x;
+}
+
+bool parse_bool(const std::string& key, const std::string& v) {
+  if (v == "true" || v == "1") return true;
+  if (v == "false" || v == "0") return false;
+  bad_value(key, v, "true or false");
+}
+
+template <class T, class Sec>
+Key int_key(const std::string& name, Sec Config::*sec, T Sec::*field) {
+  return {name, "an integer",
+          [=](Config& c, const std::string& v) { (c.*sec).*field = static_cast<T>(parse_int(name, v)); },
+          [=](const Config& c) { return nlohmann::json((c.*sec).*field); }};
+}
+template <class T, class Sec>
+Key num_key(const std::string& name, Sec Config::*sec, T Sec::*field) {
+  return {name, "a number",
+          [=](Config& c, const std::string& v) { (c.*sec).*field = static_cast<T>(parse_double(name, v)); },
+          [=](const Config& c) { return nlohmann::json((c.*sec).*field); }};
+}
+template <class Sec>
+Key bool_key(const std::string& name, Sec Config::*sec, bool Sec::*field) {
+  return {name, "true or false", [=](Config& c, const std::string& v) { (c.*sec).*field = parse_bool(name, v); },
+          [=](const Config& c) { return nlohmann::json((c.*sec).*field); }};
+}
+template <class Sec>
+Key str_key(const std::string& name, Sec Config::*sec, std::string Sec::*field, std::vector<std::string> allowed = {}) {
+  std::string accepts = "a string";
+  if (!allowed.empty()) {
+    accepts = "one of";
+    for (const auto& a : allowed) accepts += " " + a;
+  }
+  return {name, accepts,
+          [=](Config& c, const std::string& v) {
+            if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), v) == allowed.end())
+              bad_value(name, v, accepts);
+            (c.*sec).*field = v;
+          },
+          [=](const Config& c) { return nlohmann::json((c.*sec).*field); }};
+}
+
+const std::vector<Key>& keys() {
+  static const std::vector<Key> k = [] {
+    using C = Config;
+    std::vector<Key> v;
+    v.push_back(str_key("model.family", &C::model, &ModelConfig::family, {"gpt2", "llama"}));
+    v.push_back(int_key("model.n_layer", &C::model, &ModelConfig::n_layer));
+    v.push_back(int_key("model.n_head", &C::model, &ModelConfig::n_head));
+    v.push_back(int_key("model.n_kv_head", &C::model, &ModelConfig::n_kv_head));
+    v.push_back(int_key("model.d_model", &C::model, &ModelConfig::d_model));
+    v.push_back(int_key("model.d_ff", &C::model, &ModelConfig::d_ff));
+    v.push_back(int_key("model.vocab_size", &C::model, &ModelConfig::vocab_size));
+    v.push_back(int_key("model.seq_len", &C::model, &ModelConfig::seq_len));
+    v.push_back({"model.tie_embeddings", "true or false",
+                 [](Config& c, const std::string& s) { c.model.tie_embeddings = parse_bool("model.tie_embeddings", s); },
+                 [](const Config& c) { return nlohmann::json(c.model.tied()); }});
+    v.push_back(num_key("model.norm_eps", &C::model, &ModelConfig::norm_eps));
+    v.push_back(num_key("model.rope_theta", &C::model, &ModelConfig::rope_theta));
+    v.push_back(str_key("model.init_from", &C::model, &ModelConfig::init_from));
+
+    v.push_back(str_key("data.path", &C::data, &DataConfig::path));
+    v.push_back(str_key("data.val_path", &C::data, &DataConfig::val_path));
+    v.push_back(num_key("data.val_fraction", &C::data, &DataConfig::val_fraction));
+    v.push_back(bool_key("data.shuffle", &C::data, &DataConfig::shuffle));
+    v.push_back(str_key("data.tokenizer", &C::data, &DataConfig::tokenizer));
+
+    v.push_back(int_key("training.steps", &C::training, &TrainingConfig::steps));
+    v.push_back(int_key("training.global_batch", &C::training, &TrainingConfig::global_batch));
+    v.push_back(int_key("training.micro_batch", &C::training, &TrainingConfig::micro_batch));
+    v.push_back(int_key("training.seed", &C::training, &TrainingConfig::seed));
+    v.push_back(bool_key("training.recompute", &C::training, &TrainingConfig::recompute));
+    v.push_back(int_key("training.val_every", &C::training, &TrainingConfig::val_every));
+    v.push_back(int_key("training.val_batches", &C::training, &TrainingConfig::val_batches));
+    v.push_back(int_key("training.threads", &C::training, &TrainingConfig::threads));
+
+    v.push_back(str_key("optim.name", &C::optim, &OptimConfig::name, {"adamw", "sgd"}));
+    v.push_back(num_key("optim.lr", &C::optim, &OptimConfig::lr));
+    v.push_back(num_key("optim.weight_decay", &C::optim, &OptimConfig::weight_decay));
+    v.push_back(num_key("optim.beta1", &C::optim, &OptimConfig::beta1));
+    v.push_back(num_key("optim.beta2", &C::optim, &OptimConfig::beta2));
+    v.push_back(num_key("optim.eps", &C::optim, &OptimConfig::eps));
+    v.push_back(num_key("optim.momentum", &C::optim, &OptimConfig::momentum));
+    v.push_back(bool_key("optim.nesterov", &C::optim, &OptimConfig::nesterov));
+    v.push_back(num_key("optim.grad_clip", &C::optim, &OptimConfig::grad_clip));
+    v.push_back(str_key("optim.schedule", &C::optim, &OptimConfig::schedule, {"constant", "cosine", "linear", "step"}));
+    v.push_back(int_key("optim.warmup_steps", &C::optim, &OptimConfig::warmup_steps));
+    v.push_back(num_key("optim.min_lr_ratio", &C::optim, &OptimConfig::min_lr_ratio));
+    v.push_back(int_key("optim.step_size", &C::optim, &OptimConfig::step_size));
+    v.push_back(num_key("optim.step_gamma", &C::optim, &OptimConfig::step_gamma));
+
+    v.push_back(str_key("checkpoint.dir", &C::checkpoint, &CheckpointConfig::dir));
+    v.push_back(int_key("checkpoint.every", &C::checkpoint, &CheckpointConfig::every));
+    v.push_back(bool_key("checkpoint.resume", &C::checkpoint, &CheckpointConfig::resume));
+    v.push_back(int_key("checkpoint.keep", &C::checkpoint, &CheckpointConfig::keep));
+
+    v.push_back(str_key("logging.metrics", &C::logging, &LoggingConfig::metrics));
+    v.push_back(int_key("logging.every", &C::logging, &LoggingConfig::every));
+    v.push_back(str_key("logging.progress", &C::logging, &LoggingConfig::progress, {"auto", "on", "off"}));
+    return v;
+  }();
+  return k;
+}
+
+// Levenshtein distance, to suggest the key a typo meant.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> d(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) d[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t prev = d[0];
+    d[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t cur = d[j];
+      d[j] = std::min({d[j] + 1, d[j - 1] + 1, prev + (a[i - 1] != b[j - 1])});
+      prev = cur;
+    }
+  }
+  return d[b.size()];
+}
+
+const Key& find_key(const std::string& name) {
+  for (const Key& k : keys())
+    if (k.name == name) return k;
+  std::string best;
+  size_t best_d = 1000;
+  for (const Key& k : keys()) {
+    size_t d = edit_distance(name, k.name);
+    if (d < best_d) best_d = d, best = k.name;
+  }
+  std::string section = name.substr(0, name.find('.'));
+  std::string same;
+  for (const Key& k : keys())
+    if (k.name.compare(0, section.size() + 1, section + ".") == 0) same += (same.empty() ? "" : ", ") + k.name;
+  if (best_d <= 3) MT_FAIL("unknown configuration key " << name << "; did you mean " << best << "?");
+  if (!same.empty()) MT_FAIL("unknown configuration key " << name << "; the [" << section << "] keys are: " << same);
+  MT_FAIL("unknown configuration key " << name
+                                      << "; sections are model, data, training, optim, checkpoint, logging");
+}
+
+std::string toml_value_text(const std::string& key, const toml::node& n) {
+  if (auto s = n.as_string()) return s->get();
+  if (auto i = n.as_integer()) return std::to_string(i->get());
+  if (auto f = n.as_floating_point()) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.17g", f->get());
+    return buf;
+  }
+  if (auto b = n.as_boolean()) return b->get() ? "true" : "false";
+  MT_FAIL("bad value for " << key << " in the config file: expected a string, number or boolean");
+}
+
+}  // namespace
+
+void config_set(Config& c, const std::string& key, const std::string& value) { find_key(key).set(c, value); }
+
+std::vector<std::string> config_keys() {
+  std::vector<std::string> r;
+  for (const Key& k : keys()) r.push_back(k.name);
+  return r;
+}
+
+Config config_load(const std::string& toml_path, const std::vector<std::string>& overrides) {
+  Config c;
+  if (!toml_path.empty()) {
+    toml::table tbl;
+    try {
+      tbl = toml::parse_file(toml_path);
+    } catch (const toml::parse_error& e) {
+      MT_FAIL("cannot read config " << toml_path << ": " << e.description() << " (line " << e.source().begin.line
+                                    << ")");
+    }
+    for (auto&& [section, node] : tbl) {
+      const toml::table* t = node.as_table();
+      MT_CHECK(t, "config " << toml_path << ": top-level key " << section.str()
+                            << " must be a section like [model], [data], [training], [optim], [checkpoint], [logging]");
+      for (auto&& [key, value] : *t) {
+        std::string name = std::string(section.str()) + "." + std::string(key.str());
+        find_key(name).set(c, toml_value_text(name, value));
+      }
+    }
+  }
+  for (const std::string& o : overrides) {
+    size_t eq = o.find('=');
+    MT_CHECK(eq != std::string::npos, "bad option --" << o << ": write --section.key=value, e.g. --training.steps=100");
+    config_set(c, o.substr(0, eq), o.substr(eq + 1));
+  }
+  c.validate();
+  return c;
+}
+
+void Config::validate() const {
+  model.validate();
+  optim.validate();
+  MT_CHECK(training.steps >= 0, "training.steps = " << training.steps << " must not be negative");
+  MT_CHECK(training.micro_batch >= 1, "training.micro_batch = " << training.micro_batch << " must be at least 1");
+  MT_CHECK(training.global_batch >= 1 && training.global_batch % training.micro_batch == 0,
+           "training.global_batch = " << training.global_batch << " is not a multiple of training.micro_batch = "
+                                      << training.micro_batch << "; set global_batch to micro_batch times the number "
+                                      << "of accumulation steps");
+  MT_CHECK(training.val_every >= 0, "training.val_every must not be negative");
+  MT_CHECK(training.val_batches >= 1, "training.val_batches must be at least 1");
+  MT_CHECK(training.threads >= 0, "training.threads must not be negative (0: all cores)");
+  MT_CHECK(data.val_fraction >= 0 && data.val_fraction < 1, "data.val_fraction = " << data.val_fraction << " must be in [0, 1)");
+  MT_CHECK(checkpoint.every >= 0, "checkpoint.every must not be negative");
+  MT_CHECK(checkpoint.keep >= 0, "checkpoint.keep must not be negative (0 keeps all)");
+  MT_CHECK(!checkpoint.resume || !checkpoint.dir.empty(), "checkpoint.resume=true needs checkpoint.dir");
+  MT_CHECK(logging.every >= 1, "logging.every must be at least 1");
+}
+
+nlohmann::json config_to_json(const Config& c) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const Key& k : keys()) {
+    std::string sec = k.name.substr(0, k.name.find('.')), key = k.name.substr(k.name.find('.') + 1);
+    j[sec][key] = k.get(c);
+  }
+  return j;
+}
+
+Config config_from_json(const nlohmann::json& j) {
+  Config c;
+  for (auto s = j.begin(); s != j.end(); ++s)
+    for (auto k = s->begin(); k != s->end(); ++k) {
+      std::string v = k->is_string() ? k->get<std::string>() : k->is_boolean() ? (k->get<bool>() ? "true" : "false") : k->dump();
+      config_set(c, s.key() + "." + k.key(), v);
+    }
+  return c;
+}
+
+}  // namespace mt

@@ -1,0 +1,67 @@
+// The run's configuration: every key of every section, with defaults, read from a TOML
+// file and then from --section.key=value overrides. Unknown keys and bad values are
+// errors that name the key and what it accepts.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "nn/model_config.h"
+#include "optim/optimizer.h"
+
+namespace mt {
+
+struct DataConfig {
+  std::string path;            // token file; empty: the built-in generated tasks
+  std::string val_path;        // validation token file; empty: hold out val_fraction
+  double val_fraction = 0.05;  // tail of the training tokens held out when val_path is empty
+  bool shuffle = true;
+  std::string tokenizer = "byte";  // byte | path of a SentencePiece .model (for prepare/sample)
+};
+
+struct TrainingConfig {
+  int64_t steps = 400;
+  int64_t global_batch = 16;  // sequences per optimizer step, whole mesh
+  int64_t micro_batch = 16;   // sequences per forward/backward per rank
+  uint64_t seed = 1337;
+  bool recompute = false;     // recompute each block's activations in backward
+  int64_t val_every = 100;    // validation every N steps (and at the end); 0: never
+  int64_t val_batches = 4;    // micro-batches per validation
+  int threads = 0;            // OpenMP threads; 0: all cores
+};
+
+struct CheckpointConfig {
+  std::string dir;     // empty: no checkpoints
+  int64_t every = 0;   // save every N steps (and at the end when dir is set); 0: end only
+  bool resume = false; // continue from the latest checkpoint in dir
+  int keep = 3;        // how many checkpoints to keep (older ones are deleted); 0: all
+};
+
+struct LoggingConfig {
+  std::string metrics;          // JSON-lines file, one object per step; empty: none
+  int64_t every = 10;           // plain log line every N steps (when not on a terminal)
+  std::string progress = "auto";  // auto | on | off: the live progress line
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainingConfig training;
+  OptimConfig optim;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+
+  void validate() const;  // cross-key checks (batch divisibility, …)
+};
+
+// Applies a TOML file (if non-empty) then the overrides ("section.key=value", no dashes).
+Config config_load(const std::string& toml_path, const std::vector<std::string>& overrides);
+// Applies one key = value (value as text, as on the command line).
+void config_set(Config& c, const std::string& key, const std::string& value);
+nlohmann::json config_to_json(const Config& c);
+Config config_from_json(const nlohmann::json& j);
+std::vector<std::string> config_keys();  // every key, "section.key"
+
+}  // namespace mt

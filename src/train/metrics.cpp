@@ -1,0 +1,84 @@
+#include "train/metrics.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace mt {
+
+MetricsLog::MetricsLog(const std::string& path, const std::string& progress, int64_t every) : every_(every) {
+  if (!path.empty()) {
+    file_ = std::fopen(path.c_str(), "a");
+    MT_CHECK(file_, "cannot open logging.metrics file " << path << ": " << std::strerror(errno));
+  }
+  live_ = progress == "on" || (progress == "auto" && isatty(fileno(stderr)));
+}
+
+MetricsLog::~MetricsLog() {
+  if (line_open_) std::fputc('\n', stderr);
+  if (file_) std::fclose(file_);
+}
+
+void MetricsLog::write(const nlohmann::json& j) {
+  if (!file_) return;
+  std::string s = j.dump();
+  std::fprintf(file_, "%s\n", s.c_str());
+  std::fflush(file_);
+}
+
+static std::string format_duration(double s) {
+  char buf[32];
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%dh%02dm", int(s / 3600), int(s / 60) % 60);
+  else if (s >= 60) std::snprintf(buf, sizeof buf, "%dm%02ds", int(s / 60), int(s) % 60);
+  else std::snprintf(buf, sizeof buf, "%.0fs", s);
+  return buf;
+}
+
+void MetricsLog::progress(int64_t step, int64_t total, double loss, double lr, double tokens_per_s, double eta_s) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "step %lld/%lld | loss %.4f | lr %.2e | %.1fk tok/s | eta %s",
+                static_cast<long long>(step + 1), static_cast<long long>(total), loss, lr, tokens_per_s / 1000.0,
+                format_duration(eta_s).c_str());
+  if (live_) {
+    int done = total ? static_cast<int>(20 * (step + 1) / total) : 20;
+    std::fprintf(stderr, "\r\033[K[%s%s] %s", std::string(done, '#').c_str(), std::string(20 - done, '.').c_str(), buf);
+    std::fflush(stderr);
+    line_open_ = true;
+  } else if ((step + 1) % every_ == 0 || step + 1 == total || step == 0) {
+    std::printf("%s\n", buf);
+    std::fflush(stdout);
+  }
+}
+
+void MetricsLog::message(const std::string& line) {
+  if (line_open_) {
+    std::fprintf(stderr, "\r\033[K");
+    line_open_ = false;
+  }
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+}
+
+nlohmann::json memory_json(const MemStats& s) {
+  nlohmann::json j;
+  for (int i = 0; i < kNumMemTags; ++i) {
+    std::string tag = memtag_name(static_cast<MemTag>(i));
+    if (tag != "other") j["mem_" + tag] = s.peak[i];
+  }
+  j["mem_peak"] = s.peak_total;
+  return j;
+}
+
+std::string memory_summary(const MemStats& s) {
+  std::string r;
+  for (int i = 0; i < kNumMemTags; ++i) {
+    if (static_cast<MemTag>(i) == MemTag::other && !s.peak[i]) continue;
+    r += std::string(memtag_name(static_cast<MemTag>(i))) + " " + format_bytes(s.peak[i]) + ", ";
+  }
+  return r + "total " + format_bytes(s.peak_total);
+}
+
+}  // namespace mt

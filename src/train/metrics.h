@@ -1,0 +1,34 @@
+// What the user sees of a run: JSON-lines metrics, a live progress line on a terminal (plain
+// log lines otherwise), and the memory breakdown.
+#pragma once
+#include <cstdio>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/allocator.h"
+
+namespace mt {
+
+class MetricsLog {
+ public:
+  // path empty: no file. progress: "auto" (a terminal gets a live line) | "on" | "off".
+  MetricsLog(const std::string& path, const std::string& progress, int64_t every);
+  ~MetricsLog();
+  void write(const nlohmann::json& j);  // one line in the metrics file
+  // The progress line (terminal) or a log line every `every` steps.
+  void progress(int64_t step, int64_t total, double loss, double lr, double tokens_per_s, double eta_s);
+  void message(const std::string& line);  // a line of its own, clearing the progress line first
+
+ private:
+  FILE* file_ = nullptr;
+  bool live_ = false;
+  bool line_open_ = false;
+  int64_t every_;
+};
+
+// {"mem_params": peak bytes, ..., "mem_peak": peak total}
+nlohmann::json memory_json(const MemStats& s);
+std::string memory_summary(const MemStats& s);  // "params 3.4 MiB, grads ..., peak 53.7 MiB"
+
+}  // namespace mt

@@ -1,0 +1,58 @@
+#include "train/sample.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "data/tokenizer.h"
+#include "nn/model.h"
+#include "train/checkpoint.h"
+
+namespace mt {
+
+std::string sample_text(const SampleOptions& o) {
+  const std::string dir = checkpoint_latest(o.checkpoint);
+  MT_CHECK(!dir.empty(), "no checkpoint in " << o.checkpoint << "; train with --checkpoint.dir=" << o.checkpoint << " first");
+  Config cfg = checkpoint_config(dir);
+  CpuAllocator alloc;
+  Model model(cfg.model, alloc, 1);
+  checkpoint_load(dir, cfg.model, model.units(), nullptr);
+  auto tok = tokenizer_make(o.tokenizer.empty() ? cfg.data.tokenizer : o.tokenizer);
+  MT_CHECK(tok->vocab_size() <= cfg.model.vocab_size, "the tokenizer has " << tok->vocab_size()
+                                                                          << " tokens but the model only "
+                                                                          << cfg.model.vocab_size << "; pass --tokenizer");
+  std::vector<int32_t> ids = tok->encode(o.prompt);
+  if (ids.empty()) ids.push_back(tok->eot());
+  const size_t n_prompt = ids.size();
+  const int T = cfg.model.seq_len, V = cfg.model.vocab_size;
+  Philox rng{o.seed};
+  std::vector<std::pair<float, int>> cand(V);
+  for (int n = 0; n < o.max_tokens; ++n) {
+    // No KV cache: each token reruns the window of the last seq_len tokens.
+    const int len = static_cast<int>(std::min<size_t>(ids.size(), T));
+    model.forward(ids.data() + ids.size() - len, nullptr, 1, len);
+    const float* row = model.logits().f32() + int64_t(len - 1) * V;
+    int next;
+    if (o.temperature <= 0) {
+      next = static_cast<int>(std::max_element(row, row + V) - row);
+    } else {
+      for (int v = 0; v < V; ++v) cand[v] = {row[v], v};
+      int k = o.top_k > 0 ? std::min(o.top_k, V) : V;
+      std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), [](auto& a, auto& b) { return a.first > b.first; });
+      double total = 0;
+      std::vector<double> p(k);
+      for (int i = 0; i < k; ++i) total += p[i] = std::exp((cand[i].first - cand[0].first) / o.temperature);
+      double u = rng.uniform(0, n) * total;
+      int i = 0;
+      while (i + 1 < k && (u -= p[i]) > 0) ++i;
+      next = cand[i].second;
+    }
+    if (next == tok->eot()) break;
+    ids.push_back(next);
+  }
+  return o.prompt + tok->decode(std::vector<int32_t>(ids.begin() + n_prompt, ids.end()));
+}
+
+}  // namespace mt

@@ -1,0 +1,250 @@
+#include "train/trainer.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "core/error.h"
+#include "data/loader.h"
+#include "data/tasks.h"
+#include "data/token_file.h"
+#include "data/tokenizer.h"
+#include "nn/hf.h"
+#include "nn/model.h"
+#include "optim/optimizer.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
+
+namespace mt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct Data {
+  std::vector<int32_t> train, val;
+  bool builtin = false;
+};
+
+// Lines of the built-in generated tasks: enough that the default run sees each about once.
+constexpr int64_t kBuiltinLines = 60000;
+
+Data data_load(const Config& c) {
+  Data d;
+  if (c.data.path.empty()) {
+    d.builtin = true;
+    d.train = tokenizer_make("byte")->encode(tasks_generate(c.training.seed, kBuiltinLines));
+  } else {
+    d.train = token_file_read(c.data.path);
+  }
+  if (!c.data.val_path.empty()) {
+    d.val = token_file_read(c.data.val_path);
+  } else if (c.data.val_fraction > 0) {
+    const int64_t n_val = static_cast<int64_t>(d.train.size() * c.data.val_fraction);
+    if (n_val >= 2 && static_cast<int64_t>(d.train.size()) - n_val >= 2) {
+      d.val.assign(d.train.end() - n_val, d.train.end());
+      d.train.resize(d.train.size() - n_val);
+    }
+  }
+  MT_CHECK(d.train.size() >= 2, "data.path " << c.data.path << " has " << d.train.size()
+                                             << " tokens; training needs at least 2");
+  auto check_vocab = [&](const std::vector<int32_t>& t, const std::string& what) {
+    int32_t mx = t.empty() ? 0 : *std::max_element(t.begin(), t.end());
+    MT_CHECK(mx < c.model.vocab_size, what << " holds token id " << mx << " but model.vocab_size = " << c.model.vocab_size
+                                           << "; set model.vocab_size to at least " << mx + 1);
+  };
+  check_vocab(d.train, d.builtin ? "the built-in dataset (byte tokens)" : "data.path " + c.data.path);
+  check_vocab(d.val, c.data.val_path.empty() ? "the validation split" : "data.val_path " + c.data.val_path);
+  return d;
+}
+
+// Cross-entropy of predicting each validation token by its training frequency (add-one
+// smoothed): what a model that learned nothing but token counts would score.
+double unigram_baseline(const std::vector<int32_t>& train, const std::vector<int32_t>& val, int vocab) {
+  std::vector<double> count(vocab, 1.0);
+  for (int32_t t : train) count[t] += 1.0;
+  double total = train.size() + static_cast<double>(vocab), loss = 0;
+  for (int32_t t : val) loss -= std::log(count[t] / total);
+  return val.empty() ? -1 : loss / val.size();
+}
+
+struct ValResult {
+  double loss = -1, accuracy = -1, baseline_accuracy = -1;
+};
+
+// Mean loss over the first val_batches micro-batches of the validation tokens; for the
+// built-in tasks also the greedy accuracy on answer characters.
+ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool builtin) {
+  const int M = static_cast<int>(c.training.micro_batch), T = c.model.seq_len, V = c.model.vocab_size;
+  std::vector<int32_t> in(M * T), tg(M * T);
+  std::vector<uint8_t> mask(T);
+  std::vector<int64_t> answer_counts(V, 0);
+  double loss = 0;
+  int64_t correct = 0, answers = 0;
+  for (int64_t b = 0; b < c.training.val_batches; ++b) {
+    val.fill(b * M, M, in.data(), tg.data());
+    loss += model.forward(in.data(), tg.data(), M, T);
+    if (!builtin) continue;
+    const float* logits = model.logits().f32();
+    for (int s = 0; s < M; ++s) {
+      tasks_answer_mask(&in[s * T], &tg[s * T], T, mask.data());
+      for (int t = 0; t < T; ++t) {
+        if (!mask[t]) continue;
+        const float* row = logits + (int64_t(s) * T + t) * V;
+        int best = static_cast<int>(std::max_element(row, row + V) - row);
+        correct += best == tg[s * T + t];
+        ++answers;
+        ++answer_counts[tg[s * T + t]];
+      }
+    }
+  }
+  ValResult r;
+  r.loss = loss / (double(c.training.val_batches) * M * T);
+  if (builtin && answers) {
+    r.accuracy = double(correct) / answers;
+    r.baseline_accuracy = double(*std::max_element(answer_counts.begin(), answer_counts.end())) / answers;
+  }
+  return r;
+}
+
+std::vector<OptimSegment> optim_segments(std::vector<Unit>& units) {
+  std::vector<OptimSegment> segs;
+  for (Unit& u : units) {
+    OptimSegment s{u.w, u.g, {}};
+    for (const ParamSpec& p : u.params)
+      if (p.decay) s.decay_ranges.emplace_back(p.offset, p.offset + p.numel());
+    segs.push_back(std::move(s));
+  }
+  return segs;
+}
+
+}  // namespace
+
+TrainSummary train(const Config& c) {
+  if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
+  const auto t_start = Clock::now();
+  MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every);
+
+  Data data = data_load(c);
+  const int T = c.model.seq_len, M = static_cast<int>(c.training.micro_batch);
+  const int64_t G = c.training.global_batch, n_micro = G / M;
+  TokenLoader train_loader(std::move(data.train), T, c.data.shuffle, c.training.seed);
+  TokenLoader val_loader(data.val, T, false, c.training.seed);
+  const double baseline = unigram_baseline(train_loader.tokens(), data.val, c.model.vocab_size);
+
+  CpuAllocator alloc;
+  Model model(c.model, alloc, M, c.training.recompute);
+  Optimizer opt(c.optim, optim_segments(model.units()), alloc);
+
+  int64_t start = 0;
+  std::string resumed_from;
+  if (c.checkpoint.resume) {
+    resumed_from = checkpoint_latest(c.checkpoint.dir);
+    if (!resumed_from.empty()) start = checkpoint_load(resumed_from, c.model, model.units(), &opt);
+  }
+  if (resumed_from.empty()) {
+    if (!c.model.init_from.empty()) hf_import(c.model, model.units(), c.model.init_from);
+    else model.init(c.training.seed);
+  }
+
+  char head[512];
+  std::snprintf(head, sizeof head,
+                "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %s, %lld train tokens | global batch %lld "
+                "x %d tokens (%lld micro-batches of %d) | %d threads",
+                c.model.family.c_str(), c.model.n_layer, c.model.d_model, model.num_params() / 1e6,
+                data.builtin ? "built-in tasks" : c.data.path.c_str(), static_cast<long long>(train_loader.num_tokens()),
+                static_cast<long long>(G), T, static_cast<long long>(n_micro), M, omp_get_max_threads());
+  log.message(head);
+  if (!resumed_from.empty()) log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
+  else if (c.checkpoint.resume) log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
+
+  TrainSummary sum;
+  std::vector<int32_t> in(M * T), tg(M * T);
+  const double tokens_per_step = double(G) * T;
+  double train_seconds = 0;
+  int64_t timed_steps = 0;
+  for (int64_t s = start; s < c.training.steps; ++s) {
+    const auto t0 = Clock::now();
+    model.zero_grad();
+    double loss_sum = 0;
+    for (int64_t m = 0; m < n_micro; ++m) {
+      train_loader.fill(s * G + m * M, M, in.data(), tg.data());
+      loss_sum += model.forward(in.data(), tg.data(), M, T);
+      model.backward(static_cast<float>(1.0 / tokens_per_step));
+    }
+    const double loss = loss_sum / tokens_per_step;
+    MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
+                                                     << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
+    const double norm = std::sqrt(grad_sumsq(opt.segments()));
+    grad_clip(opt.segments(), norm, c.optim.grad_clip);
+    const double lr = lr_at(c.optim, s, c.training.steps);
+    opt.step(lr);
+    const double dt = seconds_since(t0);
+    train_seconds += dt;
+    ++timed_steps;
+    const double tps = timed_steps * tokens_per_step / train_seconds;
+
+    nlohmann::json j = {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
+                        {"tokens_per_s", tokens_per_step / dt}, {"step_ms", dt * 1000}};
+    j.update(memory_json(alloc.stats()));
+    log.write(j);
+    log.progress(s, c.training.steps, loss, lr, tps, (c.training.steps - s - 1) * train_seconds / timed_steps);
+    sum.loss = loss;
+
+    const bool last = s + 1 == c.training.steps;
+    if (!val_loader.tokens().empty() && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last) {
+      ValResult v = validate(model, val_loader, c, data.builtin);
+      log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
+      char buf[128];
+      std::snprintf(buf, sizeof buf, "step %lld: val loss %.4f", static_cast<long long>(s + 1), v.loss);
+      log.message(buf);
+    }
+    if (!c.checkpoint.dir.empty() && ((c.checkpoint.every > 0 && (s + 1) % c.checkpoint.every == 0) || last))
+      checkpoint_save(c.checkpoint.dir, s + 1, c, model.units(), &opt, c.checkpoint.keep);
+  }
+  sum.steps = std::max(start, c.training.steps);
+  sum.seconds = seconds_since(t_start);
+  sum.tokens_per_s = timed_steps ? timed_steps * tokens_per_step / train_seconds : 0;
+  sum.baseline_loss = baseline;
+
+  if (!val_loader.tokens().empty()) {
+    ValResult v = validate(model, val_loader, c, data.builtin);
+    sum.val_loss = v.loss;
+    sum.answer_accuracy = v.accuracy;
+    sum.baseline_accuracy = v.baseline_accuracy;
+  }
+  nlohmann::json js = {{"event", "summary"}, {"steps", sum.steps}, {"loss", sum.loss}, {"val_loss", sum.val_loss},
+                       {"baseline_loss", sum.baseline_loss}, {"tokens_per_s", sum.tokens_per_s},
+                       {"seconds", sum.seconds}};
+  if (sum.answer_accuracy >= 0) js["answer_accuracy"] = sum.answer_accuracy, js["baseline_accuracy"] = sum.baseline_accuracy;
+  js.update(memory_json(alloc.stats()));
+  log.write(js);
+
+  char buf[512];
+  log.message("---");
+  std::snprintf(buf, sizeof buf, "trained %lld steps in %.1f s: %.0f tokens/s", static_cast<long long>(timed_steps),
+                sum.seconds, sum.tokens_per_s);
+  log.message(buf);
+  if (sum.val_loss >= 0) {
+    std::snprintf(buf, sizeof buf, "loss %.4f | validation loss %.4f (token-frequency baseline %.4f)", sum.loss,
+                  sum.val_loss, sum.baseline_loss);
+    log.message(buf);
+  } else {
+    std::snprintf(buf, sizeof buf, "loss %.4f", sum.loss);
+    log.message(buf);
+  }
+  if (sum.answer_accuracy >= 0) {
+    std::snprintf(buf, sizeof buf, "answer accuracy on held-out tasks %.1f%% (most-frequent-character baseline %.1f%%)",
+                  100 * sum.answer_accuracy, 100 * sum.baseline_accuracy);
+    log.message(buf);
+  }
+  log.message("peak memory: " + memory_summary(alloc.stats()));
+  if (!c.checkpoint.dir.empty()) log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
+  return sum;
+}
+
+}  // namespace mt
