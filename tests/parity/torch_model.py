@@ -198,9 +198,12 @@ class LlamaAttention(nn.Module):
         cos, sin = rope_cos_sin(T, self.D, self.theta, x.device)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        # grouped-query: kv head j serves query heads j*G .. j*G+G-1
+        # grouped-query: kv head j serves query heads j*G .. j*G+G-1 (repeat_interleave on
+        # dim 1, written as expand + reshape, whose backward is a sum instead of index_add)
         G = self.H // self.KV
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        if G > 1:
+            k, v = (t[:, :, None].expand(B, self.KV, G, T, self.D).reshape(B, self.H, T, self.D)
+                    for t in (k, v))
         y = causal_attention(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 

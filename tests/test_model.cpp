@@ -1,0 +1,222 @@
+// The model as a whole: gradients against finite differences, recomputation and
+// gradient accumulation equivalence, layout-independent init, Hugging Face import/export.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "nn/hf.h"
+#include "nn/model.h"
+#include "test_util.h"
+
+using namespace mt;
+
+namespace {
+
+ModelConfig tiny(const std::string& family) {
+  ModelConfig m;
+  m.family = family;
+  m.n_layer = 2;
+  m.n_head = 4;
+  m.n_kv_head = family == "llama" ? 2 : 0;
+  m.d_model = 16;
+  m.d_ff = family == "llama" ? 24 : 0;
+  m.vocab_size = 23;
+  m.seq_len = 7;
+  return m;
+}
+
+std::vector<int32_t> random_ids(int n, int vocab, uint64_t seed) {
+  Philox rng{seed};
+  std::vector<int32_t> v(n);
+  for (int i = 0; i < n; ++i) v[i] = static_cast<int32_t>(rng.uniform(1, i) * vocab);
+  return v;
+}
+
+std::vector<float> all_grads(const Model& m) {
+  std::vector<float> g;
+  for (const Unit& u : m.units()) g.insert(g.end(), u.g.f32(), u.g.f32() + u.numel);
+  return g;
+}
+
+class ModelFamily : public ::testing::TestWithParam<std::string> {};
+
+// d(loss)/d(param) from backward against central differences of the forward, in float32
+// with double loss sums. Weights are doubled so every path carries signal; eps = 2e-3 keeps
+// the difference well above float rounding of the loss (~1e-7 relative, so ~1e-4 in the
+// quotient); 2% relative + 2e-4 absolute covers that and the O(eps^2) truncation, while a
+// wrong formula is off by far more.
+TEST_P(ModelFamily, GradientsMatchFiniteDifferences) {
+  ModelConfig cfg = tiny(GetParam());
+  cfg.tie_embeddings = 0;
+  CpuAllocator alloc;
+  Model m(cfg, alloc, 2);
+  m.init(3);
+  for (Unit& u : m.units())
+    for (int64_t i = 0; i < u.numel; ++i) u.w.f32()[i] *= 2.0f;
+  const int B = 2, T = 7, N = B * T;
+  auto tok = random_ids(N, cfg.vocab_size, 1), tgt = random_ids(N, cfg.vocab_size, 2);
+  m.zero_grad();
+  m.forward(tok.data(), tgt.data(), B, T);
+  m.backward(1.0f / N);
+  Philox pick{9};
+  int checked = 0;
+  for (size_t ui = 0; ui < m.units().size(); ++ui) {
+    Unit& u = m.units()[ui];
+    for (int k = 0; k < 12; ++k) {
+      int64_t i = static_cast<int64_t>(pick.uniform(ui, k) * u.numel);
+      float* w = u.w.f32() + i;
+      const float orig = *w, eps = 2e-3f;
+      *w = orig + eps;
+      double lp = m.forward(tok.data(), tgt.data(), B, T) / N;
+      *w = orig - eps;
+      double lm = m.forward(tok.data(), tgt.data(), B, T) / N;
+      *w = orig;
+      double fd = (lp - lm) / (2 * eps), an = u.g.f32()[i];
+      EXPECT_NEAR(an, fd, 2e-4 + 0.02 * std::fabs(fd)) << u.name << " element " << i;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 30);
+}
+
+// Recomputing blocks in backward reruns the same float operations: bit-identical grads.
+TEST_P(ModelFamily, RecomputeIsBitExact) {
+  ModelConfig cfg = tiny(GetParam());
+  CpuAllocator alloc_a, alloc_b;
+  Model a(cfg, alloc_a, 3), b(cfg, alloc_b, 3, /*recompute=*/true);
+  a.init(5);
+  b.init(5);
+  auto tok = random_ids(21, cfg.vocab_size, 4), tgt = random_ids(21, cfg.vocab_size, 5);
+  a.zero_grad();
+  b.zero_grad();
+  double la = a.forward(tok.data(), tgt.data(), 3, 7), lb = b.forward(tok.data(), tgt.data(), 3, 7);
+  a.backward(0.1f);
+  b.backward(0.1f);
+  EXPECT_EQ(la, lb);
+  EXPECT_EQ(all_grads(a), all_grads(b));
+  // and keeps one block's activations instead of n_layer
+  EXPECT_LT(alloc_b.stats().peak[int(MemTag::activations)], alloc_a.stats().peak[int(MemTag::activations)]);
+}
+
+// Two micro-batches of 2 accumulate the gradient of one batch of 4. Row sums in the
+// weight gradients differ in order, so equality holds to float rounding (1e-5 relative).
+TEST_P(ModelFamily, AccumulationEqualsOneBigBatch) {
+  ModelConfig cfg = tiny(GetParam());
+  CpuAllocator alloc;
+  Model big(cfg, alloc, 4), small(cfg, alloc, 2);
+  big.init(8);
+  small.init(8);
+  auto tok = random_ids(28, cfg.vocab_size, 6), tgt = random_ids(28, cfg.vocab_size, 7);
+  big.zero_grad();
+  small.zero_grad();
+  double l1 = big.forward(tok.data(), tgt.data(), 4, 7);
+  big.backward(1.0f / 28);
+  double l2 = small.forward(tok.data(), tgt.data(), 2, 7);
+  small.backward(1.0f / 28);
+  l2 += small.forward(tok.data() + 14, tgt.data() + 14, 2, 7);
+  small.backward(1.0f / 28);
+  EXPECT_NEAR(l1, l2, 1e-5 * std::fabs(l1));
+  auto g1 = all_grads(big), g2 = all_grads(small);
+  float gmax = 0;
+  for (float x : g1) gmax = std::max(gmax, std::fabs(x));
+  for (size_t i = 0; i < g1.size(); ++i) ASSERT_NEAR(g1[i], g2[i], 1e-5f * gmax) << i;
+}
+
+// Initialisation is a function of (seed, parameter name, element index) only.
+TEST_P(ModelFamily, InitDependsOnlyOnSeedNameIndex) {
+  ModelConfig cfg = tiny(GetParam());
+  CpuAllocator alloc;
+  Model a(cfg, alloc, 1), b(cfg, alloc, 2), c(cfg, alloc, 1);
+  a.init(11);
+  b.init(11);
+  c.init(12);
+  for (size_t u = 0; u < a.units().size(); ++u) {
+    const Unit &ua = a.units()[u], &ub = b.units()[u];
+    EXPECT_EQ(0, std::memcmp(ua.w.f32(), ub.w.f32(), ua.numel * 4)) << ua.name;
+  }
+  const ParamSpec& p = a.units()[1].params[2];  // a matrix
+  Tensor w = a.param(p.name);
+  Philox rng{11};
+  EXPECT_FLOAT_EQ(w.f32()[5], static_cast<float>(rng.normal(stream_id(p.name.c_str()), 5) * p.init_std));
+  EXPECT_NE(w.f32()[5], c.param(p.name).f32()[5]);
+}
+
+// Export then import reproduces every parameter exactly, through the Conv1D transposes.
+TEST_P(ModelFamily, HuggingFaceRoundTrip) {
+  test::TempDir d;
+  for (int tied = 0; tied <= 1; ++tied) {
+    ModelConfig cfg = tiny(GetParam());
+    cfg.tie_embeddings = tied;
+    CpuAllocator alloc;
+    Model a(cfg, alloc, 1), b(cfg, alloc, 1);
+    a.init(21);
+    hf_export(cfg, a.units(), d / "m.safetensors");
+    hf_import(cfg, b.units(), d / "m.safetensors");
+    for (size_t u = 0; u < a.units().size(); ++u)
+      EXPECT_EQ(0, std::memcmp(a.units()[u].w.f32(), b.units()[u].w.f32(), a.units()[u].numel * 4));
+    SafetensorsReader r(d / "m.safetensors");
+    EXPECT_EQ(r.has("lm_head.weight"), !tied);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, ModelFamily, ::testing::Values("gpt2", "llama"));
+
+TEST(HuggingFace, GPT2UsesConv1DLayout) {
+  test::TempDir d;
+  ModelConfig cfg = tiny("gpt2");
+  CpuAllocator alloc;
+  Model m(cfg, alloc, 1);
+  m.init(1);
+  hf_export(cfg, m.units(), d / "m.safetensors");
+  SafetensorsReader r(d / "m.safetensors");
+  EXPECT_EQ(r.entries().at("transformer.h.0.attn.c_attn.weight").shape, (Shape{16, 48}));
+  EXPECT_EQ(r.entries().at("transformer.h.1.mlp.c_proj.weight").shape, (Shape{64, 16}));
+  std::vector<float> cattn(16 * 48);
+  r.read_f32("transformer.h.0.attn.c_attn.weight", cattn.data(), cattn.size());
+  Tensor w = m.param("transformer.h.0.attn.c_attn.weight");  // [3C, C] here
+  EXPECT_EQ(cattn[2 * 48 + 5], w.f32()[5 * 16 + 2]);          // [in=2, out=5] on disk
+}
+
+TEST(HuggingFace, ImportErrorsNameTheTensorAndTheKey) {
+  test::TempDir d;
+  ModelConfig cfg = tiny("llama");
+  CpuAllocator alloc;
+  Model m(cfg, alloc, 1);
+  m.init(1);
+  hf_export(cfg, m.units(), d / "m.safetensors");
+  ModelConfig wider = cfg;
+  wider.d_ff = 32;
+  Model w(wider, alloc, 1);
+  try {
+    hf_import(wider, w.units(), d / "m.safetensors");
+    FAIL() << "expected a shape error";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("model.layers.0.mlp.gate_proj.weight"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[24, 16]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("model.d_ff"), std::string::npos) << msg;
+  }
+  ModelConfig deeper = cfg;
+  deeper.n_layer = 3;
+  Model dm(deeper, alloc, 1);
+  EXPECT_THROW(hf_import(deeper, dm.units(), d / "m.safetensors"), Error);
+  ModelConfig shallower = cfg;
+  shallower.n_layer = 1;
+  Model sm(shallower, alloc, 1);
+  EXPECT_THROW(hf_import(shallower, sm.units(), d / "m.safetensors"), Error);  // layer 1 has no place
+  EXPECT_THROW(hf_import(cfg, m.units(), d / "missing.safetensors"), Error);
+}
+
+TEST(Model, RejectsBadShapes) {
+  ModelConfig cfg = tiny("gpt2");
+  cfg.d_model = 18;  // not divisible by 4 heads
+  CpuAllocator alloc;
+  EXPECT_THROW(Model(cfg, alloc, 1), Error);
+  cfg = tiny("gpt2");
+  cfg.n_kv_head = 2;  // GQA only for llama
+  EXPECT_THROW(Model(cfg, alloc, 1), Error);
+}
+
+}  // namespace

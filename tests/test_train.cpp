@@ -1,0 +1,292 @@
+// Training as a whole: configuration errors, optimizer formulas, schedules, resume
+// bit-exactness, checkpoint integrity and the command's error messages.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "optim/optimizer.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+#include "test_util.h"
+
+using namespace mt;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Config, DefaultsValidateAndRoundTripThroughJson) {
+  Config c = config_load("", {});
+  Config back = config_from_json(config_to_json(c));
+  EXPECT_EQ(config_to_json(back), config_to_json(c));
+  EXPECT_TRUE(c.model.tied());
+  config_set(c, "model.family", "llama");
+  EXPECT_FALSE(c.model.tied());
+}
+
+TEST(Config, TomlThenOverrides) {
+  test::TempDir d;
+  std::ofstream(d / "c.toml") << "[model]\nfamily = \"llama\"\nn_layer = 3\nnorm_eps = 1e-6\n"
+                                 "[training]\nsteps = 7\nrecompute = true\n[optim]\nlr = 0.5\n";
+  Config c = config_load(d / "c.toml", {"training.steps=9", "optim.schedule=linear"});
+  EXPECT_EQ(c.model.family, "llama");
+  EXPECT_EQ(c.model.n_layer, 3);
+  EXPECT_FLOAT_EQ(c.model.norm_eps, 1e-6f);
+  EXPECT_EQ(c.training.steps, 9);
+  EXPECT_TRUE(c.training.recompute);
+  EXPECT_DOUBLE_EQ(c.optim.lr, 0.5);
+  EXPECT_EQ(c.optim.schedule, "linear");
+}
+
+TEST(Config, ErrorsNameTheKeyAndTheFix) {
+  EXPECT_NE(error_of([] { config_load("", {"training.stpes=3"}); }).find("did you mean training.steps"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { config_load("", {"model.family=bert"}); }).find("gpt2 llama"), std::string::npos);
+  EXPECT_NE(error_of([] { config_load("", {"training.steps=many"}); }).find("an integer"), std::string::npos);
+  EXPECT_NE(error_of([] { config_load("", {"data.shuffle=maybe"}); }).find("true or false"), std::string::npos);
+  EXPECT_NE(error_of([] { config_load("", {"training.global_batch=10", "training.micro_batch=4"}); })
+                .find("not a multiple of training.micro_batch"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { config_load("", {"model.d_model=130"}); }).find("not divisible by model.n_head"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { config_load("/nonexistent.toml", {}); }).find("/nonexistent.toml"), std::string::npos);
+  test::TempDir d;
+  std::ofstream(d / "bad.toml") << "[model]\nfamly = \"gpt2\"\n";
+  EXPECT_NE(error_of([&] { config_load(d / "bad.toml", {}); }).find("model.family"), std::string::npos);
+}
+
+// AdamW against the formulas written out in double for two steps, decay on a matrix
+// element only; tolerance 1e-6 relative (float32 arithmetic of the same expression).
+TEST(Optimizer, AdamWMatchesPyTorchFormula) {
+  CpuAllocator alloc;
+  Tensor w = Tensor::zeros({4}, DType::f32, alloc, MemTag::params);
+  Tensor g = Tensor::zeros({4}, DType::f32, alloc, MemTag::grads);
+  float w0[4] = {0.5f, -1.0f, 2.0f, 0.25f}, g0[4] = {0.1f, -0.2f, 0.3f, 1.5f};
+  std::memcpy(w.f32(), w0, 16);
+  OptimConfig oc;
+  oc.lr = 0.01, oc.weight_decay = 0.1, oc.beta1 = 0.9, oc.beta2 = 0.95, oc.eps = 1e-8;
+  Optimizer opt(oc, {OptimSegment{w, g, {{2, 4}}}}, alloc);
+  double m[4] = {}, v[4] = {}, p[4];
+  for (int i = 0; i < 4; ++i) p[i] = w0[i];
+  for (int t = 1; t <= 2; ++t) {
+    for (int i = 0; i < 4; ++i) g.f32()[i] = g0[i] * t;
+    opt.step(oc.lr);
+    for (int i = 0; i < 4; ++i) {
+      double gi = g0[i] * t, wd = i >= 2 ? oc.weight_decay : 0.0;
+      p[i] *= 1 - oc.lr * wd;
+      m[i] = 0.9 * m[i] + 0.1 * gi;
+      v[i] = 0.95 * v[i] + 0.05 * gi * gi;
+      double mh = m[i] / (1 - std::pow(0.9, t)), vh = v[i] / (1 - std::pow(0.95, t));
+      p[i] -= oc.lr * mh / (std::sqrt(vh) + oc.eps);
+      EXPECT_NEAR(w.f32()[i], p[i], 1e-6 * std::fabs(p[i]) + 1e-7) << "step " << t << " element " << i;
+    }
+  }
+}
+
+TEST(Optimizer, SgdMomentumMatchesPyTorchFormula) {
+  CpuAllocator alloc;
+  Tensor w = Tensor::zeros({2}, DType::f32, alloc, MemTag::params);
+  Tensor g = Tensor::zeros({2}, DType::f32, alloc, MemTag::grads);
+  w.f32()[0] = 1.0f, w.f32()[1] = -2.0f;
+  OptimConfig oc;
+  oc.name = "sgd", oc.lr = 0.1, oc.momentum = 0.9, oc.weight_decay = 0.01;
+  Optimizer opt(oc, {OptimSegment{w, g, {{1, 2}}}}, alloc);
+  double p[2] = {1.0, -2.0}, buf[2] = {};
+  for (int t = 1; t <= 3; ++t) {
+    g.f32()[0] = 0.5f, g.f32()[1] = 0.25f * t;
+    opt.step(oc.lr);
+    for (int i = 0; i < 2; ++i) {
+      double d = g.f32()[i] + (i == 1 ? 0.01 * p[i] : 0.0);
+      buf[i] = t == 1 ? d : 0.9 * buf[i] + d;
+      p[i] -= 0.1 * buf[i];
+      EXPECT_NEAR(w.f32()[i], p[i], 1e-6);
+    }
+  }
+}
+
+TEST(Optimizer, SchedulesAndClipping) {
+  OptimConfig oc;
+  oc.lr = 1.0, oc.warmup_steps = 10, oc.min_lr_ratio = 0.1;
+  oc.schedule = "cosine";
+  EXPECT_DOUBLE_EQ(lr_at(oc, 0, 110), 0.1);
+  EXPECT_DOUBLE_EQ(lr_at(oc, 9, 110), 1.0);
+  EXPECT_NEAR(lr_at(oc, 60, 110), 0.55, 1e-12);
+  EXPECT_NEAR(lr_at(oc, 110, 110), 0.1, 1e-12);
+  oc.schedule = "linear";
+  EXPECT_NEAR(lr_at(oc, 60, 110), 0.55, 1e-12);
+  oc.schedule = "step", oc.step_size = 20, oc.step_gamma = 0.5;
+  EXPECT_DOUBLE_EQ(lr_at(oc, 49, 110), 0.5);
+  EXPECT_DOUBLE_EQ(lr_at(oc, 50, 110), 0.25);
+  oc.schedule = "constant";
+  EXPECT_DOUBLE_EQ(lr_at(oc, 100, 110), 1.0);
+
+  CpuAllocator alloc;
+  Tensor w = Tensor::zeros({2}, DType::f32, alloc, MemTag::params);
+  Tensor g = Tensor::zeros({2}, DType::f32, alloc, MemTag::grads);
+  g.f32()[0] = 3, g.f32()[1] = 4;
+  std::vector<OptimSegment> segs{{w, g, {}}};
+  EXPECT_DOUBLE_EQ(std::sqrt(grad_sumsq(segs)), 5.0);
+  grad_clip(segs, 5.0, 10.0);  // below the limit: unchanged
+  EXPECT_EQ(g.f32()[0], 3.0f);
+  grad_clip(segs, 5.0, 1.0);
+  EXPECT_NEAR(g.f32()[0], 0.6, 1e-6);
+  EXPECT_NEAR(g.f32()[1], 0.8, 1e-6);
+}
+
+std::vector<nlohmann::json> step_metrics(const std::string& path) {
+  std::vector<nlohmann::json> r;
+  for (const std::string& l : test::read_lines(path)) {
+    auto j = nlohmann::json::parse(l);
+    if (j.contains("loss") && j.contains("step") && !j.contains("event")) r.push_back(j);
+  }
+  return r;
+}
+
+std::vector<float> checkpoint_params(const std::string& dir, const ModelConfig& m) {
+  std::vector<Unit> units = model_layout(m);
+  CpuAllocator alloc;
+  for (Unit& u : units) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
+  checkpoint_load(checkpoint_latest(dir), m, units, nullptr);
+  std::vector<float> all;
+  for (Unit& u : units) all.insert(all.end(), u.w.f32(), u.w.f32() + u.numel);
+  return all;
+}
+
+// 2k steps straight and k steps + resume + k steps: bit-identical losses and parameters
+// (the data position and schedule are functions of the step; the optimizer state is saved
+// whole). The schedule is warmup + constant so that stopping at k does not change it.
+class Resume : public ::testing::TestWithParam<std::string> {};
+TEST_P(Resume, IsBitExact) {
+  test::TempDir d;
+  Config c = test::tiny_config(GetParam(), test::write_tokens(d, "t.bin", 400, 37));
+  c.optim.schedule = "constant";
+  c.optim.warmup_steps = 3;
+  c.data.shuffle = true;
+  c.training.steps = 8;
+  c.checkpoint.dir = d / "straight";
+  c.logging.metrics = d / "straight.jsonl";
+  train(c);
+
+  c.checkpoint.dir = d / "split";
+  c.logging.metrics = d / "split.jsonl";
+  c.training.steps = 4;
+  train(c);
+  c.training.steps = 8;
+  c.checkpoint.resume = true;
+  train(c);
+
+  auto a = step_metrics(d / "straight.jsonl"), b = step_metrics(d / "split.jsonl");
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 8u);
+  for (int s = 0; s < 8; ++s) {
+    EXPECT_EQ(b[s]["step"].get<int>(), s);
+    EXPECT_EQ(a[s]["loss"].get<double>(), b[s]["loss"].get<double>()) << "step " << s;
+    EXPECT_EQ(a[s]["grad_norm"].get<double>(), b[s]["grad_norm"].get<double>()) << "step " << s;
+  }
+  EXPECT_EQ(checkpoint_params(d / "straight", c.model), checkpoint_params(d / "split", c.model));
+}
+INSTANTIATE_TEST_SUITE_P(Families, Resume, ::testing::Values("gpt2", "llama"));
+
+TEST(Checkpoint, CorruptShardIsReportedAndLeftAlone) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 300, 37));
+  c.training.steps = 2;
+  c.checkpoint.dir = d / "ck";
+  train(c);
+  const std::string dir = checkpoint_latest(d / "ck");
+  ASSERT_FALSE(dir.empty());
+  const std::string shard = dir + "/shard_00000.safetensors";
+  const auto size = fs::file_size(shard);
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(size - 5));
+    f.put('\x7f');
+  }
+  c.checkpoint.resume = true;
+  c.training.steps = 4;
+  std::string msg = error_of([&] { train(c); });
+  EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(shard), std::string::npos) << msg;
+  EXPECT_EQ(fs::file_size(shard), size);  // nothing was rewritten
+  EXPECT_EQ(checkpoint_latest(d / "ck"), dir);
+}
+
+TEST(Checkpoint, ResumeRejectsADifferentModel) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 300, 37));
+  c.training.steps = 1;
+  c.checkpoint.dir = d / "ck";
+  train(c);
+  c.checkpoint.resume = true;
+  c.model.n_layer = 3;
+  std::string msg = error_of([&] { train(c); });
+  EXPECT_NE(msg.find("model.n_layer"), std::string::npos) << msg;
+}
+
+TEST(Checkpoint, KeepsTheNewest) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 300, 37));
+  c.training.steps = 5;
+  c.checkpoint.dir = d / "ck";
+  c.checkpoint.every = 1;
+  c.checkpoint.keep = 2;
+  train(c);
+  std::vector<std::string> names;
+  for (auto& e : fs::directory_iterator(d / "ck")) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step_00000004", "step_00000005"}));
+}
+
+// The command: bad input gives a message naming the problem and exit status 1.
+TEST(Command, ErrorsExitNonZeroWithAMessage) {
+  test::TempDir d;
+  std::string out;
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " train --model.n_layr=2", &out), 1);
+  EXPECT_NE(out.find("did you mean model.n_layer"), std::string::npos) << out;
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " train --data.path=" + d.path + "/none.bin", &out), 1);
+  EXPECT_NE(out.find("none.bin"), std::string::npos) << out;
+  std::ofstream(d / "junk.bin") << "not a token file at all";
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " train --data.path=" + d.path + "/junk.bin", &out), 1);
+  EXPECT_NE(out.find("junk.bin"), std::string::npos) << out;
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " export --checkpoint " + d.path + " --out x.st", &out), 1);
+  EXPECT_NE(out.find("no checkpoint"), std::string::npos) << out;
+}
+
+// prepare -> train -> export -> sample, through the command.
+TEST(Command, PrepareTrainExportSample) {
+  test::TempDir d;
+  std::ofstream(d / "text.txt") << std::string(200, 'a') + "hello meshtrain, hello world\n";
+  std::string out, bin = MESHTRAIN_BIN;
+  ASSERT_EQ(test::run_command(bin + " prepare --input " + d / "text.txt" + " --out " + d / "t.bin", &out), 0) << out;
+  ASSERT_EQ(test::run_command(bin + " train --data.path=" + d / "t.bin" +
+                                  " --model.n_layer=1 --model.d_model=16 --model.n_head=2 --model.seq_len=16"
+                                  " --training.steps=3 --training.global_batch=2 --training.micro_batch=2"
+                                  " --checkpoint.dir=" + d / "ck" + " --logging.metrics=" + d / "m.jsonl",
+                              &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("peak memory"), std::string::npos) << out;
+  ASSERT_EQ(test::run_command(bin + " export --checkpoint " + d / "ck" + " --out " + d / "m.safetensors", &out), 0)
+      << out;
+  EXPECT_TRUE(fs::exists(d / "m.safetensors"));
+  ASSERT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " --prompt hello --tokens 5", &out), 0) << out;
+  EXPECT_EQ(out.rfind("hello", 0), 0u) << out;
+  auto lines = step_metrics(d / "m.jsonl");
+  ASSERT_EQ(lines.size(), 3u);
+  for (const char* k : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mem_params", "mem_grads",
+                        "mem_optim", "mem_activations", "mem_comm", "mem_peak"})
+    EXPECT_TRUE(lines[0].contains(k)) << k;
+}
+
+}  // namespace
