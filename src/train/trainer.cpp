@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "core/error.h"
 #include "data/loader.h"
@@ -133,7 +134,8 @@ TrainSummary train(const Config& c) {
   const int T = c.model.seq_len, M = static_cast<int>(c.training.micro_batch);
   const int64_t G = c.training.global_batch, n_micro = G / M;
   TokenLoader train_loader(std::move(data.train), T, c.data.shuffle, c.training.seed);
-  TokenLoader val_loader(data.val, T, false, c.training.seed);
+  std::optional<TokenLoader> val_loader;  // none without validation data
+  if (!data.val.empty()) val_loader.emplace(data.val, T, false, c.training.seed);
   const double baseline = unigram_baseline(train_loader.tokens(), data.val, c.model.vocab_size);
 
   CpuAllocator alloc;
@@ -196,8 +198,8 @@ TrainSummary train(const Config& c) {
     sum.loss = loss;
 
     const bool last = s + 1 == c.training.steps;
-    if (!val_loader.tokens().empty() && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last) {
-      ValResult v = validate(model, val_loader, c, data.builtin);
+    if (val_loader && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last) {
+      ValResult v = validate(model, *val_loader, c, data.builtin);
       log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
       char buf[128];
       std::snprintf(buf, sizeof buf, "step %lld: val loss %.4f", static_cast<long long>(s + 1), v.loss);
@@ -211,8 +213,8 @@ TrainSummary train(const Config& c) {
   sum.tokens_per_s = timed_steps ? timed_steps * tokens_per_step / train_seconds : 0;
   sum.baseline_loss = baseline;
 
-  if (!val_loader.tokens().empty()) {
-    ValResult v = validate(model, val_loader, c, data.builtin);
+  if (val_loader) {
+    ValResult v = validate(model, *val_loader, c, data.builtin);
     sum.val_loss = v.loss;
     sum.answer_accuracy = v.accuracy;
     sum.baseline_accuracy = v.baseline_accuracy;

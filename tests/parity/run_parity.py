@@ -425,7 +425,10 @@ def main():
     print("\nsummary:")
     for name, ok in results:
         print(f"  {name}: {'PASS' if ok else 'FAIL'}")
-    return 0 if all(ok for _, ok in results) else 1
+    passed = all(ok for _, ok in results)
+    if passed and not a.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
