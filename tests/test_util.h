@@ -46,7 +46,7 @@ inline Config tiny_config(const std::string& family, const std::string& tokens) 
   c.model.vocab_size = 37;
   c.model.seq_len = 9;
   c.data.path = tokens;
-  c.data.val_fraction = 0.1;
+  c.data.val_fraction = 0.1;  // exercise the held-out tail
   c.training.global_batch = 4;
   c.training.micro_batch = 2;
   c.training.steps = 6;

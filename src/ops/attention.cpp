@@ -119,7 +119,7 @@ void attention_forward(const Tensor& out, const Tensor& att, const Tensor& qkv, 
           row[i + j] = e;
           acc[j] += e;
         }
-      for (int j = 0; i < n; ++i, ++j) {
+      for (int j = 0; j < kLanes && i < n; ++i, ++j) {
         const float e = exp_f32(row[i] - m);
         row[i] = e;
         acc[j] += e;

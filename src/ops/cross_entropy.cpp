@@ -57,7 +57,7 @@ double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tens
     int64_t i = 0;
     for (; i + kLanes <= V; i += kLanes)
       for (int j = 0; j < kLanes; ++j) acc[j] += exp_f32(row[i + j] - m);
-    for (int j = 0; i < V; ++i, ++j) acc[j] += exp_f32(row[i] - m);
+    for (int j = 0; j < kLanes && i < V; ++i, ++j) acc[j] += exp_f32(row[i] - m);
     const float l = m + std::log(reduce_lanes(acc));
     lsep[n] = l;
     lossp[n] = tp[n] < 0 ? 0.0f : l - row[tp[n]];

@@ -33,7 +33,7 @@ inline float sum_f32(const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j];
-  for (int j = 0; i < n; ++i, ++j) acc[j] += x[i];
+  for (int j = 0; j < kLanes && i < n; ++i, ++j) acc[j] += x[i];
   return reduce_lanes(acc);
 }
 
@@ -43,7 +43,7 @@ inline float dot_f32(const float* x, const float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j] * y[i + j];
-  for (int j = 0; i < n; ++i, ++j) acc[j] += x[i] * y[i];
+  for (int j = 0; j < kLanes && i < n; ++i, ++j) acc[j] += x[i] * y[i];
   return reduce_lanes(acc);
 }
 
@@ -54,7 +54,7 @@ inline float max_f32(const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     for (int j = 0; j < kLanes; ++j) acc[j] = acc[j] > x[i + j] ? acc[j] : x[i + j];
-  for (int j = 0; i < n; ++i, ++j) acc[j] = acc[j] > x[i] ? acc[j] : x[i];
+  for (int j = 0; j < kLanes && i < n; ++i, ++j) acc[j] = acc[j] > x[i] ? acc[j] : x[i];
   float m = acc[0];
   for (int j = 1; j < kLanes; ++j) m = m > acc[j] ? m : acc[j];
   return m;

@@ -64,7 +64,7 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
         const float d = xr[i + j] - m;
         acc[j] += d * d;
       }
-    for (int j = 0; i < C; ++i, ++j) {
+    for (int j = 0; j < kLanes && i < C; ++i, ++j) {
       const float d = xr[i] - m;
       acc[j] += d * d;
     }
@@ -98,33 +98,36 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
   std::vector<float> part(nchunk * 2 * C, 0.0f);
 #pragma omp parallel for schedule(static)
   for (int64_t k = 0; k < nchunk; ++k) {
-    float* pdw = part.data() + k * 2 * C;
-    float* pdb = pdw + C;
+    // Local copies: the shared pointers live in OpenMP's capture struct, and loads through
+    // it inside the row loop (which stores to memory) would block vectorisation.
+    const float* __restrict wl = wp;
+    float* __restrict pdw = part.data() + k * 2 * C;
+    float* __restrict pdb = pdw + C;
     for (int64_t n = k * kRowChunk; n < std::min(N, (k + 1) * kRowChunk); ++n) {
-      const float* xr = xp + n * C;
-      const float* g = gp + n * C;
+      const float* __restrict xr = xp + n * C;
+      const float* __restrict g = gp + n * C;
       const float m = mp[n], s = rp[n];
       // First pass: mean(dout * w) and mean(dout * w * xhat).
       float a1[kLanes] = {}, a2[kLanes] = {};
       int64_t i = 0;
       for (; i + kLanes <= C; i += kLanes)
         for (int j = 0; j < kLanes; ++j) {
-          const float dn = g[i + j] * wp[i + j];
+          const float dn = g[i + j] * wl[i + j];
           a1[j] += dn;
           a2[j] += dn * ((xr[i + j] - m) * s);
         }
-      for (int j = 0; i < C; ++i, ++j) {
-        const float dn = g[i] * wp[i];
+      for (int j = 0; j < kLanes && i < C; ++i, ++j) {
+        const float dn = g[i] * wl[i];
         a1[j] += dn;
         a2[j] += dn * ((xr[i] - m) * s);
       }
       const float dn_mean = reduce_lanes(a1) / (float)C;
       const float dnx_mean = reduce_lanes(a2) / (float)C;
       // Second pass: dx, and this chunk's dw/db partials.
-      float* d = dxp + n * C;
+      float* __restrict d = dxp + n * C;
       for (int64_t c = 0; c < C; ++c) {
         const float xh = (xr[c] - m) * s;
-        d[c] += (g[c] * wp[c] - dn_mean - xh * dnx_mean) * s;
+        d[c] += (g[c] * wl[c] - dn_mean - xh * dnx_mean) * s;
         pdw[c] += g[c] * xh;
         pdb[c] += g[c];
       }
@@ -180,7 +183,7 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, co
       int64_t i = 0;
       for (; i + kLanes <= C; i += kLanes)
         for (int j = 0; j < kLanes; ++j) acc[j] += g[i + j] * wp[i + j] * (xr[i + j] * s);
-      for (int j = 0; i < C; ++i, ++j) acc[j] += g[i] * wp[i] * (xr[i] * s);
+      for (int j = 0; j < kLanes && i < C; ++i, ++j) acc[j] += g[i] * wp[i] * (xr[i] * s);
       const float dnx_mean = reduce_lanes(acc) / (float)C;
       float* d = dxp + n * C;
       for (int64_t c = 0; c < C; ++c) {

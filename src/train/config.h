@@ -15,8 +15,8 @@ namespace mt {
 
 struct DataConfig {
   std::string path;            // token file; empty: the built-in generated tasks
-  std::string val_path;        // validation token file; empty: hold out val_fraction
-  double val_fraction = 0.05;  // tail of the training tokens held out when val_path is empty
+  std::string val_path;        // validation token file
+  double val_fraction = 0.0;   // without val_path: hold out this tail of the training tokens
   bool shuffle = true;
   std::string tokenizer = "byte";  // byte | path of a SentencePiece .model (for prepare/sample)
 };

@@ -38,13 +38,16 @@ Data data_load(const Config& c) {
   Data d;
   if (c.data.path.empty()) {
     d.builtin = true;
-    d.train = tokenizer_make("byte")->encode(tasks_generate(c.training.seed, kBuiltinLines));
+    auto bytes = tokenizer_make("byte");
+    d.train = bytes->encode(tasks_generate(c.training.seed, kBuiltinLines));
+    // Validation: problems drawn from another seed, so they are (mostly) unseen ones.
+    if (c.data.val_path.empty()) d.val = bytes->encode(tasks_generate(~c.training.seed, kBuiltinLines / 20));
   } else {
     d.train = token_file_read(c.data.path);
   }
   if (!c.data.val_path.empty()) {
     d.val = token_file_read(c.data.val_path);
-  } else if (c.data.val_fraction > 0) {
+  } else if (c.data.val_fraction > 0 && !d.builtin) {
     const int64_t n_val = static_cast<int64_t>(d.train.size() * c.data.val_fraction);
     if (n_val >= 2 && static_cast<int64_t>(d.train.size()) - n_val >= 2) {
       d.val.assign(d.train.end() - n_val, d.train.end());

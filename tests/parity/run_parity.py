@@ -33,8 +33,11 @@ import torch_model as tm  # noqa: E402
 
 # Tolerances. Everything is float32; two correct implementations differ only in the order
 # of their sums, which costs ~1e-6 relative error per operation. 1e-4 leaves room for that
-# to accumulate over a few Adam steps, while any formula error (wrong GELU, RoPE pairing,
-# normalisation, loss scaling, weight-decay mask, ...) shows up at >= 1e-2.
+# to accumulate over a few Adam steps (--self-test measures float32 against float64 on
+# these very cases: <= 2e-7 in loss/grad_norm, <= 4e-6 in parameters), while formula
+# errors show up far above it (--self-test, as measured: exact-erf GELU 4e-3 in parameters,
+# weight decay on 1-D parameters 6e-4, interleaved RoPE pairs 3e-2, gradients not averaged
+# over the global batch 1.0 in grad_norm; a wrong formula is typically >= 1e-2).
 LOSS_RTOL = 1e-4      # per-step loss, relative
 GNORM_RTOL = 1e-4     # per-step grad_norm (before clipping), relative
 PARAM_TOL = 1e-4      # per tensor: max|a - b| / max(max|b|, 1e-6)
@@ -257,22 +260,21 @@ def run_case(case, meshtrain_cmd, workdir, steps=None, quiet=False):
     say(f"    {json.dumps(t)}")
     say("    $ " + " ".join(train_cmd))
     errors = []
-    ok, msg = run_command(train_cmd, p["log"], env)
-    if ok:
-        ok, msg = run_command(export_cmd, p["log"], env)
-    if not ok:
-        errors.append(msg)
+    trained, msg = run_command(train_cmd, p["log"], env)
+    exported, msg2 = run_command(export_cmd, p["log"], env) if trained else (False, "")
+    errors += [m for m in (msg, msg2) if m]
 
-    metrics = read_metrics(p["metrics"]) if os.path.exists(p["metrics"]) else {}
+    # Compare what there is: metrics once training ran, parameters once exported.
     got = header = None
-    if ok and not os.path.exists(p["final"]):
+    if exported and not os.path.exists(p["final"]):
         errors.append(f"export: {p['final']} was not written")
-    elif ok:
+    elif exported:
         try:
             got, header = st.load_safetensors(p["final"]), st.read_header(p["final"])
         except (ValueError, OSError) as e:
             errors.append(f"export: cannot read {p['final']}: {e}")
-    if ok:
+    if trained:
+        metrics = read_metrics(p["metrics"]) if os.path.exists(p["metrics"]) else {}
         errors += compare(case, ref_log, ref_params, metrics, got, header, say)
     for e in errors[:20]:
         say("    " + e.replace("\n", "\n    "))
@@ -410,6 +412,8 @@ def main():
     if a.self_test:
         ok = self_test(workdir)
         print(f"self-test: {'PASS' if ok else 'FAIL'}")
+        if ok and not a.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
         return 0 if ok else 1
     if not a.meshtrain:
         ap.error("--meshtrain PATH is required (or --self-test)")
