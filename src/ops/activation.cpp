@@ -17,7 +17,7 @@ constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluA = 0.044715f;
 }  // namespace
 
-// out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+// out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); out may alias x.
 void gelu_forward(const Tensor& out, const Tensor& x) {
   check_f32(out, "gelu_forward: out");
   check_f32(x, "gelu_forward: x");
@@ -28,6 +28,9 @@ void gelu_forward(const Tensor& out, const Tensor& x) {
 #pragma omp parallel for schedule(static)
   for (int64_t k = 0; k < num_chunks(n); ++k) {
     const int64_t i1 = std::min(n, (k + 1) * kChunk);
+    // ivdep: out may alias x (element i is read before it is written, no loop-carried
+    // dependence), so no runtime alias check falls back to a scalar loop.
+#pragma GCC ivdep
     for (int64_t i = k * kChunk; i < i1; ++i) {
       const float v = xp[i];
       const float t = tanh_f32(kGeluK * (v + kGeluA * v * v * v));
@@ -50,6 +53,8 @@ void gelu_backward(const Tensor& dx, const Tensor& x, const Tensor& dout) {
 #pragma omp parallel for schedule(static)
   for (int64_t k = 0; k < num_chunks(n); ++k) {
     const int64_t i1 = std::min(n, (k + 1) * kChunk);
+    // ivdep: dx usually aliases dout (in-place backward); see gelu_forward.
+#pragma GCC ivdep
     for (int64_t i = k * kChunk; i < i1; ++i) {
       const float v = xp[i];
       const float v2 = v * v;
@@ -85,6 +90,7 @@ void swiglu_forward(const Tensor& out, const Tensor& gu) {
     const float* g = gup + n * 2 * F;
     const float* u = g + F;
     float* o = op + n * F;
+#pragma GCC ivdep
     for (int64_t f = 0; f < F; ++f) {
       const float sig = 1.0f / (1.0f + exp_f32(-g[f]));
       o[f] = g[f] * sig * u[f];
@@ -92,7 +98,8 @@ void swiglu_forward(const Tensor& out, const Tensor& gu) {
   }
 }
 
-// dgate = dout * up * sig (1 + gate (1 - sig)),  dup = dout * silu(gate)   (overwrites dgu)
+// dgate = dout * up * sig (1 + gate (1 - sig)),  dup = dout * silu(gate)   (overwrites dgu;
+// dgu may alias gu)
 void swiglu_backward(const Tensor& dgu, const Tensor& gu, const Tensor& dout) {
   check_f32(dgu, "swiglu_backward: dgu");
   check_f32(gu, "swiglu_backward: gu");
@@ -110,6 +117,8 @@ void swiglu_backward(const Tensor& dgu, const Tensor& gu, const Tensor& dout) {
     const float* d = dop + n * F;
     float* dg = dgp + n * 2 * F;
     float* du = dg + F;
+    // ivdep: dgu may alias gu (each element is read before it is written).
+#pragma GCC ivdep
     for (int64_t f = 0; f < F; ++f) {
       const float sig = 1.0f / (1.0f + exp_f32(-g[f]));
       const float silu = g[f] * sig;
@@ -130,6 +139,7 @@ void add_inplace(const Tensor& a, const Tensor& b) {
 #pragma omp parallel for schedule(static)
   for (int64_t k = 0; k < num_chunks(n); ++k) {
     const int64_t i1 = std::min(n, (k + 1) * kChunk);
+#pragma GCC ivdep
     for (int64_t i = k * kChunk; i < i1; ++i) ap[i] += bp[i];
   }
 }

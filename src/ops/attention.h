@@ -10,7 +10,8 @@ namespace mt {
 
 // out[B, T, NH * D]
 void attention_forward(const Tensor& out, const Tensor& att, const Tensor& qkv, int n_head, int n_kv_head);
-// dqkv[B, T, (NH + 2 NKV) * D] (overwritten). scratch: [B, NH, T, T] floats of workspace.
+// dqkv[B, T, (NH + 2 NKV) * D] (overwritten). scratch: at least B*NH*T*T floats of workspace
+// (contents on entry ignored, left undefined).
 void attention_backward(const Tensor& dqkv, const Tensor& scratch, const Tensor& dout, const Tensor& qkv,
                         const Tensor& att, int n_head, int n_kv_head);
 

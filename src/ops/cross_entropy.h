@@ -4,6 +4,7 @@
 
 namespace mt {
 
+// logits[N, V] (leading dims fold into N), targets: i32 with N elements, each in [0, V) or -1.
 // losses[N] = logsumexp(logits[n]) - logits[n, targets[n]]; saves lse[N].
 // Rows whose target is -1 are ignored (loss 0). Returns the sum of losses (in double).
 double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets);

@@ -12,12 +12,15 @@ namespace mt {
 using namespace detail;
 
 namespace {
-// tokens is [B, T] (or any shape whose last dim is T; leading dims fold into B).
-void check_tokens(const Tensor& tokens, int64_t V, int64_t& B, int64_t& T, const char* op) {
+// tokens is [B, T] (leading dims fold into B). A 1-D tokens tensor takes T from `out`
+// ([B, T, C]) when that is 3-D, so positions restart every T rows either way.
+void check_tokens(const Tensor& tokens, const Tensor& out, int64_t V, int64_t& B, int64_t& T, const char* op) {
   check_i32(tokens, op);
   MT_CHECK(tokens.ndim() >= 1, op << ": tokens must be [B, T]");
-  T = tokens.dim(-1);
+  T = tokens.ndim() >= 2 ? tokens.dim(-1) : (out.ndim() >= 3 ? out.dim(-2) : tokens.numel());
   B = T ? tokens.numel() / T : 0;
+  MT_CHECK(B * T == tokens.numel(), op << ": tokens " << shape_str(tokens.shape()) << " do not fold into [B, " << T
+                                       << "] rows");
   // One pass over the ids is cheap next to the B*T*C gather and keeps a bad id from
   // reading or writing outside wte.
   const int32_t* tp = tokens.i32();
@@ -40,7 +43,7 @@ void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wt
   MT_CHECK(wte.ndim() == 2, "embedding_forward: wte must be [V, C], got " << shape_str(wte.shape()));
   const int64_t V = wte.dim(0), C = wte.dim(1);
   int64_t B, T;
-  check_tokens(tokens, V, B, T, "embedding_forward: tokens");
+  check_tokens(tokens, out, V, B, T, "embedding_forward: tokens");
   check_numel(out, B * T * C, "embedding_forward: out ([B, T, C])");
   MT_CHECK(out.dim(-1) == C, "embedding_forward: out's last dim " << out.dim(-1) << " != C = " << C);
   const float* wpep = nullptr;
@@ -73,7 +76,7 @@ void embedding_backward(const Tensor& dwte, const Tensor* dwpe, const Tensor& do
   MT_CHECK(dwte.ndim() == 2, "embedding_backward: dwte must be [V, C], got " << shape_str(dwte.shape()));
   const int64_t V = dwte.dim(0), C = dwte.dim(1);
   int64_t B, T;
-  check_tokens(tokens, V, B, T, "embedding_backward: tokens");
+  check_tokens(tokens, dout, V, B, T, "embedding_backward: tokens");
   check_numel(dout, B * T * C, "embedding_backward: dout ([B, T, C])");
   MT_CHECK(dout.dim(-1) == C, "embedding_backward: dout's last dim " << dout.dim(-1) << " != C = " << C);
   if (dwpe) {

@@ -27,6 +27,54 @@ void add_chunk_partials(float* dst, const float* part, int64_t nchunk, int64_t C
   }
 }
 
+// One row of layernorm backward: dx += (dout w - mean(dout w) - xhat mean(dout w xhat)) rstd,
+// and this row's dout xhat / dout added to its chunk's dw / db partials. A function with
+// restrict parameters so that GCC vectorises it without alias checks (dx, dout, x, w and
+// the partials are distinct buffers).
+inline void layernorm_backward_row(float* __restrict d, float* __restrict pdw, float* __restrict pdb,
+                                   const float* __restrict g, const float* __restrict xr,
+                                   const float* __restrict w, float m, float s, int64_t C) {
+  // First pass: mean(dout * w) and mean(dout * w * xhat).
+  float a1[kLanes] = {}, a2[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= C; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const float dn = g[i + j] * w[i + j];
+      a1[j] += dn;
+      a2[j] += dn * ((xr[i + j] - m) * s);
+    }
+  for (int j = 0; j < kLanes && i < C; ++i, ++j) {
+    const float dn = g[i] * w[i];
+    a1[j] += dn;
+    a2[j] += dn * ((xr[i] - m) * s);
+  }
+  const float dn_mean = reduce_lanes(a1) / (float)C;
+  const float dnx_mean = reduce_lanes(a2) / (float)C;
+  // Second pass: dx and the partials.
+  for (int64_t c = 0; c < C; ++c) {
+    const float xh = (xr[c] - m) * s;
+    d[c] += (g[c] * w[c] - dn_mean - xh * dnx_mean) * s;
+    pdw[c] += g[c] * xh;
+    pdb[c] += g[c];
+  }
+}
+
+// One row of rmsnorm backward: dx += (dout w - xhat mean(dout w xhat)) rstd ; pdw += dout xhat.
+inline void rmsnorm_backward_row(float* __restrict d, float* __restrict pdw, const float* __restrict g,
+                                 const float* __restrict xr, const float* __restrict w, float s, int64_t C) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= C; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += g[i + j] * w[i + j] * (xr[i + j] * s);
+  for (int j = 0; j < kLanes && i < C; ++i, ++j) acc[j] += g[i] * w[i] * (xr[i] * s);
+  const float dnx_mean = reduce_lanes(acc) / (float)C;
+  for (int64_t c = 0; c < C; ++c) {
+    const float xh = xr[c] * s;
+    d[c] += (g[c] * w[c] - xh * dnx_mean) * s;
+    pdw[c] += g[c] * xh;
+  }
+}
+
 void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t& N, int64_t& C, const char* op) {
   check_f32(out, op);
   check_f32(x, op);
@@ -98,40 +146,9 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
   std::vector<float> part(nchunk * 2 * C, 0.0f);
 #pragma omp parallel for schedule(static)
   for (int64_t k = 0; k < nchunk; ++k) {
-    // Local copies: the shared pointers live in OpenMP's capture struct, and loads through
-    // it inside the row loop (which stores to memory) would block vectorisation.
-    const float* __restrict wl = wp;
-    float* __restrict pdw = part.data() + k * 2 * C;
-    float* __restrict pdb = pdw + C;
-    for (int64_t n = k * kRowChunk; n < std::min(N, (k + 1) * kRowChunk); ++n) {
-      const float* __restrict xr = xp + n * C;
-      const float* __restrict g = gp + n * C;
-      const float m = mp[n], s = rp[n];
-      // First pass: mean(dout * w) and mean(dout * w * xhat).
-      float a1[kLanes] = {}, a2[kLanes] = {};
-      int64_t i = 0;
-      for (; i + kLanes <= C; i += kLanes)
-        for (int j = 0; j < kLanes; ++j) {
-          const float dn = g[i + j] * wl[i + j];
-          a1[j] += dn;
-          a2[j] += dn * ((xr[i + j] - m) * s);
-        }
-      for (int j = 0; j < kLanes && i < C; ++i, ++j) {
-        const float dn = g[i] * wl[i];
-        a1[j] += dn;
-        a2[j] += dn * ((xr[i] - m) * s);
-      }
-      const float dn_mean = reduce_lanes(a1) / (float)C;
-      const float dnx_mean = reduce_lanes(a2) / (float)C;
-      // Second pass: dx, and this chunk's dw/db partials.
-      float* __restrict d = dxp + n * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const float xh = (xr[c] - m) * s;
-        d[c] += (g[c] * wl[c] - dn_mean - xh * dnx_mean) * s;
-        pdw[c] += g[c] * xh;
-        pdb[c] += g[c];
-      }
-    }
+    float* pdw = part.data() + k * 2 * C;
+    for (int64_t n = k * kRowChunk; n < std::min(N, (k + 1) * kRowChunk); ++n)
+      layernorm_backward_row(dxp + n * C, pdw, pdw + C, gp + n * C, xp + n * C, wp, mp[n], rp[n], C);
   }
   add_chunk_partials(dw.f32(), part.data(), nchunk, C, 2 * C);
   add_chunk_partials(db.f32(), part.data() + C, nchunk, C, 2 * C);
@@ -175,23 +192,8 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, co
 #pragma omp parallel for schedule(static)
   for (int64_t k = 0; k < nchunk; ++k) {
     float* pdw = part.data() + k * C;
-    for (int64_t n = k * kRowChunk; n < std::min(N, (k + 1) * kRowChunk); ++n) {
-      const float* xr = xp + n * C;
-      const float* g = gp + n * C;
-      const float s = rp[n];
-      float acc[kLanes] = {};
-      int64_t i = 0;
-      for (; i + kLanes <= C; i += kLanes)
-        for (int j = 0; j < kLanes; ++j) acc[j] += g[i + j] * wp[i + j] * (xr[i + j] * s);
-      for (int j = 0; j < kLanes && i < C; ++i, ++j) acc[j] += g[i] * wp[i] * (xr[i] * s);
-      const float dnx_mean = reduce_lanes(acc) / (float)C;
-      float* d = dxp + n * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const float xh = xr[c] * s;
-        d[c] += (g[c] * wp[c] - xh * dnx_mean) * s;
-        pdw[c] += g[c] * xh;
-      }
-    }
+    for (int64_t n = k * kRowChunk; n < std::min(N, (k + 1) * kRowChunk); ++n)
+      rmsnorm_backward_row(dxp + n * C, pdw, gp + n * C, xp + n * C, wp, rp[n], C);
   }
   add_chunk_partials(dw.f32(), part.data(), nchunk, C, C);
 }

@@ -1,6 +1,7 @@
 // LayerNorm (GPT-2) and RMSNorm (Llama) over the last dim C; leading dims fold into N rows.
 // Backward adds into dx (the residual stream's gradient already holds the other branch)
 // and into dw/db, with a reduction order that does not depend on the thread count.
+// dx must not alias dout or x.
 #pragma once
 #include "core/tensor.h"
 

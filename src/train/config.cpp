@@ -134,6 +134,7 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("checkpoint.keep", &C::checkpoint, &CheckpointConfig::keep));
 
     v.push_back(str_key("logging.metrics", &C::logging, &LoggingConfig::metrics));
+    v.push_back(str_key("logging.plot", &C::logging, &LoggingConfig::plot));
     v.push_back(int_key("logging.every", &C::logging, &LoggingConfig::every));
     v.push_back(str_key("logging.progress", &C::logging, &LoggingConfig::progress, {"auto", "on", "off"}));
     return v;

@@ -41,6 +41,7 @@ struct CheckpointConfig {
 
 struct LoggingConfig {
   std::string metrics;          // JSON-lines file, one object per step; empty: none
+  std::string plot = "auto";    // SVG loss curve; auto: beside the metrics file (.svg); empty: none
   int64_t every = 10;           // plain log line every N steps (when not on a terminal)
   std::string progress = "auto";  // auto | on | off: the live progress line
 };

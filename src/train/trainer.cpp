@@ -18,6 +18,7 @@
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
+#include "train/plot.h"
 
 namespace mt {
 
@@ -172,6 +173,7 @@ TrainSummary train(const Config& c) {
   const double tokens_per_step = double(G) * T;
   double train_seconds = 0;
   int64_t timed_steps = 0;
+  Curve train_curve, val_curve;
   for (int64_t s = start; s < c.training.steps; ++s) {
     const auto t0 = Clock::now();
     model.zero_grad();
@@ -199,11 +201,13 @@ TrainSummary train(const Config& c) {
     log.write(j);
     log.progress(s, c.training.steps, loss, lr, tps, (c.training.steps - s - 1) * train_seconds / timed_steps);
     sum.loss = loss;
+    train_curve.emplace_back(s + 1, loss);
 
     const bool last = s + 1 == c.training.steps;
     if (val_loader && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last) {
       ValResult v = validate(model, *val_loader, c, data.builtin);
       log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
+      val_curve.emplace_back(s + 1, v.loss);
       char buf[128];
       std::snprintf(buf, sizeof buf, "step %lld: val loss %.4f", static_cast<long long>(s + 1), v.loss);
       log.message(buf);
@@ -221,6 +225,7 @@ TrainSummary train(const Config& c) {
     sum.val_loss = v.loss;
     sum.answer_accuracy = v.accuracy;
     sum.baseline_accuracy = v.baseline_accuracy;
+    val_curve.emplace_back(sum.steps, v.loss);
   }
   nlohmann::json js = {{"event", "summary"}, {"steps", sum.steps}, {"loss", sum.loss}, {"val_loss", sum.val_loss},
                        {"baseline_loss", sum.baseline_loss}, {"tokens_per_s", sum.tokens_per_s},
@@ -249,6 +254,17 @@ TrainSummary train(const Config& c) {
   }
   log.message("peak memory: " + memory_summary(alloc.stats()));
   if (!c.checkpoint.dir.empty()) log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
+  std::string plot = c.logging.plot;
+  if (plot == "auto" && c.logging.metrics.empty()) plot = "";
+  if (plot == "auto") {  // metrics.jsonl -> metrics.svg
+    const std::string& m = c.logging.metrics;
+    size_t dot = m.rfind('.'), slash = m.rfind('/');
+    plot = (dot != std::string::npos && (slash == std::string::npos || dot > slash) ? m.substr(0, dot) : m) + ".svg";
+  }
+  if (!plot.empty() && !train_curve.empty()) {
+    plot_loss_svg(plot, c.model.family + " loss", train_curve, val_curve, sum.baseline_loss);
+    log.message("loss curve: " + plot);
+  }
   return sum;
 }
 

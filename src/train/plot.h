@@ -1,0 +1,15 @@
+// A loss-curve picture (SVG, no dependencies): training loss per step and validation loss,
+// written at the end of a run so a person can look instead of reading JSON lines.
+#pragma once
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mt {
+
+using Curve = std::vector<std::pair<double, double>>;  // (step, value)
+
+void plot_loss_svg(const std::string& path, const std::string& title, const Curve& train, const Curve& val,
+                   double baseline);
+
+}  // namespace mt
