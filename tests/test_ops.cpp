@@ -292,6 +292,10 @@ TEST(Ops, Embedding) {
       if (pos)
         expect_close(dwpe, fd_grad([&](const VecD& v) { return dot(fwd(to_d(wte), v), Rd); }, to_d(wpe)), "dwpe",
                      {}, 0.2f);
+      // 1-D tokens [B*T] take T from out's [B, T, C]: positions still restart every T rows.
+      VecF out1(B * T * C, kNaN);
+      embedding_forward(tf(out1, {B, T, C}), ti(tok, {B * T}), tf(wte, {V, C}), pos ? &wpet : nullptr);
+      EXPECT_EQ(0, std::memcmp(out1.data(), out.data(), out.size() * sizeof(float))) << "1-D tokens";
     }
 }
 
@@ -363,6 +367,8 @@ TEST(Ops, Gelu) {
     expect_close(dx, ref, "dx");
     gelu_backward(tf(R, {n}), tf(x, {n}), tf(R, {n}));  // dx aliasing dout
     EXPECT_EQ(0, std::memcmp(R.data(), dx.data(), n * sizeof(float))) << "in-place gelu_backward differs";
+    gelu_forward(tf(x, {n}), tf(x, {n}));  // out aliasing x
+    EXPECT_EQ(0, std::memcmp(x.data(), out.data(), n * sizeof(float))) << "in-place gelu_forward differs";
   }
 }
 
@@ -376,6 +382,8 @@ TEST(Ops, SwiGLU) {
     swiglu_backward(tf(dgu, {N, 2 * F}), tf(gu, {N, 2 * F}), tf(R, {N, F}));
     const VecD Rd = to_d(R);
     expect_close(dgu, fd_grad([&](const VecD& v) { return dot(swiglu_ref(v, N, F), Rd); }, to_d(gu)), "dgu");
+    swiglu_backward(tf(gu, {N, 2 * F}), tf(gu, {N, 2 * F}), tf(R, {N, F}));  // dgu aliasing gu
+    EXPECT_EQ(0, std::memcmp(gu.data(), dgu.data(), dgu.size() * sizeof(float))) << "in-place swiglu_backward";
   }
 }
 

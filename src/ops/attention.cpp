@@ -30,6 +30,12 @@ namespace {
 
 constexpr int kBlock = 64;
 
+static_assert(kBlock % kLanes == 0, "row padding must stay inside the GEMM's block");
+
+// Row length n rounded up to whole kLanes groups, capped at T. Never past the end of the
+// row's kBlock block, so every entry below np was written by the block GEMM.
+inline int64_t padded_len(int64_t n, int64_t T) { return std::min(T, (n + kLanes - 1) / kLanes * kLanes); }
+
 struct AttnShape {
   int64_t B, T, NH, NKV, D, W, G;
 };
@@ -109,24 +115,28 @@ void attention_forward(const Tensor& out, const Tensor& att, const Tensor& qkv, 
     gemm_lower_nt(T, D, scale, Q, W, K, W, P);
     for (int64_t t = 0; t < T; ++t) {
       float* row = P + t * T;
-      const int64_t n = t + 1;
-      const float m = max_f32(row, n);
+      // Softmax over keys 0..t. The row is processed up to np (t + 1 rounded up to whole
+      // kLanes groups, still inside the block the GEMM computed) with the masked entries set
+      // to -inf: exp gives exactly 0 there, so the sums are unchanged and no loop has a tail.
+      const int64_t n = t + 1, np = padded_len(n, T);
+      for (int64_t k = n; k < np; ++k) row[k] = -INFINITY;
+      const float m = max_f32(row, np);
       float acc[kLanes] = {};
       int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes)
+      for (; i + kLanes <= np; i += kLanes)
         for (int j = 0; j < kLanes; ++j) {
           const float e = exp_f32(row[i + j] - m);
           row[i + j] = e;
           acc[j] += e;
         }
-      for (int j = 0; j < kLanes && i < n; ++i, ++j) {
+      for (int j = 0; j < kLanes && i < np; ++i, ++j) {
         const float e = exp_f32(row[i] - m);
         row[i] = e;
         acc[j] += e;
       }
       const float inv = 1.0f / reduce_lanes(acc);
-      for (int64_t k = 0; k < n; ++k) row[k] *= inv;
-      for (int64_t k = n; k < T; ++k) row[k] = 0.0f;
+      for (int64_t k = 0; k < np; ++k) row[k] *= inv;
+      for (int64_t k = np; k < T; ++k) row[k] = 0.0f;
     }
     gemm_lower_nn(T, D, P, V, W, op + b * T * OW + h * D, OW);
   }
@@ -176,12 +186,14 @@ void attention_backward(const Tensor& dqkv, const Tensor& scratch, const Tensor&
       for (int64_t t = 0; t < T; ++t) {
         const float* p = P + t * T;
         float* d = dS + t * T;
-        const int64_t n = t + 1;
-        const float dot = dot_f32(p, d, n);
-        for (int64_t k = 0; k < n; ++k) d[k] = p[k] * (d[k] - dot) * scale;
-        // Zero the masked entries that the diagonal block's GEMMs will read.
+        // Up to np (as in forward) p is 0 past the diagonal and dP is finite (computed by
+        // the block GEMM), so those entries add 0 to the dot and get dS = 0.
+        const int64_t np = padded_len(t + 1, T);
+        const float dot = dot_f32(p, d, np);
+        for (int64_t k = 0; k < np; ++k) d[k] = p[k] * (d[k] - dot) * scale;
+        // Zero the rest of the block: the diagonal block's GEMMs read it.
         const int64_t blk_end = std::min(T, (t / kBlock + 1) * kBlock);
-        for (int64_t k = n; k < blk_end; ++k) d[k] = 0.0f;
+        for (int64_t k = np; k < blk_end; ++k) d[k] = 0.0f;
       }
       gemm_lower_nn(T, D, dS, K, W, dQ, W);
       gemm_lower_tn(T, D, dS, Q, W, dK, W, beta);

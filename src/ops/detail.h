@@ -100,6 +100,7 @@ inline float tanh_f32(float x) {
 // Rows of a tensor whose last dim is `cols` (leading dims fold into rows).
 inline int64_t rows_of(const Tensor& t, int64_t cols, const char* what) {
   MT_CHECK(t.ndim() >= 1, what << " must have at least one dimension");
+  MT_CHECK(cols > 0, what << ": the row width must be positive, got " << cols);
   MT_CHECK(t.dim(-1) == cols, what << " has last dimension " << t.dim(-1) << " (shape " << shape_str(t.shape())
                                    << "), expected " << cols);
   return t.numel() / cols;

@@ -7,7 +7,6 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "ops/detail.h"
 
@@ -29,7 +28,7 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
     check_f32(*b, "linear_forward: b");
     check_numel(*b, O, "linear_forward: b");
   }
-  if (N == 0 || O == 0) return;
+  if (N == 0) return;
   float* yp = y.f32();
   float beta = 0.0f;
   if (b) {
@@ -39,10 +38,6 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; ++n) std::copy(bp, bp + O, yp + n * O);
     beta = 1.0f;
-  }
-  if (I == 0) {
-    if (!b) std::fill(yp, yp + N * O, 0.0f);
-    return;
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)O, (int)I, 1.0f, x.f32(), (int)I, w.f32(),
               (int)I, beta, yp, (int)O);
@@ -58,11 +53,7 @@ void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, 
   const int64_t N = rows_of(dy, O, "linear_backward_input: dy (last dim must equal w's out-dim)");
   MT_CHECK(rows_of(dx, I, "linear_backward_input: dx (last dim must equal w's in-dim)") == N,
            "linear_backward_input: dx has " << dx.numel() / I << " rows but dy has " << N);
-  if (N == 0 || I == 0) return;
-  if (O == 0) {
-    if (!accumulate) std::fill(dx.f32(), dx.f32() + N * I, 0.0f);
-    return;
-  }
+  if (N == 0) return;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)I, (int)O, 1.0f, dy.f32(), (int)O, w.f32(),
               (int)I, accumulate ? 1.0f : 0.0f, dx.f32(), (int)I);
 }
@@ -81,10 +72,9 @@ void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy
     check_f32(*db, "linear_backward_weight: db");
     check_numel(*db, O, "linear_backward_weight: db");
   }
-  if (N == 0 || O == 0) return;
-  if (I > 0)
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)O, (int)I, (int)N, 1.0f, dy.f32(), (int)O, x.f32(),
-                (int)I, 1.0f, dw.f32(), (int)I);
+  if (N == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)O, (int)I, (int)N, 1.0f, dy.f32(), (int)O, x.f32(),
+              (int)I, 1.0f, dw.f32(), (int)I);
   if (db) {
     // Column sums, parallel over blocks of columns: each db element is summed by one
     // thread over the rows in order, so the result does not depend on the thread count.

@@ -13,7 +13,7 @@ namespace mt {
 
 struct OptimConfig {
   std::string name = "adamw";  // adamw | sgd
-  double lr = 1e-3;
+  double lr = 3e-3;
   double weight_decay = 0.1;   // applied only to parameters of two or more dims
   double beta1 = 0.9;
   double beta2 = 0.95;
@@ -22,7 +22,7 @@ struct OptimConfig {
   bool nesterov = false;       // sgd
   double grad_clip = 1.0;      // global L2 norm; 0 disables
   std::string schedule = "cosine";  // constant | cosine | linear | step
-  int warmup_steps = 0;
+  int warmup_steps = 20;
   double min_lr_ratio = 0.1;   // cosine / linear decay to lr * min_lr_ratio
   int step_size = 1000;        // step schedule: multiply by step_gamma every step_size steps
   double step_gamma = 0.1;
