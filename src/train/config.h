@@ -22,7 +22,7 @@ struct DataConfig {
 };
 
 struct TrainingConfig {
-  int64_t steps = 400;
+  int64_t steps = 500;
   int64_t global_batch = 16;  // sequences per optimizer step, whole mesh
   int64_t micro_batch = 16;   // sequences per forward/backward per rank
   uint64_t seed = 1337;

@@ -158,12 +158,13 @@ TrainSummary train(const Config& c) {
   }
 
   char head[512];
-  std::snprintf(head, sizeof head,
-                "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %s, %lld train tokens | global batch %lld "
-                "x %d tokens (%lld micro-batches of %d) | %d threads",
+  std::snprintf(head, sizeof head, "meshtrain: %s, %d layers, d_model %d, %.2fM parameters, %d threads",
                 c.model.family.c_str(), c.model.n_layer, c.model.d_model, model.num_params() / 1e6,
+                omp_get_max_threads());
+  log.message(head);
+  std::snprintf(head, sizeof head, "data: %s, %lld tokens | global batch %lld x %d tokens = %lld micro-batches of %d",
                 data.builtin ? "built-in tasks" : c.data.path.c_str(), static_cast<long long>(train_loader.num_tokens()),
-                static_cast<long long>(G), T, static_cast<long long>(n_micro), M, omp_get_max_threads());
+                static_cast<long long>(G), T, static_cast<long long>(n_micro), M);
   log.message(head);
   if (!resumed_from.empty()) log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
   else if (c.checkpoint.resume) log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
