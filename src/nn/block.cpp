@@ -60,103 +60,99 @@ BlockParams block_params(const ModelConfig& cfg, const Unit& u) {
 
 const Tensor* opt(const Tensor& t) { return t.defined() ? &t : nullptr; }
 
-Tensor bt(const Tensor& full, int B, int T, int64_t width) { return full.view(0, {B, T, width}); }
-Tensor bt(const Tensor& full, int B, int T) { return full.view(0, {B, T}); }
-
 }  // namespace
 
+// Every activation tensor with its shape for a batch of [B, T], listed once.
+template <class Fn>
+void BlockActs::each(const ModelConfig& cfg, int64_t B, int64_t T, Fn fn) {
+  const int64_t C = cfg.d_model, F = cfg.ff_dim(), NH = cfg.n_head;
+  fn(ln1, {B, T, C}), fn(ln1_mean, {B, T}), fn(ln1_rstd, {B, T});
+  fn(qkv, {B, T, cfg.qkv_dim()}), fn(att, {B, NH, T, T}), fn(atty, {B, T, C}), fn(mid, {B, T, C});
+  fn(ln2, {B, T, C}), fn(ln2_mean, {B, T}), fn(ln2_rstd, {B, T});
+  fn(fc, {B, T, cfg.is_llama() ? 2 * F : F}), fn(act, {B, T, F});
+}
+
+template <class Fn>
+void BlockScratch::each(const ModelConfig& cfg, int64_t B, int64_t T, Fn fn) {
+  const int64_t C = cfg.d_model, F = cfg.ff_dim(), NH = cfg.n_head;
+  fn(dln, {B, T, C}), fn(dqkv, {B, T, cfg.qkv_dim()}), fn(datt, {B, NH, T, T}), fn(datty, {B, T, C});
+  fn(dfc, {B, T, cfg.is_llama() ? 2 * F : F}), fn(dact, {B, T, F});
+}
+
 BlockActs::BlockActs(const ModelConfig& cfg, int B, Allocator& alloc) {
-  const int64_t T = cfg.seq_len, C = cfg.d_model, F = cfg.ff_dim(), NH = cfg.n_head;
-  auto make = [&](const Shape& s) { return Tensor::empty(s, DType::f32, alloc, MemTag::activations); };
-  ln1 = make({B, T, C});
-  ln1_mean = make({B, T});
-  ln1_rstd = make({B, T});
-  qkv = make({B, T, cfg.qkv_dim()});
-  att = make({B, NH, T, T});
-  atty = make({B, T, C});
-  mid = make({B, T, C});
-  ln2 = make({B, T, C});
-  ln2_mean = make({B, T});
-  ln2_rstd = make({B, T});
-  fc = make({B, T, cfg.is_llama() ? 2 * F : F});
-  act = make({B, T, F});
+  each(cfg, B, cfg.seq_len, [&](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); });
+}
+
+BlockActs BlockActs::at(const ModelConfig& cfg, int B, int T) const {
+  BlockActs v = *this;
+  v.each(cfg, B, T, [](Tensor& t, const Shape& s) { t = t.view(0, s); });
+  return v;
 }
 
 BlockScratch::BlockScratch(const ModelConfig& cfg, int B, Allocator& alloc) {
-  const int64_t T = cfg.seq_len, C = cfg.d_model, F = cfg.ff_dim(), NH = cfg.n_head;
-  auto make = [&](const Shape& s) { return Tensor::empty(s, DType::f32, alloc, MemTag::activations); };
-  dln = make({B, T, C});
-  dqkv = make({B, T, cfg.qkv_dim()});
-  datt = make({B, NH, T, T});
-  datty = make({B, T, C});
-  dfc = make({B, T, cfg.is_llama() ? 2 * F : F});
-  dact = make({B, T, F});
+  each(cfg, B, cfg.seq_len, [&](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); });
 }
 
-void block_forward(const ModelConfig& cfg, const Unit& u, BlockActs& a, const Tensor& x, const Tensor& out,
+BlockScratch BlockScratch::at(const ModelConfig& cfg, int B, int T) const {
+  BlockScratch v = *this;
+  v.each(cfg, B, T, [](Tensor& t, const Shape& s) { t = t.view(0, s); });
+  return v;
+}
+
+void block_forward(const ModelConfig& cfg, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& out,
                    int B, int T) {
-  const int C = cfg.d_model, F = cfg.ff_dim(), QKV = cfg.qkv_dim(), NH = cfg.n_head, NKV = cfg.kv_heads();
+  const int NH = cfg.n_head, NKV = cfg.kv_heads();
   const bool llama = cfg.is_llama();
   BlockParams p = block_params(cfg, u);
-  Tensor ln1 = bt(a.ln1, B, T, C), ln1_mean = bt(a.ln1_mean, B, T), ln1_rstd = bt(a.ln1_rstd, B, T);
-  Tensor qkv = bt(a.qkv, B, T, QKV), atty = bt(a.atty, B, T, C), mid = bt(a.mid, B, T, C);
-  Tensor ln2 = bt(a.ln2, B, T, C), ln2_mean = bt(a.ln2_mean, B, T), ln2_rstd = bt(a.ln2_rstd, B, T);
-  Tensor fc = bt(a.fc, B, T, llama ? 2 * F : F), act = bt(a.act, B, T, F);
-  Tensor att = a.att.view(0, {B, NH, T, T});
+  const BlockActs a = acts.at(cfg, B, T);
 
   // attention branch
-  if (llama) rmsnorm_forward(ln1, ln1_rstd, x, p.ln1_w, cfg.norm_eps);
-  else layernorm_forward(ln1, ln1_mean, ln1_rstd, x, p.ln1_w, p.ln1_b, cfg.norm_eps);
-  linear_forward(qkv, ln1, p.wqkv, opt(p.bqkv));
-  if (llama) rope_forward(qkv.reshape({B, T, NH + 2 * NKV, cfg.head_dim()}), NH + NKV, cfg.rope_theta);
-  attention_forward(atty, att, qkv, NH, NKV);
-  linear_forward(mid, atty, p.wo, opt(p.bo));
-  add_inplace(mid, x);  // mid = x + attn
+  if (llama) rmsnorm_forward(a.ln1, a.ln1_rstd, x, p.ln1_w, cfg.norm_eps);
+  else layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b, cfg.norm_eps);
+  linear_forward(a.qkv, a.ln1, p.wqkv, opt(p.bqkv));
+  if (llama) rope_forward(a.qkv.reshape({B, T, NH + 2 * NKV, cfg.head_dim()}), NH + NKV, cfg.rope_theta);
+  attention_forward(a.atty, a.att, a.qkv, NH, NKV);
+  linear_forward(a.mid, a.atty, p.wo, opt(p.bo));
+  add_inplace(a.mid, x);  // mid = x + attn
 
   // MLP branch
-  if (llama) rmsnorm_forward(ln2, ln2_rstd, mid, p.ln2_w, cfg.norm_eps);
-  else layernorm_forward(ln2, ln2_mean, ln2_rstd, mid, p.ln2_w, p.ln2_b, cfg.norm_eps);
-  linear_forward(fc, ln2, p.wfc, opt(p.bfc));
-  if (llama) swiglu_forward(act, fc);
-  else gelu_forward(act, fc);
-  linear_forward(out, act, p.wproj, opt(p.bproj));
-  add_inplace(out, mid);  // out = mid + mlp
+  if (llama) rmsnorm_forward(a.ln2, a.ln2_rstd, a.mid, p.ln2_w, cfg.norm_eps);
+  else layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.mid, p.ln2_w, p.ln2_b, cfg.norm_eps);
+  linear_forward(a.fc, a.ln2, p.wfc, opt(p.bfc));
+  if (llama) swiglu_forward(a.act, a.fc);
+  else gelu_forward(a.act, a.fc);
+  linear_forward(out, a.act, p.wproj, opt(p.bproj));
+  add_inplace(out, a.mid);  // out = mid + mlp
 }
 
-void block_backward(const ModelConfig& cfg, const Unit& u, const BlockActs& a, BlockScratch& s, const Tensor& x,
-                    const Tensor& dresid, int B, int T) {
-  const int C = cfg.d_model, F = cfg.ff_dim(), QKV = cfg.qkv_dim(), NH = cfg.n_head, NKV = cfg.kv_heads();
+void block_backward(const ModelConfig& cfg, const Unit& u, const BlockActs& acts, const BlockScratch& scratch,
+                    const Tensor& x, const Tensor& dresid, int B, int T) {
+  const int NH = cfg.n_head, NKV = cfg.kv_heads();
   const bool llama = cfg.is_llama();
   BlockParams p = block_params(cfg, u);
-  Tensor ln1 = bt(a.ln1, B, T, C), ln1_mean = bt(a.ln1_mean, B, T), ln1_rstd = bt(a.ln1_rstd, B, T);
-  Tensor qkv = bt(a.qkv, B, T, QKV), atty = bt(a.atty, B, T, C), mid = bt(a.mid, B, T, C);
-  Tensor ln2 = bt(a.ln2, B, T, C), ln2_mean = bt(a.ln2_mean, B, T), ln2_rstd = bt(a.ln2_rstd, B, T);
-  Tensor fc = bt(a.fc, B, T, llama ? 2 * F : F), act = bt(a.act, B, T, F);
-  Tensor att = a.att.view(0, {B, NH, T, T});
-  Tensor dln = bt(s.dln, B, T, C), dqkv = bt(s.dqkv, B, T, QKV), datty = bt(s.datty, B, T, C);
-  Tensor dfc = bt(s.dfc, B, T, llama ? 2 * F : F), dact = bt(s.dact, B, T, F);
-  Tensor datt = s.datt.view(0, {B, NH, T, T});
+  const BlockActs a = acts.at(cfg, B, T);
+  const BlockScratch s = scratch.at(cfg, B, T);
 
   // MLP branch: out = mid + proj(act); dresid is d(out) = d(mid) through the skip.
-  linear_backward_weight(p.g_wproj, opt(p.g_bproj), dresid, act);
-  linear_backward_input(dact, dresid, p.wproj, false);
-  if (llama) swiglu_backward(dfc, fc, dact);
-  else gelu_backward(dfc, fc, dact);
-  linear_backward_weight(p.g_wfc, opt(p.g_bfc), dfc, ln2);
-  linear_backward_input(dln, dfc, p.wfc, false);
+  linear_backward_weight(p.g_wproj, opt(p.g_bproj), dresid, a.act);
+  linear_backward_input(s.dact, dresid, p.wproj, false);
+  if (llama) swiglu_backward(s.dfc, a.fc, s.dact);
+  else gelu_backward(s.dfc, a.fc, s.dact);
+  linear_backward_weight(p.g_wfc, opt(p.g_bfc), s.dfc, a.ln2);
+  linear_backward_input(s.dln, s.dfc, p.wfc, false);
   // the norm's backward adds into dresid, which then holds d(mid)
-  if (llama) rmsnorm_backward(dresid, p.g_ln2_w, dln, mid, p.ln2_w, ln2_rstd);
-  else layernorm_backward(dresid, p.g_ln2_w, p.g_ln2_b, dln, mid, p.ln2_w, ln2_mean, ln2_rstd);
+  if (llama) rmsnorm_backward(dresid, p.g_ln2_w, s.dln, a.mid, p.ln2_w, a.ln2_rstd);
+  else layernorm_backward(dresid, p.g_ln2_w, p.g_ln2_b, s.dln, a.mid, p.ln2_w, a.ln2_mean, a.ln2_rstd);
 
   // attention branch: mid = x + proj(atty)
-  linear_backward_weight(p.g_wo, opt(p.g_bo), dresid, atty);
-  linear_backward_input(datty, dresid, p.wo, false);
-  attention_backward(dqkv, datt, datty, qkv, att, NH, NKV);
-  if (llama) rope_backward(dqkv.reshape({B, T, NH + 2 * NKV, cfg.head_dim()}), NH + NKV, cfg.rope_theta);
-  linear_backward_weight(p.g_wqkv, opt(p.g_bqkv), dqkv, ln1);
-  linear_backward_input(dln, dqkv, p.wqkv, false);
-  if (llama) rmsnorm_backward(dresid, p.g_ln1_w, dln, x, p.ln1_w, ln1_rstd);
-  else layernorm_backward(dresid, p.g_ln1_w, p.g_ln1_b, dln, x, p.ln1_w, ln1_mean, ln1_rstd);
+  linear_backward_weight(p.g_wo, opt(p.g_bo), dresid, a.atty);
+  linear_backward_input(s.datty, dresid, p.wo, false);
+  attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, NH, NKV);
+  if (llama) rope_backward(s.dqkv.reshape({B, T, NH + 2 * NKV, cfg.head_dim()}), NH + NKV, cfg.rope_theta);
+  linear_backward_weight(p.g_wqkv, opt(p.g_bqkv), s.dqkv, a.ln1);
+  linear_backward_input(s.dln, s.dqkv, p.wqkv, false);
+  if (llama) rmsnorm_backward(dresid, p.g_ln1_w, s.dln, x, p.ln1_w, a.ln1_rstd);
+  else layernorm_backward(dresid, p.g_ln1_w, p.g_ln1_b, s.dln, x, p.ln1_w, a.ln1_mean, a.ln1_rstd);
 }
 
 }  // namespace mt

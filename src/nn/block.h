@@ -13,7 +13,7 @@
 namespace mt {
 
 // Activations kept for backward, allocated for [B, T] = [micro_batch, seq_len];
-// views of the current [B, T] are taken at offset 0.
+// at(B, T) gives views of a smaller current batch (at offset 0).
 struct BlockActs {
   Tensor ln1, ln1_mean, ln1_rstd;  // [B, T, C], [B, T], [B, T] (rmsnorm: mean unused)
   Tensor qkv;                      // [B, T, QKV] (after rope for llama)
@@ -24,6 +24,11 @@ struct BlockActs {
   Tensor fc;                       // [B, T, F] gpt2 pre-gelu; llama [B, T, 2F] gate|up
   Tensor act;                      // [B, T, F] gelu / swiglu output
   BlockActs(const ModelConfig& cfg, int B, Allocator& alloc);
+  BlockActs at(const ModelConfig& cfg, int B, int T) const;
+
+ private:
+  BlockActs() = default;  // for at()
+  template <class Fn> void each(const ModelConfig& cfg, int64_t B, int64_t T, Fn fn);
 };
 
 // Workspace for one block's backward, shared by all blocks.
@@ -35,13 +40,18 @@ struct BlockScratch {
   Tensor dfc;    // [B, T, F or 2F]
   Tensor dact;   // [B, T, F]
   BlockScratch(const ModelConfig& cfg, int B, Allocator& alloc);
+  BlockScratch at(const ModelConfig& cfg, int B, int T) const;
+
+ private:
+  BlockScratch() = default;
+  template <class Fn> void each(const ModelConfig& cfg, int64_t B, int64_t T, Fn fn);
 };
 
 // out[B, T, C] = block(x[B, T, C]); fills a.
-void block_forward(const ModelConfig& cfg, const Unit& u, BlockActs& a, const Tensor& x, const Tensor& out,
+void block_forward(const ModelConfig& cfg, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& out,
                    int B, int T);
 // dresid holds d(out) on entry and d(x) on return; parameter gradients accumulate in u.g.
-void block_backward(const ModelConfig& cfg, const Unit& u, const BlockActs& a, BlockScratch& s, const Tensor& x,
-                    const Tensor& dresid, int B, int T);
+void block_backward(const ModelConfig& cfg, const Unit& u, const BlockActs& acts, const BlockScratch& scratch,
+                    const Tensor& x, const Tensor& dresid, int B, int T);
 
 }  // namespace mt

@@ -100,10 +100,6 @@ std::vector<Unit> model_layout(const ModelConfig& cfg) {
   return units;
 }
 
-struct Model::BlockGrads : BlockScratch {
-  using BlockScratch::BlockScratch;
-};
-
 Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute)
     : cfg_(cfg), alloc_(alloc), micro_batch_(micro_batch), recompute_(recompute), units_(model_layout(cfg)) {
   MT_CHECK(micro_batch >= 1, "training.micro_batch = " << micro_batch << " must be at least 1");
@@ -124,7 +120,7 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
   losses_ = make({B, T});
   lse_ = make({B, T});
   dresid_ = make({B, T, C});
-  scratch_ = std::make_unique<BlockGrads>(cfg, B, alloc);
+  scratch_ = std::make_unique<BlockScratch>(cfg, B, alloc);
 }
 
 Model::~Model() = default;

@@ -57,7 +57,8 @@ class UnitHooks {
 // The units and parameter specs of a configuration, without allocating anything.
 std::vector<Unit> model_layout(const ModelConfig& cfg);
 
-struct BlockActs;  // activations one block keeps for its backward (block.h)
+struct BlockActs;     // activations one block keeps for its backward (block.h)
+struct BlockScratch;  // workspace for a block's backward (block.h)
 
 class Model {
  public:
@@ -109,8 +110,7 @@ class Model {
   Tensor lnf_, lnf_mean_, lnf_rstd_;        // [B, T, C], [B, T], [B, T]
   Tensor logits_, losses_, lse_;            // [B, T, V], [B, T], [B, T]
   Tensor dresid_;                           // [B, T, C] gradient of the residual stream
-  struct BlockGrads;
-  std::unique_ptr<BlockGrads> scratch_;     // shared gradient workspace for block backward
+  std::unique_ptr<BlockScratch> scratch_;   // shared gradient workspace for block backward
 };
 
 }  // namespace mt
