@@ -20,6 +20,7 @@ void* Allocator::allocate(size_t bytes, MemTag tag) {
   MT_CHECK(p || !bytes, "out of " << device_name(device()) << " memory allocating " << format_bytes(bytes)
                                    << " for " << memtag_name(tag)
                                    << "; use a smaller model, micro_batch or seq_len, or training.recompute=true");
+  std::lock_guard<std::mutex> lock(mu_);
   int i = static_cast<int>(tag);
   stats_.live[i] += bytes;
   stats_.live_total += bytes;
@@ -31,12 +32,19 @@ void* Allocator::allocate(size_t bytes, MemTag tag) {
 void Allocator::deallocate(void* p, size_t bytes, MemTag tag) {
   if (!p) return;
   raw_deallocate(p);
+  std::lock_guard<std::mutex> lock(mu_);
   int i = static_cast<int>(tag);
   stats_.live[i] -= bytes;
   stats_.live_total -= bytes;
 }
 
+MemStats Allocator::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
 void Allocator::reset_peaks() {
+  std::lock_guard<std::mutex> lock(mu_);
   stats_.peak = stats_.live;
   stats_.peak_total = stats_.live_total;
 }

@@ -2,9 +2,11 @@
 // where memory goes (params, grads, optimizer state, activations, communication buffers).
 // Allocators are objects owned by whoever trains (no global allocator): tensors keep a
 // pointer to the allocator that made their storage and give the bytes back to it.
+// Thread-safe: the communication thread allocates staging buffers beside the trainer.
 #pragma once
 #include <array>
 #include <cstddef>
+#include <mutex>
 #include <string>
 
 namespace mt {
@@ -29,14 +31,15 @@ class Allocator {
   virtual Device device() const = 0;
   void* allocate(size_t bytes, MemTag tag);
   void deallocate(void* p, size_t bytes, MemTag tag);
-  const MemStats& stats() const { return stats_; }
-  void reset_peaks();  // peaks := live
+  MemStats stats() const;  // a snapshot
+  void reset_peaks();      // peaks := live
 
  protected:
   virtual void* raw_allocate(size_t bytes) = 0;
   virtual void raw_deallocate(void* p) = 0;
 
  private:
+  mutable std::mutex mu_;
   MemStats stats_;
 };
 

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/half.h"
 
 namespace mt {
 
@@ -19,23 +20,6 @@ size_t st_dtype_size(const std::string& d) {
   if (d == "F64" || d == "I64" || d == "U64") return 8;
   if (d == "I8" || d == "U8" || d == "BOOL") return 1;
   return 0;
-}
-
-float half_to_float(uint16_t h) {
-  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) bits = sign;
-    else {  // subnormal
-      int e = -1;
-      do { mant <<= 1; ++e; } while (!(mant & 0x400));
-      bits = sign | ((127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) bits = sign | 0x7f800000u | (mant << 13);
-  else bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 }  // namespace
@@ -111,11 +95,7 @@ void SafetensorsReader::read_f32(const std::string& name, float* dst, int64_t nu
       } else {
         uint16_t h;
         std::memcpy(&h, buf.data() + 2 * i, 2);
-        if (e.dtype == "F16") dst[i] = half_to_float(h);
-        else {
-          uint32_t bits = uint32_t{h} << 16;
-          std::memcpy(&dst[i], &bits, 4);
-        }
+        dst[i] = e.dtype == "F16" ? f16_to_f32(h) : bf16_to_f32(h);
       }
     }
   }

@@ -1,0 +1,321 @@
+#include "comm/communicator.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/half.h"
+
+namespace mt {
+
+namespace {
+
+constexpr size_t kHistory = 64;  // flight recorder length per group
+
+// What every rank of a group must agree on for a collective (debug mode).
+struct Descriptor {
+  uint64_t seq;
+  int32_t op, dtype;
+  int64_t count;
+  int32_t peer, pad;
+};
+
+bool is_reducible(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
+
+}  // namespace
+
+const char* comm_op_name(CommOp op) {
+  switch (op) {
+    case CommOp::allreduce: return "allreduce";
+    case CommOp::reduce_scatter: return "reduce_scatter";
+    case CommOp::allgather: return "allgather";
+    case CommOp::broadcast: return "broadcast";
+    case CommOp::send: return "send";
+    case CommOp::recv: return "recv";
+    case CommOp::barrier: return "barrier";
+  }
+  return "?";
+}
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string CommRecord::describe() const {
+  std::ostringstream os;
+  os << "#" << seq << " " << comm_op_name(op);
+  if (op != CommOp::barrier) os << " " << dtype_name(dtype) << " x " << count;
+  if (peer >= 0) os << (op == CommOp::broadcast ? " root " : " peer ") << peer;
+  if (end_s > 0) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " (%.3f ms)", (end_s - start_s) * 1e3);
+    os << buf;
+  } else if (start_s > 0) {
+    os << " (running)";
+  } else {
+    os << " (queued)";
+  }
+  return os.str();
+}
+
+void Work::wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return done_; });
+  if (!error_.empty()) throw Error(error_);
+}
+
+bool Work::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+Communicator::Communicator(int rank, int size, int world_rank, std::string name, CommOptions opts)
+    : rank_(rank), size_(size), world_rank_(world_rank), name_(std::move(name)), opts_(opts), t0_(now_seconds()) {
+  thread_ = std::thread([this] { thread_main(); });
+  watchdog_ = std::thread([this] { watchdog_main(); });
+}
+
+Communicator::~Communicator() { stop_thread(); }
+
+void Communicator::stop_thread() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (watchdog_.joinable()) watchdog_.join();
+}
+
+WorkPtr Communicator::submit(CommRecord rec, std::function<void()> run) {
+  auto work = std::make_shared<Work>();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    MT_CHECK(!stopping_, "internal: communicator " << name_ << " used after shutdown");
+    rec.seq = next_seq_++;
+    queue_.push_back({rec, std::move(run), work});
+  }
+  cv_.notify_all();
+  return work;
+}
+
+void Communicator::thread_main() {
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      task.rec.start_s = now_seconds() - t0_;
+      history_.push_back(task.rec);
+      if (history_.size() > kHistory) history_.pop_front();
+    }
+    running_since_ms_ = static_cast<int64_t>(now_seconds() * 1000);
+    std::string error;
+    try {
+      if (opts_.debug && task.rec.op != CommOp::send && task.rec.op != CommOp::recv) check_same_everywhere(task.rec);
+      task.run();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    running_since_ms_ = -1;
+    // Release the operation's tensors before the caller can see it done: the caller may
+    // free their allocator right after wait().
+    task.run = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      history_.back().end_s = now_seconds() - t0_;  // the running task is the newest entry
+    }
+    {
+      std::lock_guard<std::mutex> lock(task.work->mu_);
+      task.work->done_ = true;
+      task.work->error_ = error;
+    }
+    task.work->cv_.notify_all();
+  }
+}
+
+void Communicator::watchdog_main() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(100));
+    const int64_t since = running_since_ms_;
+    if (opts_.timeout_s <= 0 || since < 0) continue;
+    const double waited = now_seconds() - since / 1000.0;
+    if (waited < opts_.timeout_s) continue;
+    lock.unlock();
+    std::fprintf(stderr,
+                 "meshtrain: rank %d: error: a %s operation on group '%s' has not finished after %.0f s "
+                 "(parallel.timeout_s = %g): another rank is stuck, dead, or issued a different operation; "
+                 "rerun with parallel.debug_collectives=true to check.\n%s",
+                 world_rank_, name_.c_str(), name_.c_str(), waited, opts_.timeout_s, flight_dump().c_str());
+    std::fflush(stderr);
+    // Give the other ranks' watchdogs a moment to print their recorders too.
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    abort_job(3);
+  }
+}
+
+std::vector<CommRecord> Communicator::flight_record() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<CommRecord> r(history_.begin(), history_.end());
+  for (const Task& t : queue_) r.push_back(t.rec);
+  return r;
+}
+
+std::string Communicator::flight_dump() const {
+  std::ostringstream os;
+  os << "flight recorder of rank " << world_rank_ << ", group '" << name_ << "' (rank " << rank_ << " of " << size_
+     << "), oldest first:\n";
+  for (const CommRecord& r : flight_record()) os << "  " << r.describe() << "\n";
+  return os.str();
+}
+
+void Communicator::check_same_everywhere(const CommRecord& rec) {
+  Descriptor mine{rec.seq, static_cast<int32_t>(rec.op), static_cast<int32_t>(rec.dtype), rec.count,
+                  rec.op == CommOp::broadcast ? rec.peer : -1, 0};
+  std::vector<Descriptor> all(size_);
+  raw_allgather(&mine, all.data(), sizeof(Descriptor));
+  bool same = true;
+  for (const Descriptor& d : all)
+    same = same && d.op == mine.op && d.dtype == mine.dtype && d.count == mine.count && d.peer == mine.peer &&
+           d.seq == mine.seq;
+  if (same) return;
+  std::ostringstream os;
+  os << "collective mismatch on group '" << name_ << "' (" << size_ << " ranks):";
+  for (int r = 0; r < size_; ++r) {
+    CommRecord x;
+    x.seq = all[r].seq, x.op = static_cast<CommOp>(all[r].op), x.dtype = static_cast<DType>(all[r].dtype);
+    x.count = all[r].count, x.peer = all[r].peer;
+    x.start_s = 1;  // shown as running
+    os << "\n  rank " << r << ": " << x.describe();
+  }
+  os << "\nevery rank of a group must issue the same collectives in the same order";
+  throw Error(os.str());
+}
+
+Tensor Communicator::staging(int64_t numel, DType dtype) const {
+  if (opts_.alloc) return Tensor::empty({numel}, dtype, *opts_.alloc, MemTag::comm);
+  static CpuAllocator uncounted;  // only for communicators made without an allocator (tests)
+  return Tensor::empty({numel}, dtype, uncounted, MemTag::comm);
+}
+
+// in[size * n] -> out[n]: every rank sends chunk r of its input to rank r, then sums the
+// pieces it received in rank order, in float.
+void Communicator::reduce_scatter_raw(const Tensor& in, const Tensor& out) {
+  const int64_t n = out.numel();
+  const size_t es = dtype_size(in.dtype());
+  Tensor recv = staging(n * size_, in.dtype());
+  raw_alltoall(in.raw(), recv.raw(), n * es);
+  if (in.dtype() == DType::f32) {
+    const float* r = recv.f32();
+    float* o = out.f32();
+    for (int64_t i = 0; i < n; ++i) o[i] = r[i];
+    for (int k = 1; k < size_; ++k)
+      for (int64_t i = 0; i < n; ++i) o[i] += r[k * n + i];
+    return;
+  }
+  const bool bf = in.dtype() == DType::bf16;
+  const uint16_t* r = recv.data<uint16_t>();
+  uint16_t* o = out.data<uint16_t>();
+  std::vector<float> acc(n, 0.0f);
+  for (int k = 0; k < size_; ++k)
+    for (int64_t i = 0; i < n; ++i) acc[i] += bf ? bf16_to_f32(r[k * n + i]) : f16_to_f32(r[k * n + i]);
+  for (int64_t i = 0; i < n; ++i) o[i] = bf ? f32_to_bf16(acc[i]) : f32_to_f16(acc[i]);
+}
+
+WorkPtr Communicator::allreduce_async(const Tensor& t) {
+  MT_CHECK(is_reducible(t.dtype()), "allreduce of " << dtype_name(t.dtype()) << ": only f32, bf16 and f16 reduce");
+  CommRecord rec{0, CommOp::allreduce, t.dtype(), t.numel()};
+  return submit(rec, [this, t] {
+    const int64_t n = t.numel(), chunk = (n + size_ - 1) / size_;
+    const size_t es = dtype_size(t.dtype());
+    Tensor mine = staging(chunk, t.dtype());
+    if (n == chunk * size_) {
+      reduce_scatter_raw(t, mine);
+      raw_allgather(mine.raw(), t.raw(), chunk * es);
+      return;
+    }
+    Tensor padded = staging(chunk * size_, t.dtype());  // n padded to a multiple of size
+    std::memset(padded.raw(), 0, padded.nbytes());
+    std::memcpy(padded.raw(), t.raw(), t.nbytes());
+    reduce_scatter_raw(padded, mine);
+    raw_allgather(mine.raw(), padded.raw(), chunk * es);
+    std::memcpy(t.raw(), padded.raw(), t.nbytes());
+  });
+}
+
+WorkPtr Communicator::reduce_scatter_async(const Tensor& in, const Tensor& out) {
+  MT_CHECK(is_reducible(in.dtype()) && in.dtype() == out.dtype(),
+           "reduce_scatter needs f32, bf16 or f16 tensors of one dtype");
+  MT_CHECK(in.numel() == out.numel() * size_, "reduce_scatter on group '" << name_ << "': input of " << in.numel()
+                                                                         << " elements is not " << size_
+                                                                         << " x the output's " << out.numel());
+  CommRecord rec{0, CommOp::reduce_scatter, in.dtype(), in.numel()};
+  return submit(rec, [this, in, out] { reduce_scatter_raw(in, out); });
+}
+
+WorkPtr Communicator::allgather_async(const Tensor& in, const Tensor& out) {
+  MT_CHECK(in.dtype() == out.dtype(), "allgather: input and output dtypes differ");
+  MT_CHECK(out.numel() == in.numel() * size_, "allgather on group '" << name_ << "': output of " << out.numel()
+                                                                    << " elements is not " << size_
+                                                                    << " x the input's " << in.numel());
+  CommRecord rec{0, CommOp::allgather, in.dtype(), in.numel()};
+  return submit(rec, [this, in, out] { raw_allgather(in.raw(), out.raw(), in.nbytes()); });
+}
+
+WorkPtr Communicator::broadcast_async(const Tensor& t, int root) {
+  MT_CHECK(root >= 0 && root < size_, "broadcast root " << root << " is not a rank of group '" << name_ << "'");
+  CommRecord rec{0, CommOp::broadcast, t.dtype(), t.numel(), root};
+  return submit(rec, [this, t, root] { raw_broadcast(t.raw(), t.nbytes(), root); });
+}
+
+WorkPtr Communicator::send_async(const Tensor& t, int peer) {
+  MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "send to rank " << peer << " of group '" << name_ << "'");
+  CommRecord rec{0, CommOp::send, t.dtype(), t.numel(), peer};
+  return submit(rec, [this, t, peer] { raw_send(t.raw(), t.nbytes(), peer); });
+}
+
+WorkPtr Communicator::recv_async(const Tensor& t, int peer) {
+  MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "recv from rank " << peer << " of group '" << name_ << "'");
+  CommRecord rec{0, CommOp::recv, t.dtype(), t.numel(), peer};
+  return submit(rec, [this, t, peer] { raw_recv(t.raw(), t.nbytes(), peer); });
+}
+
+void Communicator::barrier() {
+  CommRecord rec{0, CommOp::barrier, DType::u16, 0};
+  submit(rec, [this] {
+    std::vector<char> in(1), out(size_);
+    raw_allgather(in.data(), out.data(), 1);
+  })->wait();
+}
+
+namespace {
+
+class LocalComm final : public Communicator {
+ public:
+  explicit LocalComm(CommOptions o, std::string name = "world") : Communicator(0, 1, 0, std::move(name), o) {}
+  ~LocalComm() override { stop_thread(); }
+  std::unique_ptr<Communicator> split(int, int, const std::string& name) override {
+    return std::make_unique<LocalComm>(options(), name);
+  }
+  [[noreturn]] void abort_job(int code) override { std::_Exit(code); }
+
+ protected:
+  void raw_alltoall(const void* s, void* r, size_t bytes) override { std::memcpy(r, s, bytes); }
+  void raw_allgather(const void* s, void* r, size_t bytes) override { std::memcpy(r, s, bytes); }
+  void raw_broadcast(void*, size_t, int) override {}
+  void raw_send(const void*, size_t, int) override { MT_FAIL("internal: send on a single-rank group"); }
+  void raw_recv(void*, size_t, int) override { MT_FAIL("internal: recv on a single-rank group"); }
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> comm_local(CommOptions opts) { return std::make_unique<LocalComm>(opts); }
+
+}  // namespace mt

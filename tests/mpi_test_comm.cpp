@@ -1,0 +1,194 @@
+// Collectives under mpirun (tests/CMakeLists.txt runs this with 2 and 4 ranks): closed-form
+// results, the asynchronous path, determinism, the mesh, and the error paths.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <thread>
+
+#include "comm/mesh.h"
+#include "comm/mpi_comm.h"
+#include "core/error.h"
+#include "core/half.h"
+#include "core/rng.h"
+
+using namespace mt;
+
+namespace {
+
+Communicator* g_world = nullptr;  // the test program's world, set in main
+
+Tensor filled(CpuAllocator& a, int64_t n, float v) {
+  Tensor t = Tensor::empty({n}, DType::f32, a, MemTag::comm);
+  for (int64_t i = 0; i < n; ++i) t.f32()[i] = v;
+  return t;
+}
+
+TEST(Collectives, AllreduceSumsRanksForEveryLength) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  const int n = w.size();
+  for (int64_t len : {1, 3, 7, 64, 1000, 65537}) {
+    Tensor t = filled(a, len, w.rank() + 1.0f);
+    w.allreduce(t);
+    for (int64_t i = 0; i < len; ++i) ASSERT_EQ(t.f32()[i], n * (n + 1) / 2.0f) << "length " << len;
+  }
+}
+
+TEST(Collectives, AllreduceBf16AndFp16RoundOnce) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    Tensor t = Tensor::empty({5}, dt, a, MemTag::comm);
+    uint16_t* p = t.data<uint16_t>();
+    for (int i = 0; i < 5; ++i) {
+      float v = 0.1f * (i + 1) * (w.rank() + 1);
+      p[i] = dt == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+    }
+    w.allreduce(t);
+    for (int i = 0; i < 5; ++i) {
+      // the expectation: the same inputs summed in float in rank order, rounded once
+      float acc = 0;
+      for (int r = 0; r < w.size(); ++r) {
+        float v = 0.1f * (i + 1) * (r + 1);
+        acc += dt == DType::bf16 ? bf16_to_f32(f32_to_bf16(v)) : f16_to_f32(f32_to_f16(v));
+      }
+      EXPECT_EQ(p[i], dt == DType::bf16 ? f32_to_bf16(acc) : f32_to_f16(acc)) << dtype_name(dt) << " " << i;
+    }
+  }
+}
+
+TEST(Collectives, ReduceScatterAllgatherBroadcastSendRecv) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  const int n = w.size(), r = w.rank(), len = 3;
+  Tensor in = Tensor::empty({n * len}, DType::f32, a, MemTag::comm), out = filled(a, len, 0);
+  for (int i = 0; i < n * len; ++i) in.f32()[i] = 100.0f * r + i;
+  w.reduce_scatter(in, out);
+  for (int i = 0; i < len; ++i) EXPECT_EQ(out.f32()[i], 100.0f * n * (n - 1) / 2 + n * (r * len + i));
+
+  Tensor mine = filled(a, len, r * 10.0f), all = filled(a, n * len, -1);
+  w.allgather(mine, all);
+  for (int k = 0; k < n; ++k) EXPECT_EQ(all.f32()[k * len + 1], k * 10.0f);
+
+  Tensor b = filled(a, 4, r == n - 1 ? 42.0f : 0.0f);
+  w.broadcast(b, n - 1);
+  EXPECT_EQ(b.f32()[3], 42.0f);
+
+  // a ring: send to the right, receive from the left (async send so no one deadlocks)
+  Tensor s = filled(a, 2, r + 0.5f), got = filled(a, 2, -1);
+  WorkPtr sw = w.send_async(s, (r + 1) % n);
+  WorkPtr rw = w.recv_async(got, (r + n - 1) % n);
+  sw->wait();
+  rw->wait();
+  EXPECT_EQ(got.f32()[0], (r + n - 1) % n + 0.5f);
+}
+
+// Summation happens in rank order elementwise, so the result of a bucket does not depend
+// on which other elements share its message: two halves equal the whole, bit for bit.
+TEST(Collectives, BucketingDoesNotChangeTheSum) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  const int64_t len = 1001;
+  Philox rng{77};
+  Tensor whole = filled(a, len, 0), parts = filled(a, len, 0);
+  for (int64_t i = 0; i < len; ++i) whole.f32()[i] = parts.f32()[i] = static_cast<float>(rng.normal(w.rank(), i));
+  w.allreduce(whole);
+  w.allreduce(parts.view(0, {400}));
+  w.allreduce(parts.view(400, {601}));
+  EXPECT_EQ(0, std::memcmp(whole.f32(), parts.f32(), len * 4));
+}
+
+// The asynchronous path progresses on the communication thread while this one computes.
+TEST(Collectives, AsyncProgressesDuringCompute) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  Tensor t = filled(a, 1 << 16, 1.0f);
+  WorkPtr work = w.allreduce_async(t);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!work->done() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20)) {
+    volatile double x = 0;  // "compute" that never waits on the work
+    for (int i = 0; i < 100000; ++i) x += i;
+  }
+  EXPECT_TRUE(work->done()) << "the allreduce did not complete while the caller computed";
+  work->wait();
+  EXPECT_EQ(t.f32()[123], static_cast<float>(w.size()));
+  auto rec = w.flight_record();
+  ASSERT_FALSE(rec.empty());
+  EXPECT_GT(rec.back().end_s, 0.0);
+}
+
+TEST(Collectives, BadSizesAreErrors) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  Tensor in = filled(a, 5, 0), out = filled(a, 2, 0);
+  EXPECT_THROW(w.reduce_scatter_async(in, out), Error);
+  EXPECT_THROW(w.allgather_async(out, in), Error);
+  EXPECT_THROW(w.broadcast_async(out, w.size()), Error);
+  Tensor ints = Tensor::empty({4}, DType::i32, a, MemTag::comm);
+  EXPECT_THROW(w.allreduce_async(ints), Error);
+}
+
+// With debug on, ranks that issue different collectives get an error naming them.
+TEST(Collectives, DebugModeNamesMismatchedRanks) {
+  Communicator& w = *g_world;
+  auto dbg = w.split(0, w.rank(), "debugged");
+  CommOptions o = dbg->options();
+  o.debug = true;
+  dbg->set_options(o);
+  CpuAllocator a;
+  Tensor t = filled(a, w.rank() == 1 ? 8 : 4, 1.0f);
+  try {
+    dbg->allreduce(t);
+    FAIL() << "expected a mismatch error";
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("collective mismatch on group 'debugged'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 1: #0 allreduce f32 x 8"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 0: #0 allreduce f32 x 4"), std::string::npos) << msg;
+  }
+  Tensor ok = filled(a, 4, 1.0f);
+  dbg->allreduce(ok);  // the group still works afterwards
+  EXPECT_EQ(ok.f32()[0], static_cast<float>(w.size()));
+}
+
+TEST(Mesh, AxesSplitTheWorld) {
+  Communicator& w = *g_world;
+  const int n = w.size();
+  EXPECT_THROW(Mesh(w, n + 1, 1, 1), Error);
+  if (n != 4) GTEST_SKIP() << "the 2 x 2 layouts need 4 ranks";
+  Mesh m(w, 2, 1, 2);  // tp fastest: ranks {0,1} and {2,3} are tp groups
+  EXPECT_EQ(m.tp().size(), 2);
+  EXPECT_EQ(m.dp().size(), 2);
+  EXPECT_EQ(m.pp().size(), 1);
+  EXPECT_EQ(m.tp().rank(), w.rank() % 2);
+  EXPECT_EQ(m.dp().rank(), w.rank() / 2);
+  // allreduce over tp sums the two neighbours only
+  CpuAllocator a;
+  Tensor t = filled(a, 1, static_cast<float>(w.rank()));
+  m.tp().allreduce(t);
+  EXPECT_EQ(t.f32()[0], w.rank() < 2 ? 1.0f : 5.0f);
+  Mesh pp(w, 1, 2, 2);
+  EXPECT_EQ(pp.pp().rank(), w.rank() / 2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MpiRuntime mpi(&argc, &argv);
+  int rc;
+  {
+    auto world = mpi.world(CommOptions{false, 60, nullptr});
+    g_world = world.get();
+    ::testing::InitGoogleTest(&argc, argv);
+    if (world->rank() != 0) ::testing::GTEST_FLAG(brief) = true;
+    rc = RUN_ALL_TESTS();
+    // every rank's verdict decides the exit status of all
+    CpuAllocator a;
+    Tensor failed = Tensor::empty({1}, DType::f32, a, MemTag::comm);
+    failed.f32()[0] = rc != 0;
+    world->allreduce(failed);
+    rc = failed.f32()[0] > 0;
+  }
+  return rc;
+}
