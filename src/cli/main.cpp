@@ -1,15 +1,23 @@
 // The meshtrain command.
 //
 //   meshtrain train [--config FILE.toml] [--section.key=value ...]   train a model
+//   meshtrain launch -n N [mpirun options] train ...                 the same on N ranks
 //   meshtrain prepare --input text.txt --out tokens.bin [...]        text -> token file
 //   meshtrain export --checkpoint DIR --out model.safetensors        Hugging Face weights
 //   meshtrain sample --checkpoint DIR [--prompt TEXT] [...]          generate text
+//   meshtrain bench comm [...]                                       collective bandwidth
+//
+// Started by mpirun or srun (or `meshtrain launch`), train and bench run as ranks of one
+// job: rank 0 prints, the others speak only to report errors.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "cli/commands.h"                     // cmd_launch, cmd_bench_comm
+#include "comm/mpi_comm.h"                    // MpiRuntime, mpi_launched
 #include "core/error.h"                       // mt::Error: every user-facing failure
 #include "data/token_file.h"                  // token_file_write
 #include "data/tokenizer.h"                   // tokenizer_make, sentencepiece_train
@@ -21,19 +29,15 @@
 
 namespace {
 
-int cmd_train(const std::vector<std::string>& args) {
+// Parses `train`'s options into a configuration. Errors here are the same on every rank.
+mt::Config train_config(const std::vector<std::string>& args, int world_size, bool* help) {
   std::string config_path;
   std::vector<std::string> overrides;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
-      std::printf("usage: meshtrain train [--config FILE.toml] [--section.key=value ...]\n\nkeys (defaults):\n");
-      auto j = mt::config_to_json(mt::Config{});
-      for (const std::string& k : mt::config_keys()) {
-        std::string sec = k.substr(0, k.find('.')), key = k.substr(k.find('.') + 1);
-        std::printf("  %-26s %s\n", k.c_str(), j[sec][key].dump().c_str());
-      }
-      return 0;
+      *help = true;
+      return {};
     }
     MT_CHECK(a.rfind("--", 0) == 0, "unexpected argument \"" << a << "\"; options look like --training.steps=100");
     std::string body = a.substr(2);
@@ -50,20 +54,81 @@ int cmd_train(const std::vector<std::string>& args) {
     else overrides.push_back(body + "=" + value);
   }
   mt::Config cfg = mt::config_load(config_path, overrides);
-  mt::train(cfg);
-  return 0;
+  cfg.resolve_layout(world_size);
+  return cfg;
+}
+
+void print_train_help() {
+  std::printf("usage: meshtrain train [--config FILE.toml] [--section.key=value ...]\n\nkeys (defaults):\n");
+  auto j = mt::config_to_json(mt::Config{});
+  for (const std::string& k : mt::config_keys()) {
+    std::string sec = k.substr(0, k.find('.')), key = k.substr(k.find('.') + 1);
+    std::printf("  %-28s %s\n", k.c_str(), j[sec][key].dump().c_str());
+  }
+}
+
+// Runs train or bench as one rank of a job (or alone).
+int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, int* argc, char*** argv) {
+  std::optional<mt::MpiRuntime> mpi;
+  std::unique_ptr<mt::Communicator> world;
+  try {
+    if (mt::mpi_launched()) {
+      mpi.emplace(argc, argv);
+      world = mpi->world();
+    } else {
+      world = mt::comm_local();
+    }
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+    return 1;
+  }
+  const bool lead = world->rank() == 0;
+  mt::Config cfg;
+  if (cmd == "train") {
+    // Configuration and layout errors: every rank reaches the same verdict, rank 0 says it.
+    try {
+      bool help = false;
+      cfg = train_config(args, world->size(), &help);
+      if (help) {
+        if (lead) print_train_help();
+        return 0;
+      }
+    } catch (const mt::Error& e) {
+      if (lead) std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+      return 1;
+    }
+  }
+  // From here on a failure may be one rank's alone: it names its rank and ends the job.
+  try {
+    if (cmd == "train") mt::train(cfg, *world);
+    else if (!args.empty() && args[0] == "comm") return mt::cmd_bench_comm({args.begin() + 1, args.end()}, *world);
+    else MT_FAIL("bench: the benchmark is `comm` (meshtrain launch -n 2 bench comm); step benchmarks are in bench/");
+    return 0;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    if (world->size() > 1) {
+      std::fprintf(stderr, "meshtrain: rank %d: error: %s\n", world->rank(), e.what());
+      std::fflush(stderr);
+      world->abort_job(1);
+    }
+    std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+    return 1;
+  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
-    if (argc >= 2 && std::string(argv[1]) == "train")
-      return cmd_train(std::vector<std::string>(argv + 2, argv + argc));
+    const std::string cmd = argc >= 2 ? argv[1] : "";
+    if (cmd == "train" || cmd == "bench") return run_as_rank(cmd, std::vector<std::string>(argv + 2, argv + argc), &argc, &argv);
+    if (cmd == "launch") return mt::cmd_launch(std::vector<std::string>(argv + 2, argv + argc), argv[0]);
 
     CLI::App app{"meshtrain: train transformer language models (see README.md)"};
     app.require_subcommand(1);
     app.add_subcommand("train", "train a model: meshtrain train [--config FILE.toml] [--section.key=value ...]");
+    app.add_subcommand("launch", "run on N ranks: meshtrain launch -n N [mpirun options] train ...");
+    app.add_subcommand("bench", "meshtrain launch -n N bench comm: collective bandwidth");
 
     auto* prep = app.add_subcommand("prepare", "tokenize a text file into a token file");
     std::string input, out = "tokens.bin", val_out, tokenizer = "byte", sp_prefix;

@@ -49,13 +49,13 @@ int64_t TokenLoader::sequence_at(int64_t g) const {
   return perm_[static_cast<size_t>(g % S)];
 }
 
-void TokenLoader::fill(int64_t first, int64_t count, int32_t* inputs, int32_t* targets) const {
-  MT_CHECK(first >= 0 && count >= 0, "cannot read " << count << " sequences from position " << first);
+void TokenLoader::fill(int64_t first, int64_t count, int32_t* inputs, int32_t* targets, int64_t stride) const {
+  MT_CHECK(first >= 0 && count >= 0 && stride >= 1, "cannot read " << count << " sequences from position " << first);
   const int64_t n = num_tokens();
   const int64_t T = seq_len_;
   const int32_t* tok = tokens_.data();
   for (int64_t k = 0; k < count; ++k) {
-    const int64_t j = sequence_at(first + k);
+    const int64_t j = sequence_at(first + k * stride);
     // Start of sequence j, reduced first so j*T cannot overflow for any reachable j.
     int64_t pos = ((j % n) * (T % n)) % n;
     int32_t* in = inputs + k * T;

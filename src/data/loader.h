@@ -23,7 +23,9 @@ class TokenLoader {
   // The sequence index read at global position g.
   int64_t sequence_at(int64_t g) const;
   // Fills inputs/targets [count, T] with the sequences at positions first .. first+count-1.
-  void fill(int64_t first, int64_t count, int32_t* inputs, int32_t* targets) const;
+  // With stride s, the positions are first, first+s, …, first+(count-1)*s: a data-parallel
+  // rank r of R reads positions step*G + r + R*i (DistributedSampler's interleaving).
+  void fill(int64_t first, int64_t count, int32_t* inputs, int32_t* targets, int64_t stride = 1) const;
   const std::vector<int32_t>& tokens() const { return tokens_; }
 
  private:

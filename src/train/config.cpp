@@ -128,6 +128,16 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("optim.step_size", &C::optim, &OptimConfig::step_size));
     v.push_back(num_key("optim.step_gamma", &C::optim, &OptimConfig::step_gamma));
 
+    v.push_back(int_key("parallel.dp", &C::parallel, &ParallelConfig::dp));
+    v.push_back(int_key("parallel.tp", &C::parallel, &ParallelConfig::tp));
+    v.push_back(int_key("parallel.pp", &C::parallel, &ParallelConfig::pp));
+    v.push_back(num_key("parallel.bucket_mb", &C::parallel, &ParallelConfig::bucket_mb));
+    v.push_back(str_key("parallel.grad_comm_dtype", &C::parallel, &ParallelConfig::grad_comm_dtype, {"fp32", "bf16", "fp16"}));
+    v.push_back(bool_key("parallel.overlap", &C::parallel, &ParallelConfig::overlap));
+    v.push_back(bool_key("parallel.debug_collectives", &C::parallel, &ParallelConfig::debug_collectives));
+    v.push_back(num_key("parallel.timeout_s", &C::parallel, &ParallelConfig::timeout_s));
+    v.push_back(str_key("parallel.test_fault", &C::parallel, &ParallelConfig::test_fault));
+
     v.push_back(str_key("checkpoint.dir", &C::checkpoint, &CheckpointConfig::dir));
     v.push_back(int_key("checkpoint.every", &C::checkpoint, &CheckpointConfig::every));
     v.push_back(bool_key("checkpoint.resume", &C::checkpoint, &CheckpointConfig::resume));
@@ -174,7 +184,7 @@ const Key& find_key(const std::string& name) {
   if (best_d <= 3) MT_FAIL("unknown configuration key " << name << "; did you mean " << best << "?");
   if (!same.empty()) MT_FAIL("unknown configuration key " << name << "; the [" << section << "] keys are: " << same);
   MT_FAIL("unknown configuration key " << name
-                                      << "; sections are model, data, training, optim, checkpoint, logging");
+                                      << "; sections are model, data, training, optim, parallel, checkpoint, logging");
 }
 
 std::string toml_value_text(const std::string& key, const toml::node& n) {
@@ -212,7 +222,7 @@ Config config_load(const std::string& toml_path, const std::vector<std::string>&
     for (auto&& [section, node] : tbl) {
       const toml::table* t = node.as_table();
       MT_CHECK(t, "config " << toml_path << ": top-level key " << section.str()
-                            << " must be a section like [model], [data], [training], [optim], [checkpoint], [logging]");
+                            << " must be a section like [model], [data], [training], [optim], [parallel], [checkpoint], [logging]");
       for (auto&& [key, value] : *t) {
         std::string name = std::string(section.str()) + "." + std::string(key.str());
         find_key(name).set(c, toml_value_text(name, value));
@@ -232,8 +242,10 @@ void Config::validate() const {
   model.validate();
   optim.validate();
   MT_CHECK(training.steps >= 0, "training.steps = " << training.steps << " must not be negative");
-  MT_CHECK(training.micro_batch >= 1, "training.micro_batch = " << training.micro_batch << " must be at least 1");
-  MT_CHECK(training.global_batch >= 1 && training.global_batch % training.micro_batch == 0,
+  MT_CHECK(training.micro_batch >= 0, "training.micro_batch = " << training.micro_batch
+                                                                << " must be positive (0: global_batch / dp)");
+  MT_CHECK(training.global_batch >= 1, "training.global_batch = " << training.global_batch << " must be at least 1");
+  MT_CHECK(training.micro_batch == 0 || training.global_batch % training.micro_batch == 0,
            "training.global_batch = " << training.global_batch << " is not a multiple of training.micro_batch = "
                                       << training.micro_batch << "; set global_batch to micro_batch times the number "
                                       << "of accumulation steps");
@@ -245,6 +257,36 @@ void Config::validate() const {
   MT_CHECK(checkpoint.keep >= 0, "checkpoint.keep must not be negative (0 keeps all)");
   MT_CHECK(!checkpoint.resume || !checkpoint.dir.empty(), "checkpoint.resume=true needs checkpoint.dir");
   MT_CHECK(logging.every >= 1, "logging.every must be at least 1");
+  MT_CHECK(parallel.dp >= 0, "parallel.dp = " << parallel.dp << " must not be negative (0: all remaining ranks)");
+  MT_CHECK(parallel.tp == 1, "parallel.tp = " << parallel.tp << ": tensor parallelism is not available yet; use parallel.tp=1");
+  MT_CHECK(parallel.pp == 1, "parallel.pp = " << parallel.pp << ": pipeline parallelism is not available yet; use parallel.pp=1");
+  MT_CHECK(parallel.bucket_mb > 0, "parallel.bucket_mb = " << parallel.bucket_mb << " must be positive");
+  MT_CHECK(parallel.timeout_s >= 0, "parallel.timeout_s must not be negative (0: no watchdog)");
+}
+
+void Config::resolve_layout(int world_size) {
+  const int tp_pp = parallel.tp * parallel.pp;
+  if (parallel.dp == 0) {
+    MT_CHECK(world_size % tp_pp == 0, "the job has " << world_size << " ranks, not a multiple of parallel.tp x parallel.pp = "
+                                                     << tp_pp << "; launch a multiple of " << tp_pp << " ranks");
+    parallel.dp = world_size / tp_pp;
+  }
+  MT_CHECK(world_size == parallel.dp * tp_pp,
+           "the job has " << world_size << " ranks but parallel.dp x parallel.pp x parallel.tp = " << parallel.dp << " x "
+                          << parallel.pp << " x " << parallel.tp << " = " << parallel.dp * tp_pp << "; launch "
+                          << parallel.dp * tp_pp << " ranks (meshtrain launch -n " << parallel.dp * tp_pp
+                          << ") or set parallel.dp=" << world_size / tp_pp);
+  if (training.micro_batch == 0) {
+    MT_CHECK(training.global_batch % parallel.dp == 0, "training.global_batch = " << training.global_batch
+                                                                                 << " is not divisible by parallel.dp = "
+                                                                                 << parallel.dp);
+    training.micro_batch = training.global_batch / parallel.dp;
+  }
+  const int64_t per_step = int64_t{parallel.dp} * training.micro_batch;
+  MT_CHECK(training.global_batch % per_step == 0,
+           "training.global_batch = " << training.global_batch << " is not divisible by parallel.dp x training.micro_batch = "
+                                      << parallel.dp << " x " << training.micro_batch << " = " << per_step
+                                      << "; make global_batch a multiple of " << per_step);
 }
 
 nlohmann::json config_to_json(const Config& c) {

@@ -10,6 +10,7 @@
 
 #include "nn/model_config.h"
 #include "optim/optimizer.h"
+#include "parallel/parallel_config.h"
 
 namespace mt {
 
@@ -24,11 +25,11 @@ struct DataConfig {
 struct TrainingConfig {
   int64_t steps = 500;
   int64_t global_batch = 16;  // sequences per optimizer step, whole mesh
-  int64_t micro_batch = 16;   // sequences per forward/backward per rank
+  int64_t micro_batch = 0;    // sequences per forward/backward per rank; 0: global_batch / dp
   uint64_t seed = 1337;
   bool recompute = false;     // recompute each block's activations in backward
   int64_t val_every = 100;    // validation every N steps (and at the end); 0: never
-  int64_t val_batches = 4;    // micro-batches per validation
+  int64_t val_batches = 4;    // global batches of validation sequences per validation
   int threads = 0;            // OpenMP threads; 0: all cores
 };
 
@@ -51,10 +52,14 @@ struct Config {
   DataConfig data;
   TrainingConfig training;
   OptimConfig optim;
+  ParallelConfig parallel;
   CheckpointConfig checkpoint;
   LoggingConfig logging;
 
-  void validate() const;  // cross-key checks (batch divisibility, …)
+  void validate() const;  // cross-key checks that do not depend on the number of ranks
+  // Fills parallel.dp from the world size when 0 and checks the layout: world size =
+  // dp x pp x tp, global_batch divisible by dp x micro_batch. Same verdict on every rank.
+  void resolve_layout(int world_size);
 };
 
 // Applies a TOML file (if non-empty) then the overrides ("section.key=value", no dashes).

@@ -9,7 +9,9 @@
 
 namespace mt {
 
-MetricsLog::MetricsLog(const std::string& path, const std::string& progress, int64_t every) : every_(every) {
+MetricsLog::MetricsLog(const std::string& path, const std::string& progress, int64_t every, bool enabled)
+    : every_(every), enabled_(enabled) {
+  if (!enabled) return;
   if (!path.empty()) {
     file_ = std::fopen(path.c_str(), "a");
     MT_CHECK(file_, "cannot open logging.metrics file " << path << ": " << std::strerror(errno));
@@ -38,6 +40,7 @@ static std::string format_duration(double s) {
 }
 
 void MetricsLog::progress(int64_t step, int64_t total, double loss, double lr, double tokens_per_s, double eta_s) {
+  if (!enabled_) return;
   char buf[256];
   std::snprintf(buf, sizeof buf, "step %lld/%lld | loss %.4f | lr %.2e | %.1fk tok/s | eta %s",
                 static_cast<long long>(step + 1), static_cast<long long>(total), loss, lr, tokens_per_s / 1000.0,
@@ -54,6 +57,7 @@ void MetricsLog::progress(int64_t step, int64_t total, double loss, double lr, d
 }
 
 void MetricsLog::message(const std::string& line) {
+  if (!enabled_) return;
   if (line_open_) {
     std::fprintf(stderr, "\r\033[K");
     line_open_ = false;

@@ -13,7 +13,8 @@ namespace mt {
 class MetricsLog {
  public:
   // path empty: no file. progress: "auto" (a terminal gets a live line) | "on" | "off".
-  MetricsLog(const std::string& path, const std::string& progress, int64_t every);
+  // A log that is not enabled (ranks other than 0) writes and prints nothing.
+  MetricsLog(const std::string& path, const std::string& progress, int64_t every, bool enabled = true);
   ~MetricsLog();
   void write(const nlohmann::json& j);  // one line in the metrics file
   // The progress line (terminal) or a log line every `every` steps.
@@ -24,6 +25,7 @@ class MetricsLog {
   FILE* file_ = nullptr;
   bool live_ = false;
   bool line_open_ = false;
+  bool enabled_;
   int64_t every_;
 };
 

@@ -7,7 +7,10 @@
 #include <cmath>
 #include <cstdio>
 #include <optional>
+#include <csignal>
+#include <thread>
 
+#include "comm/mesh.h"
 #include "core/error.h"
 #include "data/loader.h"
 #include "data/tasks.h"
@@ -16,6 +19,7 @@
 #include "nn/hf.h"
 #include "nn/model.h"
 #include "optim/optimizer.h"
+#include "parallel/ddp.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/plot.h"
@@ -77,22 +81,52 @@ double unigram_baseline(const std::vector<int32_t>& train, const std::vector<int
   return val.empty() ? -1 : loss / val.size();
 }
 
+// Elementwise sums of numbers from every rank of a group, in double, added in rank order.
+std::vector<double> sum_over(Communicator& group, std::vector<double> x) {
+  const int n = static_cast<int>(x.size());
+  std::vector<double> all(int64_t{n} * group.size());
+  group.allgather(Tensor::wrap(x.data(), {n}, DType::f64), Tensor::wrap(all.data(), {n * group.size()}, DType::f64));
+  for (int i = 0; i < n; ++i) {
+    x[i] = 0;
+    for (int k = 0; k < group.size(); ++k) x[i] += all[int64_t{k} * n + i];
+  }
+  return x;
+}
+double sum_over(Communicator& group, double x) { return sum_over(group, std::vector<double>{x})[0]; }
+
+// Peak bytes per memory tag of the busiest rank.
+MemStats busiest(Communicator& world, const MemStats& mine) {
+  const int n = kNumMemTags + 1;
+  std::vector<double> local(n), all(n * world.size());
+  for (int i = 0; i < kNumMemTags; ++i) local[i] = static_cast<double>(mine.peak[i]);
+  local[kNumMemTags] = static_cast<double>(mine.peak_total);
+  world.allgather(Tensor::wrap(local.data(), {n}, DType::f64), Tensor::wrap(all.data(), {n * world.size()}, DType::f64));
+  MemStats r;
+  for (int k = 0; k < world.size(); ++k) {
+    for (int i = 0; i < kNumMemTags; ++i) r.peak[i] = std::max(r.peak[i], static_cast<size_t>(all[k * n + i]));
+    r.peak_total = std::max(r.peak_total, static_cast<size_t>(all[k * n + kNumMemTags]));
+  }
+  return r;
+}
+
 struct ValResult {
   double loss = -1, accuracy = -1, baseline_accuracy = -1;
 };
 
-// Mean loss over the first val_batches micro-batches of the validation tokens; for the
-// built-in tasks also the greedy accuracy on answer characters.
-ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool builtin) {
+// Mean loss over the first val_batches global batches of the validation tokens, read the
+// way training reads a step (rank r takes positions r, r + R, ...), so every layout
+// evaluates the same sequences; for the built-in tasks also the greedy accuracy on answer
+// characters.
+ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool builtin, Communicator& dp) {
   const int M = static_cast<int>(c.training.micro_batch), T = c.model.seq_len, V = c.model.vocab_size;
+  const int64_t R = dp.size(), per_rank = c.training.val_batches * c.training.global_batch / R;
   std::vector<int32_t> in(M * T), tg(M * T);
   std::vector<uint8_t> mask(T);
-  std::vector<int64_t> answer_counts(V, 0);
-  double loss = 0;
-  int64_t correct = 0, answers = 0;
-  for (int64_t b = 0; b < c.training.val_batches; ++b) {
-    val.fill(b * M, M, in.data(), tg.data());
-    loss += model.forward(in.data(), tg.data(), M, T);
+  // [loss sum, correct answers, answers, answers per target character...]
+  std::vector<double> tally(3 + V, 0.0);
+  for (int64_t i = 0; i < per_rank; i += M) {
+    val.fill(dp.rank() + R * i, M, in.data(), tg.data(), R);
+    tally[0] += model.forward(in.data(), tg.data(), M, T);
     if (!builtin) continue;
     const float* logits = model.logits().f32();
     for (int s = 0; s < M; ++s) {
@@ -101,19 +135,38 @@ ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool b
         if (!mask[t]) continue;
         const float* row = logits + (int64_t(s) * T + t) * V;
         int best = static_cast<int>(std::max_element(row, row + V) - row);
-        correct += best == tg[s * T + t];
-        ++answers;
-        ++answer_counts[tg[s * T + t]];
+        tally[1] += best == tg[s * T + t];
+        tally[2] += 1;
+        tally[3 + tg[s * T + t]] += 1;
       }
     }
   }
+  tally = sum_over(dp, tally);
   ValResult r;
-  r.loss = loss / (double(c.training.val_batches) * M * T);
-  if (builtin && answers) {
-    r.accuracy = double(correct) / answers;
-    r.baseline_accuracy = double(*std::max_element(answer_counts.begin(), answer_counts.end())) / answers;
+  r.loss = tally[0] / (double(c.training.val_batches) * c.training.global_batch * T);
+  if (tally[2] > 0) {
+    r.accuracy = tally[1] / tally[2];
+    r.baseline_accuracy = *std::max_element(tally.begin() + 3, tally.end()) / tally[2];
   }
   return r;
+}
+
+// parallel.test_fault = "kind:rank": a failure injected at step 1 for the fault tests.
+void inject_fault(const std::string& spec, int64_t step, Communicator& world, Communicator& dp) {
+  if (spec.empty() || step != 1) return;
+  const size_t colon = spec.find(':');
+  MT_CHECK(colon != std::string::npos, "parallel.test_fault = \"" << spec << "\": write kind:rank, e.g. die:1");
+  const std::string kind = spec.substr(0, colon);
+  if (std::stoi(spec.substr(colon + 1)) != world.rank()) return;
+  if (kind == "die") std::raise(SIGKILL);
+  if (kind == "hang") std::this_thread::sleep_for(std::chrono::hours(24));
+  if (kind == "throw") MT_FAIL("injected failure (parallel.test_fault = " << spec << ")");
+  if (kind == "mismatch") {  // a collective the other ranks do not issue
+    float extra[3] = {0, 0, 0};
+    dp.allreduce(Tensor::wrap(extra, {3}, DType::f32));
+    return;
+  }
+  MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw or mismatch");
 }
 
 std::vector<OptimSegment> optim_segments(std::vector<Unit>& units) {
@@ -129,22 +182,32 @@ std::vector<OptimSegment> optim_segments(std::vector<Unit>& units) {
 
 }  // namespace
 
-TrainSummary train(const Config& c) {
+TrainSummary train(const Config& cfg, Communicator& world) {
+  Config c = cfg;
+  c.resolve_layout(world.size());
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
   const auto t_start = Clock::now();
-  MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every);
+  const bool lead = world.rank() == 0;  // rank 0 prints, logs and writes checkpoints
+  MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every, lead);
+
+  CpuAllocator alloc;
+  world.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
+  Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp);
+  Communicator& dp = mesh.dp();
+  const int R = dp.size(), r = dp.rank();
 
   Data data = data_load(c);
   const int T = c.model.seq_len, M = static_cast<int>(c.training.micro_batch);
-  const int64_t G = c.training.global_batch, n_micro = G / M;
+  const int64_t G = c.training.global_batch, n_micro = G / (int64_t{R} * M);
   TokenLoader train_loader(std::move(data.train), T, c.data.shuffle, c.training.seed);
   std::optional<TokenLoader> val_loader;  // none without validation data
   if (!data.val.empty()) val_loader.emplace(data.val, T, false, c.training.seed);
   const double baseline = unigram_baseline(train_loader.tokens(), data.val, c.model.vocab_size);
 
-  CpuAllocator alloc;
   Model model(c.model, alloc, M, c.training.recompute);
   Optimizer opt(c.optim, optim_segments(model.units()), alloc);
+  DDP ddp(model, dp, alloc, c.parallel);
+  model.set_hooks(&ddp);
 
   int64_t start = 0;
   std::string resumed_from;
@@ -156,16 +219,22 @@ TrainSummary train(const Config& c) {
     if (!c.model.init_from.empty()) hf_import(c.model, model.units(), c.model.init_from);
     else model.init(c.training.seed);
   }
+  if (R > 1) ddp.check_same_parameters();
 
   char head[512];
-  std::snprintf(head, sizeof head, "meshtrain: %s, %d layers, d_model %d, %.2fM parameters, %d threads",
-                c.model.family.c_str(), c.model.n_layer, c.model.d_model, model.num_params() / 1e6,
-                omp_get_max_threads());
+  std::snprintf(head, sizeof head, "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d), %d threads each",
+                c.model.family.c_str(), c.model.n_layer, c.model.d_model, model.num_params() / 1e6, world.size(),
+                world.size() > 1 ? "s" : "", R, omp_get_max_threads());
   log.message(head);
-  std::snprintf(head, sizeof head, "data: %s, %lld tokens | global batch %lld x %d tokens = %lld micro-batches of %d",
+  std::snprintf(head, sizeof head, "data: %s, %lld tokens | global batch %lld x %d tokens = %lld micro-batch%s of %d per rank",
                 data.builtin ? "built-in tasks" : c.data.path.c_str(), static_cast<long long>(train_loader.num_tokens()),
-                static_cast<long long>(G), T, static_cast<long long>(n_micro), M);
+                static_cast<long long>(G), T, static_cast<long long>(n_micro), n_micro > 1 ? "es" : "", M);
   log.message(head);
+  if (R > 1) {
+    std::snprintf(head, sizeof head, "ddp: %d gradient buckets of about %g MiB, %s reduction%s", ddp.num_buckets(),
+                  c.parallel.bucket_mb, c.parallel.grad_comm_dtype.c_str(), c.parallel.overlap ? ", overlapped with backward" : "");
+    log.message(head);
+  }
   if (!resumed_from.empty()) log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
   else if (c.checkpoint.resume) log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
 
@@ -177,14 +246,18 @@ TrainSummary train(const Config& c) {
   Curve train_curve, val_curve;
   for (int64_t s = start; s < c.training.steps; ++s) {
     const auto t0 = Clock::now();
+    inject_fault(c.parallel.test_fault, s, world, dp);
     model.zero_grad();
     double loss_sum = 0;
     for (int64_t m = 0; m < n_micro; ++m) {
-      train_loader.fill(s * G + m * M, M, in.data(), tg.data());
+      // This rank's micro-batch m: global positions s*G + r + R*i (interleaved over ranks).
+      train_loader.fill(s * G + r + int64_t{R} * m * M, M, in.data(), tg.data(), R);
+      ddp.set_sync(m == n_micro - 1);
       loss_sum += model.forward(in.data(), tg.data(), M, T);
       model.backward(static_cast<float>(1.0 / tokens_per_step));
     }
-    const double loss = loss_sum / tokens_per_step;
+    ddp.finish();
+    const double loss = sum_over(dp, loss_sum) / tokens_per_step;
     MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
                                                      << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
     const double norm = std::sqrt(grad_sumsq(opt.segments()));
@@ -198,7 +271,7 @@ TrainSummary train(const Config& c) {
 
     nlohmann::json j = {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
                         {"tokens_per_s", tokens_per_step / dt}, {"step_ms", dt * 1000}};
-    j.update(memory_json(alloc.stats()));
+    j.update(memory_json(busiest(world, alloc.stats())));
     log.write(j);
     log.progress(s, c.training.steps, loss, lr, tps, (c.training.steps - s - 1) * train_seconds / timed_steps);
     sum.loss = loss;
@@ -206,15 +279,18 @@ TrainSummary train(const Config& c) {
 
     const bool last = s + 1 == c.training.steps;
     if (val_loader && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last) {
-      ValResult v = validate(model, *val_loader, c, data.builtin);
+      ValResult v = validate(model, *val_loader, c, data.builtin, dp);
       log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
       val_curve.emplace_back(s + 1, v.loss);
       char buf[128];
       std::snprintf(buf, sizeof buf, "step %lld: val loss %.4f", static_cast<long long>(s + 1), v.loss);
       log.message(buf);
     }
-    if (!c.checkpoint.dir.empty() && ((c.checkpoint.every > 0 && (s + 1) % c.checkpoint.every == 0) || last))
-      checkpoint_save(c.checkpoint.dir, s + 1, c, model.units(), &opt, c.checkpoint.keep);
+    if (!c.checkpoint.dir.empty() && ((c.checkpoint.every > 0 && (s + 1) % c.checkpoint.every == 0) || last)) {
+      // Replicas are identical: one copy is written, by rank 0, while the others wait.
+      if (lead) checkpoint_save(c.checkpoint.dir, s + 1, c, model.units(), &opt, c.checkpoint.keep);
+      world.barrier();
+    }
   }
   sum.steps = std::max(start, c.training.steps);
   sum.seconds = seconds_since(t_start);
@@ -222,19 +298,19 @@ TrainSummary train(const Config& c) {
   sum.baseline_loss = baseline;
 
   if (val_loader) {
-    ValResult v = validate(model, *val_loader, c, data.builtin);
+    ValResult v = validate(model, *val_loader, c, data.builtin, dp);
     sum.val_loss = v.loss;
     sum.answer_accuracy = v.accuracy;
     sum.baseline_accuracy = v.baseline_accuracy;
     val_curve.emplace_back(sum.steps, v.loss);
   }
+  const MemStats mem = busiest(world, alloc.stats());
   nlohmann::json js = {{"event", "summary"}, {"steps", sum.steps}, {"loss", sum.loss}, {"val_loss", sum.val_loss},
                        {"baseline_loss", sum.baseline_loss}, {"tokens_per_s", sum.tokens_per_s},
-                       {"seconds", sum.seconds}};
+                       {"seconds", sum.seconds}, {"ranks", world.size()}};
   if (sum.answer_accuracy >= 0) js["answer_accuracy"] = sum.answer_accuracy, js["baseline_accuracy"] = sum.baseline_accuracy;
-  js.update(memory_json(alloc.stats()));
+  js.update(memory_json(mem));
   log.write(js);
-
   char buf[512];
   log.message("---");
   std::snprintf(buf, sizeof buf, "trained %lld steps in %.1f s: %.0f tokens/s", static_cast<long long>(timed_steps),
@@ -253,10 +329,10 @@ TrainSummary train(const Config& c) {
                   100 * sum.answer_accuracy, 100 * sum.baseline_accuracy);
     log.message(buf);
   }
-  log.message("peak memory: " + memory_summary(alloc.stats()));
+  log.message(std::string("peak memory") + (world.size() > 1 ? " (busiest rank): " : ": ") + memory_summary(mem));
   if (!c.checkpoint.dir.empty()) log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
   std::string plot = c.logging.plot;
-  if (plot == "auto" && c.logging.metrics.empty()) plot = "";
+  if (!lead || (plot == "auto" && c.logging.metrics.empty())) plot = "";
   if (plot == "auto") {  // metrics.jsonl -> metrics.svg
     const std::string& m = c.logging.metrics;
     size_t dot = m.rfind('.'), slash = m.rfind('/');
@@ -267,6 +343,11 @@ TrainSummary train(const Config& c) {
     log.message("loss curve: " + plot);
   }
   return sum;
+}
+
+TrainSummary train(const Config& cfg) {
+  auto world = comm_local();
+  return train(cfg, *world);
 }
 
 }  // namespace mt

@@ -1,8 +1,9 @@
-// The training loop: data, model, optimizer, validation, metrics, progress and checkpoints
-// for one process.
+// The training loop: data, model, optimizer, data parallelism, validation, metrics,
+// progress and checkpoints.
 #pragma once
 #include <string>
 
+#include "comm/communicator.h"
 #include "train/config.h"
 
 namespace mt {
@@ -17,6 +18,10 @@ struct TrainSummary {
   double seconds = 0;
 };
 
+// Trains on the ranks of `world` (a single-rank communicator for one process): the layout
+// comes from cfg.parallel and the world size. Every rank returns the same summary.
+TrainSummary train(const Config& cfg, Communicator& world);
+// One process, no MPI.
 TrainSummary train(const Config& cfg);
 
 }  // namespace mt

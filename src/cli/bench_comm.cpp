@@ -1,0 +1,94 @@
+// meshtrain bench comm: in the spirit of nccl-tests. For each collective and message size:
+// time per operation, algorithm bandwidth (bytes / time) and bus bandwidth (algbw times the
+// fraction of the data each rank must move: 2(n-1)/n for allreduce, (n-1)/n for allgather
+// and reduce_scatter, 1 for broadcast), comparable across rank counts.
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+namespace mt {
+
+namespace {
+
+int64_t parse_size(const std::string& s) {
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  std::string unit = end;
+  if (unit == "K" || unit == "k") v *= 1024;
+  else if (unit == "M" || unit == "m") v *= 1024 * 1024;
+  else if (unit == "G" || unit == "g") v *= 1024.0 * 1024 * 1024;
+  else MT_CHECK(unit.empty(), "bad size " << s << ": write e.g. 1K, 64M");
+  return static_cast<int64_t>(v);
+}
+
+}  // namespace
+
+int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
+  int64_t min_bytes = 1024, max_bytes = 64 << 20;
+  int iters = 20;
+  DType dtype = DType::f32;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    MT_CHECK(i + 1 < args.size() || a == "--help", "bench comm: option " << a << " needs a value");
+    if (a == "--min-bytes") min_bytes = parse_size(args[++i]);
+    else if (a == "--max-bytes") max_bytes = parse_size(args[++i]);
+    else if (a == "--iters") iters = std::atoi(args[++i].c_str());
+    else if (a == "--dtype") {
+      const std::string d = args[++i];
+      MT_CHECK(d == "f32" || d == "bf16", "bench comm: --dtype is f32 or bf16");
+      dtype = d == "f32" ? DType::f32 : DType::bf16;
+    } else {
+      if (world.rank() == 0)
+        std::printf("usage: meshtrain launch -n N bench comm [--min-bytes 1K] [--max-bytes 64M] [--iters 20] "
+                    "[--dtype f32|bf16]\n");
+      return a == "--help" ? 0 : 2;
+    }
+  }
+  MT_CHECK(min_bytes >= 4 && max_bytes >= min_bytes && iters >= 1, "bench comm: need 4 <= min-bytes <= max-bytes, iters >= 1");
+  CpuAllocator alloc;
+  const int n = world.size();
+  const size_t es = dtype_size(dtype);
+  if (world.rank() == 0) {
+    std::printf("# meshtrain bench comm: %d ranks, %s, %d iterations per size (time is the slowest rank's mean)\n", n,
+                dtype_name(dtype), iters);
+    std::printf("%14s %12s  %-15s %12s %12s %12s\n", "size (B)", "count", "op", "time (us)", "algbw (GB/s)",
+                "busbw (GB/s)");
+  }
+  const char* ops[] = {"allreduce", "allgather", "reduce_scatter", "broadcast"};
+  for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
+    const int64_t count = std::max<int64_t>(n, bytes / es / n * n);  // divisible by n
+    Tensor big = Tensor::zeros({count}, dtype, alloc, MemTag::comm);
+    Tensor part = Tensor::zeros({count / n}, dtype, alloc, MemTag::comm);
+    for (int op = 0; op < 4; ++op) {
+      auto run = [&] {
+        switch (op) {
+          case 0: world.allreduce(big); break;
+          case 1: world.allgather(part, big); break;
+          case 2: world.reduce_scatter(big, part); break;
+          case 3: world.broadcast(big, 0); break;
+        }
+      };
+      run();  // warm up
+      world.barrier();
+      const double t0 = now_seconds();
+      for (int k = 0; k < iters; ++k) run();
+      double per_op = (now_seconds() - t0) / iters;
+      std::vector<double> all(n);
+      world.allgather(Tensor::wrap(&per_op, {1}, DType::f64), Tensor::wrap(all.data(), {n}, DType::f64));
+      per_op = *std::max_element(all.begin(), all.end());
+      const double data = static_cast<double>(count * es);  // nccl-tests: the full buffer's size
+      const double algbw = data / per_op / 1e9;
+      const double factor = op == 0 ? 2.0 * (n - 1) / n : op == 3 ? 1.0 : double(n - 1) / n;
+      if (world.rank() == 0)
+        std::printf("%14lld %12lld  %-15s %12.1f %12.3f %12.3f\n", static_cast<long long>(count * es),
+                    static_cast<long long>(count), ops[op], per_op * 1e6, algbw, algbw * factor);
+    }
+  }
+  return 0;
+}
+
+}  // namespace mt

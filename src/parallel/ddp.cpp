@@ -1,0 +1,107 @@
+#include "parallel/ddp.h"
+
+#include <cstring>
+
+#include "core/error.h"
+#include "core/half.h"
+
+namespace mt {
+
+DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg)
+    : model_(model), dp_(dp), cfg_(cfg) {
+  dtype_ = cfg.grad_comm_dtype == "bf16" ? DType::bf16 : cfg.grad_comm_dtype == "fp16" ? DType::f16 : DType::f32;
+  const auto& units = model.units();
+  const int64_t cap = static_cast<int64_t>(cfg.bucket_mb * 1024 * 1024 / 4);  // float32 elements
+  bucket_of_.assign(units.size(), -1);
+  for (int u = static_cast<int>(units.size()) - 1; u >= 0; --u) {
+    if (buckets_.empty() || buckets_.back().numel >= cap) buckets_.emplace_back();
+    Bucket& b = buckets_.back();
+    b.units.push_back(u);
+    b.numel += units[u].numel;
+    bucket_of_[u] = static_cast<int>(buckets_.size()) - 1;
+  }
+  for (Bucket& b : buckets_)
+    if (dp.size() > 1 && (b.units.size() > 1 || dtype_ != DType::f32)) b.buffer = Tensor::empty({b.numel}, dtype_, alloc, MemTag::comm);
+}
+
+DDP::~DDP() {
+  for (Bucket& b : buckets_)  // never leave an operation referring to freed buffers
+    if (b.work) try {
+        b.work->wait();
+      } catch (...) {
+      }
+}
+
+void DDP::after_backward(int unit) {
+  if (!sync_ || dp_.size() == 1) return;
+  Bucket& b = buckets_[bucket_of_[unit]];
+  if (b.pending == 0) b.pending = static_cast<int>(b.units.size());
+  if (--b.pending == 0 && cfg_.overlap) launch(b);
+}
+
+void DDP::launch(Bucket& b) {
+  auto& units = model_.units();
+  if (!b.buffer.defined()) {  // one float32 unit: reduce its gradient in place
+    b.work = dp_.allreduce_async(units[b.units[0]].g);
+    return;
+  }
+  int64_t off = 0;
+  for (int u : b.units) {
+    const float* g = units[u].g.f32();
+    const int64_t n = units[u].numel;
+    if (dtype_ == DType::f32) std::memcpy(b.buffer.f32() + off, g, n * 4);
+    else {
+      uint16_t* dst = b.buffer.data<uint16_t>() + off;
+      const bool bf = dtype_ == DType::bf16;
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf ? f32_to_bf16(g[i]) : f32_to_f16(g[i]);
+    }
+    off += n;
+  }
+  b.work = dp_.allreduce_async(b.buffer);
+}
+
+void DDP::finish() {
+  if (dp_.size() == 1) return;
+  auto& units = model_.units();
+  if (!cfg_.overlap)
+    for (Bucket& b : buckets_) launch(b);
+  for (Bucket& b : buckets_) {
+    MT_CHECK(b.work, "internal: a DDP bucket was never launched (did every unit run backward?)");
+    b.work->wait();
+    b.work.reset();
+    b.pending = 0;
+    if (!b.buffer.defined()) continue;
+    int64_t off = 0;
+    for (int u : b.units) {
+      float* g = units[u].g.f32();
+      const int64_t n = units[u].numel;
+      if (dtype_ == DType::f32) std::memcpy(g, b.buffer.f32() + off, n * 4);
+      else {
+        const uint16_t* src = b.buffer.data<uint16_t>() + off;
+        const bool bf = dtype_ == DType::bf16;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; ++i) g[i] = bf ? bf16_to_f32(src[i]) : f16_to_f32(src[i]);
+      }
+      off += n;
+    }
+  }
+}
+
+void DDP::check_same_parameters() {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over every parameter byte
+  for (const Unit& u : model_.units()) {
+    const unsigned char* p = static_cast<const unsigned char*>(u.w.raw());
+    for (size_t i = 0; i < u.w.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+  uint32_t mine[2] = {static_cast<uint32_t>(h), static_cast<uint32_t>(h >> 32)};
+  std::vector<uint32_t> all(2 * dp_.size());
+  dp_.allgather(Tensor::wrap(mine, {2}, DType::u32), Tensor::wrap(all.data(), {2 * dp_.size()}, DType::u32));
+  for (int r = 1; r < dp_.size(); ++r)
+    MT_CHECK(all[2 * r] == all[0] && all[2 * r + 1] == all[1],
+             "data-parallel rank " << r << " starts from different parameters than rank 0; every rank must "
+                                   << "initialise identically (same training.seed, and the same model.init_from "
+                                   << "file or checkpoint on every node)");
+}
+
+}  // namespace mt

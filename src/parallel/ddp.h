@@ -1,0 +1,58 @@
+// Data parallelism (DDP): every rank holds the whole model, trains on its share of each
+// global batch, and the gradients are summed over the dp group before the optimizer step.
+//
+// Gradients are reduced in buckets of whole units, in backward order (final unit first,
+// embedding last), of about parallel.bucket_mb each. A bucket is launched asynchronously
+// as soon as the backward pass has finished all its units, so its reduction runs on the
+// communication thread while the backward pass goes on with the units below; finish()
+// waits for all of them. Accumulation micro-steps before the last do not communicate.
+//
+// Each rank scales its loss by 1 / (tokens of the global batch), so the plain sum over the
+// group is the gradient of the global mean loss, whatever the split. The sum adds ranks in
+// rank order elementwise, so bucketed and unbucketed reductions are bit-identical.
+// grad_comm_dtype bf16/fp16 sends the bucket in half precision (summed in float, rounded
+// once) and widens the result back into the float32 gradients.
+#pragma once
+#include <vector>
+
+#include "comm/communicator.h"
+#include "nn/model.h"
+#include "parallel/parallel_config.h"
+
+namespace mt {
+
+class DDP final : public UnitHooks {
+ public:
+  DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg);
+  ~DDP() override;
+
+  // Before each micro-step's backward: only the last micro-step of a step reduces.
+  void set_sync(bool sync) { sync_ = sync; }
+  void after_backward(int unit) override;
+  // Waits for every bucket and writes the summed gradients back into the units.
+  void finish();
+
+  // Fails on every rank (naming the ranks) unless all ranks hold bit-identical parameters.
+  void check_same_parameters();
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+
+ private:
+  struct Bucket {
+    std::vector<int> units;  // descending unit indices
+    int64_t numel = 0;
+    int pending = 0;         // units whose backward has not finished this step
+    Tensor buffer;           // [numel] in the communication dtype (f32 single units reduce in place)
+    WorkPtr work;
+  };
+  void launch(Bucket& b);
+
+  Model& model_;
+  Communicator& dp_;
+  ParallelConfig cfg_;
+  DType dtype_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_;  // unit -> bucket
+  bool sync_ = true;
+};
+
+}  // namespace mt
