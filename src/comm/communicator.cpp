@@ -148,12 +148,13 @@ void Communicator::watchdog_main() {
     if (opts_.timeout_s <= 0 || since < 0) continue;
     const double waited = now_seconds() - since / 1000.0;
     if (waited < opts_.timeout_s) continue;
+    const std::string running = history_.empty() ? "?" : history_.back().describe();
     lock.unlock();
     std::fprintf(stderr,
-                 "meshtrain: rank %d: error: a %s operation on group '%s' has not finished after %.0f s "
+                 "meshtrain: rank %d: error: operation %s on group '%s' has not finished after %.0f s "
                  "(parallel.timeout_s = %g): another rank is stuck, dead, or issued a different operation; "
                  "rerun with parallel.debug_collectives=true to check.\n%s",
-                 world_rank_, name_.c_str(), name_.c_str(), waited, opts_.timeout_s, flight_dump().c_str());
+                 world_rank_, running.c_str(), name_.c_str(), waited, opts_.timeout_s, flight_dump().c_str());
     std::fflush(stderr);
     // Give the other ranks' watchdogs a moment to print their recorders too.
     std::this_thread::sleep_for(std::chrono::seconds(2));
