@@ -200,10 +200,19 @@ void Communicator::check_same_everywhere(const CommRecord& rec) {
   throw Error(os.str());
 }
 
-Tensor Communicator::staging(int64_t numel, DType dtype) const {
-  if (opts_.alloc) return Tensor::empty({numel}, dtype, *opts_.alloc, MemTag::comm);
-  static CpuAllocator uncounted;  // only for communicators made without an allocator (tests)
-  return Tensor::empty({numel}, dtype, uncounted, MemTag::comm);
+Tensor Communicator::staging(int slot, int64_t numel, DType dtype) {
+  const int64_t words = (numel * static_cast<int64_t>(dtype_size(dtype)) + 3) / 4;
+  Tensor& buf = staging_[slot];
+  if (!buf.defined() || buf.numel() < words) {
+    buf = Tensor();  // free the old buffer first
+    if (opts_.alloc) {
+      buf = Tensor::empty({words}, DType::f32, *opts_.alloc, MemTag::comm);
+    } else {
+      static CpuAllocator uncounted;  // only for communicators made without an allocator (tests)
+      buf = Tensor::empty({words}, DType::f32, uncounted, MemTag::comm);
+    }
+  }
+  return Tensor::wrap(buf.raw(), {numel}, dtype);
 }
 
 // in[size * n] -> out[n]: every rank sends chunk r of its input to rank r, then sums the
@@ -211,7 +220,7 @@ Tensor Communicator::staging(int64_t numel, DType dtype) const {
 void Communicator::reduce_scatter_raw(const Tensor& in, const Tensor& out) {
   const int64_t n = out.numel();
   const size_t es = dtype_size(in.dtype());
-  Tensor recv = staging(n * size_, in.dtype());
+  Tensor recv = staging(0, n * size_, in.dtype());
   raw_alltoall(in.raw(), recv.raw(), n * es);
   if (in.dtype() == DType::f32) {
     const float* r = recv.f32();
@@ -236,13 +245,13 @@ WorkPtr Communicator::allreduce_async(const Tensor& t) {
   return submit(rec, [this, t] {
     const int64_t n = t.numel(), chunk = (n + size_ - 1) / size_;
     const size_t es = dtype_size(t.dtype());
-    Tensor mine = staging(chunk, t.dtype());
+    Tensor mine = staging(1, chunk, t.dtype());
     if (n == chunk * size_) {
       reduce_scatter_raw(t, mine);
       raw_allgather(mine.raw(), t.raw(), chunk * es);
       return;
     }
-    Tensor padded = staging(chunk * size_, t.dtype());  // n padded to a multiple of size
+    Tensor padded = staging(2, chunk * size_, t.dtype());  // n padded to a multiple of size
     std::memset(padded.raw(), 0, padded.nbytes());
     std::memcpy(padded.raw(), t.raw(), t.nbytes());
     reduce_scatter_raw(padded, mine);

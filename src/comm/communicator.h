@@ -128,7 +128,9 @@ class Communicator {
   void watchdog_main();
   void check_same_everywhere(const CommRecord& rec);
   void reduce_scatter_raw(const Tensor& in, const Tensor& out);
-  Tensor staging(int64_t numel, DType dtype) const;
+  // Scratch buffer `slot` (0, 1 or 2) of at least numel elements, kept and grown across
+  // operations (fresh allocations would page-fault on every large message).
+  Tensor staging(int slot, int64_t numel, DType dtype);
 
   int rank_, size_, world_rank_;
   std::string name_;
@@ -143,6 +145,7 @@ class Communicator {
   std::deque<CommRecord> history_;  // the last operations run, oldest first
   std::atomic<int64_t> running_since_ms_{-1};  // start of the running operation, -1 when idle
   std::thread thread_, watchdog_;
+  Tensor staging_[3];  // used only on the communication thread
 };
 
 // A group of one rank: every operation is a local copy (or nothing).

@@ -85,7 +85,9 @@ class MpiComm final : public Communicator {
 bool mpi_launched() {
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"})
     if (std::getenv(v)) return true;
-  return false;
+  // srun sets SLURM_PROCID for every task of a step; one task alone needs no MPI.
+  const char* ntasks = std::getenv("SLURM_NTASKS");
+  return std::getenv("SLURM_PROCID") && std::getenv("SLURM_STEP_ID") && ntasks && std::atoi(ntasks) > 1;
 }
 
 MpiRuntime::MpiRuntime(int* argc, char*** argv) {

@@ -1,0 +1,89 @@
+// DDP's reductions under mpirun: they sum over the dp group and nothing else (on a 2 x 2
+// mesh the tp neighbours' gradients must not leak in, and the tp group sees no traffic),
+// in buckets that are launched as units finish, for every gradient dtype.
+#include <gtest/gtest.h>
+
+#include "comm/mesh.h"
+#include "comm/mpi_comm.h"
+#include "core/half.h"
+#include "nn/model.h"
+#include "parallel/ddp.h"
+
+using namespace mt;
+
+namespace {
+
+Communicator* g_world = nullptr;
+
+ModelConfig tiny() {
+  ModelConfig m;
+  m.n_layer = 3, m.n_head = 2, m.d_model = 8, m.vocab_size = 11, m.seq_len = 4;
+  return m;
+}
+
+class DDPGroups : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DDPGroups, SumOverTheDpGroupOnly) {
+  Communicator& w = *g_world;
+  const int tp = w.size() == 4 ? 2 : 1, dp = w.size() / tp;
+  CpuAllocator alloc;
+  Mesh mesh(w, dp, 1, tp);
+  Model model(tiny(), alloc, 1);
+  ParallelConfig pc;
+  pc.grad_comm_dtype = GetParam();
+  pc.bucket_mb = 0.001;  // several buckets
+  DDP ddp(model, mesh.dp(), alloc, pc);
+  ASSERT_GT(ddp.num_buckets(), 1);
+  // gradient element i of unit u on world rank r: r + 1 + small offsets, exactly representable
+  auto value = [](int r, size_t u, int64_t i) { return static_cast<float>(r + 1) + 0.25f * (u % 3) + 0.5f * (i % 2); };
+  for (size_t u = 0; u < model.units().size(); ++u)
+    for (int64_t i = 0; i < model.units()[u].numel; ++i) model.units()[u].g.f32()[i] = value(w.rank(), u, i);
+  ddp.set_sync(true);
+  for (int u = static_cast<int>(model.units().size()) - 1; u >= 0; --u) ddp.after_backward(u);
+  ddp.finish();
+  const int t = w.rank() % tp;  // this rank's dp peers: world ranks t, t + tp, ...
+  for (size_t u = 0; u < model.units().size(); ++u)
+    for (int64_t i = 0; i < model.units()[u].numel; ++i) {
+      float want = 0;
+      for (int d = 0; d < dp; ++d) want += value(d * tp + t, u, i);
+      ASSERT_EQ(model.units()[u].g.f32()[i], want) << "unit " << u << " element " << i;
+    }
+  EXPECT_TRUE(mesh.tp().flight_record().empty()) << mesh.tp().flight_dump();
+  int reductions = 0;
+  for (const CommRecord& r : mesh.dp().flight_record()) reductions += r.op == CommOp::allreduce;
+  EXPECT_EQ(reductions, dp > 1 ? ddp.num_buckets() : 0) << mesh.dp().flight_dump();
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, DDPGroups, ::testing::Values("fp32", "bf16", "fp16"));
+
+// Micro-steps before the last do not communicate.
+TEST(DDP, AccumulationStepsDoNotCommunicate) {
+  Communicator& w = *g_world;
+  CpuAllocator alloc;
+  Mesh mesh(w, w.size(), 1, 1);
+  Model model(tiny(), alloc, 1);
+  DDP ddp(model, mesh.dp(), alloc, ParallelConfig{});
+  ddp.set_sync(false);
+  for (int u = static_cast<int>(model.units().size()) - 1; u >= 0; --u) ddp.after_backward(u);
+  EXPECT_TRUE(mesh.dp().flight_record().empty());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MpiRuntime mpi(&argc, &argv);
+  int rc;
+  {
+    auto world = mpi.world(CommOptions{true, 60, nullptr});  // debug: any mismatch fails loudly
+    g_world = world.get();
+    ::testing::InitGoogleTest(&argc, argv);
+    if (world->rank() != 0) ::testing::GTEST_FLAG(brief) = true;
+    rc = RUN_ALL_TESTS();
+    CpuAllocator a;
+    Tensor failed = Tensor::empty({1}, DType::f32, a, MemTag::comm);
+    failed.f32()[0] = rc != 0;
+    world->allreduce(failed);
+    rc = failed.f32()[0] > 0;
+  }
+  return rc;
+}
