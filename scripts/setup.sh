@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake pkg-config libopenblas-openmp-dev libomp-dev libopenmpi-dev openmpi-bin
           libtomlplusplus-dev libcli11-dev nlohmann-json3-dev libsentencepiece-dev libgtest-dev
-          python3-torch python3-numpy)
+          python3-torch python3-numpy procps)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
