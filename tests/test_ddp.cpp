@@ -42,7 +42,7 @@ RunResult train_run(const test::TempDir& d, const std::string& name, int ranks, 
   std::vector<Unit> units = model_layout(r.model);
   CpuAllocator alloc;
   for (Unit& u : units) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
-  checkpoint_load(dir, r.model, units, nullptr);
+  checkpoint_load(dir, r.model, checkpoint_param_slices(units));
   for (Unit& u : units) r.units.emplace_back(u.w.f32(), u.w.f32() + u.numel);
   return r;
 }

@@ -157,7 +157,7 @@ std::vector<float> checkpoint_params(const std::string& dir, const ModelConfig& 
   std::vector<Unit> units = model_layout(m);
   CpuAllocator alloc;
   for (Unit& u : units) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
-  checkpoint_load(checkpoint_latest(dir), m, units, nullptr);
+  checkpoint_load(checkpoint_latest(dir), m, checkpoint_param_slices(units));
   std::vector<float> all;
   for (Unit& u : units) all.insert(all.end(), u.w.f32(), u.w.f32() + u.numel);
   return all;

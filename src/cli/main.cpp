@@ -191,11 +191,15 @@ int main(int argc, char** argv) {
       const std::string dir = mt::checkpoint_latest(ckpt);
       MT_CHECK(!dir.empty(), "no checkpoint in " << ckpt << "; pass a checkpoint directory or checkpoint.dir");
       mt::Config cfg = mt::checkpoint_config(dir);
-      std::vector<mt::Unit> units = mt::model_layout(cfg.model);
-      mt::CpuAllocator alloc;
-      for (mt::Unit& u : units) u.w = mt::Tensor::empty({u.numel}, mt::DType::f32, alloc, mt::MemTag::params);
-      mt::checkpoint_load(dir, cfg.model, units, nullptr);
-      mt::hf_export(cfg.model, units, exp_out);
+      const std::vector<mt::Unit> layout = mt::model_layout(cfg.model);
+      // Streams unit by unit: only one unit's parameters are in memory at a time.
+      std::vector<float> buf;
+      auto fetch = [&](int u) -> const float* {
+        buf.assign(layout[u].numel, 0.0f);
+        mt::checkpoint_load(dir, cfg.model, {{layout[u].name, 0, layout[u].numel, {{"params", buf.data()}}}});
+        return buf.data();
+      };
+      mt::hf_export(cfg.model, layout, fetch, exp_out);
       std::printf("exported %s to %s\n", dir.c_str(), exp_out.c_str());
     } else if (smp->parsed()) {
       std::printf("%s\n", mt::sample_text(so).c_str());

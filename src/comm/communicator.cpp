@@ -318,7 +318,7 @@ class LocalComm final : public Communicator {
 
  protected:
   void raw_alltoall(const void* s, void* r, size_t bytes) override { std::memcpy(r, s, bytes); }
-  void raw_allgather(const void* s, void* r, size_t bytes) override { std::memcpy(r, s, bytes); }
+  void raw_allgather(const void* s, void* r, size_t bytes) override { std::memmove(r, s, bytes); }
   void raw_broadcast(void*, size_t, int) override {}
   void raw_send(const void*, size_t, int) override { MT_FAIL("internal: send on a single-rank group"); }
   void raw_recv(void*, size_t, int) override { MT_FAIL("internal: recv on a single-rank group"); }

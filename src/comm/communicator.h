@@ -80,9 +80,10 @@ class Communicator {
 
   // In place: t = sum over ranks of t (f32, bf16 or f16).
   WorkPtr allreduce_async(const Tensor& t);
-  // in[size * n] -> out[n]: out = sum over ranks of chunk `rank` of their in.
+  // in[size * n] -> out[n]: out = sum over ranks of chunk `rank` of their in. `out` may
+  // alias in's chunk `rank`.
   WorkPtr reduce_scatter_async(const Tensor& in, const Tensor& out);
-  // in[n] -> out[size * n], rank r's in at chunk r.
+  // in[n] -> out[size * n], rank r's in at chunk r. `in` may be out's own chunk `rank`.
   WorkPtr allgather_async(const Tensor& in, const Tensor& out);
   WorkPtr broadcast_async(const Tensor& t, int root);
   WorkPtr send_async(const Tensor& t, int peer);

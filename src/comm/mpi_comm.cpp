@@ -53,7 +53,11 @@ class MpiComm final : public Communicator {
     check(MPI_Alltoall(s, as_int(bytes), MPI_BYTE, r, as_int(bytes), MPI_BYTE, comm_), "MPI_Alltoall");
   }
   void raw_allgather(const void* s, void* r, size_t bytes) override {
-    check(MPI_Allgather(s, as_int(bytes), MPI_BYTE, r, as_int(bytes), MPI_BYTE, comm_), "MPI_Allgather");
+    // A rank's piece already in place in the output (a sharded buffer gathering itself)
+    // must be passed as MPI_IN_PLACE: MPI forbids overlapping send and receive buffers.
+    const bool in_place = s == static_cast<const char*>(r) + bytes * rank();
+    check(MPI_Allgather(in_place ? MPI_IN_PLACE : s, as_int(bytes), MPI_BYTE, r, as_int(bytes), MPI_BYTE, comm_),
+          "MPI_Allgather");
   }
   void raw_broadcast(void* buf, size_t bytes, int root) override {
     check(MPI_Bcast(buf, as_int(bytes), MPI_BYTE, root, comm_), "MPI_Bcast");

@@ -103,6 +103,24 @@ void SafetensorsReader::read_f32(const std::string& name, float* dst, int64_t nu
   MT_CHECK(ok, path_ << ": short read of tensor " << name << " (file truncated?)");
 }
 
+void SafetensorsReader::read_f32_range(const std::string& name, int64_t offset, int64_t count, float* dst) const {
+  auto it = entries_.find(name);
+  MT_CHECK(it != entries_.end(), path_ << " has no tensor " << name);
+  const SafetensorsEntry& e = it->second;
+  MT_CHECK(e.dtype == "F32", path_ << ": tensor " << name << " is " << e.dtype << ", expected F32");
+  MT_CHECK(offset >= 0 && count >= 0 && offset + count <= shape_numel(e.shape),
+           path_ << ": range [" << offset << ", " << offset + count << ") is outside tensor " << name << " of "
+                 << shape_numel(e.shape) << " elements");
+  MT_CHECK(e.end - e.begin == static_cast<uint64_t>(shape_numel(e.shape)) * 4 && data_start_ + e.end <= file_size_,
+           path_ << ": tensor " << name << " has a byte range that does not fit the file (truncated or corrupt)");
+  FILE* f = std::fopen(path_.c_str(), "rb");
+  MT_CHECK(f, "cannot open " << path_ << ": " << std::strerror(errno));
+  std::fseek(f, static_cast<long>(data_start_ + e.begin + offset * 4), SEEK_SET);
+  const bool ok = std::fread(dst, 4, count, f) == static_cast<size_t>(count);
+  std::fclose(f);
+  MT_CHECK(ok, path_ << ": short read of tensor " << name << " (file truncated?)");
+}
+
 SafetensorsWriter::SafetensorsWriter(const std::string& path, const std::vector<std::pair<std::string, Shape>>& tensors,
                                      const std::map<std::string, std::string>& metadata)
     : path_(path), tmp_(path + ".tmp." + std::to_string(getpid())), tensors_(tensors) {

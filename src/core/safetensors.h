@@ -25,6 +25,8 @@ class SafetensorsReader {
   bool has(const std::string& name) const { return entries_.count(name) != 0; }
   // Reads a tensor converted to float32 into dst (numel floats); checks the byte range.
   void read_f32(const std::string& name, float* dst, int64_t numel) const;
+  // Elements [offset, offset + count) of a 1-D or flat F32 tensor (a shard's piece).
+  void read_f32_range(const std::string& name, int64_t offset, int64_t count, float* dst) const;
   const std::string& path() const { return path_; }
 
  private:

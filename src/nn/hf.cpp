@@ -83,6 +83,11 @@ void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::stri
 }
 
 void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path) {
+  hf_export(cfg, units, [&](int u) { return static_cast<const float*>(units[u].w.f32()); }, path);
+}
+
+void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units,
+               const std::function<const float*(int unit)>& fetch, const std::string& path) {
   std::vector<std::pair<std::string, Shape>> list;
   for (const Unit& u : units)
     for (const ParamSpec& p : u.params) list.emplace_back(p.name, hf_shape(p));
@@ -90,9 +95,11 @@ void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std
                                              {"family", cfg.family}};
   SafetensorsWriter w(path, list, meta);
   std::vector<float> tmp;
-  for (const Unit& u : units) {
+  for (size_t ui = 0; ui < units.size(); ++ui) {
+    const Unit& u = units[ui];
+    const float* unit_w = fetch(static_cast<int>(ui));
     for (const ParamSpec& p : u.params) {
-      const float* src = u.w.f32() + p.offset;
+      const float* src = unit_w + p.offset;
       if (!p.hf_transposed) {
         w.write(p.name, src);
         continue;

@@ -2,6 +2,7 @@
 // Names and layouts are Hugging Face's; GPT-2's Conv1D weights are [in, out] on disk and
 // [out, in] here, so they are transposed on the way in and out.
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -15,5 +16,9 @@ namespace mt {
 void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::string& path);
 // Writes units' parameters as a Hugging Face safetensors file (atomically).
 void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path);
+// The same, streaming: fetch(u) returns unit u's whole flat parameters, asked for one unit
+// at a time in order (the pointer need only stay valid until the next call).
+void hf_export(const ModelConfig& cfg, const std::vector<Unit>& layout,
+               const std::function<const float*(int unit)>& fetch, const std::string& path);
 
 }  // namespace mt

@@ -141,6 +141,11 @@ const ParamSpec* Model::find_param(const std::string& name, int* unit) const {
   return nullptr;
 }
 
+std::vector<int> Model::units_used(int unit) const {
+  if (unit == cfg_.n_layer + 1 && cfg_.tied()) return {unit, 0};
+  return {unit};
+}
+
 Tensor Model::param(const std::string& name) const {
   int u = 0;
   const ParamSpec* p = find_param(name, &u);
@@ -193,14 +198,17 @@ double Model::forward(const int32_t* tokens, const int32_t* targets, int B, int 
   UnitHooks& h = hooks_ ? *hooks_ : no_hooks_;
   h.before_forward(0);
   embed_forward();
+  h.after_forward(0);
   for (int l = 0; l < cfg_.n_layer; ++l) {
     h.before_forward(l + 1);
     const Tensor x = block_in_[l].view(0, {B, T, cfg_.d_model});
     const Tensor out = block_in_[l + 1].view(0, {B, T, cfg_.d_model});
     block_forward(cfg_, units_[l + 1], *acts_[recompute_ ? 0 : l], x, out, B, T);
+    h.after_forward(l + 1);
   }
   h.before_forward(cfg_.n_layer + 1);
   final_forward();
+  h.after_forward(cfg_.n_layer + 1);
   if (!targets) return 0.0;
   return cross_entropy_forward(losses_.view(0, {B, T}), lse_.view(0, {B, T}), logits(), targets_.view(0, {B, T}));
 }

@@ -11,8 +11,12 @@
 //   double loss_sum = model.forward(tokens, targets);   // [B, T] each
 //   model.backward(1.0f / n_tokens);                    // grads += d(loss_sum * scale)
 //
-// Strategies never reach into the model: they attach UnitHooks, called before each unit's
-// forward and backward and after its backward (where a data-parallel bucket may launch).
+// Strategies never reach into the model: they attach UnitHooks, called around each unit's
+// forward and backward (where a bucket may launch, or a sharded unit be gathered and
+// freed). A strategy may swap a unit's w and g tensors between calls; the model reads
+// them only inside the hooks' brackets. units_used(u) lists the units whose parameters
+// and gradients unit u's forward and backward touch (the final unit also uses the
+// embedding when the head is tied).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -50,6 +54,7 @@ class UnitHooks {
  public:
   virtual ~UnitHooks() = default;
   virtual void before_forward(int unit) {}
+  virtual void after_forward(int unit) {}
   virtual void before_backward(int unit) {}
   virtual void after_backward(int unit) {}
 };
@@ -72,6 +77,7 @@ class Model {
   const std::vector<Unit>& units() const { return units_; }
   int64_t num_params() const;
   const ParamSpec* find_param(const std::string& name, int* unit = nullptr) const;
+  std::vector<int> units_used(int unit) const;
   Tensor param(const std::string& name) const;  // a view of one parameter
 
   // Layout-independent initialisation: element i of parameter p is

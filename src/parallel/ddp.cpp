@@ -1,5 +1,6 @@
 #include "parallel/ddp.h"
 
+#include <cstdio>
 #include <cstring>
 
 #include "core/error.h"
@@ -89,19 +90,36 @@ void DDP::finish() {
 }
 
 void DDP::check_same_parameters() {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over every parameter byte
-  for (const Unit& u : model_.units()) {
-    const unsigned char* p = static_cast<const unsigned char*>(u.w.raw());
-    for (size_t i = 0; i < u.w.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  uint64_t h = params_hash(nullptr, 0);
+  for (const Unit& u : model_.units()) h = params_hash(u.w.f32(), u.numel, h);
+  check_same_hash(dp_, h, "parameters");
+}
+
+std::vector<OptimSegment> DDP::optim_segments() {
+  std::vector<OptimSegment> segs;
+  for (Unit& u : model_.units()) {
+    OptimSegment s{u.w, u.g, {}};
+    for (const ParamSpec& p : u.params)
+      if (p.decay) s.decay_ranges.emplace_back(p.offset, p.offset + p.numel());
+    segs.push_back(std::move(s));
   }
-  uint32_t mine[2] = {static_cast<uint32_t>(h), static_cast<uint32_t>(h >> 32)};
-  std::vector<uint32_t> all(2 * dp_.size());
-  dp_.allgather(Tensor::wrap(mine, {2}, DType::u32), Tensor::wrap(all.data(), {2 * dp_.size()}, DType::u32));
-  for (int r = 1; r < dp_.size(); ++r)
-    MT_CHECK(all[2 * r] == all[0] && all[2 * r + 1] == all[1],
-             "data-parallel rank " << r << " starts from different parameters than rank 0; every rank must "
-                                   << "initialise identically (same training.seed, and the same model.init_from "
-                                   << "file or checkpoint on every node)");
+  return segs;
+}
+
+std::vector<ParamSlice> DDP::checkpoint_slices() {
+  std::vector<ParamSlice> r;
+  if (dp_.rank() != 0) return r;  // replicas are identical: one copy is written
+  for (size_t i = 0; i < model_.units().size(); ++i)
+    r.push_back({static_cast<int>(i), 0, model_.units()[i].numel, model_.units()[i].w.f32()});
+  return r;
+}
+
+std::string DDP::describe() const {
+  if (dp_.size() == 1) return "";
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "ddp: %d gradient buckets of about %g MiB, %s reduction%s", num_buckets(),
+                cfg_.bucket_mb, cfg_.grad_comm_dtype.c_str(), cfg_.overlap ? ", overlapped with backward" : "");
+  return buf;
 }
 
 }  // namespace mt

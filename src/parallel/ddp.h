@@ -17,23 +17,27 @@
 
 #include "comm/communicator.h"
 #include "nn/model.h"
+#include "parallel/data_parallel.h"
 #include "parallel/parallel_config.h"
 
 namespace mt {
 
-class DDP final : public UnitHooks {
+class DDP final : public DataParallel {
  public:
   DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg);
   ~DDP() override;
 
-  // Before each micro-step's backward: only the last micro-step of a step reduces.
-  void set_sync(bool sync) { sync_ = sync; }
+  // Only the last micro-step of a step reduces.
+  void set_sync(bool sync) override { sync_ = sync; }
   void after_backward(int unit) override;
   // Waits for every bucket and writes the summed gradients back into the units.
-  void finish();
-
-  // Fails on every rank (naming the ranks) unless all ranks hold bit-identical parameters.
-  void check_same_parameters();
+  void finish() override;
+  void zero_grad() override { model_.zero_grad(); }
+  std::vector<OptimSegment> optim_segments() override;  // whole units
+  double grad_sumsq(const std::vector<OptimSegment>& segments) override { return mt::grad_sumsq(segments); }
+  void check_same_parameters() override;
+  std::vector<ParamSlice> checkpoint_slices() override;  // rank 0: whole units; others: none
+  std::string describe() const override;
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
 
  private:

@@ -14,6 +14,16 @@ struct ParallelConfig {
   bool debug_collectives = false;      // cross-check every collective across ranks
   double timeout_s = 300;              // watchdog: a collective running longer ends the job
   std::string test_fault;              // test-only: "die:R", "hang:R", "throw:R", "mismatch:R" at step 1
+
+  // ZeRO / FSDP (parallel/zero.h). zero: 0 replicate everything (DDP), 1 shard optimizer
+  // state, 2 also gradients, 3 also parameters. sharding names FSDP's strategies:
+  // NO_SHARD = 0, SHARD_GRAD_OP = 2, FULL_SHARD = 3, HYBRID_SHARD = 3 within groups of
+  // shard_group ranks, replicated across groups.
+  int zero = 0;
+  std::string sharding;               // "" | NO_SHARD | SHARD_GRAD_OP | FULL_SHARD | HYBRID_SHARD
+  int shard_group = 0;                // ranks that shard one copy; 0: all of dp
+  bool reshard_after_forward = true;  // stage 3: free gathered parameters after each unit's forward
+  bool prefetch = true;               // stage 3: gather the next unit while this one computes
 };
 
 }  // namespace mt

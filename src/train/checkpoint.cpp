@@ -1,11 +1,11 @@
 #include "train/checkpoint.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -17,19 +17,18 @@ namespace mt {
 namespace {
 
 constexpr const char* kFormat = "meshtrain-checkpoint";
-constexpr int kVersion = 1;
+constexpr int kVersion = 2;
 
 uint32_t crc32_file(const std::string& path) {
-  static uint32_t table[256];
-  static bool init = false;
-  if (!init) {
+  static const auto table = [] {
+    std::vector<uint32_t> t(256);
     for (uint32_t i = 0; i < 256; ++i) {
       uint32_t c = i;
       for (int k = 0; k < 8; ++k) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      table[i] = c;
+      t[i] = c;
     }
-    init = true;
-  }
+    return t;
+  }();
   std::ifstream f(path, std::ios::binary);
   MT_CHECK(f, "cannot read checkpoint file " << path);
   std::vector<char> buf(1 << 20);
@@ -47,16 +46,28 @@ std::string step_name(int64_t step) {
   return buf;
 }
 
-nlohmann::json read_meta(const std::string& dir) {
-  std::ifstream f(dir + "/meta.json");
-  MT_CHECK(f, "checkpoint " << dir << " has no meta.json; it is incomplete or not a meshtrain checkpoint");
-  nlohmann::json j;
+std::string shard_name(int rank) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "shard_%05d", rank);
+  return buf;
+}
+
+nlohmann::json read_json(const std::string& path, const std::string& dir) {
+  std::ifstream f(path);
+  MT_CHECK(f, "checkpoint " << dir << " has no " << fs::path(path).filename().string()
+                            << "; it is incomplete or not a meshtrain checkpoint");
   try {
+    nlohmann::json j;
     f >> j;
+    return j;
   } catch (const std::exception& e) {
-    MT_FAIL("checkpoint " << dir << "/meta.json is corrupt (" << e.what() << "); delete " << dir
-                          << " to resume from an earlier checkpoint");
+    MT_FAIL("checkpoint file " << path << " is corrupt (" << e.what() << "); delete " << dir
+                               << " to resume from an earlier checkpoint");
   }
+}
+
+nlohmann::json read_meta(const std::string& dir) {
+  nlohmann::json j = read_json(dir + "/meta.json", dir);
   MT_CHECK(j.value("format", "") == kFormat, dir << "/meta.json is not a meshtrain checkpoint");
   MT_CHECK(j.value("version", 0) == kVersion, dir << "/meta.json has checkpoint version " << j.value("version", 0)
                                                   << "; this meshtrain reads version " << kVersion);
@@ -65,77 +76,109 @@ nlohmann::json read_meta(const std::string& dir) {
 
 }  // namespace
 
-std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& units,
-                            const Optimizer* opt, int keep) {
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  MT_CHECK(!ec, "cannot create checkpoint.dir " << root << ": " << ec.message());
+std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& layout,
+                            const std::vector<CheckpointSlice>& slices, int64_t optimizer_steps, Communicator& world,
+                            int keep) {
   const std::string final_dir = root + "/" + step_name(step);
-  const std::string tmp = root + "/.tmp-" + step_name(step) + "-" + std::to_string(getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-
-  // The shard: every unit's parameters and optimizer state, whole (a single rank holds all).
-  std::vector<std::pair<std::string, Shape>> list;
-  for (size_t i = 0; i < units.size(); ++i) {
-    list.emplace_back(units[i].name + ".params", Shape{units[i].numel});
-    if (opt)
-      for (auto& [name, t] : opt->state(static_cast<int>(i))) list.emplace_back(units[i].name + "." + name, Shape{units[i].numel});
+  const std::string tmp = root + "/.tmp-" + step_name(step);
+  const bool lead = world.rank() == 0;
+  if (lead) {
+    std::error_code ec;
+    fs::create_directories(root, ec);
+    MT_CHECK(!ec, "cannot create checkpoint.dir " << root << ": " << ec.message());
+    fs::remove_all(tmp);  // a save that died half-way
+    fs::create_directories(tmp);
   }
-  const std::string shard = "shard_00000.safetensors";
-  {
-    SafetensorsWriter w(tmp + "/" + shard, list);
-    for (size_t i = 0; i < units.size(); ++i) {
-      w.write(units[i].name + ".params", units[i].w.f32());
-      if (opt)
-        for (auto& [name, t] : opt->state(static_cast<int>(i))) w.write(units[i].name + "." + name, t.f32());
+  world.barrier();
+
+  // This rank's shard: its slices' tensors, with a sidecar saying what they hold.
+  if (!slices.empty()) {
+    const std::string name = shard_name(world.rank());
+    std::vector<std::pair<std::string, Shape>> list;
+    nlohmann::json ranges = nlohmann::json::array();
+    for (const CheckpointSlice& s : slices) {
+      nlohmann::json names = nlohmann::json::array();
+      for (const auto& [t, ptr] : s.tensors) {
+        list.emplace_back(s.unit + "." + t, Shape{s.end - s.begin});
+        names.push_back(t);
+      }
+      ranges.push_back({{"unit", s.unit}, {"begin", s.begin}, {"end", s.end}, {"tensors", names}});
     }
-    w.finish();
+    {
+      SafetensorsWriter w(tmp + "/" + name + ".safetensors", list);
+      for (const CheckpointSlice& s : slices)
+        for (const auto& [t, ptr] : s.tensors) w.write(s.unit + "." + t, ptr);
+      w.finish();
+    }
+    const std::string path = tmp + "/" + name + ".safetensors";
+    nlohmann::json side = {{"rank", world.rank()}, {"file", name + ".safetensors"}, {"bytes", fs::file_size(path)},
+                           {"crc32", crc32_file(path)}, {"ranges", ranges}};
+    std::ofstream(tmp + "/" + name + ".json") << side.dump();
   }
+  world.barrier();
 
-  nlohmann::json meta;
-  meta["format"] = kFormat;
-  meta["version"] = kVersion;
-  meta["step"] = step;
-  meta["optimizer"] = opt ? nlohmann::json{{"name", cfg.optim.name}, {"steps_taken", opt->steps_taken()}} : nlohmann::json();
-  meta["config"] = config_to_json(cfg);
-  meta["world_size"] = 1;
-  nlohmann::json ju = nlohmann::json::array();
-  nlohmann::json ranges = nlohmann::json::array();
-  for (const Unit& u : units) {
-    nlohmann::json params = nlohmann::json::array();
-    for (const ParamSpec& p : u.params) params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
-    ju.push_back({{"name", u.name}, {"numel", u.numel}, {"params", params}});
-    ranges.push_back({{"unit", u.name}, {"begin", 0}, {"end", u.numel}});
+  if (lead) {
+    nlohmann::json meta;
+    meta["format"] = kFormat;
+    meta["version"] = kVersion;
+    meta["step"] = step;
+    meta["optimizer"] = {{"name", cfg.optim.name}, {"steps_taken", optimizer_steps}};
+    meta["config"] = config_to_json(cfg);
+    meta["world_size"] = world.size();
+    nlohmann::json ju = nlohmann::json::array();
+    for (const Unit& u : layout) {
+      nlohmann::json params = nlohmann::json::array();
+      for (const ParamSpec& p : u.params) params.push_back({{"name", p.name}, {"shape", p.shape}, {"offset", p.offset}});
+      ju.push_back({{"name", u.name}, {"numel", u.numel}, {"params", params}});
+    }
+    meta["units"] = ju;
+    nlohmann::json shards = nlohmann::json::array();
+    std::map<std::string, int64_t> covered;
+    for (int r = 0; r < world.size(); ++r) {
+      const std::string side = tmp + "/" + shard_name(r) + ".json";
+      if (!fs::exists(side)) continue;
+      nlohmann::json j = read_json(side, tmp);
+      for (const auto& rg : j["ranges"]) covered[rg["unit"]] += rg["end"].get<int64_t>() - rg["begin"].get<int64_t>();
+      shards.push_back(std::move(j));
+      fs::remove(side);
+    }
+    for (const Unit& u : layout)
+      MT_CHECK(covered[u.name] == u.numel, "internal: checkpoint shards cover " << covered[u.name] << " of " << u.numel
+                                                                             << " elements of unit " << u.name);
+    meta["shards"] = shards;
+    {
+      std::ofstream f(tmp + "/meta.json");
+      f << meta.dump(1) << "\n";
+      MT_CHECK(f.good(), "cannot write " << tmp << "/meta.json (disk full?)");
+    }
+    // Replace an existing checkpoint of the same step only once the new one is complete.
+    if (fs::exists(final_dir)) {
+      const std::string old = final_dir + ".old";
+      fs::remove_all(old);
+      fs::rename(final_dir, old);
+      fs::rename(tmp, final_dir);
+      fs::remove_all(old);
+    } else {
+      fs::rename(tmp, final_dir);
+    }
+    if (keep > 0) {
+      std::vector<std::string> dirs;
+      for (const auto& e : fs::directory_iterator(root)) {
+        const std::string n = e.path().filename().string();
+        if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find(".old") == std::string::npos) dirs.push_back(e.path());
+      }
+      std::sort(dirs.begin(), dirs.end());
+      for (size_t i = 0; i + keep < dirs.size(); ++i) fs::remove_all(dirs[i]);
+    }
   }
-  meta["units"] = ju;
-  const std::string shard_path = tmp + "/" + shard;
-  meta["shards"] = nlohmann::json::array(
-      {{{"rank", 0}, {"file", shard}, {"bytes", fs::file_size(shard_path)}, {"crc32", crc32_file(shard_path)},
-        {"ranges", ranges}}});
-  {
-    std::ofstream f(tmp + "/meta.json");
-    f << meta.dump(1) << "\n";
-    MT_CHECK(f.good(), "cannot write " << tmp << "/meta.json (disk full?)");
-  }
-  // Replace an existing checkpoint of the same step only once the new one is complete.
-  if (fs::exists(final_dir)) {
-    const std::string old = final_dir + ".old-" + std::to_string(getpid());
-    fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
-    fs::remove_all(old);
-  } else {
-    fs::rename(tmp, final_dir);
-  }
-
-  if (keep > 0) {
-    std::vector<std::string> dirs;
-    for (const auto& e : fs::directory_iterator(root))
-      if (e.is_directory() && e.path().filename().string().rfind("step_", 0) == 0) dirs.push_back(e.path().string());
-    std::sort(dirs.begin(), dirs.end());
-    for (size_t i = 0; i + keep < dirs.size(); ++i) fs::remove_all(dirs[i]);
-  }
+  world.barrier();
   return final_dir;
+}
+
+std::vector<CheckpointSlice> checkpoint_param_slices(const std::vector<Unit>& units) {
+  std::vector<CheckpointSlice> r;
+  for (const Unit& u : units) r.push_back({u.name, 0, u.numel, {{"params", u.w.f32()}}});
+  return r;
 }
 
 std::string checkpoint_latest(const std::string& root) {
@@ -155,7 +198,8 @@ std::string checkpoint_latest(const std::string& root) {
 
 Config checkpoint_config(const std::string& dir) { return config_from_json(read_meta(dir).at("config")); }
 
-int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, std::vector<Unit>& units, Optimizer* opt) {
+int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
+                        int64_t* optimizer_steps) {
   nlohmann::json meta = read_meta(dir);
   // The model's shape must be the one saved (init_from does not matter once trained).
   Config saved = config_from_json(meta.at("config"));
@@ -169,35 +213,40 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, std::v
                                                << " but this run has " << b[it.key()].dump()
                                                << "; use the checkpoint's model settings or a new checkpoint.dir");
 
-  for (const auto& sh : meta.at("shards")) {
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> open;  // shard files checked and opened once
+  auto reader = [&](const nlohmann::json& sh) -> SafetensorsReader& {
     const std::string path = dir + "/" + sh.at("file").get<std::string>();
+    auto it = open.find(path);
+    if (it != open.end()) return *it->second;
     MT_CHECK(fs::exists(path), "checkpoint shard " << path << " is missing; the checkpoint is incomplete — delete "
                                                    << dir << " to resume from an earlier one");
     MT_CHECK(fs::file_size(path) == sh.at("bytes").get<uint64_t>() && crc32_file(path) == sh.at("crc32").get<uint32_t>(),
              "checkpoint shard " << path << " is corrupt (size or CRC-32 differs from meta.json); delete " << dir
                                  << " to resume from an earlier checkpoint");
-    SafetensorsReader r(path);
-    for (const auto& range : sh.at("ranges")) {
-      const std::string uname = range.at("unit").get<std::string>();
-      const int64_t begin = range.at("begin"), end = range.at("end");
-      auto u = std::find_if(units.begin(), units.end(), [&](const Unit& x) { return x.name == uname; });
-      MT_CHECK(u != units.end(), "checkpoint " << dir << " has unit " << uname << " that this model does not have");
-      MT_CHECK(begin == 0 && end == u->numel, "checkpoint " << dir << ": unit " << uname << " range [" << begin << ", "
-                                                            << end << ") does not cover the unit of " << u->numel);
-      r.read_f32(uname + ".params", u->w.f32(), u->numel);
-      if (opt) {
-        int idx = static_cast<int>(u - units.begin());
-        for (auto& [name, t] : opt->state(idx)) {
-          MT_CHECK(r.has(uname + "." + name), "checkpoint " << dir << " has no " << name << " state for " << uname
-                                                            << " (saved with optim.name = "
-                                                            << meta["optimizer"].value("name", "none")
-                                                            << "); resume with the same optimizer");
-          r.read_f32(uname + "." + name, t.f32(), u->numel);
+    return *(open[path] = std::make_unique<SafetensorsReader>(path));
+  };
+  for (const CheckpointSlice& want : slices) {
+    for (const auto& [tname, dst] : want.tensors) {
+      int64_t filled = 0;
+      for (const auto& sh : meta.at("shards"))
+        for (const auto& rg : sh.at("ranges")) {
+          if (rg.at("unit") != want.unit) continue;
+          const auto& names = rg.at("tensors");
+          if (std::find(names.begin(), names.end(), tname) == names.end()) continue;
+          const int64_t lo = std::max(want.begin, rg.at("begin").get<int64_t>());
+          const int64_t hi = std::min(want.end, rg.at("end").get<int64_t>());
+          if (lo >= hi) continue;
+          reader(sh).read_f32_range(want.unit + "." + tname, lo - rg.at("begin").get<int64_t>(), hi - lo,
+                                    dst + (lo - want.begin));
+          filled += hi - lo;
         }
-      }
+      MT_CHECK(filled == want.end - want.begin,
+               "checkpoint " << dir << " has no " << tname << " for elements [" << want.begin << ", " << want.end
+                             << ") of unit " << want.unit << " (saved with optim.name = "
+                             << meta["optimizer"].value("name", "?") << "); resume with the same optimizer");
     }
   }
-  if (opt) opt->set_steps_taken(meta.at("optimizer").at("steps_taken").get<int64_t>());
+  if (optimizer_steps) *optimizer_steps = meta.at("optimizer").at("steps_taken").get<int64_t>();
   return meta.at("step").get<int64_t>();
 }
 

@@ -1,33 +1,51 @@
-// Checkpoints: one directory per saved step under checkpoint.dir, written atomically
-// (a temporary directory renamed into place), holding one shard file per rank and
-// meta.json, which records the configuration, every parameter's global shape and place
-// in its unit, and which rank's shard holds which range of each unit, so a checkpoint
-// loads into a different layout.
+// Checkpoints: one directory per saved step under checkpoint.dir, written atomically (a
+// temporary directory renamed into place once every shard is on disk). Each writing rank
+// stores its own ranges of each unit's flat buffers in its own shard file — the whole
+// model is never gathered on one rank — and meta.json records the configuration, every
+// parameter's global shape and place in its unit, and which shard holds which range, so a
+// checkpoint loads into any layout (dp size, ZeRO stage).
 //
 //   <dir>/step_00000100/meta.json
-//   <dir>/step_00000100/shard_00000.safetensors   tensors "<unit>.params", "<unit>.adam_m", ...
+//   <dir>/step_00000100/shard_00003.safetensors   "<unit>.params", "<unit>.adam_m", ... over [begin, end)
+//
+// Writing needs every rank's checkpoint.dir to be the same shared directory.
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "nn/model.h"
-#include "optim/optimizer.h"
 #include "train/config.h"
 
 namespace mt {
 
-// Saves step `step` (the number of optimizer steps done) and keeps the newest `keep`.
-// Returns the directory written.
-std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& units,
-                            const Optimizer* opt, int keep);
-// The newest complete checkpoint directory under root ("" if none). Accepts a step
-// directory itself as well.
+// A range [begin, end) of one unit: named flat tensors ("params", "adam_m", …), each
+// pointer at element `begin`, to save from or load into.
+struct CheckpointSlice {
+  std::string unit;
+  int64_t begin = 0, end = 0;
+  std::vector<std::pair<std::string, float*>> tensors;
+};
+
+// Collective over `world`: every rank passes its slices (empty: it writes no shard).
+// Saves step `step` (optimizer steps done) and keeps the newest `keep`; returns the directory.
+std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& layout,
+                            const std::vector<CheckpointSlice>& slices, int64_t optimizer_steps, Communicator& world,
+                            int keep);
+// Slices covering every unit's parameters whole ("params" into each unit's w).
+std::vector<CheckpointSlice> checkpoint_param_slices(const std::vector<Unit>& units);
+
+// The newest complete checkpoint directory under root ("" if none); a step directory
+// itself is accepted too.
 std::string checkpoint_latest(const std::string& root);
 // The configuration stored in a checkpoint directory.
 Config checkpoint_config(const std::string& dir);
-// Loads parameters (and optimizer state when opt is given) and returns the step. Checks
-// that the model shape matches and that every shard file is intact (size and CRC-32).
-int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, std::vector<Unit>& units, Optimizer* opt);
+// Fills every slice from whichever shards hold its range. Checks that the model shape
+// matches and that each shard file read is intact (size and CRC-32). Returns the step;
+// *optimizer_steps (when given) receives the optimizer's step count.
+int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
+                        int64_t* optimizer_steps = nullptr);
 
 }  // namespace mt

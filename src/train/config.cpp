@@ -136,6 +136,12 @@ const std::vector<Key>& keys() {
     v.push_back(bool_key("parallel.overlap", &C::parallel, &ParallelConfig::overlap));
     v.push_back(bool_key("parallel.debug_collectives", &C::parallel, &ParallelConfig::debug_collectives));
     v.push_back(num_key("parallel.timeout_s", &C::parallel, &ParallelConfig::timeout_s));
+    v.push_back(int_key("parallel.zero", &C::parallel, &ParallelConfig::zero));
+    v.push_back(str_key("parallel.sharding", &C::parallel, &ParallelConfig::sharding,
+                        {"", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"}));
+    v.push_back(int_key("parallel.shard_group", &C::parallel, &ParallelConfig::shard_group));
+    v.push_back(bool_key("parallel.reshard_after_forward", &C::parallel, &ParallelConfig::reshard_after_forward));
+    v.push_back(bool_key("parallel.prefetch", &C::parallel, &ParallelConfig::prefetch));
     v.push_back(str_key("parallel.test_fault", &C::parallel, &ParallelConfig::test_fault));
 
     v.push_back(str_key("checkpoint.dir", &C::checkpoint, &CheckpointConfig::dir));
@@ -262,6 +268,15 @@ void Config::validate() const {
   MT_CHECK(parallel.pp == 1, "parallel.pp = " << parallel.pp << ": pipeline parallelism is not available yet; use parallel.pp=1");
   MT_CHECK(parallel.bucket_mb > 0, "parallel.bucket_mb = " << parallel.bucket_mb << " must be positive");
   MT_CHECK(parallel.timeout_s >= 0, "parallel.timeout_s must not be negative (0: no watchdog)");
+  MT_CHECK(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero = " << parallel.zero << " must be 0, 1, 2 or 3");
+  MT_CHECK(parallel.shard_group >= 0, "parallel.shard_group must not be negative (0: all data-parallel ranks)");
+  if (!parallel.sharding.empty()) {
+    const std::string& s = parallel.sharding;
+    const int stage = s == "NO_SHARD" ? 0 : s == "SHARD_GRAD_OP" ? 2 : 3;
+    MT_CHECK(parallel.zero == 0 || parallel.zero == stage,
+             "parallel.sharding = " << s << " means parallel.zero = " << stage << ", but parallel.zero = "
+                                    << parallel.zero << "; set only one of them");
+  }
 }
 
 void Config::resolve_layout(int world_size) {
@@ -283,6 +298,19 @@ void Config::resolve_layout(int world_size) {
     training.micro_batch = training.global_batch / parallel.dp;
   }
   const int64_t per_step = int64_t{parallel.dp} * training.micro_batch;
+  // ZeRO: the FSDP name decides the stage; the shard group defaults to all of dp.
+  const std::string& sh = parallel.sharding;
+  if (!sh.empty()) parallel.zero = sh == "NO_SHARD" ? 0 : sh == "SHARD_GRAD_OP" ? 2 : 3;
+  if (sh == "HYBRID_SHARD") {
+    MT_CHECK(parallel.shard_group > 1 && parallel.shard_group < parallel.dp && parallel.dp % parallel.shard_group == 0,
+             "parallel.sharding = HYBRID_SHARD needs parallel.shard_group between 2 and dp - 1 dividing dp = "
+                 << parallel.dp << " (got " << parallel.shard_group << ")");
+  } else if (parallel.shard_group == 0) {
+    parallel.shard_group = parallel.dp;
+  }
+  MT_CHECK(parallel.dp % parallel.shard_group == 0, "parallel.shard_group = " << parallel.shard_group
+                                                                              << " does not divide parallel.dp = "
+                                                                              << parallel.dp);
   MT_CHECK(training.global_batch % per_step == 0,
            "training.global_batch = " << training.global_batch << " is not divisible by parallel.dp x training.micro_batch = "
                                       << parallel.dp << " x " << training.micro_batch << " = " << per_step

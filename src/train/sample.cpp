@@ -18,7 +18,7 @@ std::string sample_text(const SampleOptions& o) {
   Config cfg = checkpoint_config(dir);
   CpuAllocator alloc;
   Model model(cfg.model, alloc, 1);
-  checkpoint_load(dir, cfg.model, model.units(), nullptr);
+  checkpoint_load(dir, cfg.model, checkpoint_param_slices(model.units()));
   auto tok = tokenizer_make(o.tokenizer.empty() ? cfg.data.tokenizer : o.tokenizer);
   MT_CHECK(tok->vocab_size() <= cfg.model.vocab_size, "the tokenizer has " << tok->vocab_size()
                                                                           << " tokens but the model only "

@@ -20,6 +20,7 @@
 #include "nn/model.h"
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
+#include "parallel/zero.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/plot.h"
@@ -169,15 +170,40 @@ void inject_fault(const std::string& spec, int64_t step, Communicator& world, Co
   MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw or mismatch");
 }
 
-std::vector<OptimSegment> optim_segments(std::vector<Unit>& units) {
-  std::vector<OptimSegment> segs;
-  for (Unit& u : units) {
-    OptimSegment s{u.w, u.g, {}};
-    for (const ParamSpec& p : u.params)
-      if (p.decay) s.decay_ranges.emplace_back(p.offset, p.offset + p.numel());
-    segs.push_back(std::move(s));
+// The optimizer state of segment i (unit i) next to the strategy's parameter range.
+std::vector<CheckpointSlice> state_slices(const std::vector<ParamSlice>& params, const Optimizer& opt,
+                                          const std::vector<Unit>& units, bool with_params) {
+  std::vector<CheckpointSlice> r;
+  for (const ParamSlice& p : params) {
+    CheckpointSlice s{units[p.unit].name, p.begin, p.end, {}};
+    if (with_params) s.tensors.emplace_back("params", p.params);
+    for (auto& [name, t] : opt.state(p.unit)) s.tensors.emplace_back(name, t.f32());
+    r.push_back(std::move(s));
   }
-  return segs;
+  return r;
+}
+
+size_t model_state_bytes(const MemStats& m) {
+  return m.peak[int(MemTag::params)] + m.peak[int(MemTag::grads)] + m.peak[int(MemTag::optim)];
+}
+
+// The model-state bytes per rank the ZeRO analysis predicts for fp32 Adam (16 bytes per
+// parameter in all), with N the shard group: stage 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N,
+// 3 16Ψ/N. Ψ counts the padding of each unit to a multiple of N.
+double predicted_model_state(const std::vector<Unit>& units, int stage, int N, const std::string& optim) {
+  double psi = 0, psi_n = 0;  // Ψ and Ψ/N with per-unit padding
+  for (const Unit& u : units) {
+    const int64_t chunk = (u.numel + N - 1) / N;
+    psi += stage == 0 ? u.numel : chunk * N;
+    psi_n += chunk;
+  }
+  const double opt_bytes = optim == "adamw" ? 8 : 4;  // m and v, or the momentum buffer
+  switch (stage) {
+    case 0: return (8 + opt_bytes) * psi;
+    case 1: return 8 * psi + opt_bytes * psi_n;
+    case 2: return 4 * psi + (4 + opt_bytes) * psi_n;
+    default: return (8 + opt_bytes) * psi_n;
+  }
 }
 
 }  // namespace
@@ -205,21 +231,37 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   const double baseline = unigram_baseline(train_loader.tokens(), data.val, c.model.vocab_size);
 
   Model model(c.model, alloc, M, c.training.recompute);
-  Optimizer opt(c.optim, optim_segments(model.units()), alloc);
-  DDP ddp(model, dp, alloc, c.parallel);
-  model.set_hooks(&ddp);
-
-  int64_t start = 0;
+  // The full parameters first (a checkpoint, a Hugging Face file, or the seed); ZeRO then
+  // keeps this rank's shards.
+  int64_t start = 0, optimizer_steps = 0;
   std::string resumed_from;
   if (c.checkpoint.resume) {
     resumed_from = checkpoint_latest(c.checkpoint.dir);
-    if (!resumed_from.empty()) start = checkpoint_load(resumed_from, c.model, model.units(), &opt);
+    if (!resumed_from.empty()) start = checkpoint_load(resumed_from, c.model, checkpoint_param_slices(model.units()));
   }
   if (resumed_from.empty()) {
     if (!c.model.init_from.empty()) hf_import(c.model, model.units(), c.model.init_from);
     else model.init(c.training.seed);
   }
-  if (R > 1) ddp.check_same_parameters();
+  std::unique_ptr<DataParallel> strategy;
+  if (c.parallel.zero == 0) strategy = std::make_unique<DDP>(model, dp, alloc, c.parallel);
+  else strategy = std::make_unique<ZeRO>(model, dp, alloc, c.parallel);
+  model.set_hooks(strategy.get());
+  Optimizer opt(c.optim, strategy->optim_segments(), alloc);
+  if (!resumed_from.empty()) {
+    std::vector<ParamSlice> mine;
+    const auto segs = opt.segments();
+    for (size_t u = 0; u < segs.size(); ++u) {
+      // the optimizer's segment u is this rank's range of unit u (whole units without ZeRO)
+      const int64_t b = c.parallel.zero ? static_cast<ZeRO&>(*strategy).own_begin(static_cast<int>(u)) : 0;
+      mine.push_back({static_cast<int>(u), b, b + segs[u].w.numel(), segs[u].w.f32()});
+    }
+    checkpoint_load(resumed_from, c.model, state_slices(mine, opt, model.units(), false), &optimizer_steps);
+    opt.set_steps_taken(optimizer_steps);
+  }
+  if (R > 1) strategy->check_same_parameters();
+  const double predicted = predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name);
+  alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
 
   char head[512];
   std::snprintf(head, sizeof head, "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d), %d threads each",
@@ -230,11 +272,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
                 data.builtin ? "built-in tasks" : c.data.path.c_str(), static_cast<long long>(train_loader.num_tokens()),
                 static_cast<long long>(G), T, static_cast<long long>(n_micro), n_micro > 1 ? "es" : "", M);
   log.message(head);
-  if (R > 1) {
-    std::snprintf(head, sizeof head, "ddp: %d gradient buckets of about %g MiB, %s reduction%s", ddp.num_buckets(),
-                  c.parallel.bucket_mb, c.parallel.grad_comm_dtype.c_str(), c.parallel.overlap ? ", overlapped with backward" : "");
-    log.message(head);
-  }
+  if (!strategy->describe().empty()) log.message(strategy->describe());
   if (!resumed_from.empty()) log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
   else if (c.checkpoint.resume) log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
 
@@ -247,23 +285,24 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   for (int64_t s = start; s < c.training.steps; ++s) {
     const auto t0 = Clock::now();
     inject_fault(c.parallel.test_fault, s, world, dp);
-    model.zero_grad();
+    strategy->zero_grad();
     double loss_sum = 0;
     for (int64_t m = 0; m < n_micro; ++m) {
       // This rank's micro-batch m: global positions s*G + r + R*i (interleaved over ranks).
       train_loader.fill(s * G + r + int64_t{R} * m * M, M, in.data(), tg.data(), R);
-      ddp.set_sync(m == n_micro - 1);
+      strategy->set_sync(m == n_micro - 1);
       loss_sum += model.forward(in.data(), tg.data(), M, T);
       model.backward(static_cast<float>(1.0 / tokens_per_step));
     }
-    ddp.finish();
+    strategy->finish();
     const double loss = sum_over(dp, loss_sum) / tokens_per_step;
     MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
                                                      << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
-    const double norm = std::sqrt(grad_sumsq(opt.segments()));
+    const double norm = std::sqrt(strategy->grad_sumsq(opt.segments()));
     grad_clip(opt.segments(), norm, c.optim.grad_clip);
     const double lr = lr_at(c.optim, s, c.training.steps);
     opt.step(lr);
+    strategy->after_step();
     const double dt = seconds_since(t0);
     train_seconds += dt;
     ++timed_steps;
@@ -271,7 +310,10 @@ TrainSummary train(const Config& cfg, Communicator& world) {
 
     nlohmann::json j = {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
                         {"tokens_per_s", tokens_per_step / dt}, {"step_ms", dt * 1000}};
-    j.update(memory_json(busiest(world, alloc.stats())));
+    const MemStats peaks = busiest(world, alloc.stats());
+    j.update(memory_json(peaks));
+    j["mem_model_state"] = model_state_bytes(peaks);
+    j["mem_model_state_predicted"] = predicted;
     log.write(j);
     log.progress(s, c.training.steps, loss, lr, tps, (c.training.steps - s - 1) * train_seconds / timed_steps);
     sum.loss = loss;
@@ -287,9 +329,10 @@ TrainSummary train(const Config& cfg, Communicator& world) {
       log.message(buf);
     }
     if (!c.checkpoint.dir.empty() && ((c.checkpoint.every > 0 && (s + 1) % c.checkpoint.every == 0) || last)) {
-      // Replicas are identical: one copy is written, by rank 0, while the others wait.
-      if (lead) checkpoint_save(c.checkpoint.dir, s + 1, c, model.units(), &opt, c.checkpoint.keep);
-      world.barrier();
+      // Each writing rank saves its own ranges (one copy of each: replicas do not write).
+      checkpoint_save(c.checkpoint.dir, s + 1, c, model.units(),
+                      state_slices(strategy->checkpoint_slices(), opt, model.units(), true), opt.steps_taken(), world,
+                      c.checkpoint.keep);
     }
   }
   sum.steps = std::max(start, c.training.steps);
@@ -310,6 +353,8 @@ TrainSummary train(const Config& cfg, Communicator& world) {
                        {"seconds", sum.seconds}, {"ranks", world.size()}};
   if (sum.answer_accuracy >= 0) js["answer_accuracy"] = sum.answer_accuracy, js["baseline_accuracy"] = sum.baseline_accuracy;
   js.update(memory_json(mem));
+  js["mem_model_state"] = model_state_bytes(mem);
+  js["mem_model_state_predicted"] = predicted;
   log.write(js);
   char buf[512];
   log.message("---");
@@ -330,6 +375,10 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     log.message(buf);
   }
   log.message(std::string("peak memory") + (world.size() > 1 ? " (busiest rank): " : ": ") + memory_summary(mem));
+  std::snprintf(buf, sizeof buf, "model state (params + grads + optim): %s measured, %s by the ZeRO formula (stage %d, N = %d)",
+                format_bytes(model_state_bytes(mem)).c_str(), format_bytes(static_cast<size_t>(predicted)).c_str(),
+                c.parallel.zero, c.parallel.shard_group);
+  log.message(buf);
   if (!c.checkpoint.dir.empty()) log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
   std::string plot = c.logging.plot;
   if (!lead || (plot == "auto" && c.logging.metrics.empty())) plot = "";

@@ -1,0 +1,46 @@
+// What the trainer needs from a data-parallel strategy (DDP or ZeRO): hooks on the model's
+// units, the flat ranges the optimizer updates on this rank, the global gradient norm, and
+// the parameter ranges this rank saves in a checkpoint.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "nn/model.h"
+#include "optim/optimizer.h"
+
+namespace mt {
+
+// A range [begin, end) of one unit's parameters held by this rank (params points at begin).
+struct ParamSlice {
+  int unit;
+  int64_t begin, end;
+  float* params;
+};
+
+class DataParallel : public UnitHooks {
+ public:
+  // Before each micro-step's backward: true on the last micro-step of an optimizer step.
+  virtual void set_sync(bool last_micro_step) = 0;
+  // After the last micro-step's backward: gradients are reduced and ready.
+  virtual void finish() = 0;
+  virtual void zero_grad() = 0;
+  // The segments this rank's optimizer updates (one per unit, in unit order).
+  virtual std::vector<OptimSegment> optim_segments() = 0;
+  // Sum of squares of the whole model's gradient (the same on every rank).
+  virtual double grad_sumsq(const std::vector<OptimSegment>& segments) = 0;
+  // After the optimizer step: make the parameters every rank needs current again.
+  virtual void after_step() {}
+  // Fails unless every rank holds identical parameters.
+  virtual void check_same_parameters() = 0;
+  // The parameter ranges this rank writes to a checkpoint (empty: it writes nothing).
+  virtual std::vector<ParamSlice> checkpoint_slices() = 0;
+  virtual std::string describe() const = 0;  // one line for the run header
+};
+
+// FNV-1a of a float buffer, to compare parameters across ranks.
+uint64_t params_hash(const float* p, int64_t n, uint64_t h = 1469598103934665603ull);
+// Fails naming the first rank of `group` whose hash differs from rank 0's.
+void check_same_hash(Communicator& group, uint64_t hash, const std::string& what);
+
+}  // namespace mt

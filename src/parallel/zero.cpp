@@ -1,0 +1,245 @@
+#include "parallel/zero.h"
+
+#include <cstdio>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace mt {
+
+ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg)
+    : model_(model), dp_(dp), alloc_(alloc), cfg_(cfg), stage_(cfg.zero), S_(cfg.shard_group) {
+  MT_CHECK(stage_ >= 1 && stage_ <= 3, "internal: ZeRO stage " << stage_);
+  MT_CHECK(S_ >= 1 && dp.size() % S_ == 0, "parallel.shard_group = " << S_ << " does not divide dp = " << dp.size());
+  if (dp.size() > 1) check_same_parameters();  // the full parameters, before they are split
+  const int d = dp.rank();
+  shard_ = dp.split(d / S_, d % S_, "shard");
+  replicate_ = dp.split(d % S_, d / S_, "replicate");
+  k_ = shard_->rank();
+  auto& units = model.units();
+  st_.resize(units.size());
+  for (size_t u = 0; u < units.size(); ++u) {
+    UnitState& s = st_[u];
+    Unit& unit = units[u];
+    s.n = unit.numel;
+    s.chunk = (s.n + S_ - 1) / S_;
+    const int64_t padded = s.chunk * S_, b = own_begin(static_cast<int>(u)), e = own_end(static_cast<int>(u));
+    if (stage_ <= 2) {  // full parameters, padded so every chunk has c elements
+      s.full_w = Tensor::zeros({padded}, DType::f32, alloc, MemTag::params);
+      s.full_w.view(0, {s.n}).copy_from(unit.w);
+      unit.w = s.full_w.view(0, {s.n});
+    } else {
+      s.shard_w = Tensor::zeros({s.chunk}, DType::f32, alloc, MemTag::params);
+      s.shard_w.view(0, {e - b}).copy_from(unit.w.view(b, {e - b}));
+      unit.w = Tensor();  // gathered when a forward or backward needs it
+    }
+    if (stage_ == 1) {
+      s.full_g = Tensor::zeros({padded}, DType::f32, alloc, MemTag::grads);
+      unit.g = s.full_g.view(0, {s.n});
+    } else {
+      s.shard_g = Tensor::zeros({s.chunk}, DType::f32, alloc, MemTag::grads);
+      unit.g = Tensor();  // exists only during the unit's backward
+    }
+  }
+}
+
+ZeRO::~ZeRO() {
+  for (UnitState& s : st_)
+    for (WorkPtr* w : {&s.gather, &s.reduce})
+      if (*w) try {
+          (*w)->wait();
+        } catch (...) {
+        }
+}
+
+int64_t ZeRO::own_begin(int u) const { return std::min<int64_t>(k_ * st_[u].chunk, st_[u].n); }
+int64_t ZeRO::own_end(int u) const { return std::min<int64_t>((k_ + 1) * st_[u].chunk, st_[u].n); }
+
+// ---- stage 3: gathering and freeing parameters --------------------------------------
+
+void ZeRO::start_gather(int u) {
+  UnitState& s = st_[u];
+  if (s.full_w.defined()) return;  // live or already on its way
+  // Gathered copies are communication buffers: the model state proper stays 16Ψ/N.
+  s.full_w = Tensor::empty({s.chunk * S_}, DType::f32, alloc_, MemTag::comm);
+  s.gather = shard_->allgather_async(s.shard_w, s.full_w);
+}
+
+void ZeRO::ensure_gathered(int u) {
+  UnitState& s = st_[u];
+  start_gather(u);
+  if (s.gather) {
+    s.gather->wait();
+    s.gather.reset();
+  }
+  model_.units()[u].w = s.full_w.view(0, {s.n});
+}
+
+void ZeRO::release_params(int u) {
+  UnitState& s = st_[u];
+  if (s.gather) {
+    s.gather->wait();
+    s.gather.reset();
+  }
+  s.full_w = Tensor();
+  model_.units()[u].w = Tensor();
+}
+
+void ZeRO::before_forward(int unit) {
+  if (stage_ < 3) return;
+  for (int d : model_.units_used(unit)) ensure_gathered(d);
+  if (cfg_.prefetch && unit + 1 < static_cast<int>(st_.size())) start_gather(unit + 1);
+}
+
+void ZeRO::after_forward(int unit) {
+  if (stage_ < 3 || !cfg_.reshard_after_forward) return;
+  for (int d : model_.units_used(unit)) release_params(d);
+}
+
+// ---- gradients ------------------------------------------------------------------------
+
+void ZeRO::ensure_grad(int u) {
+  UnitState& s = st_[u];
+  if (s.full_g.defined()) return;
+  // The unit's whole gradient lives only through its backward: a communication buffer.
+  s.full_g = Tensor::zeros({s.chunk * S_}, DType::f32, alloc_, MemTag::comm);
+  model_.units()[u].g = s.full_g.view(0, {s.n});
+}
+
+void ZeRO::before_backward(int unit) {
+  if (unit == static_cast<int>(st_.size()) - 1) drain(true);  // the previous micro-step's reductions
+  if (stage_ == 3) {
+    for (int d : model_.units_used(unit)) ensure_gathered(d);
+    if (cfg_.prefetch && unit > 0) start_gather(unit - 1);
+  }
+  if (stage_ >= 2)
+    for (int d : model_.units_used(unit)) ensure_grad(d);
+}
+
+void ZeRO::launch_reduce(int u) {
+  UnitState& s = st_[u];
+  if (stage_ == 1) {  // in place: chunk k of the full gradient receives the sum
+    s.reduce = shard_->reduce_scatter_async(s.full_g, s.full_g.view(k_ * s.chunk, {s.chunk}));
+    return;
+  }
+  s.reduced = Tensor::empty({s.chunk}, DType::f32, alloc_, MemTag::comm);
+  s.reduce = shard_->reduce_scatter_async(s.full_g, s.reduced);
+  model_.units()[u].g = Tensor();
+}
+
+void ZeRO::after_backward(int unit) {
+  if (stage_ == 1) {
+    if (sync_) launch_reduce(unit);
+    return;
+  }
+  launch_reduce(unit);  // stages 2-3 reduce every micro-step: no full gradient is kept
+  if (stage_ == 3) release_params(unit);
+  drain(false);
+}
+
+void ZeRO::drain(bool wait_all) {
+  if (stage_ == 1) return;
+  for (UnitState& s : st_) {
+    if (!s.reduce || (!wait_all && !s.reduce->done())) continue;
+    s.reduce->wait();
+    s.reduce.reset();
+    float* g = s.shard_g.f32();
+    const float* r = s.reduced.f32();
+    for (int64_t i = 0; i < s.chunk; ++i) g[i] += r[i];
+    s.reduced = Tensor();
+    s.full_g = Tensor();
+  }
+}
+
+void ZeRO::finish() {
+  if (stage_ == 1) {
+    for (UnitState& s : st_)
+      if (s.reduce) {
+        s.reduce->wait();
+        s.reduce.reset();
+      }
+  } else {
+    drain(true);
+  }
+  if (replicate_->size() == 1) return;
+  // HYBRID_SHARD: the same shard's gradients from the other groups.
+  std::vector<WorkPtr> works;
+  for (UnitState& s : st_)
+    works.push_back(replicate_->allreduce_async(stage_ == 1 ? s.full_g.view(k_ * s.chunk, {s.chunk}) : s.shard_g));
+  for (WorkPtr& w : works) w->wait();
+}
+
+void ZeRO::zero_grad() {
+  for (UnitState& s : st_) (stage_ == 1 ? s.full_g : s.shard_g).zero_();
+}
+
+// ---- optimizer, norms, checkpoints ------------------------------------------------------
+
+std::vector<OptimSegment> ZeRO::optim_segments() {
+  std::vector<OptimSegment> segs;
+  for (size_t u = 0; u < st_.size(); ++u) {
+    UnitState& s = st_[u];
+    const int64_t b = own_begin(static_cast<int>(u)), len = own_end(static_cast<int>(u)) - b;
+    OptimSegment seg;
+    seg.w = stage_ <= 2 ? s.full_w.view(b, {len}) : s.shard_w.view(0, {len});
+    seg.g = stage_ == 1 ? s.full_g.view(b, {len}) : s.shard_g.view(0, {len});
+    for (const ParamSpec& p : model_.units()[u].params) {
+      const int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel(), b + len);
+      if (p.decay && lo < hi) seg.decay_ranges.emplace_back(lo - b, hi - b);
+    }
+    segs.push_back(std::move(seg));
+  }
+  return segs;
+}
+
+double ZeRO::grad_sumsq(const std::vector<OptimSegment>& segments) {
+  double mine = mt::grad_sumsq(segments);
+  std::vector<double> all(shard_->size());
+  shard_->allgather(Tensor::wrap(&mine, {1}, DType::f64), Tensor::wrap(all.data(), {shard_->size()}, DType::f64));
+  double total = 0;
+  for (double x : all) total += x;  // rank order: the same sum on every rank
+  return total;
+}
+
+void ZeRO::after_step() {
+  if (stage_ == 3) return;  // parameters stay sharded until the next forward gathers them
+  std::vector<WorkPtr> works;
+  for (UnitState& s : st_) works.push_back(shard_->allgather_async(s.full_w.view(k_ * s.chunk, {s.chunk}), s.full_w));
+  for (WorkPtr& w : works) w->wait();
+}
+
+void ZeRO::check_same_parameters() {
+  if (!st_.empty() && stage_ == 3) {  // after sharding: the replicas of each shard must agree
+    uint64_t h = params_hash(nullptr, 0);
+    for (UnitState& s : st_) h = params_hash(s.shard_w.f32(), s.chunk, h);
+    check_same_hash(*replicate_, h, "parameter shards");
+    return;
+  }
+  uint64_t h = params_hash(nullptr, 0);
+  for (const Unit& u : model_.units()) h = params_hash(u.w.f32(), u.numel, h);
+  check_same_hash(dp_, h, "parameters");
+}
+
+std::vector<ParamSlice> ZeRO::checkpoint_slices() {
+  std::vector<ParamSlice> r;
+  if (replicate_->rank() != 0) return r;  // one shard group writes; the others hold copies
+  for (size_t u = 0; u < st_.size(); ++u) {
+    const int64_t b = own_begin(static_cast<int>(u)), e = own_end(static_cast<int>(u));
+    float* p = stage_ <= 2 ? st_[u].full_w.f32() + b : st_[u].shard_w.f32();
+    r.push_back({static_cast<int>(u), b, e, p});
+  }
+  return r;
+}
+
+std::string ZeRO::describe() const {
+  static const char* names[] = {"", "optimizer state", "optimizer state + gradients",
+                                "optimizer state + gradients + parameters"};
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "zero: stage %d (%s sharded) over %d rank%s%s%s", stage_, names[stage_], S_,
+                S_ > 1 ? "s" : "", replicate_->size() > 1 ? (", replicated x" + std::to_string(replicate_->size())).c_str() : "",
+                stage_ == 3 ? (std::string(cfg_.reshard_after_forward ? ", reshard after forward" : "") +
+                               (cfg_.prefetch ? ", prefetch" : "")).c_str() : "");
+  return buf;
+}
+
+}  // namespace mt

@@ -1,0 +1,89 @@
+// ZeRO stages 1-3 / fully sharded data parallelism: the data-parallel ranks split the
+// model state instead of each keeping all of it.
+//
+// Every unit's flat buffer of n elements is cut into S chunks of c = ceil(n / S) (S = the
+// shard group, all of dp unless HYBRID_SHARD); rank k owns [k c, min((k + 1) c, n)).
+//
+//   stage 1  optimizer state sharded. Full gradients accumulate as in DDP; on the last
+//            micro-step each unit is reduce-scattered (into its own buffer's chunk k),
+//            rank k updates its chunk, then the chunks are all-gathered into the full
+//            parameters.                                model state: 8Ψ + 8Ψ/N bytes
+//   stage 2  gradients sharded too: a unit's full gradient exists only during its
+//            backward (a communication buffer), and is reduce-scattered into the owner's
+//            gradient shard on every micro-step.          4Ψ + 12Ψ/N
+//   stage 3  parameters sharded too: a unit is all-gathered before its forward (and,
+//            with reshard_after_forward, again before its backward) and freed after use;
+//            with prefetch the next unit's gather runs while this one computes.  16Ψ/N
+//            plus the gathered units (communication buffers: the units in use and the
+//            one prefetched)
+//
+// HYBRID_SHARD shards within groups of shard_group ranks and, after the reduce-scatter,
+// sums the gradient shards over the ranks that hold the same shard in other groups.
+// Communication per step: stages 1-2 move what DDP moves (reduce-scatter + all-gather =
+// one all-reduce); stage 3 adds a second parameter all-gather (1.5x).
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "parallel/data_parallel.h"
+#include "parallel/parallel_config.h"
+
+namespace mt {
+
+class ZeRO final : public DataParallel {
+ public:
+  // The model must hold its full, initialised parameters; stage 3 keeps only the shard
+  // of each unit (the full copies are freed here).
+  ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg);
+  ~ZeRO() override;
+
+  void before_forward(int unit) override;
+  void after_forward(int unit) override;
+  void before_backward(int unit) override;
+  void after_backward(int unit) override;
+
+  void set_sync(bool last_micro_step) override { sync_ = last_micro_step; }
+  void finish() override;
+  void zero_grad() override;
+  std::vector<OptimSegment> optim_segments() override;
+  double grad_sumsq(const std::vector<OptimSegment>& segments) override;
+  void after_step() override;
+  void check_same_parameters() override;
+  std::vector<ParamSlice> checkpoint_slices() override;
+  std::string describe() const override;
+
+  int stage() const { return stage_; }
+  Communicator& shard_group() { return *shard_; }
+  int64_t own_begin(int unit) const;
+  int64_t own_end(int unit) const;
+
+ private:
+  struct UnitState {
+    int64_t n = 0, chunk = 0;
+    Tensor full_w;   // stages 1-2: [S c] parameters (unit.w views the first n); stage 3: gathered copy or empty
+    Tensor shard_w;  // stage 3: [c] this rank's parameters
+    Tensor full_g;   // stage 1: [S c] gradients; stages 2-3: the unit's gradient during its backward
+    Tensor shard_g;  // stages 2-3: [c] gradient shard, accumulated over micro-steps
+    WorkPtr gather;  // stage 3: pending all-gather into full_w
+    WorkPtr reduce;  // pending reduce-scatter of full_g
+    Tensor reduced;  // stages 2-3: [c] where the pending reduce-scatter lands
+  };
+  void ensure_gathered(int u);
+  void start_gather(int u);
+  void release_params(int u);
+  void ensure_grad(int u);
+  void launch_reduce(int u);
+  void drain(bool wait_all);  // completes reduce-scatters: accumulates into shards, frees buffers
+
+  Model& model_;
+  Communicator& dp_;
+  Allocator& alloc_;
+  ParallelConfig cfg_;
+  int stage_, S_, k_;
+  std::unique_ptr<Communicator> shard_, replicate_;
+  std::vector<UnitState> st_;
+  bool sync_ = true;
+};
+
+}  // namespace mt
