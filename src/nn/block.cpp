@@ -28,7 +28,7 @@ BlockParams block_params(const ModelConfig& cfg, const Unit& u) {
       if (s.name.size() >= std::string(suffix).size() &&
           s.name.compare(s.name.size() - std::string(suffix).size(), std::string::npos, suffix) == 0) {
         w = u.w.view(s.offset, shape);
-        g = u.g.view(s.offset, shape);
+        if (u.g.defined()) g = u.g.view(s.offset, shape);  // gradients may exist only in backward (ZeRO)
         return;
       }
     }
