@@ -91,6 +91,15 @@ void Communicator::stop_thread() {
 }
 
 WorkPtr Communicator::submit(CommRecord rec, std::function<void()> run) {
+  const double n = size_, bytes = static_cast<double>(rec.count * dtype_size(rec.dtype));
+  switch (rec.op) {
+    case CommOp::allreduce: bytes_sent_ += static_cast<uint64_t>(2 * (n - 1) / n * bytes); break;
+    case CommOp::reduce_scatter: bytes_sent_ += static_cast<uint64_t>((n - 1) / n * bytes); break;
+    case CommOp::allgather: bytes_sent_ += static_cast<uint64_t>((n - 1) * bytes); break;  // input is 1/n
+    case CommOp::broadcast:
+    case CommOp::send: bytes_sent_ += size_ > 1 ? static_cast<uint64_t>(bytes) : 0; break;
+    default: break;
+  }
   auto work = std::make_shared<Work>();
   {
     std::lock_guard<std::mutex> lock(mu_);

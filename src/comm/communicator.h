@@ -102,6 +102,10 @@ class Communicator {
   // Ends the whole job now (all ranks), with this exit code.
   [[noreturn]] virtual void abort_job(int code) = 0;
 
+  // Bytes this rank has sent by collectives so far, counted as the bandwidth-optimal
+  // algorithms move them (nccl-tests' convention): allreduce 2(n-1)/n x size,
+  // reduce_scatter and allgather (n-1)/n x the full buffer, broadcast and send 1 x size.
+  uint64_t bytes_sent() const { return bytes_sent_; }
   std::vector<CommRecord> flight_record() const;  // oldest first
   std::string flight_dump() const;                // human-readable
   const CommOptions& options() const { return opts_; }
@@ -144,7 +148,8 @@ class Communicator {
   bool stopping_ = false;
   uint64_t next_seq_ = 0;
   std::deque<CommRecord> history_;  // the last operations run, oldest first
-  std::atomic<int64_t> running_since_ms_{-1};  // start of the running operation, -1 when idle
+  std::atomic<int64_t> running_since_ms_{-1};
+  std::atomic<uint64_t> bytes_sent_{0};  // start of the running operation, -1 when idle
   std::thread thread_, watchdog_;
   Tensor staging_[3];  // used only on the communication thread
 };

@@ -36,6 +36,7 @@ class DataParallel : public UnitHooks {
   // The parameter ranges this rank writes to a checkpoint (empty: it writes nothing).
   virtual std::vector<ParamSlice> checkpoint_slices() = 0;
   virtual std::string describe() const = 0;  // one line for the run header
+  virtual uint64_t bytes_sent() const = 0;   // by this strategy's groups so far
 };
 
 // FNV-1a of a float buffer, to compare parameters across ranks.

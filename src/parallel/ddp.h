@@ -38,6 +38,7 @@ class DDP final : public DataParallel {
   void check_same_parameters() override;
   std::vector<ParamSlice> checkpoint_slices() override;  // rank 0: whole units; others: none
   std::string describe() const override;
+  uint64_t bytes_sent() const override { return dp_.bytes_sent(); }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
 
  private:

@@ -52,6 +52,7 @@ class ZeRO final : public DataParallel {
   void check_same_parameters() override;
   std::vector<ParamSlice> checkpoint_slices() override;
   std::string describe() const override;
+  uint64_t bytes_sent() const override { return dp_.bytes_sent() + shard_->bytes_sent() + replicate_->bytes_sent(); }
 
   int stage() const { return stage_; }
   Communicator& shard_group() { return *shard_; }

@@ -284,6 +284,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   Curve train_curve, val_curve;
   for (int64_t s = start; s < c.training.steps; ++s) {
     const auto t0 = Clock::now();
+    const uint64_t bytes_before = strategy->bytes_sent();
     inject_fault(c.parallel.test_fault, s, world, dp);
     strategy->zero_grad();
     double loss_sum = 0;
@@ -314,6 +315,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     j.update(memory_json(peaks));
     j["mem_model_state"] = model_state_bytes(peaks);
     j["mem_model_state_predicted"] = predicted;
+    j["comm_bytes"] = strategy->bytes_sent() - bytes_before;  // this rank's, this step
     log.write(j);
     log.progress(s, c.training.steps, loss, lr, tps, (c.training.steps - s - 1) * train_seconds / timed_steps);
     sum.loss = loss;
