@@ -35,10 +35,18 @@ bool is_hf_buffer(const std::string& name) {
 
 }  // namespace
 
-void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::string& path) {
-  SafetensorsReader r(path);
+struct HfImporter::Impl {
+  ModelConfig cfg;
+  std::vector<Unit> layout;
+  SafetensorsReader r;
+  Impl(const ModelConfig& c, const std::vector<Unit>& l, const std::string& path) : cfg(c), layout(l), r(path) {}
+};
+
+HfImporter::HfImporter(const ModelConfig& cfg, const std::vector<Unit>& layout, const std::string& path)
+    : impl_(std::make_unique<Impl>(cfg, layout, path)) {
+  const SafetensorsReader& r = impl_->r;
   std::set<std::string> used;
-  for (Unit& u : units) {
+  for (const Unit& u : layout) {
     for (const ParamSpec& p : u.params) {
       MT_CHECK(r.has(p.name), "model.init_from: " << path << " has no tensor " << p.name
                                                   << "; is it a " << cfg.family << " model with "
@@ -50,16 +58,6 @@ void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::stri
                                                        << shape_str(got) << " but this model expects "
                                                        << shape_str(want) << "; set " << shape_hint(p)
                                                        << " to match the file");
-      float* dst = u.w.f32() + p.offset;
-      if (!p.hf_transposed) {
-        r.read_f32(p.name, dst, p.numel());
-      } else {
-        std::vector<float> tmp(p.numel());
-        r.read_f32(p.name, tmp.data(), p.numel());
-        const int64_t rows = p.shape[0], cols = p.shape[1];  // here [out, in]; on disk [in, out]
-        for (int64_t i = 0; i < cols; ++i)
-          for (int64_t o = 0; o < rows; ++o) dst[o * cols + i] = tmp[i * rows + o];
-      }
       used.insert(p.name);
     }
   }
@@ -80,6 +78,28 @@ void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::stri
                                 << " model has no place for; check model.family, model.n_layer and "
                                 << "model.tie_embeddings against the file");
   }
+}
+
+HfImporter::~HfImporter() = default;
+
+void HfImporter::unit(int u, float* dst_unit) const {
+  for (const ParamSpec& p : impl_->layout[u].params) {
+    float* dst = dst_unit + p.offset;
+    if (!p.hf_transposed) {
+      impl_->r.read_f32(p.name, dst, p.numel());
+      continue;
+    }
+    std::vector<float> tmp(p.numel());
+    impl_->r.read_f32(p.name, tmp.data(), p.numel());
+    const int64_t rows = p.shape[0], cols = p.shape[1];  // here [out, in]; on disk [in, out]
+    for (int64_t i = 0; i < cols; ++i)
+      for (int64_t o = 0; o < rows; ++o) dst[o * cols + i] = tmp[i * rows + o];
+  }
+}
+
+void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::string& path) {
+  HfImporter imp(cfg, units, path);
+  for (size_t u = 0; u < units.size(); ++u) imp.unit(static_cast<int>(u), units[u].w.f32());
 }
 
 void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path) {

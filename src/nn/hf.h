@@ -3,6 +3,7 @@
 // [out, in] here, so they are transposed on the way in and out.
 #pragma once
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,19 @@ namespace mt {
 // A missing tensor, a shape that differs, or a tensor the model has no place for is an
 // mt::Error naming the tensor, both shapes and the model key to change.
 void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::string& path);
+
+// The same, one unit at a time (a sharded model never holds all of it): open checks the
+// file's names and shapes against the layout once; unit() fills one unit's flat buffer.
+class HfImporter {
+ public:
+  HfImporter(const ModelConfig& cfg, const std::vector<Unit>& layout, const std::string& path);
+  ~HfImporter();
+  void unit(int u, float* dst) const;  // unit u's numel elements
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 // Writes units' parameters as a Hugging Face safetensors file (atomically).
 void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path);
 // The same, streaming: fetch(u) returns unit u's whole flat parameters, asked for one unit

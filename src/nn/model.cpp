@@ -1,5 +1,6 @@
 #include "nn/model.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -100,10 +101,11 @@ std::vector<Unit> model_layout(const ModelConfig& cfg) {
   return units;
 }
 
-Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute)
+Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute, bool allocate_state)
     : cfg_(cfg), alloc_(alloc), micro_batch_(micro_batch), recompute_(recompute), units_(model_layout(cfg)) {
   MT_CHECK(micro_batch >= 1, "training.micro_batch = " << micro_batch << " must be at least 1");
   for (Unit& u : units_) {
+    if (!allocate_state) break;
     u.w = Tensor::zeros({u.numel}, DType::f32, alloc, MemTag::params);
     u.g = Tensor::zeros({u.numel}, DType::f32, alloc, MemTag::grads);
   }
@@ -154,20 +156,24 @@ Tensor Model::param(const std::string& name) const {
 }
 
 void Model::init(uint64_t seed) {
+  for (size_t u = 0; u < units_.size(); ++u) init_range(static_cast<int>(u), 0, units_[u].numel, units_[u].w.f32(), seed);
+}
+
+void Model::init_range(int unit, int64_t begin, int64_t end, float* dst, uint64_t seed) const {
   Philox rng{seed};
-  for (Unit& u : units_) {
-    float* w = u.w.f32();
-    for (const ParamSpec& p : u.params) {
-      const int64_t n = p.numel();
-      float* dst = w + p.offset;
-      if (p.init != Init::normal) {
-        for (int64_t i = 0; i < n; ++i) dst[i] = p.init == Init::ones ? 1.0f : 0.0f;
-        continue;
-      }
-      const uint64_t stream = stream_id(p.name.c_str());
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(rng.normal(stream, i) * p.init_std);
+  for (const ParamSpec& p : units_[unit].params) {
+    // the part of this parameter inside [begin, end), by its element index i
+    const int64_t lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.numel());
+    if (lo >= hi) continue;
+    float* out = dst + (lo - begin);
+    if (p.init != Init::normal) {
+      std::fill(out, out + (hi - lo), p.init == Init::ones ? 1.0f : 0.0f);
+      continue;
     }
+    const uint64_t stream = stream_id(p.name.c_str());
+    const int64_t first = lo - p.offset, n = hi - lo;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(rng.normal(stream, first + i) * p.init_std);
   }
 }
 

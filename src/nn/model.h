@@ -67,7 +67,9 @@ struct BlockScratch;  // workspace for a block's backward (block.h)
 
 class Model {
  public:
-  Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute = false);
+  // allocate_state=false leaves every unit's w and g empty for a strategy to provide
+  // (ZeRO keeps only shards).
+  Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute = false, bool allocate_state = true);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -83,6 +85,8 @@ class Model {
   // Layout-independent initialisation: element i of parameter p is
   // normal(seed, stream = hash(p.name), index = i) * p.init_std (or 0 / 1).
   void init(uint64_t seed);
+  // The same values for elements [begin, end) of unit `unit`, written to dst.
+  void init_range(int unit, int64_t begin, int64_t end, float* dst, uint64_t seed) const;
   void set_hooks(UnitHooks* hooks) { hooks_ = hooks; }
   void zero_grad();
 

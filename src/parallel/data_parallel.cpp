@@ -12,15 +12,13 @@ uint64_t params_hash(const float* p, int64_t n, uint64_t h) {
   return h;
 }
 
-void check_same_hash(Communicator& group, uint64_t hash, const std::string& what) {
+void check_same_hash(Communicator& group, uint64_t hash, const std::string& what, const std::string& fix) {
   uint32_t mine[2] = {static_cast<uint32_t>(hash), static_cast<uint32_t>(hash >> 32)};
   std::vector<uint32_t> all(2 * group.size());
   group.allgather(Tensor::wrap(mine, {2}, DType::u32), Tensor::wrap(all.data(), {2 * group.size()}, DType::u32));
   for (int r = 1; r < group.size(); ++r)
     MT_CHECK(all[2 * r] == all[0] && all[2 * r + 1] == all[1],
-             "rank " << r << " of group '" << group.name() << "' starts from different " << what << " than rank 0; "
-                     << "every rank must initialise identically (same training.seed, and the same model.init_from "
-                     << "file or checkpoint on every node)");
+             "rank " << r << " of group '" << group.name() << "' has different " << what << " than rank 0; " << fix);
 }
 
 }  // namespace mt

@@ -41,7 +41,10 @@ class DataParallel : public UnitHooks {
 
 // FNV-1a of a float buffer, to compare parameters across ranks.
 uint64_t params_hash(const float* p, int64_t n, uint64_t h = 1469598103934665603ull);
-// Fails naming the first rank of `group` whose hash differs from rank 0's.
-void check_same_hash(Communicator& group, uint64_t hash, const std::string& what);
+// Fails naming the first rank of `group` whose hash differs from rank 0's; `what` is what
+// was hashed, `fix` what to do about it.
+void check_same_hash(Communicator& group, uint64_t hash, const std::string& what,
+                     const std::string& fix = "every rank must initialise identically (same training.seed, and the "
+                                              "same model.init_from file or checkpoint on every node)");
 
 }  // namespace mt

@@ -7,40 +7,40 @@
 
 namespace mt {
 
-ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg)
+ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg, const Fill& fill)
     : model_(model), dp_(dp), alloc_(alloc), cfg_(cfg), stage_(cfg.zero), S_(cfg.shard_group) {
   MT_CHECK(stage_ >= 1 && stage_ <= 3, "internal: ZeRO stage " << stage_);
   MT_CHECK(S_ >= 1 && dp.size() % S_ == 0, "parallel.shard_group = " << S_ << " does not divide dp = " << dp.size());
-  if (dp.size() > 1) check_same_parameters();  // the full parameters, before they are split
   const int d = dp.rank();
   shard_ = dp.split(d / S_, d % S_, "shard");
   replicate_ = dp.split(d % S_, d / S_, "replicate");
   k_ = shard_->rank();
   auto& units = model.units();
   st_.resize(units.size());
+  std::vector<ParamSlice> ranges;
   for (size_t u = 0; u < units.size(); ++u) {
     UnitState& s = st_[u];
     Unit& unit = units[u];
+    MT_CHECK(!unit.w.defined() && !unit.g.defined(), "internal: ZeRO needs a model made with allocate_state=false");
     s.n = unit.numel;
     s.chunk = (s.n + S_ - 1) / S_;
     const int64_t padded = s.chunk * S_, b = own_begin(static_cast<int>(u)), e = own_end(static_cast<int>(u));
     if (stage_ <= 2) {  // full parameters, padded so every chunk has c elements
       s.full_w = Tensor::zeros({padded}, DType::f32, alloc, MemTag::params);
-      s.full_w.view(0, {s.n}).copy_from(unit.w);
       unit.w = s.full_w.view(0, {s.n});
-    } else {
+      ranges.push_back({static_cast<int>(u), 0, s.n, s.full_w.f32()});
+    } else {  // only this rank's chunk; gathered when a forward or backward needs it
       s.shard_w = Tensor::zeros({s.chunk}, DType::f32, alloc, MemTag::params);
-      s.shard_w.view(0, {e - b}).copy_from(unit.w.view(b, {e - b}));
-      unit.w = Tensor();  // gathered when a forward or backward needs it
+      ranges.push_back({static_cast<int>(u), b, e, s.shard_w.f32()});
     }
     if (stage_ == 1) {
       s.full_g = Tensor::zeros({padded}, DType::f32, alloc, MemTag::grads);
       unit.g = s.full_g.view(0, {s.n});
-    } else {
+    } else {  // the whole gradient exists only during the unit's backward
       s.shard_g = Tensor::zeros({s.chunk}, DType::f32, alloc, MemTag::grads);
-      unit.g = Tensor();  // exists only during the unit's backward
     }
   }
+  fill(ranges);
 }
 
 ZeRO::~ZeRO() {
@@ -209,7 +209,7 @@ void ZeRO::after_step() {
 }
 
 void ZeRO::check_same_parameters() {
-  if (!st_.empty() && stage_ == 3) {  // after sharding: the replicas of each shard must agree
+  if (stage_ == 3) {  // the replicas of each shard must agree
     uint64_t h = params_hash(nullptr, 0);
     for (UnitState& s : st_) h = params_hash(s.shard_w.f32(), s.chunk, h);
     check_same_hash(*replicate_, h, "parameter shards");

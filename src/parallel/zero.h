@@ -22,6 +22,7 @@
 // Communication per step: stages 1-2 move what DDP moves (reduce-scatter + all-gather =
 // one all-reduce); stage 3 adds a second parameter all-gather (1.5x).
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -33,9 +34,11 @@ namespace mt {
 
 class ZeRO final : public DataParallel {
  public:
-  // The model must hold its full, initialised parameters; stage 3 keeps only the shard
-  // of each unit (the full copies are freed here).
-  ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg);
+  // Fills the parameter ranges this rank keeps (whole units for stages 1-2, its chunks for
+  // stage 3): a checkpoint's ranges, a Hugging Face file or the seed. The model must be
+  // made without state (allocate_state=false): no rank ever holds the whole model at stage 3.
+  using Fill = std::function<void(const std::vector<ParamSlice>& ranges)>;
+  ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg, const Fill& fill);
   ~ZeRO() override;
 
   void before_forward(int unit) override;

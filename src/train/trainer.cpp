@@ -18,6 +18,7 @@
 #include "data/tokenizer.h"
 #include "nn/hf.h"
 #include "nn/model.h"
+#include "parallel/data_parallel.h"
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
 #include "parallel/zero.h"
@@ -218,6 +219,12 @@ TrainSummary train(const Config& cfg, Communicator& world) {
 
   CpuAllocator alloc;
   world.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
+  if (world.size() > 1) {  // every rank must run the same configuration (same seed, files, layout)
+    const std::string text = config_to_json(c).dump();
+    uint64_t h = 1469598103934665603ull;
+    for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ull;
+    check_same_hash(world, h, "a configuration", "start every rank with the same config file and options");
+  }
   Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp);
   Communicator& dp = mesh.dp();
   const int R = dp.size(), r = dp.rank();
@@ -230,22 +237,42 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (!data.val.empty()) val_loader.emplace(data.val, T, false, c.training.seed);
   const double baseline = unigram_baseline(train_loader.tokens(), data.val, c.model.vocab_size);
 
-  Model model(c.model, alloc, M, c.training.recompute);
-  // The full parameters first (a checkpoint, a Hugging Face file, or the seed); ZeRO then
-  // keeps this rank's shards.
+  // Each rank materialises only the parameters it keeps (whole units without ZeRO or at
+  // stages 1-2, its chunks at stage 3): from the newest checkpoint, a Hugging Face file,
+  // or the seed.
+  Model model(c.model, alloc, M, c.training.recompute, /*allocate_state=*/c.parallel.zero == 0);
   int64_t start = 0, optimizer_steps = 0;
   std::string resumed_from;
-  if (c.checkpoint.resume) {
-    resumed_from = checkpoint_latest(c.checkpoint.dir);
-    if (!resumed_from.empty()) start = checkpoint_load(resumed_from, c.model, checkpoint_param_slices(model.units()));
-  }
-  if (resumed_from.empty()) {
-    if (!c.model.init_from.empty()) hf_import(c.model, model.units(), c.model.init_from);
-    else model.init(c.training.seed);
-  }
+  if (c.checkpoint.resume) resumed_from = checkpoint_latest(c.checkpoint.dir);
+  std::optional<HfImporter> hf;
+  if (resumed_from.empty() && !c.model.init_from.empty()) hf.emplace(c.model, model.units(), c.model.init_from);
+  auto fill = [&](const std::vector<ParamSlice>& ranges) {
+    if (!resumed_from.empty()) {
+      std::vector<CheckpointSlice> slices;
+      for (const ParamSlice& r : ranges) slices.push_back({model.units()[r.unit].name, r.begin, r.end, {{"params", r.params}}});
+      start = checkpoint_load(resumed_from, c.model, slices);
+      return;
+    }
+    for (const ParamSlice& r : ranges) {
+      if (!hf) {
+        model.init_range(r.unit, r.begin, r.end, r.params, c.training.seed);
+        continue;
+      }
+      std::vector<float> whole(model.units()[r.unit].numel);  // one unit at a time
+      hf->unit(r.unit, whole.data());
+      std::copy(whole.begin() + r.begin, whole.begin() + r.end, r.params);
+    }
+  };
   std::unique_ptr<DataParallel> strategy;
-  if (c.parallel.zero == 0) strategy = std::make_unique<DDP>(model, dp, alloc, c.parallel);
-  else strategy = std::make_unique<ZeRO>(model, dp, alloc, c.parallel);
+  if (c.parallel.zero == 0) {
+    std::vector<ParamSlice> whole;
+    for (size_t u = 0; u < model.units().size(); ++u)
+      whole.push_back({static_cast<int>(u), 0, model.units()[u].numel, model.units()[u].w.f32()});
+    fill(whole);
+    strategy = std::make_unique<DDP>(model, dp, alloc, c.parallel);
+  } else {
+    strategy = std::make_unique<ZeRO>(model, dp, alloc, c.parallel, fill);
+  }
   model.set_hooks(strategy.get());
   Optimizer opt(c.optim, strategy->optim_segments(), alloc);
   if (!resumed_from.empty()) {
