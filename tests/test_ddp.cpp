@@ -38,9 +38,10 @@ TEST_P(DDPFamily, BucketingAndOverlapAreBitExact) {
   const std::string fam = GetParam();
   const std::string o = options(fam, 8, 1) + " --data.path=" + test::write_tokens(d, "t.bin", 3000, 37);
   for (int dp : {2, 4}) {
-    RunResult small = train_run(d, "small", dp, o + " --parallel.bucket_mb=0.0001");
-    RunResult big = train_run(d, "big", dp, o + " --parallel.bucket_mb=1000");
-    RunResult late = train_run(d, "late", dp, o + " --parallel.overlap=false");
+    const std::string n = std::to_string(dp);
+    RunResult small = train_run(d, "small" + n, dp, o + " --parallel.bucket_mb=0.0001");
+    RunResult big = train_run(d, "big" + n, dp, o + " --parallel.bucket_mb=1000");
+    RunResult late = train_run(d, "late" + n, dp, o + " --parallel.overlap=false");
     expect_bit_identical(small, big, fam + " buckets dp" + std::to_string(dp));
     expect_bit_identical(small, late, fam + " overlap dp" + std::to_string(dp));
   }

@@ -234,6 +234,21 @@ TEST(Checkpoint, ResumeRejectsADifferentModel) {
   EXPECT_NE(msg.find("model.n_layer"), std::string::npos) << msg;
 }
 
+// A run that does not resume refuses a directory holding another run's checkpoints
+// instead of pruning them away.
+TEST(Checkpoint, FreshRunRefusesAUsedDirectory) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 300, 37));
+  c.training.steps = 2;
+  c.checkpoint.dir = d / "ck";
+  train(c);
+  const std::string before = checkpoint_latest(d / "ck");
+  std::string msg = error_of([&] { train(c); });
+  EXPECT_NE(msg.find("already holds checkpoints"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("checkpoint.resume=true"), std::string::npos) << msg;
+  EXPECT_EQ(checkpoint_latest(d / "ck"), before);
+}
+
 TEST(Checkpoint, KeepsTheNewest) {
   test::TempDir d;
   Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 300, 37));

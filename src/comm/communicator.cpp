@@ -86,8 +86,26 @@ void Communicator::stop_thread() {
     stopping_ = true;
   }
   cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) thread_.join();  // still watched: a queued operation may be stuck
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    watchdog_stopping_ = true;
+  }
+  cv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
+}
+
+CommOptions Communicator::options() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return opts_;
+}
+
+void Communicator::set_options(const CommOptions& o) {
+  // Once everything issued before has run, the worker is idle: drop its staging buffers.
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return queue_.empty() && running_since_ms_ < 0; });
+  for (Tensor& t : staging_) t = Tensor();
+  opts_ = o;
 }
 
 WorkPtr Communicator::submit(CommRecord rec, std::function<void()> run) {
@@ -120,6 +138,7 @@ void Communicator::thread_main() {
       if (queue_.empty()) return;  // stopping, nothing left
       task = std::move(queue_.front());
       queue_.pop_front();
+      task_opts_ = opts_;
       task.rec.start_s = now_seconds() - t0_;
       history_.push_back(task.rec);
       if (history_.size() > kHistory) history_.pop_front();
@@ -127,7 +146,7 @@ void Communicator::thread_main() {
     running_since_ms_ = static_cast<int64_t>(now_seconds() * 1000);
     std::string error;
     try {
-      if (opts_.debug && task.rec.op != CommOp::send && task.rec.op != CommOp::recv) check_same_everywhere(task.rec);
+      if (task_opts_.debug && task.rec.op != CommOp::send && task.rec.op != CommOp::recv) check_same_everywhere(task.rec);
       task.run();
     } catch (const std::exception& e) {
       error = e.what();
@@ -140,6 +159,7 @@ void Communicator::thread_main() {
       std::lock_guard<std::mutex> lock(mu_);
       history_.back().end_s = now_seconds() - t0_;  // the running task is the newest entry
     }
+    cv_.notify_all();  // set_options may be waiting for the worker to be idle
     {
       std::lock_guard<std::mutex> lock(task.work->mu_);
       task.work->done_ = true;
@@ -151,13 +171,13 @@ void Communicator::thread_main() {
 
 void Communicator::watchdog_main() {
   std::unique_lock<std::mutex> lock(mu_);
-  while (!stopping_) {
+  while (!watchdog_stopping_) {
     cv_.wait_for(lock, std::chrono::milliseconds(100));
     const int64_t since = running_since_ms_;
-    if (opts_.timeout_s <= 0 || since < 0) continue;
+    if (opts_.timeout_s <= 0 || since < 0 || history_.empty()) continue;
     const double waited = now_seconds() - since / 1000.0;
-    if (waited < opts_.timeout_s) continue;
-    const std::string running = history_.empty() ? "?" : history_.back().describe();
+    if (waited < opts_.timeout_s * history_.back().slack) continue;
+    const std::string running = history_.back().describe();
     lock.unlock();
     std::fprintf(stderr,
                  "meshtrain: rank %d: error: operation %s on group '%s' has not finished after %.0f s "
@@ -214,8 +234,8 @@ Tensor Communicator::staging(int slot, int64_t numel, DType dtype) {
   Tensor& buf = staging_[slot];
   if (!buf.defined() || buf.numel() < words) {
     buf = Tensor();  // free the old buffer first
-    if (opts_.alloc) {
-      buf = Tensor::empty({words}, DType::f32, *opts_.alloc, MemTag::comm);
+    if (task_opts_.alloc) {
+      buf = Tensor::empty({words}, DType::f32, *task_opts_.alloc, MemTag::comm);
     } else {
       static CpuAllocator uncounted;  // only for communicators made without an allocator (tests)
       buf = Tensor::empty({words}, DType::f32, uncounted, MemTag::comm);
@@ -306,8 +326,12 @@ WorkPtr Communicator::recv_async(const Tensor& t, int peer) {
   return submit(rec, [this, t, peer] { raw_recv(t.raw(), t.nbytes(), peer); });
 }
 
-void Communicator::barrier() {
+void Communicator::barrier() { barrier_with(1); }
+void Communicator::barrier_slow(double slack) { barrier_with(slack); }
+
+void Communicator::barrier_with(double slack) {
   CommRecord rec{0, CommOp::barrier, DType::u16, 0};
+  rec.slack = slack;
   submit(rec, [this] {
     std::vector<char> in(1), out(size_);
     raw_allgather(in.data(), out.data(), 1);

@@ -45,6 +45,7 @@ struct CommRecord {
   DType dtype = DType::f32;
   int64_t count = 0;  // elements of the input
   int peer = -1;      // root (broadcast) or peer (send/recv)
+  double slack = 1;   // the watchdog allows timeout_s x slack
   double start_s = 0, end_s = 0;  // seconds since the communicator was made; end 0 while running
   std::string describe() const;   // "#12 allreduce bf16 x 1048576 (3.1 ms)"
 };
@@ -86,6 +87,9 @@ class Communicator {
   // in[n] -> out[size * n], rank r's in at chunk r. `in` may be out's own chunk `rank`.
   WorkPtr allgather_async(const Tensor& in, const Tensor& out);
   WorkPtr broadcast_async(const Tensor& t, int root);
+  // A barrier that may wait longer than the watchdog's limit (x `slack`): for ranks waiting
+  // while one of them does slow one-sided work such as writing a checkpoint.
+  void barrier_slow(double slack = 10);
   WorkPtr send_async(const Tensor& t, int peer);
   WorkPtr recv_async(const Tensor& t, int peer);
 
@@ -108,8 +112,10 @@ class Communicator {
   uint64_t bytes_sent() const { return bytes_sent_; }
   std::vector<CommRecord> flight_record() const;  // oldest first
   std::string flight_dump() const;                // human-readable
-  const CommOptions& options() const { return opts_; }
-  void set_options(const CommOptions& o) { opts_ = o; }
+  CommOptions options() const;
+  // Takes effect from the next operation. Staging buffers made with an earlier allocator
+  // are dropped first (once the queue is empty), so none outlives the allocator it came from.
+  void set_options(const CommOptions& o);
 
  protected:
   Communicator(int rank, int size, int world_rank, std::string name, CommOptions opts);
@@ -132,6 +138,7 @@ class Communicator {
   void thread_main();
   void watchdog_main();
   void check_same_everywhere(const CommRecord& rec);
+  void barrier_with(double slack);
   void reduce_scatter_raw(const Tensor& in, const Tensor& out);
   // Scratch buffer `slot` (0, 1 or 2) of at least numel elements, kept and grown across
   // operations (fresh allocations would page-fault on every large message).
@@ -145,7 +152,9 @@ class Communicator {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Task> queue_;
-  bool stopping_ = false;
+  bool stopping_ = false;          // the worker ends once its queue is empty
+  bool watchdog_stopping_ = false;  // the watchdog ends after the worker (a stuck shutdown still trips it)
+  CommOptions task_opts_;           // the options of the operation running on the worker
   uint64_t next_seq_ = 0;
   std::deque<CommRecord> history_;  // the last operations run, oldest first
   std::atomic<int64_t> running_since_ms_{-1};

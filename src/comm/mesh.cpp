@@ -18,4 +18,8 @@ Mesh::Mesh(Communicator& world, int dp, int pp, int tp) : world_(world) {
   pp_ = world.split(d * tp + t, p, "pp");
 }
 
+void Mesh::set_options(const CommOptions& o) {
+  for (Communicator* c : {dp_.get(), pp_.get(), tp_.get()}) c->set_options(o);
+}
+
 }  // namespace mt

@@ -18,6 +18,7 @@ class Mesh {
   Communicator& dp() const { return *dp_; }
   Communicator& pp() const { return *pp_; }
   Communicator& tp() const { return *tp_; }
+  void set_options(const CommOptions& o);  // on the dp, pp and tp groups (not the world)
   int dp_size() const { return dp_->size(); }
   int dp_rank() const { return dp_->rank(); }
 

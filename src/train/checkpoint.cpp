@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -74,6 +75,21 @@ nlohmann::json read_meta(const std::string& dir) {
   return j;
 }
 
+// Every rank's string, in rank order (two all-gathers: lengths, then padded bytes).
+std::vector<std::string> allgather_strings(Communicator& c, const std::string& mine) {
+  const int n = c.size();
+  uint32_t len = static_cast<uint32_t>(mine.size());
+  std::vector<uint32_t> lens(n);
+  c.allgather(Tensor::wrap(&len, {1}, DType::u32), Tensor::wrap(lens.data(), {n}, DType::u32));
+  const int64_t words = (*std::max_element(lens.begin(), lens.end()) + 3) / 4 + 1;
+  std::vector<uint32_t> buf(words, 0), all(words * n);
+  std::memcpy(buf.data(), mine.data(), mine.size());
+  c.allgather(Tensor::wrap(buf.data(), {words}, DType::u32), Tensor::wrap(all.data(), {words * n}, DType::u32));
+  std::vector<std::string> r(n);
+  for (int k = 0; k < n; ++k) r[k].assign(reinterpret_cast<const char*>(&all[k * words]), lens[k]);
+  return r;
+}
+
 }  // namespace
 
 std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& layout,
@@ -82,18 +98,30 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
   const std::string final_dir = root + "/" + step_name(step);
   const std::string tmp = root + "/.tmp-" + step_name(step);
   const bool lead = world.rank() == 0;
+  const std::string nonce = std::to_string(std::hash<std::string>{}(final_dir) ^ static_cast<size_t>(now_seconds() * 1e6));
   if (lead) {
     std::error_code ec;
     fs::create_directories(root, ec);
     MT_CHECK(!ec, "cannot create checkpoint.dir " << root << ": " << ec.message());
     fs::remove_all(tmp);  // a save that died half-way
     fs::create_directories(tmp);
+    std::ofstream(tmp + "/nonce") << nonce;
   }
-  world.barrier();
-
-  // This rank's shard: its slices' tensors, with a sidecar saying what they hold.
+  // Every writer must see the directory rank 0 made: checkpoint.dir has to be shared.
+  const std::string lead_nonce = allgather_strings(world, nonce)[0];
   if (!slices.empty()) {
-    const std::string name = shard_name(world.rank());
+    std::ifstream f(tmp + "/nonce");
+    std::string seen;
+    f >> seen;
+    MT_CHECK(seen == lead_nonce, "rank " << world.rank() << " does not see the checkpoint directory rank 0 made in "
+                                        << root << "; checkpoint.dir must be one directory shared by all ranks "
+                                        << "(a network filesystem), given as an absolute path");
+  }
+
+  // This rank's shard: its slices' tensors; what they hold goes to rank 0 by all-gather.
+  nlohmann::json side;
+  if (!slices.empty()) {
+    const std::string name = shard_name(world.rank()) + ".safetensors";
     std::vector<std::pair<std::string, Shape>> list;
     nlohmann::json ranges = nlohmann::json::array();
     for (const CheckpointSlice& s : slices) {
@@ -105,17 +133,17 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
       ranges.push_back({{"unit", s.unit}, {"begin", s.begin}, {"end", s.end}, {"tensors", names}});
     }
     {
-      SafetensorsWriter w(tmp + "/" + name + ".safetensors", list);
+      SafetensorsWriter w(tmp + "/" + name, list);
       for (const CheckpointSlice& s : slices)
         for (const auto& [t, ptr] : s.tensors) w.write(s.unit + "." + t, ptr);
       w.finish();
     }
-    const std::string path = tmp + "/" + name + ".safetensors";
-    nlohmann::json side = {{"rank", world.rank()}, {"file", name + ".safetensors"}, {"bytes", fs::file_size(path)},
-                           {"crc32", crc32_file(path)}, {"ranges", ranges}};
-    std::ofstream(tmp + "/" + name + ".json") << side.dump();
+    const std::string path = tmp + "/" + name;
+    side = {{"rank", world.rank()}, {"file", name}, {"bytes", fs::file_size(path)}, {"crc32", crc32_file(path)},
+            {"ranges", ranges}};
   }
-  world.barrier();
+  world.barrier_slow();  // the writers may take a while
+  const std::vector<std::string> sides = allgather_strings(world, side.is_null() ? "" : side.dump());
 
   if (lead) {
     nlohmann::json meta;
@@ -134,14 +162,13 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
     meta["units"] = ju;
     nlohmann::json shards = nlohmann::json::array();
     std::map<std::string, int64_t> covered;
-    for (int r = 0; r < world.size(); ++r) {
-      const std::string side = tmp + "/" + shard_name(r) + ".json";
-      if (!fs::exists(side)) continue;
-      nlohmann::json j = read_json(side, tmp);
+    for (const std::string& text : sides) {
+      if (text.empty()) continue;  // a rank that holds a replica writes nothing
+      nlohmann::json j = nlohmann::json::parse(text);
       for (const auto& rg : j["ranges"]) covered[rg["unit"]] += rg["end"].get<int64_t>() - rg["begin"].get<int64_t>();
       shards.push_back(std::move(j));
-      fs::remove(side);
     }
+    fs::remove(tmp + "/nonce");
     for (const Unit& u : layout)
       MT_CHECK(covered[u.name] == u.numel, "internal: checkpoint shards cover " << covered[u.name] << " of " << u.numel
                                                                              << " elements of unit " << u.name);
@@ -161,17 +188,19 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
     } else {
       fs::rename(tmp, final_dir);
     }
-    if (keep > 0) {
+    if (keep > 0) {  // the oldest others go; the checkpoint just written always stays
       std::vector<std::string> dirs;
       for (const auto& e : fs::directory_iterator(root)) {
         const std::string n = e.path().filename().string();
-        if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find(".old") == std::string::npos) dirs.push_back(e.path());
+        if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find(".old") == std::string::npos &&
+            e.path().string() != fs::path(final_dir).string())
+          dirs.push_back(e.path());
       }
       std::sort(dirs.begin(), dirs.end());
-      for (size_t i = 0; i + keep < dirs.size(); ++i) fs::remove_all(dirs[i]);
+      for (size_t i = 0; i + keep < dirs.size() + 1; ++i) fs::remove_all(dirs[i]);
     }
   }
-  world.barrier();
+  world.barrier_slow();  // rank 0 finished writing meta.json and renaming
   return final_dir;
 }
 
@@ -187,9 +216,12 @@ std::string checkpoint_latest(const std::string& root) {
   std::vector<std::string> dirs;
   for (const auto& e : fs::directory_iterator(root)) {
     std::string name = e.path().filename().string();
-    if (e.is_directory() && name.rfind("step_", 0) == 0 && name.find(".old") == std::string::npos &&
-        fs::exists(e.path() / "meta.json"))
-      dirs.push_back(e.path().string());
+    if (!e.is_directory() || name.rfind("step_", 0) != 0 || !fs::exists(e.path() / "meta.json")) continue;
+    // step_N.old is the previous copy of step N, complete; it counts only if a save died
+    // between its two renames and step_N is missing.
+    const size_t old = name.find(".old");
+    if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old))) continue;
+    dirs.push_back(e.path().string());
   }
   if (dirs.empty()) return "";
   std::sort(dirs.begin(), dirs.end());

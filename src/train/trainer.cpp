@@ -218,7 +218,14 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every, lead);
 
   CpuAllocator alloc;
-  world.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
+  // The caller's world gets this run's checks and limits (restored on the way out); the
+  // mesh's groups also count their buffers in this run's allocator.
+  struct Restore {
+    Communicator& c;
+    CommOptions saved;
+    ~Restore() { c.set_options(saved); }
+  } restore{world, world.options()};
+  world.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, nullptr});
   if (world.size() > 1) {  // every rank must run the same configuration (same seed, files, layout)
     const std::string text = config_to_json(c).dump();
     uint64_t h = 1469598103934665603ull;
@@ -226,6 +233,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     check_same_hash(world, h, "a configuration", "start every rank with the same config file and options");
   }
   Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp);
+  mesh.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
   Communicator& dp = mesh.dp();
   const int R = dp.size(), r = dp.rank();
 
@@ -244,6 +252,15 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   int64_t start = 0, optimizer_steps = 0;
   std::string resumed_from;
   if (c.checkpoint.resume) resumed_from = checkpoint_latest(c.checkpoint.dir);
+  if (world.size() > 1)
+    check_same_hash(world, std::hash<std::string>{}(resumed_from), "newest checkpoint (" + resumed_from + ")",
+                    "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
+  if (!c.checkpoint.resume && !c.checkpoint.dir.empty()) {
+    const std::string old = checkpoint_latest(c.checkpoint.dir);
+    MT_CHECK(old.empty(), "checkpoint.dir " << c.checkpoint.dir << " already holds checkpoints of another run (newest "
+                                            << old << "); set checkpoint.resume=true to continue it, or choose "
+                                            << "another checkpoint.dir (nothing was overwritten)");
+  }
   std::optional<HfImporter> hf;
   if (resumed_from.empty() && !c.model.init_from.empty()) hf.emplace(c.model, model.units(), c.model.init_from);
   auto fill = [&](const std::vector<ParamSlice>& ranges) {
@@ -286,6 +303,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     checkpoint_load(resumed_from, c.model, state_slices(mine, opt, model.units(), false), &optimizer_steps);
     opt.set_steps_taken(optimizer_steps);
   }
+  world.barrier_slow();  // ranks load at different speeds
   if (R > 1) strategy->check_same_parameters();
   const double predicted = predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name);
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
