@@ -7,30 +7,14 @@
 #
 #   bash bench/ddp.sh [--steps K]
 # Target: meshtrain's step at most 0.6x PyTorch DDP's.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-steps=5
-[ "${1:-}" = "--steps" ] && steps=$2
-bash scripts/setup.sh
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-/usr/bin/python3 - "$work/tokens.bin" <<'PY'
-import sys, os
-sys.path.insert(0, os.path.join("tests", "parity"))
-import numpy as np, st
-st.write_tokens(sys.argv[1], np.random.RandomState(0).randint(0, 8192, size=200000))
-PY
-common=(--config configs/gpt2_bench.toml --data.path="$work/tokens.bin" --training.steps=$((steps + 2))
-        --training.global_batch=8 --training.micro_batch=4 --training.val_every=0 --optim.warmup_steps=0 --checkpoint.dir=
-        --logging.progress=off --logging.plot= --training.threads=1)
+source "$(dirname "$0")/dp_common.sh"
 median_step() {  # median step_ms of a metrics file, skipping two warm-up steps
   /usr/bin/python3 -c "import json,sys,statistics; s=[json.loads(l) for l in open(sys.argv[1])];
 s=[x['step_ms'] for x in s if 'event' not in x][2:]; print(statistics.median(s))" "$1"
 }
-export OMP_NUM_THREADS=1
-./build/meshtrain launch -n 2 train "${common[@]}" --logging.metrics="$work/on.jsonl" > /dev/null 2>&1
-./build/meshtrain launch -n 2 train "${common[@]}" --parallel.overlap=false --logging.metrics="$work/off.jsonl" > /dev/null 2>&1
-./build/meshtrain train "${common[@]}" --training.global_batch=4 --logging.metrics="$work/alone.jsonl" > /dev/null
+./build/meshtrain launch -n 2 train "${dp_opts[@]}" --logging.metrics="$work/on.jsonl" > /dev/null 2>&1
+./build/meshtrain launch -n 2 train "${dp_opts[@]}" --parallel.overlap=false --logging.metrics="$work/off.jsonl" > /dev/null 2>&1
+./build/meshtrain train "${dp_opts[@]}" --training.global_batch=4 --logging.metrics="$work/alone.jsonl" > /dev/null
 pt=$(/usr/bin/python3 bench/torch_ddp_step.py --ranks 2 --steps "$steps")
 /usr/bin/python3 - "$(median_step "$work/on.jsonl")" "$(median_step "$work/off.jsonl")" \
                    "$(median_step "$work/alone.jsonl")" "$pt" <<'PY'

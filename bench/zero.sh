@@ -5,25 +5,9 @@
 # 2(N-1)/N x 4Ψ; stage 3 moves 1.5x that), and model-state memory against the formulas.
 #
 #   bash bench/zero.sh [--steps K]
-set -euo pipefail
-cd "$(dirname "$0")/.."
-steps=5
-[ "${1:-}" = "--steps" ] && steps=$2
-bash scripts/setup.sh
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-/usr/bin/python3 - "$work/tokens.bin" <<'PY'
-import sys, os
-sys.path.insert(0, os.path.join("tests", "parity"))
-import numpy as np, st
-st.write_tokens(sys.argv[1], np.random.RandomState(0).randint(0, 8192, size=200000))
-PY
-export OMP_NUM_THREADS=1
+source "$(dirname "$0")/dp_common.sh"
 for z in 0 1 2 3; do
-  ./build/meshtrain launch -n 2 train --config configs/gpt2_bench.toml --data.path="$work/tokens.bin" \
-    --training.steps=$((steps + 2)) --training.global_batch=8 --training.micro_batch=4 --training.val_every=0 \
-    --optim.warmup_steps=0 --checkpoint.dir= --logging.progress=off --logging.plot= --training.threads=1 \
-    --parallel.zero=$z --logging.metrics="$work/z$z.jsonl" > /dev/null 2>&1
+  ./build/meshtrain launch -n 2 train "${dp_opts[@]}" --parallel.zero=$z --logging.metrics="$work/z$z.jsonl" > /dev/null 2>&1
 done
 /usr/bin/python3 - "$work" <<'PY'
 import json, statistics, sys

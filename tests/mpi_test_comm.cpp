@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "comm/mesh.h"
-#include "comm/mpi_comm.h"
+#include "mpi_main.h"
 #include "core/error.h"
 #include "core/half.h"
 #include "core/rng.h"
@@ -175,20 +175,5 @@ TEST(Mesh, AxesSplitTheWorld) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MpiRuntime mpi(&argc, &argv);
-  int rc;
-  {
-    auto world = mpi.world(CommOptions{false, 60, nullptr});
-    g_world = world.get();
-    ::testing::InitGoogleTest(&argc, argv);
-    if (world->rank() != 0) ::testing::GTEST_FLAG(brief) = true;
-    rc = RUN_ALL_TESTS();
-    // every rank's verdict decides the exit status of all
-    CpuAllocator a;
-    Tensor failed = Tensor::empty({1}, DType::f32, a, MemTag::comm);
-    failed.f32()[0] = rc != 0;
-    world->allreduce(failed);
-    rc = failed.f32()[0] > 0;
-  }
-  return rc;
+  return mt::test::mpi_test_main(argc, argv, mt::CommOptions{false, 60, nullptr}, &g_world);
 }

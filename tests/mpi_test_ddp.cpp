@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "comm/mesh.h"
-#include "comm/mpi_comm.h"
+#include "mpi_main.h"
 #include "core/half.h"
 #include "nn/model.h"
 #include "parallel/ddp.h"
@@ -71,19 +71,6 @@ TEST(DDP, AccumulationStepsDoNotCommunicate) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MpiRuntime mpi(&argc, &argv);
-  int rc;
-  {
-    auto world = mpi.world(CommOptions{true, 60, nullptr});  // debug: any mismatch fails loudly
-    g_world = world.get();
-    ::testing::InitGoogleTest(&argc, argv);
-    if (world->rank() != 0) ::testing::GTEST_FLAG(brief) = true;
-    rc = RUN_ALL_TESTS();
-    CpuAllocator a;
-    Tensor failed = Tensor::empty({1}, DType::f32, a, MemTag::comm);
-    failed.f32()[0] = rc != 0;
-    world->allreduce(failed);
-    rc = failed.f32()[0] > 0;
-  }
-  return rc;
+  // debug: any mismatch fails loudly
+  return mt::test::mpi_test_main(argc, argv, mt::CommOptions{true, 60, nullptr}, &g_world);
 }
