@@ -104,10 +104,18 @@ std::vector<Unit> model_layout(const ModelConfig& cfg) {
 Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute, bool allocate_state)
     : cfg_(cfg), alloc_(alloc), micro_batch_(micro_batch), recompute_(recompute), units_(model_layout(cfg)) {
   MT_CHECK(micro_batch >= 1, "training.micro_batch = " << micro_batch << " must be at least 1");
-  for (Unit& u : units_) {
-    if (!allocate_state) break;
-    u.w = Tensor::zeros({u.numel}, DType::f32, alloc, MemTag::params);
-    u.g = Tensor::zeros({u.numel}, DType::f32, alloc, MemTag::grads);
+  if (allocate_state) {
+    // All gradients in one buffer, units in backward order (final unit first), so that a
+    // data-parallel bucket of consecutive units is one contiguous range, reduced in place.
+    int64_t total = 0;
+    for (const Unit& u : units_) total += u.numel;
+    Tensor grads = Tensor::zeros({total}, DType::f32, alloc, MemTag::grads);
+    int64_t off = total;
+    for (Unit& u : units_) {
+      u.w = Tensor::zeros({u.numel}, DType::f32, alloc, MemTag::params);
+      off -= u.numel;
+      u.g = grads.view(off, {u.numel});
+    }
   }
   const int64_t B = micro_batch, T = cfg.seq_len, C = cfg.d_model, V = cfg.vocab_size;
   auto make = [&](const Shape& s, DType t = DType::f32) { return Tensor::empty(s, t, alloc, MemTag::activations); };

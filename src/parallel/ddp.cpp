@@ -21,8 +21,16 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
     b.numel += units[u].numel;
     bucket_of_[u] = static_cast<int>(buckets_.size()) - 1;
   }
-  for (Bucket& b : buckets_)
-    if (dp.size() > 1 && (b.units.size() > 1 || dtype_ != DType::f32)) b.buffer = Tensor::empty({b.numel}, dtype_, alloc, MemTag::comm);
+  for (Bucket& b : buckets_) {
+    if (dp.size() == 1) break;
+    // fp32 gradients of consecutive units that lie back to back (the model allocates them
+    // in backward order) are reduced in place; otherwise through a staging buffer.
+    bool contiguous = dtype_ == DType::f32;
+    for (size_t i = 1; i < b.units.size() && contiguous; ++i)
+      contiguous = units[b.units[i]].g.f32() == units[b.units[i - 1]].g.f32() + units[b.units[i - 1]].numel;
+    b.in_place = contiguous;
+    if (!contiguous) b.buffer = Tensor::empty({b.numel}, dtype_, alloc, MemTag::comm);
+  }
 }
 
 DDP::~DDP() {
@@ -42,8 +50,8 @@ void DDP::after_backward(int unit) {
 
 void DDP::launch(Bucket& b) {
   auto& units = model_.units();
-  if (!b.buffer.defined()) {  // one float32 unit: reduce its gradient in place
-    b.work = dp_.allreduce_async(units[b.units[0]].g);
+  if (b.in_place) {  // the bucket's gradients are one range starting at its first unit's
+    b.work = dp_.allreduce_async(Tensor::wrap(units[b.units[0]].g.f32(), {b.numel}, DType::f32));
     return;
   }
   int64_t off = 0;
@@ -72,7 +80,7 @@ void DDP::finish() {
     b.work->wait();
     b.work.reset();
     b.pending = 0;
-    if (!b.buffer.defined()) continue;
+    if (b.in_place) continue;
     int64_t off = 0;
     for (int u : b.units) {
       float* g = units[u].g.f32();

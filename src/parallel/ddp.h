@@ -46,7 +46,8 @@ class DDP final : public DataParallel {
     std::vector<int> units;  // descending unit indices
     int64_t numel = 0;
     int pending = 0;         // units whose backward has not finished this step
-    Tensor buffer;           // [numel] in the communication dtype (f32 single units reduce in place)
+    bool in_place = false;   // fp32 gradients lying back to back: reduced where they are
+    Tensor buffer;           // [numel] in the communication dtype, when not in place
     WorkPtr work;
   };
   void launch(Bucket& b);
