@@ -25,8 +25,8 @@ class MetricsLog {
   FILE* file_ = nullptr;
   bool live_ = false;
   bool line_open_ = false;
-  bool enabled_;
   int64_t every_;
+  bool enabled_;
 };
 
 // {"mem_params": peak bytes, ..., "mem_peak": peak total}
