@@ -226,12 +226,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     ~Restore() { c.set_options(saved); }
   } restore{world, world.options()};
   world.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, nullptr});
-  if (world.size() > 1) {  // every rank must run the same configuration (same seed, files, layout)
-    const std::string text = config_to_json(c).dump();
-    uint64_t h = 1469598103934665603ull;
-    for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ull;
-    check_same_hash(world, h, "a configuration", "start every rank with the same config file and options");
-  }
+  if (world.size() > 1)  // every rank must run the same configuration (same seed, files, layout)
+    check_same_hash(world, std::hash<std::string>{}(config_to_json(c).dump()), "a configuration",
+                    "start every rank with the same config file and options");
   Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp);
   mesh.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
   Communicator& dp = mesh.dp();
