@@ -419,9 +419,12 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     log.message(buf);
   }
   log.message(std::string("peak memory") + (world.size() > 1 ? " (busiest rank): " : ": ") + memory_summary(mem));
-  std::snprintf(buf, sizeof buf, "model state (params + grads + optim): %s measured, %s by the ZeRO formula (stage %d, N = %d)",
+  const std::string formula = c.parallel.zero == 0 ? "no sharding"
+                                                     : "ZeRO stage " + std::to_string(c.parallel.zero) + ", N = " +
+                                                           std::to_string(c.parallel.shard_group);
+  std::snprintf(buf, sizeof buf, "model state (params + grads + optim): %s measured, %s by the formula (%s)",
                 format_bytes(model_state_bytes(mem)).c_str(), format_bytes(static_cast<size_t>(predicted)).c_str(),
-                c.parallel.zero, c.parallel.shard_group);
+                formula.c_str());
   log.message(buf);
   if (!c.checkpoint.dir.empty()) log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
   std::string plot = c.logging.plot;
