@@ -108,7 +108,7 @@ TEST(Collectives, AsyncProgressesDuringCompute) {
   const auto t0 = std::chrono::steady_clock::now();
   while (!work->done() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20)) {
     volatile double x = 0;  // "compute" that never waits on the work
-    for (int i = 0; i < 100000; ++i) x += i;
+    for (int i = 0; i < 100000; ++i) x = x + i;
   }
   EXPECT_TRUE(work->done()) << "the allreduce did not complete while the caller computed";
   work->wait();

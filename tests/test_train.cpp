@@ -198,12 +198,18 @@ TEST_P(Resume, IsBitExact) {
 }
 INSTANTIATE_TEST_SUITE_P(Families, Resume, ::testing::Values("gpt2", "llama"));
 
-TEST(Checkpoint, CorruptShardIsReportedAndLeftAlone) {
-  test::TempDir d;
+// A tiny GPT-2 trained for `steps` steps with its checkpoint in d/ck; returns its config.
+Config trained_with_checkpoint(const test::TempDir& d, int steps) {
   Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 300, 37));
-  c.training.steps = 2;
+  c.training.steps = steps;
   c.checkpoint.dir = d / "ck";
   train(c);
+  return c;
+}
+
+TEST(Checkpoint, CorruptShardIsReportedAndLeftAlone) {
+  test::TempDir d;
+  Config c = trained_with_checkpoint(d, 2);
   const std::string dir = checkpoint_latest(d / "ck");
   ASSERT_FALSE(dir.empty());
   const std::string shard = dir + "/shard_00000.safetensors";
@@ -224,10 +230,7 @@ TEST(Checkpoint, CorruptShardIsReportedAndLeftAlone) {
 
 TEST(Checkpoint, ResumeRejectsADifferentModel) {
   test::TempDir d;
-  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 300, 37));
-  c.training.steps = 1;
-  c.checkpoint.dir = d / "ck";
-  train(c);
+  Config c = trained_with_checkpoint(d, 1);
   c.checkpoint.resume = true;
   c.model.n_layer = 3;
   std::string msg = error_of([&] { train(c); });
@@ -238,10 +241,7 @@ TEST(Checkpoint, ResumeRejectsADifferentModel) {
 // instead of pruning them away.
 TEST(Checkpoint, FreshRunRefusesAUsedDirectory) {
   test::TempDir d;
-  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 300, 37));
-  c.training.steps = 2;
-  c.checkpoint.dir = d / "ck";
-  train(c);
+  Config c = trained_with_checkpoint(d, 2);
   const std::string before = checkpoint_latest(d / "ck");
   std::string msg = error_of([&] { train(c); });
   EXPECT_NE(msg.find("already holds checkpoints"), std::string::npos) << msg;

@@ -39,6 +39,19 @@ const char* comm_op_name(CommOp op) {
   return "?";
 }
 
+std::vector<double> sum_doubles(Communicator& group, std::vector<double> x) {
+  const int n = static_cast<int>(x.size());
+  std::vector<double> all(int64_t{n} * group.size());
+  group.allgather(Tensor::wrap(x.data(), {n}, DType::f64), Tensor::wrap(all.data(), {n * group.size()}, DType::f64));
+  for (int i = 0; i < n; ++i) {
+    x[i] = 0;
+    for (int k = 0; k < group.size(); ++k) x[i] += all[int64_t{k} * n + i];
+  }
+  return x;
+}
+
+double sum_doubles(Communicator& group, double x) { return sum_doubles(group, std::vector<double>{x})[0]; }
+
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }

@@ -168,4 +168,9 @@ std::unique_ptr<Communicator> comm_local(CommOptions opts = {});
 
 double now_seconds();  // monotonic
 
+// Elementwise sums of a few doubles from every rank of a group, added in rank order (the
+// same result on every rank): losses, counts, squared norms.
+std::vector<double> sum_doubles(Communicator& group, std::vector<double> x);
+double sum_doubles(Communicator& group, double x);
+
 }  // namespace mt

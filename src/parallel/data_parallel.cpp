@@ -12,6 +12,12 @@ uint64_t params_hash(const float* p, int64_t n, uint64_t h) {
   return h;
 }
 
+void check_same_units(Communicator& group, const std::vector<Unit>& units) {
+  uint64_t h = params_hash(nullptr, 0);
+  for (const Unit& u : units) h = params_hash(u.w.f32(), u.numel, h);
+  check_same_hash(group, h, "parameters");
+}
+
 void check_same_hash(Communicator& group, uint64_t hash, const std::string& what, const std::string& fix) {
   uint32_t mine[2] = {static_cast<uint32_t>(hash), static_cast<uint32_t>(hash >> 32)};
   std::vector<uint32_t> all(2 * group.size());

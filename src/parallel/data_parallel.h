@@ -33,14 +33,18 @@ class DataParallel : public UnitHooks {
   virtual void after_step() {}
   // Fails unless every rank holds identical parameters.
   virtual void check_same_parameters() = 0;
-  // The parameter ranges this rank writes to a checkpoint (empty: it writes nothing).
-  virtual std::vector<ParamSlice> checkpoint_slices() = 0;
+  // The parameter range of each unit this rank keeps and updates (the optimizer's segment
+  // u covers owned()[u]), and whether this rank writes them to checkpoints (replicas don't).
+  virtual std::vector<ParamSlice> owned() = 0;
+  virtual bool writes_checkpoint() const = 0;
   virtual std::string describe() const = 0;  // one line for the run header
   virtual uint64_t bytes_sent() const = 0;   // by this strategy's groups so far
 };
 
 // FNV-1a of a float buffer, to compare parameters across ranks.
 uint64_t params_hash(const float* p, int64_t n, uint64_t h = 1469598103934665603ull);
+// Fails unless every rank of `group` holds bit-identical whole units.
+void check_same_units(Communicator& group, const std::vector<Unit>& units);
 // Fails naming the first rank of `group` whose hash differs from rank 0's; `what` is what
 // was hashed, `fix` what to do about it.
 void check_same_hash(Communicator& group, uint64_t hash, const std::string& what,

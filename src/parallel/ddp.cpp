@@ -97,11 +97,7 @@ void DDP::finish() {
   }
 }
 
-void DDP::check_same_parameters() {
-  uint64_t h = params_hash(nullptr, 0);
-  for (const Unit& u : model_.units()) h = params_hash(u.w.f32(), u.numel, h);
-  check_same_hash(dp_, h, "parameters");
-}
+void DDP::check_same_parameters() { check_same_units(dp_, model_.units()); }
 
 std::vector<OptimSegment> DDP::optim_segments() {
   std::vector<OptimSegment> segs;
@@ -114,9 +110,8 @@ std::vector<OptimSegment> DDP::optim_segments() {
   return segs;
 }
 
-std::vector<ParamSlice> DDP::checkpoint_slices() {
+std::vector<ParamSlice> DDP::owned() {
   std::vector<ParamSlice> r;
-  if (dp_.rank() != 0) return r;  // replicas are identical: one copy is written
   for (size_t i = 0; i < model_.units().size(); ++i)
     r.push_back({static_cast<int>(i), 0, model_.units()[i].numel, model_.units()[i].w.f32()});
   return r;

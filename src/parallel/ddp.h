@@ -36,7 +36,8 @@ class DDP final : public DataParallel {
   std::vector<OptimSegment> optim_segments() override;  // whole units
   double grad_sumsq(const std::vector<OptimSegment>& segments) override { return mt::grad_sumsq(segments); }
   void check_same_parameters() override;
-  std::vector<ParamSlice> checkpoint_slices() override;  // rank 0: whole units; others: none
+  std::vector<ParamSlice> owned() override;  // whole units
+  bool writes_checkpoint() const override { return dp_.rank() == 0; }  // replicas are identical
   std::string describe() const override;
   uint64_t bytes_sent() const override { return dp_.bytes_sent(); }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }

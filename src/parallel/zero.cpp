@@ -193,12 +193,7 @@ std::vector<OptimSegment> ZeRO::optim_segments() {
 }
 
 double ZeRO::grad_sumsq(const std::vector<OptimSegment>& segments) {
-  double mine = mt::grad_sumsq(segments);
-  std::vector<double> all(shard_->size());
-  shard_->allgather(Tensor::wrap(&mine, {1}, DType::f64), Tensor::wrap(all.data(), {shard_->size()}, DType::f64));
-  double total = 0;
-  for (double x : all) total += x;  // rank order: the same sum on every rank
-  return total;
+  return sum_doubles(*shard_, mt::grad_sumsq(segments));
 }
 
 void ZeRO::after_step() {
@@ -215,14 +210,11 @@ void ZeRO::check_same_parameters() {
     check_same_hash(*replicate_, h, "parameter shards");
     return;
   }
-  uint64_t h = params_hash(nullptr, 0);
-  for (const Unit& u : model_.units()) h = params_hash(u.w.f32(), u.numel, h);
-  check_same_hash(dp_, h, "parameters");
+  check_same_units(dp_, model_.units());
 }
 
-std::vector<ParamSlice> ZeRO::checkpoint_slices() {
+std::vector<ParamSlice> ZeRO::owned() {
   std::vector<ParamSlice> r;
-  if (replicate_->rank() != 0) return r;  // one shard group writes; the others hold copies
   for (size_t u = 0; u < st_.size(); ++u) {
     const int64_t b = own_begin(static_cast<int>(u)), e = own_end(static_cast<int>(u));
     float* p = stage_ <= 2 ? st_[u].full_w.f32() + b : st_[u].shard_w.f32();

@@ -53,16 +53,17 @@ class ZeRO final : public DataParallel {
   double grad_sumsq(const std::vector<OptimSegment>& segments) override;
   void after_step() override;
   void check_same_parameters() override;
-  std::vector<ParamSlice> checkpoint_slices() override;
+  std::vector<ParamSlice> owned() override;  // chunk k of every unit
+  bool writes_checkpoint() const override { return replicate_->rank() == 0; }  // one shard group writes
   std::string describe() const override;
   uint64_t bytes_sent() const override { return dp_.bytes_sent() + shard_->bytes_sent() + replicate_->bytes_sent(); }
 
   int stage() const { return stage_; }
   Communicator& shard_group() { return *shard_; }
-  int64_t own_begin(int unit) const;
-  int64_t own_end(int unit) const;
 
  private:
+  int64_t own_begin(int unit) const;
+  int64_t own_end(int unit) const;
   struct UnitState {
     int64_t n = 0, chunk = 0;
     Tensor full_w;   // stages 1-2: [S c] parameters (unit.w views the first n); stage 3: gathered copy or empty

@@ -83,18 +83,6 @@ double unigram_baseline(const std::vector<int32_t>& train, const std::vector<int
   return val.empty() ? -1 : loss / val.size();
 }
 
-// Elementwise sums of numbers from every rank of a group, in double, added in rank order.
-std::vector<double> sum_over(Communicator& group, std::vector<double> x) {
-  const int n = static_cast<int>(x.size());
-  std::vector<double> all(int64_t{n} * group.size());
-  group.allgather(Tensor::wrap(x.data(), {n}, DType::f64), Tensor::wrap(all.data(), {n * group.size()}, DType::f64));
-  for (int i = 0; i < n; ++i) {
-    x[i] = 0;
-    for (int k = 0; k < group.size(); ++k) x[i] += all[int64_t{k} * n + i];
-  }
-  return x;
-}
-double sum_over(Communicator& group, double x) { return sum_over(group, std::vector<double>{x})[0]; }
 
 // Peak bytes per memory tag of the busiest rank.
 MemStats busiest(Communicator& world, const MemStats& mine) {
@@ -143,7 +131,7 @@ ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool b
       }
     }
   }
-  tally = sum_over(dp, tally);
+  tally = sum_doubles(dp, tally);
   ValResult r;
   r.loss = tally[0] / (double(c.training.val_batches) * c.training.global_batch * T);
   if (tally[2] > 0) {
@@ -290,14 +278,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   model.set_hooks(strategy.get());
   Optimizer opt(c.optim, strategy->optim_segments(), alloc);
   if (!resumed_from.empty()) {
-    std::vector<ParamSlice> mine;
-    const auto segs = opt.segments();
-    for (size_t u = 0; u < segs.size(); ++u) {
-      // the optimizer's segment u is this rank's range of unit u (whole units without ZeRO)
-      const int64_t b = c.parallel.zero ? static_cast<ZeRO&>(*strategy).own_begin(static_cast<int>(u)) : 0;
-      mine.push_back({static_cast<int>(u), b, b + segs[u].w.numel(), segs[u].w.f32()});
-    }
-    checkpoint_load(resumed_from, c.model, state_slices(mine, opt, model.units(), false), &optimizer_steps);
+    checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false), &optimizer_steps);
     opt.set_steps_taken(optimizer_steps);
   }
   world.barrier_slow();  // ranks load at different speeds
@@ -338,7 +319,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
       model.backward(static_cast<float>(1.0 / tokens_per_step));
     }
     strategy->finish();
-    const double loss = sum_over(dp, loss_sum) / tokens_per_step;
+    const double loss = sum_doubles(dp, loss_sum) / tokens_per_step;
     MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
                                                      << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
     const double norm = std::sqrt(strategy->grad_sumsq(opt.segments()));
@@ -375,7 +356,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     if (!c.checkpoint.dir.empty() && ((c.checkpoint.every > 0 && (s + 1) % c.checkpoint.every == 0) || last)) {
       // Each writing rank saves its own ranges (one copy of each: replicas do not write).
       checkpoint_save(c.checkpoint.dir, s + 1, c, model.units(),
-                      state_slices(strategy->checkpoint_slices(), opt, model.units(), true), opt.steps_taken(), world,
+                      state_slices(strategy->writes_checkpoint() ? strategy->owned() : std::vector<ParamSlice>{}, opt,
+                                   model.units(), true),
+                      opt.steps_taken(), world,
                       c.checkpoint.keep);
     }
   }
