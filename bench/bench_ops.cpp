@@ -26,6 +26,7 @@
 #include "ops/attention.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
+#include "ops/gemm.h"
 #include "ops/linear.h"
 #include "ops/norm.h"
 #include "ops/rope.h"
@@ -67,6 +68,8 @@ int main(int argc, char** argv) {
   };
   std::printf("bench_ops: %d OpenMP threads, B=%d T=%d C=%d NH=%d D=%d V=%d (N=%d rows)\n", omp_get_max_threads(), B,
               T, C, NH, D, V, N);
+  std::printf("BLAS: %s\n", blas_description().c_str());
+  if (const std::string w = blas_kernel_warning(); !w.empty()) std::printf("note: %s\n", w.c_str());
 
   // sgemm rate on the MLP matmul's shape: [2048, 384] x [384, 1536]^T.
   {
@@ -74,7 +77,8 @@ int main(int argc, char** argv) {
     const double ms = time_ms([&] {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, F4, C, 1.0f, a.f32(), C, w.f32(), C, 0.0f, c.f32(), F4);
     });
-    std::printf("sgemm %dx%dx%d: %.3f ms = %.1f GFLOP/s\n", N, F4, C, ms, 2.0 * N * F4 * C / ms * 1e-6);
+    std::printf("sgemm %dx%dx%d (OpenBLAS threaded): %.3f ms = %.1f GFLOP/s\n", N, F4, C, ms,
+                2.0 * N * F4 * C / ms * 1e-6);
   }
 
   double step = 0;  // estimated forward + backward time of one GPT-2 step

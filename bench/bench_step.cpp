@@ -16,18 +16,24 @@
 
 #include "core/rng.h"
 #include "nn/model.h"
+#include "ops/gemm.h"
 #include "optim/optimizer.h"
 
 using namespace mt;
 
-// Measured sgemm rate on a shape like the benchmark's MLP matmul (N=2048, 1536 x 384).
-static double sgemm_gflops() {
+// Measured rate of a product shaped like the benchmark's MLP matmul (N=2048, 1536 x 384):
+// OpenBLAS alone with its own threads (the machine's sgemm ceiling for the kernels in
+// use), or meshtrain's gemm (the same kernels in a fixed tile grid).
+static double sgemm_gflops(bool meshtrain_grid) {
   const int M = 2048, N = 1536, K = 384;
   std::vector<float> a(M * K, 0.5f), b(N * K, 0.25f), c(M * N);
   double best = 1e30;
   for (int r = 0; r < 6; ++r) {
     auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a.data(), K, b.data(), K, 0.0f, c.data(), N);
+    if (meshtrain_grid)
+      gemm(false, true, M, N, K, a.data(), K, b.data(), K, 0.0f, c.data(), N);
+    else
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a.data(), K, b.data(), K, 0.0f, c.data(), N);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return 2.0 * M * N * K / best / 1e9;
@@ -92,9 +98,10 @@ int main(int argc, char** argv) {
   double flops = 6.0 * matmul_params * tokens + 12.0 * cfg.n_layer * T * cfg.d_model * tokens;
   double med = times[times.size() / 2];
   std::printf("{\"impl\":\"meshtrain\",\"family\":\"%s\",\"threads\":%d,\"step_ms_median\":%.2f,\"step_ms_min\":%.2f,"
-              "\"params\":%lld,\"flops_per_step\":%.4g,\"gflops\":%.2f,\"sgemm_gflops\":%.2f,\"loss\":%.4f,"
-              "\"peak_bytes\":%zu}\n",
+              "\"params\":%lld,\"flops_per_step\":%.4g,\"gflops\":%.2f,\"sgemm_gflops\":%.2f,\"grid_gflops\":%.2f,"
+              "\"loss\":%.4f,\"peak_bytes\":%zu,\"blas\":\"%s\",\"blas_warning\":\"%s\"}\n",
               family.c_str(), omp_get_max_threads(), med, times.front(), static_cast<long long>(model.num_params()),
-              flops, flops / (med / 1000) / 1e9, sgemm_gflops(), loss, alloc.stats().peak_total);
+              flops, flops / (med / 1000) / 1e9, sgemm_gflops(false), sgemm_gflops(true), loss,
+              alloc.stats().peak_total, blas_description().c_str(), blas_kernel_warning().c_str());
   return 0;
 }

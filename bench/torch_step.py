@@ -11,7 +11,9 @@ same one the parity test checks meshtrain against.
     /usr/bin/python3 bench/torch_step.py --threads 2 [--steps 5] [--model gpt2|llama]
 
 Prints one JSON line: impl, model, threads, step_ms_median, step_ms_min, params (unique
-parameters, the tied head counted once), flops_per_step, tokens_per_step, ...
+parameters, the tied head counted once), flops_per_step, tokens_per_step, blas (the
+OpenBLAS kernel set this PyTorch's matrix products run: Debian's PyTorch calls the
+system BLAS, so OPENBLAS_CORETYPE chooses for both sides of the benchmark), ...
 
 flops_per_step (model FLOPs of a training step, forward + backward = 3x forward, the
 usual 6*N*tokens rule with the attention term of the PaLM paper's appendix B):
@@ -47,6 +49,17 @@ def flops_per_step(model):
                  "lm_head.weight"}
     n_nonemb = sum(p.numel() for n, p in model.named_parameters() if n not in embedding)
     return 6 * n_nonemb * tokens + 6 * V * C * tokens + 12 * L * C * T * tokens, n_nonemb
+
+
+def blas_kernels():
+    """The kernel set of the OpenBLAS that PyTorch loaded ("?" if it is another BLAS)."""
+    import ctypes
+    try:
+        lib = ctypes.CDLL("libblas.so.3")
+        lib.openblas_get_corename.restype = ctypes.c_char_p
+        return "OpenBLAS " + lib.openblas_get_corename().decode()
+    except (OSError, AttributeError):
+        return "?"
 
 
 def main():
@@ -88,7 +101,7 @@ def main():
         "params": sum(p.numel() for p in model.parameters()), "params_nonembedding": n_nonemb,
         "flops_per_step": flops, "tokens_per_step": SEQUENCES * T,
         "gflops_per_s": round(flops / (med * 1e-3) / 1e9, 2), "steps": a.steps,
-        "loss_last": round(loss.item(), 4), "torch": torch.__version__,
+        "loss_last": round(loss.item(), 4), "torch": torch.__version__, "blas": blas_kernels(),
     }))
 
 

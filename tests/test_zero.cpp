@@ -86,7 +86,7 @@ TEST(Zero, CheckpointReshardsAcrossStagesAndDp) {
       EXPECT_NEAR(resumed.loss[s], straight.loss[3 + s], 1e-6 * straight.loss[3 + s]) << ranks << " ranks";
     expect_equivalent(RunResult{{straight.loss.begin() + 3, straight.loss.end()},
                                 {straight.grad_norm.begin() + 3, straight.grad_norm.end()}, {}, straight.units,
-                                straight.model},
+                                straight.model, straight.adam_v, straight.config},
                       resumed, "resumed on " + std::to_string(ranks));
   }
 }

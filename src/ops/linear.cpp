@@ -1,14 +1,11 @@
-// Linear layer through OpenBLAS sgemm. OpenBLAS threads over the output (M/N) blocks and
-// never splits the inner dimension K, so each output element sums in the same order
-// whatever the thread count: results are deterministic. Called inside an OpenMP parallel
-// region, the OpenMP build of OpenBLAS runs single-threaded.
+// Linear layer through gemm (ops/gemm.h): matrix products in a fixed tile grid, so the
+// results are the same for any thread count.
 #include "ops/linear.h"
-
-#include <cblas.h>
 
 #include <algorithm>
 
 #include "ops/detail.h"
+#include "ops/gemm.h"
 
 namespace mt {
 
@@ -39,8 +36,7 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
     for (int64_t n = 0; n < N; ++n) std::copy(bp, bp + O, yp + n * O);
     beta = 1.0f;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)O, (int)I, 1.0f, x.f32(), (int)I, w.f32(),
-              (int)I, beta, yp, (int)O);
+  gemm(false, true, N, O, I, x.f32(), I, w.f32(), I, beta, yp, O);
 }
 
 // dx[N, I] (=, or += when accumulate) dy[N, O] @ w[O, I]
@@ -54,8 +50,7 @@ void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, 
   MT_CHECK(rows_of(dx, I, "linear_backward_input: dx (last dim must equal w's in-dim)") == N,
            "linear_backward_input: dx has " << dx.numel() / I << " rows but dy has " << N);
   if (N == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)I, (int)O, 1.0f, dy.f32(), (int)O, w.f32(),
-              (int)I, accumulate ? 1.0f : 0.0f, dx.f32(), (int)I);
+  gemm(false, false, N, I, O, dy.f32(), O, w.f32(), I, accumulate ? 1.0f : 0.0f, dx.f32(), I);
 }
 
 // dw[O, I] += dy[N, O]^T @ x[N, I] ; db[O] += sum over rows of dy
@@ -73,8 +68,7 @@ void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy
     check_numel(*db, O, "linear_backward_weight: db");
   }
   if (N == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)O, (int)I, (int)N, 1.0f, dy.f32(), (int)O, x.f32(),
-              (int)I, 1.0f, dw.f32(), (int)I);
+  gemm(true, false, O, I, N, dy.f32(), O, x.f32(), I, 1.0f, dw.f32(), I);
   if (db) {
     // Column sums, parallel over blocks of columns: each db element is summed by one
     // thread over the rows in order, so the result does not depend on the thread count.

@@ -18,6 +18,7 @@
 #include "data/tokenizer.h"
 #include "nn/hf.h"
 #include "nn/model.h"
+#include "ops/gemm.h"
 #include "parallel/data_parallel.h"
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
@@ -291,6 +292,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
                 c.model.family.c_str(), c.model.n_layer, c.model.d_model, model.num_params() / 1e6, world.size(),
                 world.size() > 1 ? "s" : "", R, omp_get_max_threads());
   log.message(head);
+  log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
+              " threads, fixed tile grid");
+  if (const std::string w = blas_kernel_warning(); !w.empty()) log.message("warning: " + w);
   std::snprintf(head, sizeof head, "data: %s, %lld tokens | global batch %lld x %d tokens = %lld micro-batch%s of %d per rank",
                 data.builtin ? "built-in tasks" : c.data.path.c_str(), static_cast<long long>(train_loader.num_tokens()),
                 static_cast<long long>(G), T, static_cast<long long>(n_micro), n_micro > 1 ? "es" : "", M);
