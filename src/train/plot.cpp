@@ -1,11 +1,14 @@
 #include "train/plot.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include "core/error.h"
+#include "train/metrics.h"
 
 namespace mt {
 
@@ -56,8 +59,9 @@ void plot_loss_svg(const std::string& path, const std::string& title, const Curv
   if (!val.empty()) legend("#d62728", "validation loss");
   if (baseline > 0) legend("#888", "token-frequency baseline");
   s << "</svg>\n";
+  output_parent_create(path, "logging.plot");
   std::ofstream f(path);
-  MT_CHECK(f, "cannot write loss curve " << path);
+  MT_CHECK(f, "cannot write the loss curve logging.plot = " << path << ": " << std::strerror(errno));
   f << s.str();
 }
 

@@ -9,6 +9,7 @@ namespace mt {
 
 using Curve = std::vector<std::pair<double, double>>;  // (step, value)
 
+// Writes `path` (logging.plot), creating its directory if needed.
 void plot_loss_svg(const std::string& path, const std::string& title, const Curve& train, const Curve& val,
                    double baseline);
 
