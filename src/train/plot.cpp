@@ -13,12 +13,13 @@
 namespace mt {
 
 void plot_loss_svg(const std::string& path, const std::string& title, const Curve& train, const Curve& val,
-                   double baseline) {
+                   const std::optional<double>& base) {
   if (train.empty()) return;
   const double W = 720, H = 420, left = 60, right = 20, top = 40, bottom = 50;
   double x0 = train.front().first, x1 = train.back().first, y0 = 1e30, y1 = -1e30;
   for (const Curve* c : {&train, &val})
     for (auto [x, y] : *c) x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
+  const double baseline = base.value_or(0);  // a loss: positive when it exists
   if (baseline > 0) y0 = std::min(y0, baseline), y1 = std::max(y1, baseline);
   if (x1 <= x0) x1 = x0 + 1;
   if (y1 <= y0) y1 = y0 + 1;
