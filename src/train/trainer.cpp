@@ -25,6 +25,7 @@
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/plot.h"
+#include "train/stop.h"
 
 namespace mt {
 
@@ -85,17 +86,31 @@ std::optional<double> unigram_baseline(const std::vector<int32_t>& train, const 
 }
 
 
-// Peak bytes per memory tag of the busiest rank.
-MemStats busiest(Communicator& world, const MemStats& mine) {
-  const int n = kNumMemTags + 1;
+// What the ranks agree on after every step, through one all-gather over the world: the
+// peak bytes per memory tag of the busiest rank, and whether a rank was asked to stop
+// (train/stop.h). Every rank gets the same answer, so all stop after the same step even
+// when the signal reached only some of them.
+struct StepAgreement {
+  MemStats peaks;
+  int stop_signal = 0;  // the signal of the lowest rank that got one; 0: carry on
+  int stop_rank = -1;
+};
+
+StepAgreement agree_step(Communicator& world, const MemStats& mine, int stop_signal) {
+  const int n = kNumMemTags + 2;
   std::vector<double> local(n), all(n * world.size());
   for (int i = 0; i < kNumMemTags; ++i) local[i] = static_cast<double>(mine.peak[i]);
   local[kNumMemTags] = static_cast<double>(mine.peak_total);
+  local[kNumMemTags + 1] = stop_signal;
   world.allgather(Tensor::wrap(local.data(), {n}, DType::f64), Tensor::wrap(all.data(), {n * world.size()}, DType::f64));
-  MemStats r;
+  StepAgreement r;
   for (int k = 0; k < world.size(); ++k) {
-    for (int i = 0; i < kNumMemTags; ++i) r.peak[i] = std::max(r.peak[i], static_cast<size_t>(all[k * n + i]));
-    r.peak_total = std::max(r.peak_total, static_cast<size_t>(all[k * n + kNumMemTags]));
+    for (int i = 0; i < kNumMemTags; ++i) r.peaks.peak[i] = std::max(r.peaks.peak[i], static_cast<size_t>(all[k * n + i]));
+    r.peaks.peak_total = std::max(r.peaks.peak_total, static_cast<size_t>(all[k * n + kNumMemTags]));
+    if (r.stop_rank < 0 && all[k * n + kNumMemTags + 1] != 0) {
+      r.stop_signal = static_cast<int>(all[k * n + kNumMemTags + 1]);
+      r.stop_rank = k;
+    }
   }
   return r;
 }
@@ -143,7 +158,8 @@ ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool b
   return r;
 }
 
-// parallel.test_fault = "kind:rank": a failure injected at step 1 for the fault tests.
+// parallel.test_fault = "kind:rank": a failure injected at step 1 for the fault tests
+// (slow_save acts in checkpoint_save instead).
 void inject_fault(const std::string& spec, int64_t step, Communicator& world, Communicator& dp) {
   if (spec.empty() || step != 1) return;
   const size_t colon = spec.find(':');
@@ -158,7 +174,8 @@ void inject_fault(const std::string& spec, int64_t step, Communicator& world, Co
     dp.allreduce(Tensor::wrap(extra, {3}, DType::f32));
     return;
   }
-  MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw or mismatch");
+  if (kind == "slow_save") return;  // checkpoint_save pauses on that rank
+  MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw, mismatch or slow_save");
 }
 
 // The optimizer state of segment i (unit i) next to the strategy's parameter range.
@@ -220,22 +237,29 @@ struct Progress {
   double train_seconds = 0;
   std::optional<double> loss;  // the last step's
   Curve train_curve, val_curve;
+  std::string checkpoint;  // the newest checkpoint this process wrote
+  StepAgreement stop;      // stop.stop_signal != 0: the ranks agreed to stop early
 };
 
 // The newest checkpoint to resume from ("" to start afresh), the same on every rank. A
-// fresh run refuses a directory that holds another run's checkpoints.
-std::string resume_point(const Config& c, Communicator& world) {
+// fresh run refuses a directory that holds another run's checkpoints; what interrupted
+// saves left behind is removed.
+std::string resume_point(const Config& c, Communicator& world, MetricsLog& log) {
   std::string from;
   if (c.checkpoint.resume) from = checkpoint_latest(c.checkpoint.dir);
   if (world.size() > 1)
     check_same_hash(world, std::hash<std::string>{}(from), "newest checkpoint (" + from + ")",
                     "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
-  if (!c.checkpoint.resume && !c.checkpoint.dir.empty()) {
+  if (c.checkpoint.dir.empty()) return from;
+  if (!c.checkpoint.resume) {
     const std::string old = checkpoint_latest(c.checkpoint.dir);
     MT_CHECK(old.empty(), "checkpoint.dir " << c.checkpoint.dir << " already holds checkpoints of another run (newest "
                                             << old << "); set checkpoint.resume=true to continue it, or choose "
                                             << "another checkpoint.dir (nothing was overwritten)");
   }
+  if (world.rank() == 0)  // before any rank saves: the set-up ends with a barrier
+    for (const std::string& t : checkpoint_remove_incomplete(c.checkpoint.dir))
+      log.message("removed " + t + ", an incomplete checkpoint left by an interrupted save");
   return from;
 }
 
@@ -321,15 +345,15 @@ nlohmann::json step_run(Run& run, int64_t s) {
 
 // A collective over the world: each writing rank saves its own ranges (one copy of each:
 // replicas do not write).
-void checkpoint_write(Run& run, int64_t step) {
+std::string checkpoint_write(Run& run, int64_t step) {
   const std::vector<ParamSlice> mine = run.strategy.writes_checkpoint() ? run.strategy.owned() : std::vector<ParamSlice>{};
-  checkpoint_save(run.c.checkpoint.dir, step, run.c, run.model.units(),
+  return checkpoint_save(run.c.checkpoint.dir, step, run.c, run.model.units(),
                          state_slices(mine, run.opt, run.model.units(), true), run.opt.steps_taken(), run.world,
                          run.c.checkpoint.keep);
 }
 
-// Steps from p.steps_done up to training.steps: metrics, progress, periodic validation and
-// checkpoints.
+// Steps from p.steps_done up to training.steps, or until the ranks agree to stop (a
+// signal, train/stop.h): metrics, progress, periodic validation and checkpoints.
 void run_steps(Run& run, Progress& p) {
   const Config& c = run.c;
   const double tokens_per_step = double(c.training.global_batch) * c.model.seq_len;
@@ -340,11 +364,12 @@ void run_steps(Run& run, Progress& p) {
     const double dt = seconds_since(t0), loss = j["loss"], lr = j["lr"];
     p.train_seconds += dt;
     ++p.timed_steps;
-    const MemStats peaks = busiest(run.world, run.alloc.stats());
+    // The step boundary: this all-gather runs every step anyway, the stop flag rides along.
+    const StepAgreement a = agree_step(run.world, run.alloc.stats(), stop_signal());
     j["tokens_per_s"] = tokens_per_step / dt;
     j["step_ms"] = dt * 1000;
-    j.update(memory_json(peaks));
-    j["mem_model_state"] = model_state_bytes(peaks);
+    j.update(memory_json(a.peaks));
+    j["mem_model_state"] = model_state_bytes(a.peaks);
     j["mem_model_state_predicted"] = run.predicted;
     j["comm_bytes"] = run.strategy.bytes_sent() - bytes_before;  // this rank's, this step
     run.log.write(j);
@@ -354,8 +379,9 @@ void run_steps(Run& run, Progress& p) {
     p.train_curve.emplace_back(s + 1, loss);
     p.steps_done = s + 1;
 
-    const bool last = s + 1 == c.training.steps;
-    if (run.val_data && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last) {
+    // A signal during the last step changes nothing: the run ends normally.
+    const bool last = s + 1 == c.training.steps, stop = a.stop_signal != 0 && !last;
+    if (run.val_data && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last && !stop) {
       ValResult v = validate(run.model, *run.val_data, c, run.builtin, run.dp);
       run.log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
       p.val_curve.emplace_back(s + 1, v.loss);
@@ -364,8 +390,33 @@ void run_steps(Run& run, Progress& p) {
       run.log.message(buf);
     }
     const bool periodic = c.checkpoint.every > 0 && (s + 1) % c.checkpoint.every == 0;
-    if (!c.checkpoint.dir.empty() && (periodic || last)) checkpoint_write(run, s + 1);
+    if (!c.checkpoint.dir.empty() && (periodic || last || stop)) p.checkpoint = checkpoint_write(run, s + 1);
+    if (stop) {
+      p.stop = a;
+      return;
+    }
   }
+}
+
+// The end of a run stopped by a signal: one metrics line, and how to resume.
+void report_stop(const Run& run, const Progress& p) {
+  const Config& c = run.c;
+  const std::string sig = signal_name(p.stop.stop_signal);
+  std::string line = "stopped by " + sig;
+  if (run.world.size() > 1) line += " (rank " + std::to_string(p.stop.stop_rank) + " first)";
+  line += " after step " + std::to_string(p.steps_done) + " of " + std::to_string(c.training.steps);
+  run.log.message(line);
+  nlohmann::json j = {{"event", "stopped"}, {"step", p.steps_done}, {"signal", sig}, {"rank", p.stop.stop_rank},
+                      {"checkpoint", nullptr}, {"exit_status", kExitStopped}};
+  if (c.checkpoint.dir.empty()) {
+    run.log.message("nothing was saved: checkpoint.dir is not set, so running again starts from step 0");
+  } else {
+    j["checkpoint"] = p.checkpoint;
+    run.log.message("checkpoint: " + p.checkpoint);
+    run.log.message("to resume, run the same command with --checkpoint.resume=true (checkpoint.dir " +
+                    c.checkpoint.dir + ")");
+  }
+  run.log.write(j);
 }
 
 nlohmann::json or_null(const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); }
@@ -426,7 +477,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
     sum.baseline_accuracy = v.baseline_accuracy;
     p.val_curve.emplace_back(sum.steps, v.loss);
   }
-  const MemStats mem = busiest(run.world, run.alloc.stats());
+  const MemStats mem = agree_step(run.world, run.alloc.stats(), 0).peaks;
   nlohmann::json js = {{"event", "summary"}, {"steps", sum.steps}, {"loss", or_null(sum.loss)},
                        {"val_loss", or_null(sum.val_loss)}, {"baseline_loss", or_null(sum.baseline_loss)},
                        {"answer_accuracy", or_null(sum.answer_accuracy)},
@@ -487,7 +538,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   // Each rank materialises only the parameters it keeps.
   Model model(c.model, alloc, static_cast<int>(c.training.micro_batch), c.training.recompute,
               /*allocate_state=*/c.parallel.zero == 0);
-  const std::string resumed_from = resume_point(c, world);
+  const std::string resumed_from = resume_point(c, world, log);
   Progress p;
   std::unique_ptr<DataParallel> strategy = strategy_make(c, model, dp, alloc, resumed_from, &p.steps_done);
   model.set_hooks(strategy.get());
@@ -505,7 +556,14 @@ TrainSummary train(const Config& cfg, Communicator& world) {
 
   log_header(run, resumed_from, p.steps_done);
   run_steps(run, p);
-  return report_end(run, p, baseline, seconds_since(t_start));
+  if (!p.stop.stop_signal) return report_end(run, p, baseline, seconds_since(t_start));
+  report_stop(run, p);
+  TrainSummary sum;
+  sum.steps = p.steps_done;
+  sum.loss = p.loss;
+  sum.seconds = seconds_since(t_start);
+  sum.stopped_by = p.stop.stop_signal;
+  return sum;
 }
 
 TrainSummary train(const Config& cfg) {

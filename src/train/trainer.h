@@ -18,10 +18,14 @@ struct TrainSummary {
   std::optional<double> answer_accuracy, baseline_accuracy;  // built-in tasks only
   std::optional<double> tokens_per_s;   // none if no step ran
   double seconds = 0;
+  // A graceful stop (train/stop.h): the signal the ranks agreed on, after which no final
+  // validation runs; 0: the run finished.
+  int stopped_by = 0;
 };
 
 // Trains on the ranks of `world` (a single-rank communicator for one process): the layout
-// comes from cfg.parallel and the world size. Every rank returns the same summary.
+// comes from cfg.parallel and the world size. Every rank returns the same summary. A stop
+// signal (train/stop.h) ends it early, after the step all ranks agree on and its checkpoint.
 TrainSummary train(const Config& cfg, Communicator& world);
 // One process, no MPI.
 TrainSummary train(const Config& cfg);
