@@ -1,8 +1,10 @@
-// Graceful stops (train/stop.h), through the command. SIGTERM or SIGUSR1 mid-run: the run
-// stops after the current step with exit status 75, one checkpoint of that step is on
-// disk, the message says how to resume, and resuming trains bit for bit what an
-// uninterrupted run trains. A hard kill during a save leaves the earlier checkpoints intact
-// and a temporary directory that the next start removes.
+// Graceful stops (train/stop.h, cli/launch.cpp), through the command. SIGTERM or SIGUSR1
+// mid-run, to `meshtrain launch -n 2`, to one rank of the job alone, or to one process:
+// every rank stops after the same step with exit status 75, one checkpoint of that step is
+// on disk, the message says how to resume, and resuming trains bit for bit what an
+// uninterrupted run trains. A second signal during the save is ignored; a hard kill during
+// a save leaves the earlier checkpoints intact and a temporary directory that the next
+// start removes.
 //
 // No timing luck: a job is signalled only once its metrics show steps done, runs far more
 // steps than it can finish before the signal arrives (training.steps = 1e6 with a constant
@@ -39,6 +41,11 @@ std::string train_cmd(const TempDir& d, const std::string& name, int ranks, cons
          " --checkpoint.dir=" + d / name;
 }
 
+std::string file_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+
 // A command running in the background in its own process group, its output in a file.
 struct Job {
   pid_t pid = -1;
@@ -56,11 +63,7 @@ struct Job {
   ~Job() {
     if (pid > 0) finish(0);
   }
-  std::string output() const {
-    std::string all;
-    for (const std::string& l : read_lines(out_path)) all += l + "\n";
-    return all;
-  }
+  std::string output() const { return file_bytes(out_path); }
   // The exit status (128 + N for signal N), or -1 if still running after `seconds`, when
   // the whole job is killed.
   int finish(double seconds) {
@@ -107,6 +110,27 @@ int64_t steps_logged(const std::string& path) {
   return n;
 }
 
+std::vector<pid_t> children(pid_t parent) {
+  std::string out;
+  run_command("pgrep -P " + std::to_string(parent), &out);
+  std::vector<pid_t> r;
+  std::istringstream is(out);
+  for (pid_t p; is >> p;) r.push_back(p);
+  return r;
+}
+
+// The process of MPI rank `rank` under meshtrain launch (launch -> mpirun -> ranks).
+pid_t rank_pid(pid_t launch, int rank) {
+  const std::string want = "OMPI_COMM_WORLD_RANK=" + std::to_string(rank);
+  for (pid_t mpirun : children(launch))
+    for (pid_t p : children(mpirun)) {
+      std::ifstream env("/proc/" + std::to_string(p) + "/environ");
+      for (std::string v; std::getline(env, v, '\0');)
+        if (v == want) return p;
+    }
+  return -1;
+}
+
 std::string step_dir(const std::string& root, int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "/step_%08lld", static_cast<long long>(step));
@@ -139,6 +163,8 @@ int64_t expect_stopped(const Job& job, int rc, const std::string& metrics, const
   return k;
 }
 
+bool processes_left(const std::string& pattern) { return run_command("pgrep -f -- '" + pattern + "'", nullptr) == 0; }
+
 // Resumes the stopped run `name` for 3 more steps and trains the same number of steps
 // uninterrupted: losses, gradient norms and final parameters are the same bits.
 void expect_resume_bit_identical(const TempDir& d, const std::string& name, int ranks, const std::string& o,
@@ -148,6 +174,41 @@ void expect_resume_bit_identical(const TempDir& d, const std::string& name, int 
   RunResult straight = train_run(d, name + "_straight", ranks, o + steps);
   ASSERT_EQ(resumed.loss.size(), static_cast<size_t>(k + 3));
   expect_bit_identical(straight, resumed, name + " stopped after step " + std::to_string(k) + " and resumed");
+}
+
+TEST(Preempt, SigtermToLaunchStopsEveryRankAfterOneStep) {
+  TempDir d;
+  const std::string o = opts(d);
+  Job job(train_cmd(d, "run", 2, o + " --training.steps=1000000"), d / "out.txt", "[-]-checkpoint.dir=" + d / "run");
+  ASSERT_TRUE(wait_for([&] { return steps_logged(d / "run.jsonl") >= 3; })) << job.output();
+  kill(job.pid, SIGTERM);
+  const int rc = job.finish(60);
+  const std::string out = job.output();
+  EXPECT_TRUE(has(out, "meshtrain launch: asking every rank to stop after its current step")) << out;
+  EXPECT_TRUE(has(out, "stopped by SIGUSR1 (rank ")) << out;  // mpirun passes SIGUSR1 on
+  const int64_t k = expect_stopped(job, rc, d / "run.jsonl", d / "run");
+  EXPECT_EQ(entries(d / "run"), std::vector<std::string>{fs::path(step_dir(d / "run", k)).filename()});
+  EXPECT_FALSE(processes_left("[-]-checkpoint.dir=" + d / "run"));
+  expect_resume_bit_identical(d, "run", 2, o, k);
+}
+
+// Only rank 1 gets the signal: rank 0 learns it from the step's all-gather and both stop
+// after the same step. ZeRO-1 makes each rank write its own shard of that step.
+TEST(Preempt, SignalToOneRankStopsEveryRankAfterTheSameStep) {
+  TempDir d;
+  const std::string o = opts(d) + " --parallel.zero=1";
+  Job job(train_cmd(d, "run", 2, o + " --training.steps=1000000"), d / "out.txt", "[-]-checkpoint.dir=" + d / "run");
+  ASSERT_TRUE(wait_for([&] { return steps_logged(d / "run.jsonl") >= 3; })) << job.output();
+  const pid_t rank1 = rank_pid(job.pid, 1);
+  ASSERT_GT(rank1, 0);
+  kill(rank1, SIGTERM);
+  const int rc = job.finish(60);
+  EXPECT_TRUE(has(job.output(), "stopped by SIGTERM (rank 1 first) after step")) << job.output();
+  const int64_t k = expect_stopped(job, rc, d / "run.jsonl", d / "run");
+  EXPECT_EQ(entries(step_dir(d / "run", k)),
+            (std::vector<std::string>{"meta.json", "shard_00000.safetensors", "shard_00001.safetensors"}));
+  EXPECT_FALSE(processes_left("[-]-checkpoint.dir=" + d / "run"));
+  expect_resume_bit_identical(d, "run", 2, o, k);
 }
 
 TEST(Preempt, OneProcessStopsOnSigusr1AndResumes) {
@@ -174,6 +235,39 @@ TEST(Preempt, WithoutCheckpointDirTheRunStopsAndSaysNothingWasSaved) {
   EXPECT_EQ(last.value("event", ""), "stopped");
   EXPECT_TRUE(last.at("checkpoint").is_null()) << last;
   EXPECT_EQ(last.value("step", -1), steps_logged(d / "m.jsonl"));
+}
+
+// The stop's save is held open on rank 0 with its shard written; then launch gets SIGTERM
+// again. The ranks ignore it (rank 0 says so), the save completes, and the checkpoint of an
+// earlier run in the same directory is untouched, byte for byte.
+TEST(Preempt, SecondSignalDuringTheSaveIsIgnored) {
+  TempDir d;
+  const std::string o = opts(d);
+  train_run(d, "run", 2, o + " --training.steps=2");
+  const std::string first = step_dir(d / "run", 2);
+  const std::string meta = file_bytes(first + "/meta.json"), shard = file_bytes(first + "/shard_00000.safetensors");
+
+  Job job(train_cmd(d, "run", 2, o + " --training.steps=1000000 --checkpoint.resume=true --parallel.test_fault=slow_save:0"),
+          d / "out.txt", "[-]-checkpoint.dir=" + d / "run");
+  ASSERT_TRUE(wait_for([&] { return steps_logged(d / "run.jsonl") >= 5; })) << job.output();
+  kill(job.pid, SIGTERM);
+  std::string tmp;
+  ASSERT_TRUE(wait_for([&] {
+    for (const std::string& e : entries(d / "run"))
+      if (e.rfind(".tmp-step_", 0) == 0 && fs::exists(d / "run/" + e + "/shard_00000.safetensors")) tmp = e;
+    return !tmp.empty();
+  })) << job.output();
+  kill(job.pid, SIGTERM);
+  const int rc = job.finish(60);
+  EXPECT_TRUE(has(job.output(), "meshtrain: already stopping after the current step (and its checkpoint); "
+                                "this signal is ignored"))
+      << job.output();
+  const int64_t k = expect_stopped(job, rc, d / "run.jsonl", d / "run");
+  EXPECT_EQ(tmp, ".tmp-" + fs::path(step_dir(d / "run", k)).filename().string());
+  EXPECT_EQ(entries(d / "run"), (std::vector<std::string>{"step_00000002", fs::path(step_dir(d / "run", k)).filename()}));
+  EXPECT_EQ(file_bytes(first + "/meta.json"), meta);
+  EXPECT_EQ(file_bytes(first + "/shard_00000.safetensors"), shard);
+  expect_resume_bit_identical(d, "run", 2, o, k);
 }
 
 // SIGKILL in the middle of a periodic save: what is left is a temporary directory with
