@@ -185,7 +185,7 @@ TEST(Preempt, SigtermToLaunchStopsEveryRankAfterOneStep) {
   const int rc = job.finish(60);
   const std::string out = job.output();
   EXPECT_TRUE(has(out, "meshtrain launch: asking every rank to stop after its current step")) << out;
-  EXPECT_TRUE(has(out, "stopped by SIGUSR1 (rank ")) << out;  // mpirun passes SIGUSR1 on
+  EXPECT_TRUE(has(out, "stopped by SIGUSR1 (received by ")) << out;  // mpirun passes SIGUSR1 on
   const int64_t k = expect_stopped(job, rc, d / "run.jsonl", d / "run");
   EXPECT_EQ(entries(d / "run"), std::vector<std::string>{fs::path(step_dir(d / "run", k)).filename()});
   EXPECT_FALSE(processes_left("[-]-checkpoint.dir=" + d / "run"));
@@ -203,7 +203,7 @@ TEST(Preempt, SignalToOneRankStopsEveryRankAfterTheSameStep) {
   ASSERT_GT(rank1, 0);
   kill(rank1, SIGTERM);
   const int rc = job.finish(60);
-  EXPECT_TRUE(has(job.output(), "stopped by SIGTERM (rank 1 first) after step")) << job.output();
+  EXPECT_TRUE(has(job.output(), "stopped by SIGTERM (received by rank 1) after step")) << job.output();
   const int64_t k = expect_stopped(job, rc, d / "run.jsonl", d / "run");
   EXPECT_EQ(entries(step_dir(d / "run", k)),
             (std::vector<std::string>{"meta.json", "shard_00000.safetensors", "shard_00001.safetensors"}));

@@ -93,7 +93,8 @@ std::optional<double> unigram_baseline(const std::vector<int32_t>& train, const 
 struct StepAgreement {
   MemStats peaks;
   int stop_signal = 0;  // the signal of the lowest rank that got one; 0: carry on
-  int stop_rank = -1;
+  int stop_rank = -1;   // that rank
+  int stop_ranks = 0;   // how many ranks got one
 };
 
 StepAgreement agree_step(Communicator& world, const MemStats& mine, int stop_signal) {
@@ -107,7 +108,8 @@ StepAgreement agree_step(Communicator& world, const MemStats& mine, int stop_sig
   for (int k = 0; k < world.size(); ++k) {
     for (int i = 0; i < kNumMemTags; ++i) r.peaks.peak[i] = std::max(r.peaks.peak[i], static_cast<size_t>(all[k * n + i]));
     r.peaks.peak_total = std::max(r.peaks.peak_total, static_cast<size_t>(all[k * n + kNumMemTags]));
-    if (r.stop_rank < 0 && all[k * n + kNumMemTags + 1] != 0) {
+    if (all[k * n + kNumMemTags + 1] == 0) continue;
+    if (r.stop_ranks++ == 0) {
       r.stop_signal = static_cast<int>(all[k * n + kNumMemTags + 1]);
       r.stop_rank = k;
     }
@@ -403,7 +405,9 @@ void report_stop(const Run& run, const Progress& p) {
   const Config& c = run.c;
   const std::string sig = signal_name(p.stop.stop_signal);
   std::string line = "stopped by " + sig;
-  if (run.world.size() > 1) line += " (rank " + std::to_string(p.stop.stop_rank) + " first)";
+  const int n = p.stop.stop_ranks, size = run.world.size();
+  if (n == 1 && size > 1) line += " (received by rank " + std::to_string(p.stop.stop_rank) + ")";
+  if (n > 1) line += " (received by " + std::to_string(n) + " of " + std::to_string(size) + " ranks)";
   line += " after step " + std::to_string(p.steps_done) + " of " + std::to_string(c.training.steps);
   run.log.message(line);
   nlohmann::json j = {{"event", "stopped"}, {"step", p.steps_done}, {"signal", sig}, {"rank", p.stop.stop_rank},
