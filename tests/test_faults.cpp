@@ -20,7 +20,7 @@ struct Outcome {
 // Runs a 2-rank job whose checkpoint.dir is unique to it, so leftover processes can be found.
 // Only the hang test shortens the watchdog (a loaded machine must not trip it elsewhere).
 Outcome run_job(const test::TempDir& d, const std::string& extra, int ranks = 2) {
-  const std::string cmd = "OMP_NUM_THREADS=1 timeout 90 " + std::string(MESHTRAIN_BIN) + " launch -n " +
+  const std::string cmd = "OMP_NUM_THREADS=1 timeout -k 5 90 " + std::string(MESHTRAIN_BIN) + " launch -n " +
                           std::to_string(ranks) + " train --model.n_layer=1 --model.d_model=16 --model.n_head=2 " +
                           "--model.seq_len=8 --model.vocab_size=37 --training.steps=5 --training.global_batch=4 " +
                           "--logging.progress=off --data.path=" + d / "t.bin" +

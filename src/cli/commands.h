@@ -8,7 +8,8 @@
 namespace mt {
 
 // meshtrain launch -n N [--hostfile FILE] [mpirun options] COMMAND ...: starts N ranks
-// through mpirun (replaces this process). Returns only on error.
+// through mpirun and waits for it, passing SIGTERM and SIGUSR1 on as a graceful stop
+// (launch.cpp). Returns mpirun's exit status.
 int cmd_launch(const std::vector<std::string>& args, const char* self);
 
 // meshtrain bench comm [--min-bytes B] [--max-bytes B] [--iters K] [--dtype f32|bf16]:

@@ -1,6 +1,20 @@
+// meshtrain launch: runs mpirun for the user and stays beside it as its parent, to turn
+// signals into ones mpirun passes on. Debian's OpenMPI 4.1 mpirun ends the job on SIGTERM,
+// SIGINT or SIGHUP (SIGTERM to every rank, SIGKILL a second later: odls_base_sigkill_timeout)
+// and forwards SIGUSR1 and SIGUSR2 to every rank. So:
+//
+//   SIGTERM, SIGUSR1 to launch -> SIGUSR1 to mpirun -> every rank stops after its current
+//                                 step and checkpoint (train/stop.h), exit status 75
+//   SIGINT (Ctrl-C)            -> SIGINT to mpirun  -> mpirun ends the job at once
+//
+// launch exits with mpirun's status: 0, or the status of the lowest rank that exited non-zero.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +27,69 @@
 #include "core/error.h"
 
 namespace mt {
+
+namespace {
+
+static_assert(std::atomic<pid_t>::is_always_lock_free);  // read in a signal handler
+std::atomic<pid_t> g_mpirun{0};
+
+constexpr char kStopNote[] =
+    "meshtrain launch: asking every rank to stop after its current step (sent to mpirun as SIGUSR1)\n";
+
+void on_signal(int sig) {
+  const pid_t pid = g_mpirun.load();
+  if (pid <= 0) return;
+  if (sig == SIGINT) {
+    kill(pid, SIGINT);
+    return;
+  }
+  const ssize_t unused = write(STDERR_FILENO, kStopNote, sizeof kStopNote - 1);  // async-signal-safe
+  (void)unused;
+  kill(pid, SIGUSR1);
+}
+
+// Runs mpirun with argv, forwarding signals as described above; returns its exit status
+// (128 + the signal if a signal ended it, as shells report).
+int mpirun_forwarding(std::vector<std::string>& argv) {
+  std::vector<char*> cargv;
+  for (std::string& s : argv) cargv.push_back(s.data());
+  cargv.push_back(nullptr);
+  const int handled[] = {SIGTERM, SIGUSR1, SIGINT};
+  sigset_t block, old;
+  sigemptyset(&block);
+  for (int sig : handled) sigaddset(&block, sig);
+  // Blocked until mpirun's pid is known and the handlers are in place: a signal arriving
+  // meanwhile waits and is forwarded then. mpirun starts with the old mask and defaults.
+  sigprocmask(SIG_BLOCK, &block, &old);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  posix_spawnattr_setsigmask(&attr, &old);
+  posix_spawnattr_setsigdefault(&attr, &block);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  pid_t pid = 0;
+  const int err = posix_spawnp(&pid, "mpirun", nullptr, &attr, cargv.data(), environ);
+  posix_spawnattr_destroy(&attr);
+  if (err != 0) sigprocmask(SIG_SETMASK, &old, nullptr);
+  MT_CHECK(err == 0, "launch: cannot run mpirun (" << std::strerror(err)
+                                                   << "); install Debian's openmpi-bin (scripts/setup.sh does)");
+  g_mpirun = pid;
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_signal;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : handled) sigaction(sig, &sa, nullptr);
+  sigprocmask(SIG_SETMASK, &old, nullptr);
+  siginfo_t info;
+  while (waitid(P_PID, pid, &info, WEXITED | WNOWAIT) < 0)
+    MT_CHECK(errno == EINTR, "launch: cannot wait for mpirun: " << std::strerror(errno));
+  g_mpirun = 0;  // before reaping it: until then its pid cannot be another process's
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace
 
 int cmd_launch(const std::vector<std::string>& args, const char* self) {
   int n = 0;
@@ -31,7 +108,9 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
     }
     if (a == "--help" || a == "-h") {
       std::printf("usage: meshtrain launch -n N [--hostfile FILE] [other mpirun options] train [--section.key=value ...]\n"
-                  "starts N ranks with mpirun; each gets OMP_NUM_THREADS = cores / ranks on the machine (at least 1)\n");
+                  "starts N ranks with mpirun; each gets OMP_NUM_THREADS = cores / ranks on the machine (at least 1)\n"
+                  "SIGTERM or SIGUSR1 to launch: every rank stops after its current step and saves a checkpoint\n"
+                  "(exit status 75); SIGINT (Ctrl-C): the job ends at once\n");
       return 0;
     }
     if (a == "--hostfile" || a == "-hostfile" || a == "--machinefile") hostfile = true;
@@ -61,12 +140,7 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
   ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
   argv.push_back(len > 0 ? std::string(exe, len) : std::string(self));
   argv.insert(argv.end(), rest.begin(), rest.end());
-
-  std::vector<char*> cargv;
-  for (std::string& s : argv) cargv.push_back(s.data());
-  cargv.push_back(nullptr);
-  execvp("mpirun", cargv.data());
-  MT_FAIL("launch: cannot run mpirun (" << std::strerror(errno) << "); install Debian's openmpi-bin (scripts/setup.sh does)");
+  return mpirun_forwarding(argv);
 }
 
 }  // namespace mt

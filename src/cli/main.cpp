@@ -9,6 +9,9 @@
 //
 // Started by mpirun or srun (or `meshtrain launch`), train and bench run as ranks of one
 // job: rank 0 prints, the others speak only to report errors.
+//
+// Exit status: 0 done; 1 an error (the message names it); 75 (kExitStopped) train stopped
+// early by SIGTERM or SIGUSR1 after writing a checkpoint: rerun with checkpoint.resume=true.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
@@ -25,6 +28,7 @@
 #include "train/checkpoint.h"                 // checkpoint_latest, checkpoint_load
 #include "train/config.h"                     // config_load, config_keys
 #include "train/sample.h"                     // sample_text
+#include "train/stop.h"                       // stop_signals_install, kExitStopped
 #include "train/trainer.h"                    // train
 
 namespace {
@@ -69,6 +73,7 @@ void print_train_help() {
 
 // Runs train or bench as one rank of a job (or alone).
 int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, int* argc, char*** argv) {
+  if (cmd == "train") mt::stop_signals_install();  // SIGTERM, SIGUSR1: stop after the current step
   std::optional<mt::MpiRuntime> mpi;
   std::unique_ptr<mt::Communicator> world;
   try {
@@ -100,10 +105,13 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
   }
   // From here on a failure may be one rank's alone: it names its rank and ends the job.
   try {
-    if (cmd == "train") mt::train(cfg, *world);
-    else if (!args.empty() && args[0] == "comm") return mt::cmd_bench_comm({args.begin() + 1, args.end()}, *world);
-    else MT_FAIL("bench: the benchmark is `comm` (meshtrain launch -n 2 bench comm); step benchmarks are in bench/");
-    return 0;
+    if (cmd == "train") {
+      if (lead) mt::stop_notes_enable();
+      return mt::train(cfg, *world).stopped_by ? mt::kExitStopped : 0;
+    }
+    MT_CHECK(!args.empty() && args[0] == "comm",
+             "bench: the benchmark is `comm` (meshtrain launch -n 2 bench comm); step benchmarks are in bench/");
+    return mt::cmd_bench_comm({args.begin() + 1, args.end()}, *world);
   } catch (const std::exception& e) {
     std::fflush(stdout);
     if (world->size() > 1) {

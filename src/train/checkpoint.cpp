@@ -1,12 +1,14 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
+#include <thread>
 
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -142,6 +144,10 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
     side = {{"rank", world.rank()}, {"file", name}, {"bytes", fs::file_size(path)}, {"crc32", crc32_file(path)},
             {"ranges", ranges}};
   }
+  // parallel.test_fault = "slow_save:R": rank R pauses here, the temporary directory and
+  // its shard in place, so that tests can signal or kill a job in the middle of a save.
+  if (cfg.parallel.test_fault == "slow_save:" + std::to_string(world.rank()))
+    std::this_thread::sleep_for(std::chrono::seconds(3));
   world.barrier_slow();  // the writers may take a while
   const std::vector<std::string> sides = allgather_strings(world, side.is_null() ? "" : side.dump());
 
@@ -226,6 +232,16 @@ std::string checkpoint_latest(const std::string& root) {
   if (dirs.empty()) return "";
   std::sort(dirs.begin(), dirs.end());
   return dirs.back();
+}
+
+std::vector<std::string> checkpoint_remove_incomplete(const std::string& root) {
+  std::vector<std::string> removed;
+  if (!fs::is_directory(root)) return removed;
+  for (const auto& e : fs::directory_iterator(root))
+    if (e.is_directory() && e.path().filename().string().rfind(".tmp-step_", 0) == 0) removed.push_back(e.path());
+  std::sort(removed.begin(), removed.end());
+  for (const std::string& d : removed) fs::remove_all(d);
+  return removed;
 }
 
 Config checkpoint_config(const std::string& dir) { return config_from_json(read_meta(dir).at("config")); }

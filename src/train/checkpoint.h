@@ -9,6 +9,13 @@
 //   <dir>/step_00000100/shard_00003.safetensors   "<unit>.params", "<unit>.adam_m", ... over [begin, end)
 //
 // Writing needs every rank's checkpoint.dir to be the same shared directory.
+//
+// A save that dies half-way (SIGKILL, a node lost) leaves only <dir>/.tmp-step_00000100/:
+// rank 0's `nonce`, the shard files written so far (the last one possibly cut short), no
+// meta.json. Nothing reads it (checkpoint_latest looks at step_* directories with a
+// meta.json), and the next run removes it (checkpoint_remove_incomplete). A save that dies
+// while replacing an existing step N leaves step_N.old, the complete previous copy, which
+// checkpoint_latest uses while step_N is missing.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -40,6 +47,9 @@ std::vector<CheckpointSlice> checkpoint_param_slices(const std::vector<Unit>& un
 // The newest complete checkpoint directory under root ("" if none); a step directory
 // itself is accepted too.
 std::string checkpoint_latest(const std::string& root);
+// Removes what interrupted saves left under root (.tmp-step_* directories); returns their
+// paths. Only while no save runs: rank 0 at start-up.
+std::vector<std::string> checkpoint_remove_incomplete(const std::string& root);
 // The configuration stored in a checkpoint directory.
 Config checkpoint_config(const std::string& dir);
 // Fills every slice from whichever shards hold its range. Checks that the model shape

@@ -4,17 +4,29 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 #include "core/error.h"
 
 namespace mt {
 
+void output_parent_create(const std::string& path, const std::string& key) {
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (dir.empty()) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  MT_CHECK(!ec, "cannot create the directory " << dir.string() << " of " << key << " file " << path << ": "
+                                               << ec.message() << "; choose another " << key);
+}
+
 MetricsLog::MetricsLog(const std::string& path, const std::string& progress, int64_t every, bool enabled)
     : every_(every), enabled_(enabled) {
   if (!enabled) return;
   if (!path.empty()) {
+    output_parent_create(path, "logging.metrics");
     file_ = std::fopen(path.c_str(), "a");
-    MT_CHECK(file_, "cannot open logging.metrics file " << path << ": " << std::strerror(errno));
+    MT_CHECK(file_, "cannot open logging.metrics file " << path << ": " << std::strerror(errno)
+                                                         << "; choose another logging.metrics");
   }
   live_ = progress == "on" || (progress == "auto" && isatty(fileno(stderr)));
 }

@@ -12,7 +12,8 @@ namespace mt {
 
 class MetricsLog {
  public:
-  // path empty: no file. progress: "auto" (a terminal gets a live line) | "on" | "off".
+  // path empty: no file (else appended to, its directory created). progress: "auto" (a
+  // terminal gets a live line) | "on" | "off".
   // A log that is not enabled (ranks other than 0) writes and prints nothing.
   MetricsLog(const std::string& path, const std::string& progress, int64_t every, bool enabled = true);
   ~MetricsLog();
@@ -28,6 +29,10 @@ class MetricsLog {
   int64_t every_;
   bool enabled_;
 };
+
+// Creates the directories an output file goes into (none to create is fine); errors name
+// the file and its configuration key.
+void output_parent_create(const std::string& path, const std::string& key);
 
 // {"mem_params": peak bytes, ..., "mem_peak": peak total}
 nlohmann::json memory_json(const MemStats& s);

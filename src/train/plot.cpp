@@ -1,21 +1,25 @@
 #include "train/plot.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include "core/error.h"
+#include "train/metrics.h"
 
 namespace mt {
 
 void plot_loss_svg(const std::string& path, const std::string& title, const Curve& train, const Curve& val,
-                   double baseline) {
+                   const std::optional<double>& base) {
   if (train.empty()) return;
   const double W = 720, H = 420, left = 60, right = 20, top = 40, bottom = 50;
   double x0 = train.front().first, x1 = train.back().first, y0 = 1e30, y1 = -1e30;
   for (const Curve* c : {&train, &val})
     for (auto [x, y] : *c) x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
+  const double baseline = base.value_or(0);  // a loss: positive when it exists
   if (baseline > 0) y0 = std::min(y0, baseline), y1 = std::max(y1, baseline);
   if (x1 <= x0) x1 = x0 + 1;
   if (y1 <= y0) y1 = y0 + 1;
@@ -56,8 +60,9 @@ void plot_loss_svg(const std::string& path, const std::string& title, const Curv
   if (!val.empty()) legend("#d62728", "validation loss");
   if (baseline > 0) legend("#888", "token-frequency baseline");
   s << "</svg>\n";
+  output_parent_create(path, "logging.plot");
   std::ofstream f(path);
-  MT_CHECK(f, "cannot write loss curve " << path);
+  MT_CHECK(f, "cannot write the loss curve logging.plot = " << path << ": " << std::strerror(errno));
   f << s.str();
 }
 

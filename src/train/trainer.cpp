@@ -26,6 +26,7 @@
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/plot.h"
+#include "train/stop.h"
 
 namespace mt {
 
@@ -76,32 +77,50 @@ Data data_load(const Config& c) {
 
 // Cross-entropy of predicting each validation token by its training frequency (add-one
 // smoothed): what a model that learned nothing but token counts would score.
-double unigram_baseline(const std::vector<int32_t>& train, const std::vector<int32_t>& val, int vocab) {
+std::optional<double> unigram_baseline(const std::vector<int32_t>& train, const std::vector<int32_t>& val, int vocab) {
+  if (val.empty()) return std::nullopt;
   std::vector<double> count(vocab, 1.0);
   for (int32_t t : train) count[t] += 1.0;
   double total = train.size() + static_cast<double>(vocab), loss = 0;
   for (int32_t t : val) loss -= std::log(count[t] / total);
-  return val.empty() ? -1 : loss / val.size();
+  return loss / val.size();
 }
 
 
-// Peak bytes per memory tag of the busiest rank.
-MemStats busiest(Communicator& world, const MemStats& mine) {
-  const int n = kNumMemTags + 1;
+// What the ranks agree on after every step, through one all-gather over the world: the
+// peak bytes per memory tag of the busiest rank, and whether a rank was asked to stop
+// (train/stop.h). Every rank gets the same answer, so all stop after the same step even
+// when the signal reached only some of them.
+struct StepAgreement {
+  MemStats peaks;
+  int stop_signal = 0;  // the signal of the lowest rank that got one; 0: carry on
+  int stop_rank = -1;   // that rank
+  int stop_ranks = 0;   // how many ranks got one
+};
+
+StepAgreement agree_step(Communicator& world, const MemStats& mine, int stop_signal) {
+  const int n = kNumMemTags + 2;
   std::vector<double> local(n), all(n * world.size());
   for (int i = 0; i < kNumMemTags; ++i) local[i] = static_cast<double>(mine.peak[i]);
   local[kNumMemTags] = static_cast<double>(mine.peak_total);
+  local[kNumMemTags + 1] = stop_signal;
   world.allgather(Tensor::wrap(local.data(), {n}, DType::f64), Tensor::wrap(all.data(), {n * world.size()}, DType::f64));
-  MemStats r;
+  StepAgreement r;
   for (int k = 0; k < world.size(); ++k) {
-    for (int i = 0; i < kNumMemTags; ++i) r.peak[i] = std::max(r.peak[i], static_cast<size_t>(all[k * n + i]));
-    r.peak_total = std::max(r.peak_total, static_cast<size_t>(all[k * n + kNumMemTags]));
+    for (int i = 0; i < kNumMemTags; ++i) r.peaks.peak[i] = std::max(r.peaks.peak[i], static_cast<size_t>(all[k * n + i]));
+    r.peaks.peak_total = std::max(r.peaks.peak_total, static_cast<size_t>(all[k * n + kNumMemTags]));
+    if (all[k * n + kNumMemTags + 1] == 0) continue;
+    if (r.stop_ranks++ == 0) {
+      r.stop_signal = static_cast<int>(all[k * n + kNumMemTags + 1]);
+      r.stop_rank = k;
+    }
   }
   return r;
 }
 
 struct ValResult {
-  double loss = -1, accuracy = -1, baseline_accuracy = -1;
+  double loss = 0;
+  std::optional<double> accuracy, baseline_accuracy;  // built-in tasks only
 };
 
 // Mean loss over the first val_batches global batches of the validation tokens, read the
@@ -142,7 +161,8 @@ ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool b
   return r;
 }
 
-// parallel.test_fault = "kind:rank": a failure injected at step 1 for the fault tests.
+// parallel.test_fault = "kind:rank": a failure injected at step 1 for the fault tests
+// (slow_save acts in checkpoint_save instead).
 void inject_fault(const std::string& spec, int64_t step, Communicator& world, Communicator& dp) {
   if (spec.empty() || step != 1) return;
   const size_t colon = spec.find(':');
@@ -157,7 +177,8 @@ void inject_fault(const std::string& spec, int64_t step, Communicator& world, Co
     dp.allreduce(Tensor::wrap(extra, {3}, DType::f32));
     return;
   }
-  MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw or mismatch");
+  if (kind == "slow_save") return;  // checkpoint_save pauses on that rank
+  MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw, mismatch or slow_save");
 }
 
 // The optimizer state of segment i (unit i) next to the strategy's parameter range.
@@ -196,6 +217,301 @@ double predicted_model_state(const std::vector<Unit>& units, int stage, int N, c
   }
 }
 
+// The pieces of a set-up run that the steps and the reports use.
+struct Run {
+  const Config& c;
+  Communicator& world;
+  Communicator& dp;
+  Model& model;
+  DataParallel& strategy;
+  Optimizer& opt;
+  CpuAllocator& alloc;
+  MetricsLog& log;
+  const TokenLoader& train_data;
+  const TokenLoader* val_data;  // null without validation data
+  bool builtin;                 // the built-in tasks: answer accuracy is measured too
+  double predicted;             // model-state bytes per rank by the ZeRO formula
+};
+
+// What the steps of this process did.
+struct Progress {
+  int64_t steps_done = 0;  // optimizer steps done in total, resumed ones included
+  int64_t timed_steps = 0;
+  double train_seconds = 0;
+  std::optional<double> loss;  // the last step's
+  Curve train_curve, val_curve;
+  std::string checkpoint;  // the newest checkpoint this process wrote
+  StepAgreement stop;      // stop.stop_signal != 0: the ranks agreed to stop early
+};
+
+// The newest checkpoint to resume from ("" to start afresh), the same on every rank. A
+// fresh run refuses a directory that holds another run's checkpoints; what interrupted
+// saves left behind is removed.
+std::string resume_point(const Config& c, Communicator& world, MetricsLog& log) {
+  std::string from;
+  if (c.checkpoint.resume) from = checkpoint_latest(c.checkpoint.dir);
+  if (world.size() > 1)
+    check_same_hash(world, std::hash<std::string>{}(from), "newest checkpoint (" + from + ")",
+                    "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
+  if (c.checkpoint.dir.empty()) return from;
+  if (!c.checkpoint.resume) {
+    const std::string old = checkpoint_latest(c.checkpoint.dir);
+    MT_CHECK(old.empty(), "checkpoint.dir " << c.checkpoint.dir << " already holds checkpoints of another run (newest "
+                                            << old << "); set checkpoint.resume=true to continue it, or choose "
+                                            << "another checkpoint.dir (nothing was overwritten)");
+  }
+  if (world.rank() == 0)  // before any rank saves: the set-up ends with a barrier
+    for (const std::string& t : checkpoint_remove_incomplete(c.checkpoint.dir))
+      log.message("removed " + t + ", an incomplete checkpoint left by an interrupted save");
+  return from;
+}
+
+// The data-parallel strategy, with the parameters each rank keeps (whole units without
+// ZeRO or at stages 1-2, its chunks at stage 3) filled from the checkpoint `from`, a
+// Hugging Face file (model.init_from) or the seed. *start: the checkpoint's step.
+std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Communicator& dp, CpuAllocator& alloc,
+                                            const std::string& from, int64_t* start) {
+  std::optional<HfImporter> hf;
+  if (from.empty() && !c.model.init_from.empty()) hf.emplace(c.model, model.units(), c.model.init_from);
+  auto fill = [&](const std::vector<ParamSlice>& ranges) {
+    if (!from.empty()) {
+      std::vector<CheckpointSlice> slices;
+      for (const ParamSlice& r : ranges) slices.push_back({model.units()[r.unit].name, r.begin, r.end, {{"params", r.params}}});
+      *start = checkpoint_load(from, c.model, slices);
+      return;
+    }
+    for (const ParamSlice& r : ranges) {
+      if (!hf) {
+        model.init_range(r.unit, r.begin, r.end, r.params, c.training.seed);
+        continue;
+      }
+      std::vector<float> whole(model.units()[r.unit].numel);  // one unit at a time
+      hf->unit(r.unit, whole.data());
+      std::copy(whole.begin() + r.begin, whole.begin() + r.end, r.params);
+    }
+  };
+  if (c.parallel.zero > 0) return std::make_unique<ZeRO>(model, dp, alloc, c.parallel, fill);
+  std::vector<ParamSlice> whole;
+  for (size_t u = 0; u < model.units().size(); ++u)
+    whole.push_back({static_cast<int>(u), 0, model.units()[u].numel, model.units()[u].w.f32()});
+  fill(whole);
+  return std::make_unique<DDP>(model, dp, alloc, c.parallel);
+}
+
+void log_header(const Run& run, const std::string& resumed_from, int64_t start) {
+  const Config& c = run.c;
+  const int T = c.model.seq_len, M = static_cast<int>(c.training.micro_batch), R = run.dp.size();
+  const int64_t G = c.training.global_batch, n_micro = G / (int64_t{R} * M);
+  char head[512];
+  std::snprintf(head, sizeof head, "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d), %d threads each",
+                c.model.family.c_str(), c.model.n_layer, c.model.d_model, run.model.num_params() / 1e6,
+                run.world.size(), run.world.size() > 1 ? "s" : "", R, omp_get_max_threads());
+  run.log.message(head);
+  run.log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
+                  " threads, fixed tile grid");
+  if (const std::string w = blas_kernel_warning(); !w.empty()) run.log.message("warning: " + w);
+  std::snprintf(head, sizeof head, "data: %s, %lld tokens | global batch %lld x %d tokens = %lld micro-batch%s of %d per rank",
+                run.builtin ? "built-in tasks" : c.data.path.c_str(), static_cast<long long>(run.train_data.num_tokens()),
+                static_cast<long long>(G), T, static_cast<long long>(n_micro), n_micro > 1 ? "es" : "", M);
+  run.log.message(head);
+  if (!run.strategy.describe().empty()) run.log.message(run.strategy.describe());
+  if (!resumed_from.empty()) run.log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
+  else if (c.checkpoint.resume) run.log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
+}
+
+// Optimizer step s: forward and backward over this rank's micro-batches (global positions
+// s*G + r + R*i, interleaved over ranks), the gradient reduction, clipping and the update.
+// Returns the step's metrics so far (the loss is the one before the update).
+nlohmann::json step_run(Run& run, int64_t s) {
+  const Config& c = run.c;
+  const int T = c.model.seq_len, M = static_cast<int>(c.training.micro_batch), R = run.dp.size();
+  const int64_t G = c.training.global_batch, n_micro = G / (int64_t{R} * M);
+  const double tokens_per_step = double(G) * T;
+  std::vector<int32_t> in(M * T), tg(M * T);
+  inject_fault(c.parallel.test_fault, s, run.world, run.dp);
+  run.strategy.zero_grad();
+  double loss_sum = 0;
+  for (int64_t m = 0; m < n_micro; ++m) {
+    run.train_data.fill(s * G + run.dp.rank() + int64_t{R} * m * M, M, in.data(), tg.data(), R);
+    run.strategy.set_sync(m == n_micro - 1);
+    loss_sum += run.model.forward(in.data(), tg.data(), M, T);
+    run.model.backward(static_cast<float>(1.0 / tokens_per_step));
+  }
+  run.strategy.finish();
+  const double loss = sum_doubles(run.dp, loss_sum) / tokens_per_step;
+  MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
+                                                   << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
+  const double norm = std::sqrt(run.strategy.grad_sumsq(run.opt.segments()));
+  grad_clip(run.opt.segments(), norm, c.optim.grad_clip);
+  const double lr = lr_at(c.optim, s, c.training.steps);
+  run.opt.step(lr);
+  run.strategy.after_step();
+  return {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}};
+}
+
+// A collective over the world: each writing rank saves its own ranges (one copy of each:
+// replicas do not write).
+std::string checkpoint_write(Run& run, int64_t step) {
+  const std::vector<ParamSlice> mine = run.strategy.writes_checkpoint() ? run.strategy.owned() : std::vector<ParamSlice>{};
+  return checkpoint_save(run.c.checkpoint.dir, step, run.c, run.model.units(),
+                         state_slices(mine, run.opt, run.model.units(), true), run.opt.steps_taken(), run.world,
+                         run.c.checkpoint.keep);
+}
+
+// Steps from p.steps_done up to training.steps, or until the ranks agree to stop (a
+// signal, train/stop.h): metrics, progress, periodic validation and checkpoints.
+void run_steps(Run& run, Progress& p) {
+  const Config& c = run.c;
+  const double tokens_per_step = double(c.training.global_batch) * c.model.seq_len;
+  for (int64_t s = p.steps_done; s < c.training.steps; ++s) {
+    const auto t0 = Clock::now();
+    const uint64_t bytes_before = run.strategy.bytes_sent();
+    nlohmann::json j = step_run(run, s);
+    const double dt = seconds_since(t0), loss = j["loss"], lr = j["lr"];
+    p.train_seconds += dt;
+    ++p.timed_steps;
+    // The step boundary: this all-gather runs every step anyway, the stop flag rides along.
+    const StepAgreement a = agree_step(run.world, run.alloc.stats(), stop_signal());
+    j["tokens_per_s"] = tokens_per_step / dt;
+    j["step_ms"] = dt * 1000;
+    j.update(memory_json(a.peaks));
+    j["mem_model_state"] = model_state_bytes(a.peaks);
+    j["mem_model_state_predicted"] = run.predicted;
+    j["comm_bytes"] = run.strategy.bytes_sent() - bytes_before;  // this rank's, this step
+    run.log.write(j);
+    run.log.progress(s, c.training.steps, loss, lr, p.timed_steps * tokens_per_step / p.train_seconds,
+                     (c.training.steps - s - 1) * p.train_seconds / p.timed_steps);
+    p.loss = loss;
+    p.train_curve.emplace_back(s + 1, loss);
+    p.steps_done = s + 1;
+
+    // A signal during the last step changes nothing: the run ends normally.
+    const bool last = s + 1 == c.training.steps, stop = a.stop_signal != 0 && !last;
+    if (run.val_data && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last && !stop) {
+      ValResult v = validate(run.model, *run.val_data, c, run.builtin, run.dp);
+      run.log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
+      p.val_curve.emplace_back(s + 1, v.loss);
+      char buf[128];
+      std::snprintf(buf, sizeof buf, "step %lld: val loss %.4f", static_cast<long long>(s + 1), v.loss);
+      run.log.message(buf);
+    }
+    const bool periodic = c.checkpoint.every > 0 && (s + 1) % c.checkpoint.every == 0;
+    if (!c.checkpoint.dir.empty() && (periodic || last || stop)) p.checkpoint = checkpoint_write(run, s + 1);
+    if (stop) {
+      p.stop = a;
+      return;
+    }
+  }
+}
+
+// The end of a run stopped by a signal: one metrics line, and how to resume.
+void report_stop(const Run& run, const Progress& p) {
+  const Config& c = run.c;
+  const std::string sig = signal_name(p.stop.stop_signal);
+  std::string line = "stopped by " + sig;
+  const int n = p.stop.stop_ranks, size = run.world.size();
+  if (n == 1 && size > 1) line += " (received by rank " + std::to_string(p.stop.stop_rank) + ")";
+  if (n > 1) line += " (received by " + std::to_string(n) + " of " + std::to_string(size) + " ranks)";
+  line += " after step " + std::to_string(p.steps_done) + " of " + std::to_string(c.training.steps);
+  run.log.message(line);
+  nlohmann::json j = {{"event", "stopped"}, {"step", p.steps_done}, {"signal", sig}, {"rank", p.stop.stop_rank},
+                      {"checkpoint", nullptr}, {"exit_status", kExitStopped}};
+  if (c.checkpoint.dir.empty()) {
+    run.log.message("nothing was saved: checkpoint.dir is not set, so running again starts from step 0");
+  } else {
+    j["checkpoint"] = p.checkpoint;
+    run.log.message("checkpoint: " + p.checkpoint);
+    run.log.message("to resume, run the same command with --checkpoint.resume=true (checkpoint.dir " +
+                    c.checkpoint.dir + ")");
+  }
+  run.log.write(j);
+}
+
+nlohmann::json or_null(const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); }
+
+// The printed end of a finished run.
+void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem, int64_t timed_steps) {
+  const Config& c = run.c;
+  char buf[512];
+  run.log.message("---");
+  std::snprintf(buf, sizeof buf, "trained %lld steps in %.1f s", static_cast<long long>(timed_steps), sum.seconds);
+  std::string line = buf;
+  if (sum.tokens_per_s) {
+    std::snprintf(buf, sizeof buf, ": %.0f tokens/s", *sum.tokens_per_s);
+    line += buf;
+  }
+  run.log.message(line);
+  line.clear();
+  if (sum.loss) {
+    std::snprintf(buf, sizeof buf, "loss %.4f", *sum.loss);
+    line = buf;
+  }
+  if (sum.val_loss) {
+    std::snprintf(buf, sizeof buf, "validation loss %.4f (token-frequency baseline %.4f)", *sum.val_loss,
+                  sum.baseline_loss.value_or(NAN));
+    line += (line.empty() ? "" : " | ") + std::string(buf);
+  }
+  if (!line.empty()) run.log.message(line);
+  if (sum.answer_accuracy) {
+    std::snprintf(buf, sizeof buf, "answer accuracy on held-out tasks %.1f%% (most-frequent-character baseline %.1f%%)",
+                  100 * *sum.answer_accuracy, 100 * sum.baseline_accuracy.value_or(NAN));
+    run.log.message(buf);
+  }
+  run.log.message(std::string("peak memory") + (run.world.size() > 1 ? " (busiest rank): " : ": ") + memory_summary(mem));
+  const std::string formula = c.parallel.zero == 0 ? "no sharding"
+                                                     : "ZeRO stage " + std::to_string(c.parallel.zero) + ", N = " +
+                                                           std::to_string(c.parallel.shard_group);
+  std::snprintf(buf, sizeof buf, "model state (params + grads + optim): %s measured, %s by the formula (%s)",
+                format_bytes(model_state_bytes(mem)).c_str(), format_bytes(static_cast<size_t>(run.predicted)).c_str(),
+                formula.c_str());
+  run.log.message(buf);
+  if (!c.checkpoint.dir.empty()) run.log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
+}
+
+// The end of a finished run: the final validation, the summary line (a value that does not
+// exist is null), the printed summary and the loss curve. Collective.
+TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>& baseline, double seconds) {
+  const Config& c = run.c;
+  TrainSummary sum;
+  sum.steps = p.steps_done;
+  sum.loss = p.loss;
+  sum.seconds = seconds;
+  sum.baseline_loss = baseline;
+  if (p.timed_steps) sum.tokens_per_s = p.timed_steps * double(c.training.global_batch) * c.model.seq_len / p.train_seconds;
+  if (run.val_data) {
+    ValResult v = validate(run.model, *run.val_data, c, run.builtin, run.dp);
+    sum.val_loss = v.loss;
+    sum.answer_accuracy = v.accuracy;
+    sum.baseline_accuracy = v.baseline_accuracy;
+    p.val_curve.emplace_back(sum.steps, v.loss);
+  }
+  const MemStats mem = agree_step(run.world, run.alloc.stats(), 0).peaks;
+  nlohmann::json js = {{"event", "summary"}, {"steps", sum.steps}, {"loss", or_null(sum.loss)},
+                       {"val_loss", or_null(sum.val_loss)}, {"baseline_loss", or_null(sum.baseline_loss)},
+                       {"answer_accuracy", or_null(sum.answer_accuracy)},
+                       {"baseline_accuracy", or_null(sum.baseline_accuracy)},
+                       {"tokens_per_s", or_null(sum.tokens_per_s)}, {"seconds", sum.seconds},
+                       {"ranks", run.world.size()}};
+  js.update(memory_json(mem));
+  js["mem_model_state"] = model_state_bytes(mem);
+  js["mem_model_state_predicted"] = run.predicted;
+  run.log.write(js);
+  print_summary(run, sum, mem, p.timed_steps);
+
+  std::string plot = c.logging.plot;
+  if (run.world.rank() != 0 || (plot == "auto" && c.logging.metrics.empty())) plot = "";
+  if (plot == "auto") {  // metrics.jsonl -> metrics.svg
+    const std::string& m = c.logging.metrics;
+    size_t dot = m.rfind('.'), slash = m.rfind('/');
+    plot = (dot != std::string::npos && (slash == std::string::npos || dot > slash) ? m.substr(0, dot) : m) + ".svg";
+  }
+  if (!plot.empty() && !p.train_curve.empty()) {
+    plot_loss_svg(plot, c.model.family + " loss", p.train_curve, p.val_curve, sum.baseline_loss);
+    run.log.message("loss curve: " + plot);
+  }
+  return sum;
+}
+
 }  // namespace
 
 TrainSummary train(const Config& cfg, Communicator& world) {
@@ -203,8 +519,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   c.resolve_layout(world.size());
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
   const auto t_start = Clock::now();
-  const bool lead = world.rank() == 0;  // rank 0 prints, logs and writes checkpoints
-  MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every, lead);
+  MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every, world.rank() == 0);  // rank 0 prints
 
   CpuAllocator alloc;
   // The caller's world gets this run's checks and limits (restored on the way out); the
@@ -221,210 +536,41 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp);
   mesh.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
   Communicator& dp = mesh.dp();
-  const int R = dp.size(), r = dp.rank();
 
   Data data = data_load(c);
-  const int T = c.model.seq_len, M = static_cast<int>(c.training.micro_batch);
-  const int64_t G = c.training.global_batch, n_micro = G / (int64_t{R} * M);
-  TokenLoader train_loader(std::move(data.train), T, c.data.shuffle, c.training.seed);
-  std::optional<TokenLoader> val_loader;  // none without validation data
-  if (!data.val.empty()) val_loader.emplace(data.val, T, false, c.training.seed);
-  const double baseline = unigram_baseline(train_loader.tokens(), data.val, c.model.vocab_size);
+  TokenLoader train_data(std::move(data.train), c.model.seq_len, c.data.shuffle, c.training.seed);
+  std::optional<TokenLoader> val_data;  // none without validation data
+  if (!data.val.empty()) val_data.emplace(data.val, c.model.seq_len, false, c.training.seed);
+  const std::optional<double> baseline = unigram_baseline(train_data.tokens(), data.val, c.model.vocab_size);
 
-  // Each rank materialises only the parameters it keeps (whole units without ZeRO or at
-  // stages 1-2, its chunks at stage 3): from the newest checkpoint, a Hugging Face file,
-  // or the seed.
-  Model model(c.model, alloc, M, c.training.recompute, /*allocate_state=*/c.parallel.zero == 0);
-  int64_t start = 0, optimizer_steps = 0;
-  std::string resumed_from;
-  if (c.checkpoint.resume) resumed_from = checkpoint_latest(c.checkpoint.dir);
-  if (world.size() > 1)
-    check_same_hash(world, std::hash<std::string>{}(resumed_from), "newest checkpoint (" + resumed_from + ")",
-                    "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
-  if (!c.checkpoint.resume && !c.checkpoint.dir.empty()) {
-    const std::string old = checkpoint_latest(c.checkpoint.dir);
-    MT_CHECK(old.empty(), "checkpoint.dir " << c.checkpoint.dir << " already holds checkpoints of another run (newest "
-                                            << old << "); set checkpoint.resume=true to continue it, or choose "
-                                            << "another checkpoint.dir (nothing was overwritten)");
-  }
-  std::optional<HfImporter> hf;
-  if (resumed_from.empty() && !c.model.init_from.empty()) hf.emplace(c.model, model.units(), c.model.init_from);
-  auto fill = [&](const std::vector<ParamSlice>& ranges) {
-    if (!resumed_from.empty()) {
-      std::vector<CheckpointSlice> slices;
-      for (const ParamSlice& r : ranges) slices.push_back({model.units()[r.unit].name, r.begin, r.end, {{"params", r.params}}});
-      start = checkpoint_load(resumed_from, c.model, slices);
-      return;
-    }
-    for (const ParamSlice& r : ranges) {
-      if (!hf) {
-        model.init_range(r.unit, r.begin, r.end, r.params, c.training.seed);
-        continue;
-      }
-      std::vector<float> whole(model.units()[r.unit].numel);  // one unit at a time
-      hf->unit(r.unit, whole.data());
-      std::copy(whole.begin() + r.begin, whole.begin() + r.end, r.params);
-    }
-  };
-  std::unique_ptr<DataParallel> strategy;
-  if (c.parallel.zero == 0) {
-    std::vector<ParamSlice> whole;
-    for (size_t u = 0; u < model.units().size(); ++u)
-      whole.push_back({static_cast<int>(u), 0, model.units()[u].numel, model.units()[u].w.f32()});
-    fill(whole);
-    strategy = std::make_unique<DDP>(model, dp, alloc, c.parallel);
-  } else {
-    strategy = std::make_unique<ZeRO>(model, dp, alloc, c.parallel, fill);
-  }
+  // Each rank materialises only the parameters it keeps.
+  Model model(c.model, alloc, static_cast<int>(c.training.micro_batch), c.training.recompute,
+              /*allocate_state=*/c.parallel.zero == 0);
+  const std::string resumed_from = resume_point(c, world, log);
+  Progress p;
+  std::unique_ptr<DataParallel> strategy = strategy_make(c, model, dp, alloc, resumed_from, &p.steps_done);
   model.set_hooks(strategy.get());
   Optimizer opt(c.optim, strategy->optim_segments(), alloc);
   if (!resumed_from.empty()) {
+    int64_t optimizer_steps = 0;
     checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false), &optimizer_steps);
     opt.set_steps_taken(optimizer_steps);
   }
   world.barrier_slow();  // ranks load at different speeds
-  if (R > 1) strategy->check_same_parameters();
-  const double predicted = predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name);
+  if (dp.size() > 1) strategy->check_same_parameters();
+  Run run{c, world, dp, model, *strategy, opt, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
+          predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name)};
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
 
-  char head[512];
-  std::snprintf(head, sizeof head, "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d), %d threads each",
-                c.model.family.c_str(), c.model.n_layer, c.model.d_model, model.num_params() / 1e6, world.size(),
-                world.size() > 1 ? "s" : "", R, omp_get_max_threads());
-  log.message(head);
-  log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
-              " threads, fixed tile grid");
-  if (const std::string w = blas_kernel_warning(); !w.empty()) log.message("warning: " + w);
-  std::snprintf(head, sizeof head, "data: %s, %lld tokens | global batch %lld x %d tokens = %lld micro-batch%s of %d per rank",
-                data.builtin ? "built-in tasks" : c.data.path.c_str(), static_cast<long long>(train_loader.num_tokens()),
-                static_cast<long long>(G), T, static_cast<long long>(n_micro), n_micro > 1 ? "es" : "", M);
-  log.message(head);
-  if (!strategy->describe().empty()) log.message(strategy->describe());
-  if (!resumed_from.empty()) log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
-  else if (c.checkpoint.resume) log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
-
+  log_header(run, resumed_from, p.steps_done);
+  run_steps(run, p);
+  if (!p.stop.stop_signal) return report_end(run, p, baseline, seconds_since(t_start));
+  report_stop(run, p);
   TrainSummary sum;
-  std::vector<int32_t> in(M * T), tg(M * T);
-  const double tokens_per_step = double(G) * T;
-  double train_seconds = 0;
-  int64_t timed_steps = 0;
-  Curve train_curve, val_curve;
-  for (int64_t s = start; s < c.training.steps; ++s) {
-    const auto t0 = Clock::now();
-    const uint64_t bytes_before = strategy->bytes_sent();
-    inject_fault(c.parallel.test_fault, s, world, dp);
-    strategy->zero_grad();
-    double loss_sum = 0;
-    for (int64_t m = 0; m < n_micro; ++m) {
-      // This rank's micro-batch m: global positions s*G + r + R*i (interleaved over ranks).
-      train_loader.fill(s * G + r + int64_t{R} * m * M, M, in.data(), tg.data(), R);
-      strategy->set_sync(m == n_micro - 1);
-      loss_sum += model.forward(in.data(), tg.data(), M, T);
-      model.backward(static_cast<float>(1.0 / tokens_per_step));
-    }
-    strategy->finish();
-    const double loss = sum_doubles(dp, loss_sum) / tokens_per_step;
-    MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
-                                                     << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
-    const double norm = std::sqrt(strategy->grad_sumsq(opt.segments()));
-    grad_clip(opt.segments(), norm, c.optim.grad_clip);
-    const double lr = lr_at(c.optim, s, c.training.steps);
-    opt.step(lr);
-    strategy->after_step();
-    const double dt = seconds_since(t0);
-    train_seconds += dt;
-    ++timed_steps;
-    const double tps = timed_steps * tokens_per_step / train_seconds;
-
-    nlohmann::json j = {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
-                        {"tokens_per_s", tokens_per_step / dt}, {"step_ms", dt * 1000}};
-    const MemStats peaks = busiest(world, alloc.stats());
-    j.update(memory_json(peaks));
-    j["mem_model_state"] = model_state_bytes(peaks);
-    j["mem_model_state_predicted"] = predicted;
-    j["comm_bytes"] = strategy->bytes_sent() - bytes_before;  // this rank's, this step
-    log.write(j);
-    log.progress(s, c.training.steps, loss, lr, tps, (c.training.steps - s - 1) * train_seconds / timed_steps);
-    sum.loss = loss;
-    train_curve.emplace_back(s + 1, loss);
-
-    const bool last = s + 1 == c.training.steps;
-    if (val_loader && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last) {
-      ValResult v = validate(model, *val_loader, c, data.builtin, dp);
-      log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
-      val_curve.emplace_back(s + 1, v.loss);
-      char buf[128];
-      std::snprintf(buf, sizeof buf, "step %lld: val loss %.4f", static_cast<long long>(s + 1), v.loss);
-      log.message(buf);
-    }
-    if (!c.checkpoint.dir.empty() && ((c.checkpoint.every > 0 && (s + 1) % c.checkpoint.every == 0) || last)) {
-      // Each writing rank saves its own ranges (one copy of each: replicas do not write).
-      checkpoint_save(c.checkpoint.dir, s + 1, c, model.units(),
-                      state_slices(strategy->writes_checkpoint() ? strategy->owned() : std::vector<ParamSlice>{}, opt,
-                                   model.units(), true),
-                      opt.steps_taken(), world,
-                      c.checkpoint.keep);
-    }
-  }
-  sum.steps = std::max(start, c.training.steps);
+  sum.steps = p.steps_done;
+  sum.loss = p.loss;
   sum.seconds = seconds_since(t_start);
-  sum.tokens_per_s = timed_steps ? timed_steps * tokens_per_step / train_seconds : 0;
-  sum.baseline_loss = baseline;
-
-  if (val_loader) {
-    ValResult v = validate(model, *val_loader, c, data.builtin, dp);
-    sum.val_loss = v.loss;
-    sum.answer_accuracy = v.accuracy;
-    sum.baseline_accuracy = v.baseline_accuracy;
-    val_curve.emplace_back(sum.steps, v.loss);
-  }
-  const MemStats mem = busiest(world, alloc.stats());
-  nlohmann::json js = {{"event", "summary"}, {"steps", sum.steps}, {"loss", sum.loss}, {"val_loss", sum.val_loss},
-                       {"baseline_loss", sum.baseline_loss}, {"tokens_per_s", sum.tokens_per_s},
-                       {"seconds", sum.seconds}, {"ranks", world.size()}};
-  if (sum.answer_accuracy >= 0) js["answer_accuracy"] = sum.answer_accuracy, js["baseline_accuracy"] = sum.baseline_accuracy;
-  js.update(memory_json(mem));
-  js["mem_model_state"] = model_state_bytes(mem);
-  js["mem_model_state_predicted"] = predicted;
-  log.write(js);
-  char buf[512];
-  log.message("---");
-  std::snprintf(buf, sizeof buf, "trained %lld steps in %.1f s: %.0f tokens/s", static_cast<long long>(timed_steps),
-                sum.seconds, sum.tokens_per_s);
-  log.message(buf);
-  if (sum.val_loss >= 0) {
-    std::snprintf(buf, sizeof buf, "loss %.4f | validation loss %.4f (token-frequency baseline %.4f)", sum.loss,
-                  sum.val_loss, sum.baseline_loss);
-    log.message(buf);
-  } else {
-    std::snprintf(buf, sizeof buf, "loss %.4f", sum.loss);
-    log.message(buf);
-  }
-  if (sum.answer_accuracy >= 0) {
-    std::snprintf(buf, sizeof buf, "answer accuracy on held-out tasks %.1f%% (most-frequent-character baseline %.1f%%)",
-                  100 * sum.answer_accuracy, 100 * sum.baseline_accuracy);
-    log.message(buf);
-  }
-  log.message(std::string("peak memory") + (world.size() > 1 ? " (busiest rank): " : ": ") + memory_summary(mem));
-  const std::string formula = c.parallel.zero == 0 ? "no sharding"
-                                                     : "ZeRO stage " + std::to_string(c.parallel.zero) + ", N = " +
-                                                           std::to_string(c.parallel.shard_group);
-  std::snprintf(buf, sizeof buf, "model state (params + grads + optim): %s measured, %s by the formula (%s)",
-                format_bytes(model_state_bytes(mem)).c_str(), format_bytes(static_cast<size_t>(predicted)).c_str(),
-                formula.c_str());
-  log.message(buf);
-  if (!c.checkpoint.dir.empty()) log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
-  std::string plot = c.logging.plot;
-  if (!lead || (plot == "auto" && c.logging.metrics.empty())) plot = "";
-  if (plot == "auto") {  // metrics.jsonl -> metrics.svg
-    const std::string& m = c.logging.metrics;
-    size_t dot = m.rfind('.'), slash = m.rfind('/');
-    plot = (dot != std::string::npos && (slash == std::string::npos || dot > slash) ? m.substr(0, dot) : m) + ".svg";
-  }
-  if (!plot.empty() && !train_curve.empty()) {
-    plot_loss_svg(plot, c.model.family + " loss", train_curve, val_curve, sum.baseline_loss);
-    log.message("loss curve: " + plot);
-  }
+  sum.stopped_by = p.stop.stop_signal;
   return sum;
 }
 

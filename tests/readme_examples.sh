@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Runs every command of README.md's ```sh blocks, in README order, in a temporary directory
+# where ./build/meshtrain and configs/ are the ones under test. Training commands get a few
+# steps (overrides appended to the README's command: the last value of a key wins) and a
+# small generated corpus; commands that need other machines or Slurm are skipped with the
+# reason. The test fails on a README command this script does not list, and on a listed
+# command the README no longer has, so the two stay in step.
+#
+#   bash tests/readme_examples.sh BUILD_DIR/meshtrain SOURCE_DIR
+set -euo pipefail
+bin=$(realpath "$1")
+src=$(realpath "$2")
+work=$(mktemp -d /tmp/meshtrain-readme-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+cd "$work"
+mkdir build
+ln -s "$bin" build/meshtrain
+ln -s "$src/configs" configs
+# mpirun started directly runs as root only with these (meshtrain launch passes
+# --allow-run-as-root itself), and puts 4 ranks on fewer cores only when allowed to.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+
+fail() {
+  echo "readme_examples: FAILED: $*" >&2
+  exit 1
+}
+
+# One command per line: continuation lines joined, comments and blank lines dropped.
+mapfile -t commands < <(awk '
+  /^```sh$/ { inside = 1; next }
+  /^```/ { inside = 0; next }
+  inside {
+    line = $0
+    sub(/[ \t]+#.*$/, "", line)
+    if (line ~ /^[ \t]*(#.*)?$/) next
+    if (sub(/[ \t]*\\$/, " ", line)) { pending = pending line; next }
+    line = pending line
+    pending = ""
+    gsub(/[ \t]+/, " ", line)
+    sub(/^ /, "", line)
+    sub(/ $/, "", line)
+    print line
+  }' "$src/README.md")
+((${#commands[@]} > 0)) || fail "found no commands in $src/README.md"
+
+n=0
+run() {  # runs a command line (README quoting kept) and fails with its output if it fails
+  n=$((n + 1))
+  echo "+ $1"
+  eval "$1" > "log.$n" 2>&1 || { cat "log.$n"; fail "$1"; }
+}
+skip() { echo "- skipped: $cmd ($1)"; }
+
+# A text of made-up words, enough for `prepare` to train an 8192-piece SentencePiece model.
+corpus() {
+  /usr/bin/python3 -c '
+import random
+r = random.Random(1)
+syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + ["th", "sh", "ch", "st"]
+words = ["".join(r.choice(syllables) for _ in range(r.randint(1, 4))) for _ in range(20000)]
+for _ in range(6000):
+    print(" ".join(r.choice(words) for _ in range(r.randint(5, 15))) + ".")'
+}
+
+# The preemption example: the run in the background is signalled once it has logged a step.
+started() {
+  echo "+ $cmd"
+  eval "$cmd" > background.log 2>&1
+  for _ in $(seq 600); do
+    grep -q "^step 1/" background.log && return
+    sleep 0.2
+  done
+  cat background.log
+  fail "no step logged within 2 minutes: $cmd"
+}
+stopped() {
+  echo "+ $cmd"
+  eval "$cmd"
+  local status=0
+  wait "$pid" || status=$?
+  grep -q -- "--checkpoint.resume=true" background.log || { cat background.log; fail "no resume hint after $cmd"; }
+  [ "$status" = 75 ] || { cat background.log; fail "exit status $status, not 75, after $cmd"; }
+}
+
+few="--training.steps=2 --training.val_batches=1"
+# configs/gpt2_bench.toml's model, smaller (same vocabulary): a step in milliseconds.
+small="--model.n_layer=1 --model.d_model=64 --model.n_head=2 --model.seq_len=32 --training.global_batch=4"
+small+=" --training.micro_batch=4 --training.val_batches=1"
+declare -A how=(
+  ["bash scripts/train.sh"]='skip "setup.sh installs packages and rebuilds build/, the tree under test"
+                             run "./build/meshtrain train $few"  # what train.sh runs then'
+  ["bash scripts/test.sh"]='skip "it runs the whole suite, this test included"'
+  ["./build/meshtrain train --config configs/llama_tasks.toml --training.steps=200"]='run "$cmd $few"'
+  ["./build/meshtrain prepare --input corpus.txt --out train.bin --val-fraction 0.05 --val-out val.bin --train-tokenizer 8192 --tokenizer-prefix spm"]='corpus > corpus.txt
+    run "$cmd"'
+  ["./build/meshtrain train --config configs/gpt2_bench.toml --data.path=train.bin --data.val_path=val.bin --data.tokenizer=spm.model"]='run "$cmd $small --training.steps=2"'
+  ["./build/meshtrain train --config configs/gpt2_bench.toml --data.path=train.bin --checkpoint.resume=true"]='run "$cmd $small --training.steps=3"'
+  ["./build/meshtrain export --checkpoint runs/gpt2_bench --out model.safetensors"]='run "$cmd"'
+  ['./build/meshtrain sample --checkpoint runs/gpt2_bench --prompt "Once upon" --tokens 100']='run "$cmd"'
+  ["./build/meshtrain train --help"]='run "$cmd"'
+  ["./build/meshtrain launch -n 2 train --training.global_batch=32"]='run "$cmd $few"'
+  ["./build/meshtrain launch -n 8 --hostfile hosts train --config run.toml"]='skip "needs the other machines of a hostfile"'
+  ["mpirun -n 4 ./build/meshtrain train --parallel.dp=4"]='run "$cmd $few"'
+  ["srun -N 2 --ntasks-per-node=4 ./build/meshtrain train --config run.toml"]='skip "needs Slurm"'
+  ["./build/meshtrain launch -n 2 bench comm"]='run "$cmd --max-bytes 64K --iters 2"'
+  ['./build/meshtrain train --config configs/llama_tasks.toml --checkpoint.dir=runs/llama & pid=$!']='started'
+  ['kill -TERM $pid']='stopped'
+  ["./build/meshtrain train --config configs/llama_tasks.toml --checkpoint.dir=runs/llama --checkpoint.resume=true"]='run "$cmd --training.steps=3 --training.val_batches=1"'
+  ["srun ./build/meshtrain train --config run.toml --checkpoint.resume=true"]='skip "needs Slurm"'
+  ['[ $? -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"']='skip "needs Slurm"'
+  ["./build/meshtrain launch -n 4 train --parallel.zero=3"]='run "$cmd $few"'
+  ["./build/meshtrain launch -n 4 train --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2"]='run "$cmd $few"'
+)
+
+for cmd in "${commands[@]}"; do
+  [ -n "${how[$cmd]+set}" ] || fail "README.md has a command this script does not know:
+  $cmd
+add it to the list in tests/readme_examples.sh: how to run it small, or why it is skipped"
+done
+for cmd in "${!how[@]}"; do
+  printf '%s\n' "${commands[@]}" | grep -qxF -- "$cmd" ||
+    fail "tests/readme_examples.sh lists a command README.md no longer has: $cmd"
+done
+for cmd in "${commands[@]}"; do eval "${how[$cmd]}"; done
+echo "readme_examples: all ${#commands[@]} README commands run or skipped with a reason"

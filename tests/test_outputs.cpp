@@ -1,0 +1,123 @@
+// What a run writes besides checkpoints: the summary line (a value that does not exist is
+// null, never a made-up number) and output files in directories that do not exist yet.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "train/trainer.h"
+#include "test_util.h"
+
+using namespace mt;
+namespace fs = std::filesystem;
+
+namespace {
+
+nlohmann::json summary_of(const std::string& metrics) {
+  for (const std::string& l : test::read_lines(metrics)) {
+    nlohmann::json j = nlohmann::json::parse(l);
+    if (j.value("event", "") == "summary") return j;
+  }
+  ADD_FAILURE() << "no summary line in " << metrics;
+  return {};
+}
+
+// Every key of the summary is there; those in `absent` are null, all others are numbers >= 0.
+void expect_summary(const nlohmann::json& j, const std::vector<std::string>& absent, const std::string& what) {
+  for (const char* k : {"steps", "loss", "val_loss", "baseline_loss", "answer_accuracy", "baseline_accuracy",
+                        "tokens_per_s", "seconds", "ranks", "mem_peak", "mem_model_state"})
+    EXPECT_TRUE(j.contains(k)) << what << ": no " << k << " in " << j;
+  for (const auto& [k, v] : j.items()) {
+    if (k == "event") continue;
+    const bool null = std::find(absent.begin(), absent.end(), k) != absent.end();
+    if (null) {
+      EXPECT_TRUE(v.is_null()) << what << ": " << k << " = " << v;
+    } else {
+      EXPECT_TRUE(v.is_number() && v.get<double>() >= 0) << what << ": " << k << " = " << v;
+    }
+  }
+}
+
+TEST(Summary, ValuesThatDoNotExistAreNull) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 400, 37));
+  c.training.steps = 2;
+  c.logging.metrics = d / "held_out.jsonl";  // tiny_config holds out a validation tail
+  TrainSummary s = train(c);
+  expect_summary(summary_of(c.logging.metrics), {"answer_accuracy", "baseline_accuracy"}, "validation tail");
+  EXPECT_TRUE(s.val_loss && s.baseline_loss && s.loss && s.tokens_per_s);
+  EXPECT_FALSE(s.answer_accuracy);
+
+  c.data.val_fraction = 0;
+  c.logging.metrics = d / "no_val.jsonl";
+  c.checkpoint.dir = d / "ck";
+  s = train(c);
+  expect_summary(summary_of(c.logging.metrics), {"val_loss", "baseline_loss", "answer_accuracy", "baseline_accuracy"},
+                 "no validation data");
+  EXPECT_FALSE(s.val_loss || s.baseline_loss);
+
+  // Resumed at its last step: no step runs, so there is no loss and no throughput.
+  c.checkpoint.resume = true;
+  c.logging.metrics = d / "nothing_left.jsonl";
+  s = train(c);
+  const nlohmann::json j = summary_of(c.logging.metrics);
+  expect_summary(j, {"loss", "tokens_per_s", "val_loss", "baseline_loss", "answer_accuracy", "baseline_accuracy"},
+                 "nothing left to train");
+  EXPECT_EQ(j["steps"], 2);
+  EXPECT_FALSE(s.loss || s.tokens_per_s);
+}
+
+TEST(Summary, BuiltInTasksReportAnswerAccuracy) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", "");
+  c.data.val_fraction = 0;
+  c.model.vocab_size = 257;  // bytes and end-of-text
+  c.training.steps = 1;
+  c.logging.metrics = d / "m.jsonl";
+  train(c);
+  expect_summary(summary_of(c.logging.metrics), {}, "built-in tasks");
+}
+
+// Metrics and the loss curve go into directories made for them, as checkpoint.dir does.
+TEST(Outputs, DirectoriesAreCreated) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 400, 37));
+  c.training.steps = 1;
+  c.logging.metrics = d / "runs/a/m.jsonl";
+  c.logging.plot = d / "plots/b/loss.svg";
+  train(c);
+  EXPECT_EQ(test::read_lines(c.logging.metrics).size(), 2u);  // the step and the summary
+  EXPECT_TRUE(fs::is_regular_file(c.logging.plot));
+  c.logging.plot = "auto";  // beside the metrics file
+  c.logging.metrics = d / "runs/c/m.jsonl";
+  train(c);
+  EXPECT_TRUE(fs::is_regular_file(d / "runs/c/m.svg"));
+}
+
+std::string error_of(const Config& c) {
+  try {
+    train(c);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Outputs, ErrorsNameThePathAndTheKey) {
+  test::TempDir d;
+  std::ofstream(d / "file") << "a file where a directory should be";
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 400, 37));
+  c.training.steps = 1;
+  c.logging.metrics = d / "file/m.jsonl";
+  std::string msg = error_of(c);
+  EXPECT_NE(msg.find("logging.metrics"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(c.logging.metrics), std::string::npos) << msg;
+  c.logging.metrics = d / "m.jsonl";
+  c.logging.plot = d / "file/loss.svg";
+  msg = error_of(c);
+  EXPECT_NE(msg.find("logging.plot"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(c.logging.plot), std::string::npos) << msg;
+}
+
+}  // namespace
