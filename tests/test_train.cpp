@@ -283,8 +283,9 @@ TEST(Command, PrepareTrainExportSample) {
   test::TempDir d;
   std::ofstream(d / "text.txt") << std::string(200, 'a') + "hello meshtrain, hello world\n";
   std::string out, bin = MESHTRAIN_BIN;
-  ASSERT_EQ(test::run_command(bin + " prepare --input " + d / "text.txt" + " --out " + d / "t.bin", &out), 0) << out;
-  ASSERT_EQ(test::run_command(bin + " train --data.path=" + d / "t.bin" +
+  // Output directories that do not exist yet are made.
+  ASSERT_EQ(test::run_command(bin + " prepare --input " + d / "text.txt" + " --out " + d / "new/t.bin", &out), 0) << out;
+  ASSERT_EQ(test::run_command(bin + " train --data.path=" + d / "new/t.bin" +
                                   " --model.n_layer=1 --model.d_model=16 --model.n_head=2 --model.seq_len=16"
                                   " --training.steps=3 --training.global_batch=2 --training.micro_batch=2"
                                   " --checkpoint.dir=" + d / "ck" + " --logging.metrics=" + d / "m.jsonl",
@@ -292,9 +293,9 @@ TEST(Command, PrepareTrainExportSample) {
             0)
       << out;
   EXPECT_NE(out.find("peak memory"), std::string::npos) << out;
-  ASSERT_EQ(test::run_command(bin + " export --checkpoint " + d / "ck" + " --out " + d / "m.safetensors", &out), 0)
+  ASSERT_EQ(test::run_command(bin + " export --checkpoint " + d / "ck" + " --out " + d / "hf/m.safetensors", &out), 0)
       << out;
-  EXPECT_TRUE(fs::exists(d / "m.safetensors"));
+  EXPECT_TRUE(fs::exists(d / "hf/m.safetensors"));
   ASSERT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " --prompt hello --tokens 5", &out), 0) << out;
   EXPECT_EQ(out.rfind("hello", 0), 0u) << out;
   auto lines = step_metrics(d / "m.jsonl");

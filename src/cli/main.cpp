@@ -27,6 +27,7 @@
 #include "nn/hf.h"                            // hf_export
 #include "train/checkpoint.h"                 // checkpoint_latest, checkpoint_load
 #include "train/config.h"                     // config_load, config_keys
+#include "train/metrics.h"                    // output_parent_create
 #include "train/sample.h"                     // sample_text
 #include "train/stop.h"                       // stop_signals_install, kExitStopped
 #include "train/trainer.h"                    // train
@@ -170,6 +171,7 @@ int main(int argc, char** argv) {
     if (prep->parsed()) {
       if (sp_vocab > 0) {
         if (sp_prefix.empty()) sp_prefix = out + ".spm";
+        mt::output_parent_create(sp_prefix, "--tokenizer-prefix");
         mt::sentencepiece_train(input, sp_prefix, sp_vocab);
         tokenizer = sp_prefix + ".model";
         std::printf("trained SentencePiece model %s (vocabulary %d)\n", tokenizer.c_str(), sp_vocab);
@@ -189,9 +191,11 @@ int main(int argc, char** argv) {
         size_t n_val = static_cast<size_t>(ids.size() * val_fraction);
         std::vector<int32_t> val(ids.end() - n_val, ids.end());
         ids.resize(ids.size() - n_val);
+        mt::output_parent_create(val_out, "--val-out");
         mt::token_file_write(val_out, val);
         std::printf("wrote %zu validation tokens to %s\n", val.size(), val_out.c_str());
       }
+      mt::output_parent_create(out, "--out");
       mt::token_file_write(out, ids);
       std::printf("wrote %zu tokens to %s (vocabulary %d: set model.vocab_size >= %d)\n", ids.size(), out.c_str(),
                   tok->vocab_size(), tok->vocab_size());
@@ -207,6 +211,7 @@ int main(int argc, char** argv) {
         mt::checkpoint_load(dir, cfg.model, {{layout[u].name, 0, layout[u].numel, {{"params", buf.data()}}}});
         return buf.data();
       };
+      mt::output_parent_create(exp_out, "--out");
       mt::hf_export(cfg.model, layout, fetch, exp_out);
       std::printf("exported %s to %s\n", dir.c_str(), exp_out.c_str());
     } else if (smp->parsed()) {
