@@ -454,13 +454,14 @@ TEST(Ops, Attention) {
 // The fused variant keeps lse instead of the probabilities. T = 70 crosses its 64-row query
 // blocks, T = 300 its 256-key blocks (there rows see two key blocks, and in the "rising"
 // case, with positive q and keys growing along s, the later block always holds the row
-// maximum, so the running sums are rescaled); D = 5 and 3 are odd.
+// maximum, so the running sums are rescaled); D = 5 and 3 are odd. D = 16 fills whole
+// vectors, which the kernel reads and writes in place; other D go through padded copies.
 TEST(Ops, AttentionFused) {
   std::mt19937 g(19);
   const int NH = 4;
   struct Case { int B, T, NKV, D; bool rising; };
   for (Case cs : {Case{1, 1, 4, 8, false}, {2, 5, 1, 5, false}, {2, 13, 2, 4, false}, {1, 67, 4, 3, false},
-                  {1, 70, 2, 8, false}, {1, 300, 1, 4, false}, {1, 300, 2, 4, true}}) {
+                  {1, 70, 2, 8, false}, {1, 70, 2, 16, false}, {1, 300, 1, 4, false}, {1, 300, 2, 4, true}}) {
     const int B = cs.B, T = cs.T, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
     SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NKV=" << NKV << " D=" << D
                                     << (cs.rising ? " rising" : ""));
@@ -664,16 +665,19 @@ TEST(Ops, ThreadCountInvariance) {
                        tf(att, {B, NH, T, T}), NH, NKV);
     return std::vector<VecF>{out, att, dqkv};
   }, "attention");
-  // The fused variant also at T = 300: several query blocks and two key blocks.
-  const int TL = 300;
-  const VecF qkvl = randv(B * TL * W, g), doutl = randv(B * TL * NH * D, g);
-  expect_thread_invariant([&] {
-    VecF out(B * TL * NH * D), lse(B * NH * TL), dqkv(B * TL * W);
-    attention_fused_forward(tf(out, {B, TL, NH * D}), tf(lse, {B, NH, TL}), T_(qkvl, {B, TL, W}), NH, NKV);
-    attention_fused_backward(tf(dqkv, {B, TL, W}), T_(doutl, {B, TL, NH * D}), T_(qkvl, {B, TL, W}),
-                             tf(out, {B, TL, NH * D}), tf(lse, {B, NH, TL}), NH, NKV);
-    return std::vector<VecF>{out, lse, dqkv};
-  }, "attention (fused)");
+  // The fused variant here (D = 24: padded copies) and at T = 300 with D = 32 (several
+  // query blocks, two key blocks, operands in place).
+  for (auto [TL, DL] : {std::array{T, D}, {300, 32}}) {
+    const int WL = (NH + 2 * NKV) * DL;
+    const VecF qkvl = randv(B * TL * WL, g), doutl = randv(B * TL * NH * DL, g);
+    expect_thread_invariant([&] {
+      VecF out(B * TL * NH * DL), lse(B * NH * TL), dqkv(B * TL * WL);
+      attention_fused_forward(tf(out, {B, TL, NH * DL}), tf(lse, {B, NH, TL}), T_(qkvl, {B, TL, WL}), NH, NKV);
+      attention_fused_backward(tf(dqkv, {B, TL, WL}), T_(doutl, {B, TL, NH * DL}), T_(qkvl, {B, TL, WL}),
+                               tf(out, {B, TL, NH * DL}), tf(lse, {B, NH, TL}), NH, NKV);
+      return std::vector<VecF>{out, lse, dqkv};
+    }, "attention (fused)");
+  }
   expect_thread_invariant([&] {
     VecF losses(N), lse(N), lg = logits0;
     const double tot = cross_entropy_forward(tf(losses, {N}), tf(lse, {N}), tf(lg, {N, V}), ti(tg, {N}));

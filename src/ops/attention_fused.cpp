@@ -172,6 +172,16 @@ void pack_rows(float* dst, const float* src, int64_t T, int64_t D, int64_t Dp, i
   }
 }
 
+// A [rows, D] operand or result of the products: rows of Dp floats at stride ld.
+struct In {
+  const float* p;
+  int64_t ld;
+};
+struct Out {
+  float* p;
+  int64_t ld;
+};
+
 // row[k] = exp(row[k] - m) for k < n; returns the sum, in kLanes partial sums.
 inline float exp_shift_sum(float* row, int64_t n, float m) {
   float acc[kLanes] = {};
@@ -195,7 +205,24 @@ struct Dims {
   int64_t T, D, W;
   int64_t Tp, Sp;  // row strides (row_stride) of workspace rows of T and of kK columns
   int64_t Dp;      // D rounded up to whole vectors: the row stride of [*, D] workspaces
+  // [*, D] operands are used in place when their rows are whole vectors, else copied
+  // into workspace rows padded to Dp.
+  bool in_place() const { return D == Dp; }
+  In rows_in(const float* src, int64_t ld, int64_t n, std::vector<float>& buf) const {
+    if (in_place()) return {src, ld};
+    pack_rows(buf.data(), src, n, D, Dp, ld);
+    return {buf.data(), Dp};
+  }
+  Out rows_out(float* dst, int64_t ld, std::vector<float>& buf) const {
+    return in_place() ? Out{dst, ld} : Out{buf.data(), Dp};
+  }
 };
+
+// dst[n, D] (row stride ld) = o's rows, unless o is dst itself.
+void rows_copy_out(const Dims& z, const Out& o, float* dst, int64_t ld, int64_t n) {
+  if (o.p == dst) return;
+  for (int64_t t = 0; t < n; ++t) std::memcpy(dst + t * ld, o.p + t * o.ld, z.D * sizeof(float));
+}
 
 // One (query block, key block) pair: rows [r0, r1), keys [c0, c0 + wp) (whole vectors;
 // c1 - c0 of them real). Row i sees keys k < visible(i), the rest of its wp are masked.
@@ -222,16 +249,24 @@ inline float exp_row(float* row, int64_t v, int64_t wp, float m) {
   return sum;
 }
 
-// Per-thread workspace of the forward: [D, Tp], [T, Dp], [kQ, kK], [kQ, Dp], [kQ], [kQ].
+// Workspaces are per thread and kept between calls, grown when a call needs more: fresh
+// pages on every call (and the faults that map them) cost more than the work at small
+// shapes. Nothing is read from them before the call has written it.
+inline void grow(std::vector<float>& v, int64_t n) {
+  if ((int64_t)v.size() < n) v.resize(n);
+}
+
+// The forward's: Kt [D, Tp] (scaled), V [T, Dp], S [kQ, Sp], O [kQ, Dp], m, l [kQ].
 struct ForwardWork {
   std::vector<float> Kt, V, S, O, m, l;
-  explicit ForwardWork(const Dims& z)
-      : Kt(z.D * z.Tp), V(z.T * z.Dp), S(kQ * z.Sp), O(kQ * z.Dp), m(kQ), l(kQ) {}
+  void fit(const Dims& z) {
+    grow(Kt, z.D * z.Tp), grow(V, z.T * z.Dp), grow(S, kQ * z.Sp), grow(O, kQ * z.Dp), grow(m, kQ), grow(l, kQ);
+  }
 };
 
-// One head: out[T, D] (row stride ldo), lse[T], from Q [T, D] (row stride W) and the
-// packed Kt (scaled) and V in w.
-void forward_head(const Dims& z, const float* Q, ForwardWork& w, float* out, int64_t ldo, float* lse) {
+// One head: out[T, D] (row stride ldo), lse[T], from Q [T, D] (row stride W), V and the
+// packed Kt (scaled) in w.
+void forward_head(const Dims& z, const float* Q, const In& V, ForwardWork& w, float* out, int64_t ldo, float* lse) {
   const int64_t Dp = z.Dp;
   for (int64_t r0 = 0; r0 < z.T; r0 += kQ) {
     const int64_t r1 = std::min(r0 + kQ, z.T), n = r1 - r0;
@@ -251,7 +286,7 @@ void forward_head(const Dims& z, const float* Q, ForwardWork& w, float* out, int
         if (c0 > 0 && a != 1.0f)
           for (int64_t d = 0; d < Dp; ++d) w.O[i * Dp + d] *= a;
       }
-      gemm_rows(n, Dp, c1 - c0, w.S.data(), z.Sp, 1, w.V.data() + c0 * Dp, Dp, w.O.data(), Dp, c0 > 0,
+      gemm_rows(n, Dp, c1 - c0, w.S.data(), z.Sp, 1, V.p + c0 * V.ld, V.ld, w.O.data(), Dp, c0 > 0,
                 pr.causal(Causal::a_scores));
     }
     for (int64_t i = 0; i < n; ++i) {
@@ -262,35 +297,39 @@ void forward_head(const Dims& z, const float* Q, ForwardWork& w, float* out, int
   }
 }
 
-// Per-thread workspace of the backward: Kt (scaled), Vt [D, Tp]; K, dK, dV [T, Dp];
-// P, dS [kQ, kK]; Q, dO, dQ [kQ, Dp]; delta [kQ].
+// The backward's: Kt (scaled), Vt [D, Tp]; K, dK, dV [T, Dp]; P, dS [kQ, Sp];
+// Q, dO, dQ [kQ, Dp]; delta [kQ].
 struct BackwardWork {
   std::vector<float> Kt, Vt, K, dK, dV, P, dS, Q, dO, dQ, delta;
-  explicit BackwardWork(const Dims& z)
-      : Kt(z.D * z.Tp), Vt(z.D * z.Tp), K(z.T * z.Dp), dK(z.T * z.Dp), dV(z.T * z.Dp), P(kQ * z.Sp), dS(kQ * z.Sp),
-        Q(kQ * z.Dp), dO(kQ * z.Dp), dQ(kQ * z.Dp), delta(kQ) {}
+  void fit(const Dims& z) {
+    for (auto* v : {&Kt, &Vt}) grow(*v, z.D * z.Tp);
+    for (auto* v : {&K, &dK, &dV}) grow(*v, z.T * z.Dp);
+    for (auto* v : {&P, &dS}) grow(*v, kQ * z.Sp);
+    for (auto* v : {&Q, &dO, &dQ}) grow(*v, kQ * z.Dp);
+    grow(delta, kQ);
+  }
 };
 
-// One query head's contribution: writes dQ [T, D] (row stride W), adds into w.dK, w.dV.
+// One query head's contribution: writes dQ [T, D] (row stride W), adds into dK and dV.
 // Q [T, D] (row stride W); dO, O [T, D] (row stride ldo); lse [T].
 void backward_head(const Dims& z, float scale, const float* Q, const float* dO, const float* O, int64_t ldo,
-                   const float* lse, float* dQ, BackwardWork& w) {
-  const int64_t Dp = z.Dp, Tp = z.Tp, Sp = z.Sp;
+                   const float* lse, const In& K, float* dQ, const Out& dK, const Out& dV, BackwardWork& w) {
+  const int64_t Tp = z.Tp, Sp = z.Sp;
   float* P = w.P.data();
   float* dS = w.dS.data();
   for (int64_t r0 = 0; r0 < z.T; r0 += kQ) {
     const int64_t r1 = std::min(r0 + kQ, z.T), n = r1 - r0;
-    pack_rows(w.Q.data(), Q + r0 * z.W, n, z.D, Dp, z.W);
-    pack_rows(w.dO.data(), dO + r0 * ldo, n, z.D, Dp, ldo);
-    for (int64_t i = 0; i < n; ++i) w.delta[i] = dot_f32(w.dO.data() + i * Dp, O + (r0 + i) * ldo, z.D);
+    const In Qi = z.rows_in(Q + r0 * z.W, z.W, n, w.Q), dOi = z.rows_in(dO + r0 * ldo, ldo, n, w.dO);
+    const Out dQi = z.rows_out(dQ + r0 * z.W, z.W, w.dQ);
+    for (int64_t i = 0; i < n; ++i) w.delta[i] = dot_f32(dOi.p + i * dOi.ld, O + (r0 + i) * ldo, z.D);
     for (int64_t c0 = 0; c0 < r1; c0 += kK) {
       const int64_t c1 = std::min(c0 + kK, r1);
       const Pair pr{r0, r1, c0, c1, round_up(c1 - c0, kVL)};
       scores(z, Q, w.Kt.data(), pr, P);
       for (int64_t i = 0; i < n; ++i) exp_row(P + i * Sp, pr.visible(i), pr.wp, lse[r0 + i]);  // P
-      gemm_rows(n, pr.wp, z.D, w.dO.data(), Dp, 1, w.Vt.data() + c0, Tp, dS, Sp, false,
+      gemm_rows(n, pr.wp, z.D, dOi.p, dOi.ld, 1, w.Vt.data() + c0, Tp, dS, Sp, false,
                 pr.causal(Causal::c_scores));  // dP = dO V^T
-      gemm_rows(c1 - c0, Dp, n, P, 1, Sp, w.dO.data(), Dp, w.dV.data() + c0 * Dp, Dp, true,
+      gemm_rows(c1 - c0, z.Dp, n, P, 1, Sp, dOi.p, dOi.ld, dV.p + c0 * dV.ld, dV.ld, true,
                 pr.causal(Causal::at_scores));  // dV += P^T dO
       for (int64_t i = 0; i < n; ++i) {  // dS = scale P (dP - delta), 0 where masked
         const float* p = P + i * Sp;
@@ -300,12 +339,12 @@ void backward_head(const Dims& z, float scale, const float* Q, const float* dO, 
         for (int64_t k = 0; k < v; ++k) d[k] = p[k] * (d[k] - di) * scale;
         std::fill(d + v, d + pr.wp, 0.0f);
       }
-      gemm_rows(n, Dp, c1 - c0, dS, Sp, 1, w.K.data() + c0 * Dp, Dp, w.dQ.data(), Dp, c0 > 0,
+      gemm_rows(n, z.Dp, c1 - c0, dS, Sp, 1, K.p + c0 * K.ld, K.ld, dQi.p, dQi.ld, c0 > 0,
                 pr.causal(Causal::a_scores));  // dQ (+)= dS K
-      gemm_rows(c1 - c0, Dp, n, dS, 1, Sp, w.Q.data(), Dp, w.dK.data() + c0 * Dp, Dp, true,
+      gemm_rows(c1 - c0, z.Dp, n, dS, 1, Sp, Qi.p, Qi.ld, dK.p + c0 * dK.ld, dK.ld, true,
                 pr.causal(Causal::at_scores));  // dK += dS^T Q
     }
-    for (int64_t i = 0; i < n; ++i) std::memcpy(dQ + (r0 + i) * z.W, w.dQ.data() + i * Dp, z.D * sizeof(float));
+    rows_copy_out(z, dQi, dQ + r0 * z.W, z.W, n);
   }
 }
 
@@ -326,14 +365,15 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
   float* lsep = lse.f32();
 #pragma omp parallel
   {
-    ForwardWork w(z);
+    static thread_local ForwardWork w;
+    w.fit(z);
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < s.B * NH; ++bh) {
       const int64_t b = bh / NH, h = bh % NH, kh = h / s.G;
       const float* base = qkvp + b * T * W;
       pack_transposed(w.Kt.data(), base + (NH + kh) * D, T, z.Tp, D, W, scale);
-      pack_rows(w.V.data(), base + (NH + s.NKV + kh) * D, T, D, z.Dp, W);
-      forward_head(z, base + h * D, w, op + b * T * OW + h * D, OW, lsep + bh * T);
+      const In V = z.rows_in(base + (NH + s.NKV + kh) * D, W, T, w.V);
+      forward_head(z, base + h * D, V, w, op + b * T * OW + h * D, OW, lsep + bh * T);
     }
   }
 }
@@ -359,7 +399,8 @@ void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tens
   float* dqkvp = dqkv.f32();
 #pragma omp parallel
   {
-    BackwardWork w(z);
+    static thread_local BackwardWork w;
+    w.fit(z);
 #pragma omp for schedule(static)
     for (int64_t bk = 0; bk < s.B * NKV; ++bk) {
       const int64_t b = bk / NKV, kh = bk % NKV;
@@ -367,18 +408,21 @@ void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tens
       float* dbase = dqkvp + b * T * W;
       pack_transposed(w.Kt.data(), base + (NH + kh) * D, T, z.Tp, D, W, scale);
       pack_transposed(w.Vt.data(), base + (NH + NKV + kh) * D, T, z.Tp, D, W, 1.0f);
-      pack_rows(w.K.data(), base + (NH + kh) * D, T, D, z.Dp, W);
-      std::fill(w.dK.begin(), w.dK.end(), 0.0f);  // dK and dV sum over the group's query heads
-      std::fill(w.dV.begin(), w.dV.end(), 0.0f);
+      const In K = z.rows_in(base + (NH + kh) * D, W, T, w.K);
+      float* dKp = dbase + (NH + kh) * D;
+      float* dVp = dbase + (NH + NKV + kh) * D;
+      const Out dK = z.rows_out(dKp, W, w.dK), dV = z.rows_out(dVp, W, w.dV);
+      for (int64_t t = 0; t < T; ++t) {  // dK and dV sum over the group's query heads
+        std::fill_n(dK.p + t * dK.ld, z.Dp, 0.0f);
+        std::fill_n(dV.p + t * dV.ld, z.Dp, 0.0f);
+      }
       for (int64_t g = 0; g < s.G; ++g) {
         const int64_t h = kh * s.G + g;
         backward_head(z, scale, base + h * D, dop + b * T * OW + h * D, outp + b * T * OW + h * D, OW,
-                      lsep + (b * NH + h) * T, dbase + h * D, w);
+                      lsep + (b * NH + h) * T, K, dbase + h * D, dK, dV, w);
       }
-      for (int64_t t = 0; t < T; ++t) {
-        std::memcpy(dbase + t * W + (NH + kh) * D, w.dK.data() + t * z.Dp, D * sizeof(float));
-        std::memcpy(dbase + t * W + (NH + NKV + kh) * D, w.dV.data() + t * z.Dp, D * sizeof(float));
-      }
+      rows_copy_out(z, dK, dKp, W, T);
+      rows_copy_out(z, dV, dVp, W, T);
     }
   }
 }
