@@ -29,10 +29,12 @@
 // spends much of its time packing its operands. Here one register-tiled kernel
 // (gemm_rows) computes them all: it reads its right operand as contiguous rows of whole
 // vectors and its left operand element by element at any strides, so a transposed left
-// operand (P^T, dS^T) costs nothing. Each task lays out once per head K^T (pre-scaled by
-// 1/sqrt(D)) and V^T with key columns padded to whole vectors, and K and V rows with the
-// head columns padded; per query block the Q and dO rows; dK and dV accumulate in padded
-// rows copied out at the end. Tiles the causal mask zeroes are skipped (Causal).
+// operand (P^T, dS^T) costs nothing. Each task lays out K^T (pre-scaled by 1/sqrt(D)) and
+// V^T once per head, key columns padded to whole vectors. The [T, D] operands (Q, K, V,
+// dO) and results (dQ, dK, dV) are used in place when D is a whole number of vectors,
+// else through workspace rows padded to one. Tiles the causal mask zeroes are skipped
+// (Causal). Workspaces are per thread, about 2 T D + 2 kQ kK floats (5 T D when copies
+// are needed), kept between calls.
 //
 // Determinism: block sizes are constants, so the sequence of float operations depends
 // only on the shapes. Each task is serial and writes disjoint outputs; a kv head's dK/dV
@@ -256,11 +258,13 @@ inline void grow(std::vector<float>& v, int64_t n) {
   if ((int64_t)v.size() < n) v.resize(n);
 }
 
-// The forward's: Kt [D, Tp] (scaled), V [T, Dp], S [kQ, Sp], O [kQ, Dp], m, l [kQ].
+// The forward's: Kt [D, Tp] (scaled), S [kQ, Sp], O [kQ, Dp], m, l [kQ]; V [T, Dp] when
+// not in place.
 struct ForwardWork {
   std::vector<float> Kt, V, S, O, m, l;
   void fit(const Dims& z) {
-    grow(Kt, z.D * z.Tp), grow(V, z.T * z.Dp), grow(S, kQ * z.Sp), grow(O, kQ * z.Dp), grow(m, kQ), grow(l, kQ);
+    grow(Kt, z.D * z.Tp), grow(S, kQ * z.Sp), grow(O, kQ * z.Dp), grow(m, kQ), grow(l, kQ);
+    if (!z.in_place()) grow(V, z.T * z.Dp);
   }
 };
 
@@ -297,16 +301,17 @@ void forward_head(const Dims& z, const float* Q, const In& V, ForwardWork& w, fl
   }
 }
 
-// The backward's: Kt (scaled), Vt [D, Tp]; K, dK, dV [T, Dp]; P, dS [kQ, Sp];
-// Q, dO, dQ [kQ, Dp]; delta [kQ].
+// The backward's: Kt (scaled), Vt [D, Tp]; P, dS [kQ, Sp]; delta [kQ]; when not in
+// place K, dK, dV [T, Dp] and Q, dO, dQ [kQ, Dp].
 struct BackwardWork {
   std::vector<float> Kt, Vt, K, dK, dV, P, dS, Q, dO, dQ, delta;
   void fit(const Dims& z) {
     for (auto* v : {&Kt, &Vt}) grow(*v, z.D * z.Tp);
-    for (auto* v : {&K, &dK, &dV}) grow(*v, z.T * z.Dp);
     for (auto* v : {&P, &dS}) grow(*v, kQ * z.Sp);
-    for (auto* v : {&Q, &dO, &dQ}) grow(*v, kQ * z.Dp);
     grow(delta, kQ);
+    if (z.in_place()) return;
+    for (auto* v : {&K, &dK, &dV}) grow(*v, z.T * z.Dp);
+    for (auto* v : {&Q, &dO, &dQ}) grow(*v, kQ * z.Dp);
   }
 };
 
