@@ -6,9 +6,10 @@
 #   (b) one training step (forward, backward, clip, AdamW; bench_step) of the benchmark GPT-2
 #       (configs/gpt2_bench.toml's model) at T = 256 with B = 8 and at T = 1024 with B = 2
 #       (the same tokens per step);
-#   (c) GPT-2 124M (configs/gpt2_124m.toml) at T = 1024, micro-batch 4, two training steps
-#       through `meshtrain train`: the summary's activation peak (mem_activations) and the
-#       second step's time.
+#   (c) GPT-2 124M (configs/gpt2_124m.toml) at T = 1024, micro-batch 4, three training
+#       steps through `meshtrain train`: the summary's activation peak (mem_activations),
+#       the first step's time (it also maps the activation pages) and the mean of the
+#       other two.
 # It prints the BLAS kernel set and thread counts it ran with; run it again under
 # `env -u OPENBLAS_CORETYPE` (or with another OPENBLAS_CORETYPE) to compare kernel sets.
 # Targets: (c)'s activation peak drops by at least 2 GB; (b)'s steps are no slower.
@@ -49,10 +50,10 @@ if ((big)); then
 import sys, os
 sys.path.insert(0, os.path.join("tests", "parity"))
 import numpy as np, st
-st.write_tokens(sys.argv[1], np.random.RandomState(0).randint(0, 50257, size=20000))
+st.write_tokens(sys.argv[1], np.random.RandomState(0).randint(0, 50257, size=30000))
 PY
   for a in materialized fused; do
-    ./build/meshtrain train --config configs/gpt2_124m.toml --data.path="$work/tokens.bin" --training.steps=2 \
+    ./build/meshtrain train --config configs/gpt2_124m.toml --data.path="$work/tokens.bin" --training.steps=3 \
       --training.global_batch=4 --training.micro_batch=4 --training.attention=$a --training.val_every=0 \
       --optim.warmup_steps=0 --checkpoint.dir= --logging.progress=off --logging.plot= \
       --logging.metrics="$work/124m_$a.jsonl" --training.threads="$threads" > /dev/null
@@ -85,15 +86,16 @@ for t in sorted({d["seq_len"] for d in step}):
           f"  fused/mat {r:.3f}  | peak memory {m['peak_bytes'] / 2**20:.0f} -> {f['peak_bytes'] / 2**20:.0f} MiB")
 print(f"  target fused step <= materialized: {'met' if ok else 'NOT met'}")
 if big:
-    print("(c) GPT-2 124M, T 1024, micro-batch 4 (meshtrain train, 2 steps)")
+    print("(c) GPT-2 124M, T 1024, micro-batch 4 (meshtrain train, 3 steps)")
     res = {}
     for a in ("materialized", "fused"):
         lines = [json.loads(l) for l in open(f"{work}/124m_{a}.jsonl")]
-        steps = [l for l in lines if "event" not in l]
+        ms = [l["step_ms"] for l in lines if "event" not in l]
         summary = next(l for l in lines if l.get("event") == "summary")
-        res[a] = (summary["mem_activations"], steps[-1]["step_ms"])
-        print(f"  {a:12s} mem_activations {summary['mem_activations'] / 2**30:6.2f} GiB   step {steps[-1]['step_ms']:9.0f} ms")
+        res[a] = (summary["mem_activations"], sum(ms[1:]) / len(ms[1:]))
+        print(f"  {a:12s} mem_activations {summary['mem_activations'] / 2**30:6.2f} GiB   first step {ms[0]:7.0f} ms"
+              f"   steps 2-3 {res[a][1]:7.0f} ms")
     drop = res["materialized"][0] - res["fused"][0]
     print(f"  activation peak drop {drop / 1e9:.2f} GB ({drop / 2**30:.2f} GiB); target >= 2 GB: "
-          f"{'met' if drop >= 2e9 else 'NOT met'}; step fused/mat {res['fused'][1] / res['materialized'][1]:.3f}")
+          f"{'met' if drop >= 2e9 else 'NOT met'}; steps 2-3 fused/mat {res['fused'][1] / res['materialized'][1]:.3f}")
 PY
