@@ -95,6 +95,8 @@ int main(int argc, char** argv) {
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= 2) times.push_back(dt * 1000);  // two warm-up steps
   }
+  std::string all;  // every timed step, in order
+  for (double t : times) all += (all.empty() ? "" : ",") + std::to_string(t);
   std::sort(times.begin(), times.end());
   // Model FLOPs per step: 6 per parameter-token for every matmul weight (the tied head
   // included, wpe excluded) plus attention's QK^T and PV: 6 * 2 * L * T * C per token
@@ -106,9 +108,9 @@ int main(int argc, char** argv) {
   std::printf("{\"impl\":\"meshtrain\",\"family\":\"%s\",\"threads\":%d,\"step_ms_median\":%.2f,\"step_ms_min\":%.2f,"
               "\"params\":%lld,\"flops_per_step\":%.4g,\"gflops\":%.2f,\"sgemm_gflops\":%.2f,\"loss\":%.4f,"
               "\"peak_bytes\":%zu,\"seq_len\":%d,\"batch\":%d,\"attention\":\"%s\",\"blas\":\"%s\","
-              "\"blas_threads\":%d}\n",
+              "\"blas_threads\":%d,\"step_ms_all\":[%s]}\n",
               family.c_str(), omp_get_max_threads(), med, times.front(), static_cast<long long>(model.num_params()),
               flops, flops / (med / 1000) / 1e9, sgemm_gflops(), loss, alloc.stats().peak_total, T, B,
-              attention.c_str(), openblas_get_corename(), openblas_get_num_threads());
+              attention.c_str(), openblas_get_corename(), openblas_get_num_threads(), all.c_str());
   return 0;
 }
