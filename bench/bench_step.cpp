@@ -2,6 +2,9 @@
 // Prints one JSON line; bench/core.sh runs it beside PyTorch and reports the ratio.
 //
 //   bench_step [--family gpt2|llama] [--steps K] [--threads N] [--recompute]
+//              [--seq-len T] [--batch B] [--attention fused|materialized]
+// (defaults T = 256, B = 8: configs/gpt2_bench.toml's micro-batch; bench/attention.sh runs
+// T = 1024 with B = 2, the same tokens per step)
 #include <omp.h>
 
 #include <algorithm>
@@ -41,21 +44,30 @@ static double sgemm_gflops(bool meshtrain_grid) {
 
 int main(int argc, char** argv) {
   std::string family = "gpt2";
-  int steps = 5, threads = 0;
+  int steps = 5, threads = 0, seq_len = 256, B = 8;
   bool recompute = false;
+  std::string attention = "fused";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--family" && i + 1 < argc) family = argv[++i];
     else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
     else if (a == "--threads" && i + 1 < argc) threads = std::atoi(argv[++i]);
     else if (a == "--recompute") recompute = true;
+    else if (a == "--seq-len" && i + 1 < argc) seq_len = std::atoi(argv[++i]);
+    else if (a == "--batch" && i + 1 < argc) B = std::atoi(argv[++i]);
+    else if (a == "--attention" && i + 1 < argc) attention = argv[++i];
+    else {
+      std::fprintf(stderr, "bench_step: unknown option %s\n", a.c_str());
+      return 2;
+    }
   }
   if (threads > 0) omp_set_num_threads(threads);
 
   ModelConfig cfg;
   cfg.family = family;
-  cfg.n_layer = 6, cfg.d_model = 384, cfg.n_head = 6, cfg.seq_len = 256, cfg.vocab_size = 8192;
-  const int B = 8, T = cfg.seq_len;
+  cfg.n_layer = 6, cfg.d_model = 384, cfg.n_head = 6, cfg.seq_len = seq_len, cfg.vocab_size = 8192;
+  cfg.attention = attention;
+  const int T = cfg.seq_len;
   CpuAllocator alloc;
   Model model(cfg, alloc, B, recompute);
   model.init(1);
@@ -89,6 +101,8 @@ int main(int argc, char** argv) {
     double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s >= 2) times.push_back(dt * 1000);  // two warm-up steps
   }
+  std::string all;  // every timed step, in order
+  for (double t : times) all += (all.empty() ? "" : ",") + std::to_string(t);
   std::sort(times.begin(), times.end());
   // Model FLOPs per step: 6 per parameter-token for every matmul weight (the tied head
   // included, wpe excluded) plus attention's QK^T and PV: 6 * 2 * L * T * C per token
@@ -99,9 +113,10 @@ int main(int argc, char** argv) {
   double med = times[times.size() / 2];
   std::printf("{\"impl\":\"meshtrain\",\"family\":\"%s\",\"threads\":%d,\"step_ms_median\":%.2f,\"step_ms_min\":%.2f,"
               "\"params\":%lld,\"flops_per_step\":%.4g,\"gflops\":%.2f,\"sgemm_gflops\":%.2f,\"grid_gflops\":%.2f,"
-              "\"loss\":%.4f,\"peak_bytes\":%zu,\"blas\":\"%s\",\"blas_warning\":\"%s\"}\n",
+              "\"loss\":%.4f,\"peak_bytes\":%zu,\"seq_len\":%d,\"batch\":%d,\"attention\":\"%s\",\"blas\":\"%s\","
+              "\"blas_warning\":\"%s\",\"step_ms_all\":[%s]}\n",
               family.c_str(), omp_get_max_threads(), med, times.front(), static_cast<long long>(model.num_params()),
-              flops, flops / (med / 1000) / 1e9, sgemm_gflops(false), sgemm_gflops(true), loss,
-              alloc.stats().peak_total, blas_description().c_str(), blas_kernel_warning().c_str());
+              flops, flops / (med / 1000) / 1e9, sgemm_gflops(false), sgemm_gflops(true), loss, alloc.stats().peak_total,
+              T, B, attention.c_str(), blas_description().c_str(), blas_kernel_warning().c_str(), all.c_str());
   return 0;
 }

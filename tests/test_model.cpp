@@ -42,13 +42,23 @@ std::vector<float> all_grads(const Model& m) {
 
 class ModelFamily : public ::testing::TestWithParam<std::string> {};
 
+// The tests whose numbers go through attention run with both attention paths.
+class ModelCompute : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {
+ protected:
+  ModelConfig config() const {
+    ModelConfig cfg = tiny(std::get<0>(GetParam()));
+    cfg.attention = std::get<1>(GetParam());
+    return cfg;
+  }
+};
+
 // d(loss)/d(param) from backward against central differences of the forward, in float32
 // with double loss sums. Weights are doubled so every path carries signal; eps = 2e-3 keeps
 // the difference well above float rounding of the loss (~1e-7 relative, so ~1e-4 in the
 // quotient); 2% relative + 2e-4 absolute covers that and the O(eps^2) truncation, while a
 // wrong formula is off by far more.
-TEST_P(ModelFamily, GradientsMatchFiniteDifferences) {
-  ModelConfig cfg = tiny(GetParam());
+TEST_P(ModelCompute, GradientsMatchFiniteDifferences) {
+  ModelConfig cfg = config();
   cfg.tie_embeddings = 0;
   CpuAllocator alloc;
   Model m(cfg, alloc, 2);
@@ -82,8 +92,8 @@ TEST_P(ModelFamily, GradientsMatchFiniteDifferences) {
 }
 
 // Recomputing blocks in backward reruns the same float operations: bit-identical grads.
-TEST_P(ModelFamily, RecomputeIsBitExact) {
-  ModelConfig cfg = tiny(GetParam());
+TEST_P(ModelCompute, RecomputeIsBitExact) {
+  ModelConfig cfg = config();
   CpuAllocator alloc_a, alloc_b;
   Model a(cfg, alloc_a, 3), b(cfg, alloc_b, 3, /*recompute=*/true);
   a.init(5);
@@ -102,8 +112,8 @@ TEST_P(ModelFamily, RecomputeIsBitExact) {
 
 // Two micro-batches of 2 accumulate the gradient of one batch of 4. Row sums in the
 // weight gradients differ in order, so equality holds to float rounding (1e-5 relative).
-TEST_P(ModelFamily, AccumulationEqualsOneBigBatch) {
-  ModelConfig cfg = tiny(GetParam());
+TEST_P(ModelCompute, AccumulationEqualsOneBigBatch) {
+  ModelConfig cfg = config();
   CpuAllocator alloc;
   Model big(cfg, alloc, 4), small(cfg, alloc, 2);
   big.init(8);
@@ -162,6 +172,55 @@ TEST_P(ModelFamily, HuggingFaceRoundTrip) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, ModelFamily, ::testing::Values("gpt2", "llama"));
+INSTANTIATE_TEST_SUITE_P(FamiliesAttention, ModelCompute,
+                         ::testing::Combine(::testing::Values("gpt2", "llama"),
+                                            ::testing::Values("fused", "materialized")),
+                         [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
+
+// The fused path keeps lse[B, NH, T] per block where the materialized one keeps
+// att[B, NH, T, T], and needs no [B, NH, T, T] backward scratch: the activation peaks
+// differ by exactly those bytes. Both compute the same loss and gradients (to float
+// rounding: the paths sum in different orders; 1e-5 of the largest gradient).
+TEST(Model, FusedAttentionHoldsNoTimeSquaredTensor) {
+  for (const char* family : {"gpt2", "llama"}) {
+    SCOPED_TRACE(family);
+    ModelConfig fused = tiny(family), mat = tiny(family);
+    mat.attention = "materialized";
+    CpuAllocator alloc_f, alloc_m;
+    const int64_t B = 3, T = fused.seq_len, NH = fused.n_head, L = fused.n_layer;
+    Model f(fused, alloc_f, B), m(mat, alloc_m, B);
+    const int64_t att = B * NH * T * T * 4, lse = B * NH * T * 4;
+    EXPECT_EQ(alloc_m.stats().peak[int(MemTag::activations)] - alloc_f.stats().peak[int(MemTag::activations)],
+              L * (att - lse) + att);  // L blocks' att instead of lse, plus the shared datt
+
+    f.init(5);
+    m.init(5);
+    auto tok = random_ids(21, fused.vocab_size, 4), tgt = random_ids(21, fused.vocab_size, 5);
+    f.zero_grad();
+    m.zero_grad();
+    const double lf = f.forward(tok.data(), tgt.data(), 3, 7), lm = m.forward(tok.data(), tgt.data(), 3, 7);
+    f.backward(0.1f);
+    m.backward(0.1f);
+    EXPECT_NEAR(lf, lm, 1e-5 * std::fabs(lm));
+    auto gf = all_grads(f), gm = all_grads(m);
+    float gmax = 0;
+    for (float x : gm) gmax = std::max(gmax, std::fabs(x));
+    for (size_t i = 0; i < gf.size(); ++i) ASSERT_NEAR(gf[i], gm[i], 1e-5f * gmax) << i;
+  }
+}
+
+TEST(Model, RejectsUnknownAttention) {
+  ModelConfig cfg = tiny("gpt2");
+  cfg.attention = "sparse";
+  CpuAllocator alloc;
+  try {
+    Model m(cfg, alloc, 1);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("training.attention = \"sparse\""), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("fused or materialized"), std::string::npos) << e.what();
+  }
+}
 
 TEST(HuggingFace, GPT2UsesConv1DLayout) {
   test::TempDir d;

@@ -168,10 +168,13 @@ VecD rope_ref(VecD x, int B, int T, int H, int D, int n_rot, double theta) {
   return x;
 }
 
-VecD attention_ref(const VecD& qkv, int B, int T, int NH, int NKV, int D, VecD* att = nullptr) {
+// out[B, T, NH D]; optionally att[B, NH, T, T] and lse[B, NH, T] (log-sum-exp of each
+// row of scaled scores).
+VecD attention_ref(const VecD& qkv, int B, int T, int NH, int NKV, int D, VecD* att = nullptr, VecD* lse = nullptr) {
   const int W = (NH + 2 * NKV) * D, G = NH / NKV;
   VecD out(B * T * NH * D, 0.0);
   if (att) att->assign(B * NH * T * T, 0.0);
+  if (lse) lse->assign(B * NH * T, 0.0);
   VecD p(T);
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < NH; ++h) {
@@ -188,6 +191,7 @@ VecD attention_ref(const VecD& qkv, int B, int T, int NH, int NKV, int D, VecD* 
         }
         double z = 0;
         for (int s = 0; s <= t; ++s) z += (p[s] = std::exp(p[s] - m));
+        if (lse) (*lse)[(b * NH + h) * T + t] = m + std::log(z);
         for (int s = 0; s <= t; ++s) {
           p[s] /= z;
           if (att) (*att)[((b * NH + h) * T + t) * T + s] = p[s];
@@ -447,6 +451,116 @@ TEST(Ops, Attention) {
   }
 }
 
+// The fused variant keeps lse instead of the probabilities. T = 70 crosses its 64-row query
+// blocks, T = 300 its 256-key blocks (there rows see two key blocks, and in the "rising"
+// case, with positive q and keys growing along s, the later block always holds the row
+// maximum, so the running sums are rescaled); D = 5 and 3 are odd. D = 16 fills whole
+// vectors, which the kernel reads and writes in place; other D go through padded copies.
+TEST(Ops, AttentionFused) {
+  std::mt19937 g(19);
+  const int NH = 4;
+  struct Case { int B, T, NKV, D; bool rising; };
+  for (Case cs : {Case{1, 1, 4, 8, false}, {2, 5, 1, 5, false}, {2, 13, 2, 4, false}, {1, 67, 4, 3, false},
+                  {1, 70, 2, 8, false}, {1, 70, 2, 16, false}, {1, 300, 1, 4, false}, {1, 300, 2, 4, true}}) {
+    const int B = cs.B, T = cs.T, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NKV=" << NKV << " D=" << D
+                                    << (cs.rising ? " rising" : ""));
+    VecF qkv = randv(B * T * W, g, -2, 2), R = randv(B * T * NH * D, g);
+    if (cs.rising)
+      for (int t = 0; t < B * T; ++t)
+        for (int c = 0; c < (NH + NKV) * D; ++c) {
+          float& x = qkv[t * W + c];
+          x = std::fabs(x) * (c < NH * D ? 0.5f : 0.5f + 2.0f * (t % T) / T);
+        }
+    VecF out(B * T * NH * D, kNaN), lse(B * NH * T, kNaN), dqkv(B * T * W, kNaN);
+    attention_fused_forward(tf(out, {B, T, NH * D}), tf(lse, {B, NH, T}), tf(qkv, {B, T, W}), NH, NKV);
+    VecD lsed;
+    expect_close(out, attention_ref(to_d(qkv), B, T, NH, NKV, D, nullptr, &lsed), "out");
+    expect_close(lse, lsed, "lse");
+    attention_fused_backward(tf(dqkv, {B, T, W}), tf(R, {B, T, NH * D}), tf(qkv, {B, T, W}), tf(out, {B, T, NH * D}),
+                             tf(lse, {B, NH, T}), NH, NKV);
+    const VecD Rd = to_d(R);
+    const auto idx = sample_idx(qkv.size(), 300, g);
+    expect_close(dqkv,
+                 fd_grad([&](const VecD& v) { return dot(attention_ref(v, B, T, NH, NKV, D), Rd); }, to_d(qkv), idx),
+                 "dqkv", idx);
+  }
+}
+
+// The fused and the materialized variants compute the same function with different
+// rounding. To first order each float32 result is off from the exact value by at most
+// u * n * M (u = 2^-24), where M is the same expression evaluated with absolute values
+// and n counts the roundings along its longest chain:
+//   - a score s = scale q.k carries an absolute error <= u D smax (smax = the largest
+//     scale sum_i |q_i k_i|), which exp turns into a relative error of p; exp adds 2 ulp,
+//     the row sum (or its log-sum-exp) T roundings, the division 1;
+//   - out = sum_s p_s v_s adds T roundings: n_out = D smax + 2 T + 4, M_out = sum_s p_s |v_s|;
+//   - gradients add the D-term dot products (dP, delta) and the sums of dQ (T terms), dK
+//     and dV (G T terms: every row of the group's G heads): n_grad = D smax + (2 + G) T +
+//     2 D + 8, with M built from |dS| = scale p (|dO| . |v| + |dO| . |o|) and p |dO|.
+// Two variants differ by at most the sum of their errors: tolerance 2 u n M per element.
+// A wrong formula is off by O(M), some 10^3 times more.
+TEST(Ops, AttentionFusedMatchesMaterialized) {
+  std::mt19937 g(23);
+  const int B = 2, T = 300, NH = 4, NKV = 2, D = 64, G = NH / NKV, W = (NH + 2 * NKV) * D;
+  const VecF qkv = randv(B * T * W, g), dout = randv(B * T * NH * D, g);
+  auto T_ = [](const VecF& v, const Shape& s) { return Tensor::wrap(const_cast<float*>(v.data()), s, DType::f32); };
+  VecF out_m(B * T * NH * D), att(B * NH * T * T), scr(B * NH * T * T), dqkv_m(B * T * W);
+  VecF out_f(B * T * NH * D), lse(B * NH * T), dqkv_f(B * T * W);
+  attention_forward(tf(out_m, {B, T, NH * D}), tf(att, {B, NH, T, T}), T_(qkv, {B, T, W}), NH, NKV);
+  attention_backward(tf(dqkv_m, {B, T, W}), tf(scr, {B, NH, T, T}), T_(dout, {B, T, NH * D}), T_(qkv, {B, T, W}),
+                     tf(att, {B, NH, T, T}), NH, NKV);
+  attention_fused_forward(tf(out_f, {B, T, NH * D}), tf(lse, {B, NH, T}), T_(qkv, {B, T, W}), NH, NKV);
+  attention_fused_backward(tf(dqkv_f, {B, T, W}), T_(dout, {B, T, NH * D}), T_(qkv, {B, T, W}),
+                           T_(out_f, {B, T, NH * D}), tf(lse, {B, NH, T}), NH, NKV);
+
+  // Magnitudes M (absolute-value evaluations, from the materialized probabilities).
+  const double scale = 1.0 / std::sqrt((double)D), u = std::ldexp(1.0, -24);
+  auto at = [&](const VecF& v, int b, int t, int col) { return (double)v[(b * T + t) * W + col]; };
+  auto od = [&](const VecF& v, int b, int t, int col) { return (double)v[(b * T + t) * NH * D + col]; };
+  VecD m_out(out_m.size(), 0.0), m_grad(qkv.size(), 0.0);
+  double smax = 0;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h) {
+      const int qc = h * D, kc = (NH + h / G) * D, vc = (NH + NKV + h / G) * D;
+      for (int t = 0; t < T; ++t) {
+        double doo = 0;  // |dO_t| . |o_t|
+        for (int i = 0; i < D; ++i) doo += std::fabs(od(dout, b, t, qc + i) * od(out_m, b, t, qc + i));
+        for (int s = 0; s <= t; ++s) {
+          const double p = att[((b * NH + h) * T + t) * T + s];
+          double qk = 0, dov = 0;  // |q_t| . |k_s|, |dO_t| . |v_s|
+          for (int i = 0; i < D; ++i) {
+            qk += std::fabs(at(qkv, b, t, qc + i) * at(qkv, b, s, kc + i));
+            dov += std::fabs(od(dout, b, t, qc + i) * at(qkv, b, s, vc + i));
+          }
+          smax = std::max(smax, scale * qk);
+          const double ds = scale * p * (dov + doo);
+          for (int i = 0; i < D; ++i) {
+            m_out[(b * T + t) * NH * D + qc + i] += p * std::fabs(at(qkv, b, s, vc + i));
+            m_grad[(b * T + t) * W + qc + i] += ds * std::fabs(at(qkv, b, s, kc + i));
+            m_grad[(b * T + s) * W + kc + i] += ds * std::fabs(at(qkv, b, t, qc + i));
+            m_grad[(b * T + s) * W + vc + i] += p * std::fabs(od(dout, b, t, qc + i));
+          }
+        }
+      }
+    }
+  const double n_out = D * smax + 2 * T + 4, n_grad = D * smax + (2 + G) * T + 2 * D + 8;
+  auto check = [&](const VecF& a, const VecF& b, const VecD& m, double n, const char* what) {
+    int bad = 0;
+    double worst = 0;  // largest |a - b| / tolerance, reported to show the margin
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double tol = 2 * u * n * m[i], diff = std::fabs((double)a[i] - b[i]);
+      worst = std::max(worst, diff / (tol + 1e-300));
+      if (!(diff <= tol) && bad++ < 5)
+        ADD_FAILURE() << what << "[" << i << "]: fused " << a[i] << ", materialized " << b[i] << " (tol " << tol << ")";
+    }
+    EXPECT_EQ(bad, 0) << what;
+    RecordProperty(what, testing::PrintToString(worst));
+  };
+  check(out_f, out_m, m_out, n_out, "out");
+  check(dqkv_f, dqkv_m, m_grad, n_grad, "dqkv");
+}
+
 // ---- cross-entropy ---------------------------------------------------------------------------
 
 TEST(Ops, CrossEntropy) {
@@ -551,6 +665,19 @@ TEST(Ops, ThreadCountInvariance) {
                        tf(att, {B, NH, T, T}), NH, NKV);
     return std::vector<VecF>{out, att, dqkv};
   }, "attention");
+  // The fused variant here (D = 24: padded copies) and at T = 300 with D = 32 (several
+  // query blocks, two key blocks, operands in place).
+  for (auto [TL, DL] : {std::array{T, D}, {300, 32}}) {
+    const int WL = (NH + 2 * NKV) * DL;
+    const VecF qkvl = randv(B * TL * WL, g), doutl = randv(B * TL * NH * DL, g);
+    expect_thread_invariant([&] {
+      VecF out(B * TL * NH * DL), lse(B * NH * TL), dqkv(B * TL * WL);
+      attention_fused_forward(tf(out, {B, TL, NH * DL}), tf(lse, {B, NH, TL}), T_(qkvl, {B, TL, WL}), NH, NKV);
+      attention_fused_backward(tf(dqkv, {B, TL, WL}), T_(doutl, {B, TL, NH * DL}), T_(qkvl, {B, TL, WL}),
+                               tf(out, {B, TL, NH * DL}), tf(lse, {B, NH, TL}), NH, NKV);
+      return std::vector<VecF>{out, lse, dqkv};
+    }, "attention (fused)");
+  }
   expect_thread_invariant([&] {
     VecF losses(N), lse(N), lg = logits0;
     const double tot = cross_entropy_forward(tf(losses, {N}), tf(lse, {N}), tf(lg, {N, V}), ti(tg, {N}));
@@ -590,4 +717,52 @@ TEST(Ops, ShapeErrorsThrow) {
   EXPECT_THROW(embedding_forward(tf(a, {2, 4, 4}), ti(tok, {2, 4}), tf(b, {8, 8}), nullptr), Error);
   Tensor wpe_short = tf(c, {2, 8});
   EXPECT_THROW(embedding_forward(tf(a, {1, 8, 8}), ti(tok, {1, 8}), tf(b, {8, 8}), &wpe_short), Error);  // maxT < T
+}
+
+// The fused attention's shape errors say which tensor is wrong and what it should be.
+TEST(Ops, AttentionFusedShapeErrorsNameTheProblem) {
+  auto message = [](const std::function<void()>& fn) -> std::string {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  VecF a(64, 0.0f), b(64, 0.0f), c(64, 0.0f), d(64, 0.0f), e(64, 0.0f);
+  // Valid: qkv [1, 2, 12] with NH = NKV = 2 (D = 2), out [1, 2, 4], lse [1, 2, 2].
+  const struct {
+    std::function<void()> fn;
+    const char* says;
+  } cases[] = {
+      {[&] { attention_fused_forward(tf(a, {1, 2, 4}), tf(b, {1, 2, 3}), tf(c, {1, 2, 12}), 2, 2); },
+       "attention_fused_forward: lse ([B, NH, T]) has 6 elements"},
+      {[&] { attention_fused_forward(tf(a, {1, 2, 3}), tf(b, {1, 2, 2}), tf(c, {1, 2, 12}), 2, 2); },
+       "attention_fused_forward: out ([B, T, NH * D]) has 6 elements"},
+      {[&] { attention_fused_forward(tf(a, {1, 2, 4}), tf(b, {1, 2, 2}), tf(c, {1, 2, 10}), 2, 2); },
+       "qkv's last dim 10 is not a multiple of NH + 2 NKV = 6"},
+      {[&] { attention_fused_forward(tf(a, {1, 2, 4}), tf(b, {1, 2, 2}), tf(c, {1, 2, 12}), 3, 2); },
+       "n_head = 3 must be a positive multiple of n_kv_head = 2"},
+      {[&] { attention_fused_forward(tf(a, {1, 2, 4}), tf(b, {1, 2, 2}), tf(c, {2, 12}), 2, 2); },
+       "qkv must be 3-D"},
+      {[&] {
+         attention_fused_backward(tf(d, {1, 2, 12}), tf(e, {1, 2, 4}), tf(c, {1, 2, 12}), tf(a, {1, 2, 5}),
+                                  tf(b, {1, 2, 2}), 2, 2);
+       },
+       "attention_fused_backward: out ([B, T, NH * D]) has 10 elements"},
+      {[&] {
+         attention_fused_backward(tf(d, {1, 2, 11}), tf(e, {1, 2, 4}), tf(c, {1, 2, 12}), tf(a, {1, 2, 4}),
+                                  tf(b, {1, 2, 2}), 2, 2);
+       },
+       "attention_fused_backward: dqkv (must match qkv) has 22 elements"},
+      {[&] {
+         attention_fused_backward(tf(d, {1, 2, 12}), tf(e, {1, 2, 4}), tf(c, {1, 2, 12}), tf(a, {1, 2, 4}),
+                                  tf(b, {1, 3}), 2, 2);
+       },
+       "attention_fused_backward: lse ([B, NH, T]) has 3 elements"},
+  };
+  for (const auto& cs : cases) {
+    const std::string m = message(cs.fn);
+    EXPECT_NE(m.find(cs.says), std::string::npos) << "message: " << m << "\nexpected it to contain: " << cs.says;
+  }
 }

@@ -66,6 +66,19 @@ TEST(Config, ErrorsNameTheKeyAndTheFix) {
   EXPECT_NE(error_of([&] { config_load(d / "bad.toml", {}); }).find("model.family"), std::string::npos);
 }
 
+// training.attention: fused by default, materialized on request, anything else is an error
+// that lists the choices.
+TEST(Config, AttentionKey) {
+  EXPECT_EQ(config_load("", {}).model.attention, "fused");
+  test::TempDir d;
+  std::ofstream(d / "c.toml") << "[training]\nattention = \"materialized\"\n";
+  EXPECT_EQ(config_load(d / "c.toml", {}).model.attention, "materialized");
+  EXPECT_EQ(config_load(d / "c.toml", {"training.attention=fused"}).model.attention, "fused");
+  EXPECT_NE(error_of([] { config_load("", {"training.attention=sparse"}); })
+                .find("\"sparse\" for training.attention: expected one of fused materialized"),
+            std::string::npos);
+}
+
 // AdamW against the formulas written out in double for two steps, decay on a matrix
 // element only; tolerance 1e-6 relative (float32 arithmetic of the same expression).
 TEST(Optimizer, AdamWMatchesPyTorchFormula) {

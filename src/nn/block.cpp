@@ -67,7 +67,10 @@ template <class Fn>
 void BlockActs::each(const ModelConfig& cfg, int64_t B, int64_t T, Fn fn) {
   const int64_t C = cfg.d_model, F = cfg.ff_dim(), NH = cfg.n_head;
   fn(ln1, {B, T, C}), fn(ln1_mean, {B, T}), fn(ln1_rstd, {B, T});
-  fn(qkv, {B, T, cfg.qkv_dim()}), fn(att, {B, NH, T, T}), fn(atty, {B, T, C}), fn(mid, {B, T, C});
+  fn(qkv, {B, T, cfg.qkv_dim()});
+  if (cfg.fused_attention()) fn(lse, {B, NH, T});
+  else fn(att, {B, NH, T, T});
+  fn(atty, {B, T, C}), fn(mid, {B, T, C});
   fn(ln2, {B, T, C}), fn(ln2_mean, {B, T}), fn(ln2_rstd, {B, T});
   fn(fc, {B, T, cfg.is_llama() ? 2 * F : F}), fn(act, {B, T, F});
 }
@@ -75,7 +78,8 @@ void BlockActs::each(const ModelConfig& cfg, int64_t B, int64_t T, Fn fn) {
 template <class Fn>
 void BlockScratch::each(const ModelConfig& cfg, int64_t B, int64_t T, Fn fn) {
   const int64_t C = cfg.d_model, F = cfg.ff_dim(), NH = cfg.n_head;
-  fn(dln, {B, T, C}), fn(dqkv, {B, T, cfg.qkv_dim()}), fn(datt, {B, NH, T, T}), fn(datty, {B, T, C});
+  fn(dln, {B, T, C}), fn(dqkv, {B, T, cfg.qkv_dim()}), fn(datty, {B, T, C});
+  if (!cfg.fused_attention()) fn(datt, {B, NH, T, T});
   fn(dfc, {B, T, cfg.is_llama() ? 2 * F : F}), fn(dact, {B, T, F});
 }
 
@@ -111,7 +115,8 @@ void block_forward(const ModelConfig& cfg, const Unit& u, const BlockActs& acts,
   else layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b, cfg.norm_eps);
   linear_forward(a.qkv, a.ln1, p.wqkv, opt(p.bqkv));
   if (llama) rope_forward(a.qkv.reshape({B, T, NH + 2 * NKV, cfg.head_dim()}), NH + NKV, cfg.rope_theta);
-  attention_forward(a.atty, a.att, a.qkv, NH, NKV);
+  if (cfg.fused_attention()) attention_fused_forward(a.atty, a.lse, a.qkv, NH, NKV);
+  else attention_forward(a.atty, a.att, a.qkv, NH, NKV);
   linear_forward(a.mid, a.atty, p.wo, opt(p.bo));
   add_inplace(a.mid, x);  // mid = x + attn
 
@@ -147,7 +152,8 @@ void block_backward(const ModelConfig& cfg, const Unit& u, const BlockActs& acts
   // attention branch: mid = x + proj(atty)
   linear_backward_weight(p.g_wo, opt(p.g_bo), dresid, a.atty);
   linear_backward_input(s.datty, dresid, p.wo, false);
-  attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, NH, NKV);
+  if (cfg.fused_attention()) attention_fused_backward(s.dqkv, s.datty, a.qkv, a.atty, a.lse, NH, NKV);
+  else attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, NH, NKV);
   if (llama) rope_backward(s.dqkv.reshape({B, T, NH + 2 * NKV, cfg.head_dim()}), NH + NKV, cfg.rope_theta);
   linear_backward_weight(p.g_wqkv, opt(p.g_bqkv), s.dqkv, a.ln1);
   linear_backward_input(s.dln, s.dqkv, p.wqkv, false);

@@ -13,11 +13,14 @@
 namespace mt {
 
 // Activations kept for backward, allocated for [B, T] = [micro_batch, seq_len];
-// at(B, T) gives views of a smaller current batch (at offset 0).
+// at(B, T) gives views of a smaller current batch (at offset 0). Attention keeps lse with
+// the fused path (cfg.fused_attention()) and att with the materialized one; the other
+// stays undefined, so the fused path holds nothing of size T x T.
 struct BlockActs {
   Tensor ln1, ln1_mean, ln1_rstd;  // [B, T, C], [B, T], [B, T] (rmsnorm: mean unused)
   Tensor qkv;                      // [B, T, QKV] (after rope for llama)
-  Tensor att;                      // [B, NH, T, T] softmax probabilities
+  Tensor lse;                      // [B, NH, T] log-sum-exp of each score row (fused)
+  Tensor att;                      // [B, NH, T, T] softmax probabilities (materialized)
   Tensor atty;                     // [B, T, C] attention output before the projection
   Tensor mid;                      // [B, T, C] residual after the attention branch
   Tensor ln2, ln2_mean, ln2_rstd;  // [B, T, C], [B, T], [B, T]
@@ -35,7 +38,7 @@ struct BlockActs {
 struct BlockScratch {
   Tensor dln;    // [B, T, C]
   Tensor dqkv;   // [B, T, QKV]
-  Tensor datt;   // [B, NH, T, T]
+  Tensor datt;   // [B, NH, T, T] (materialized attention only)
   Tensor datty;  // [B, T, C]
   Tensor dfc;    // [B, T, F or 2F]
   Tensor dact;   // [B, T, F]

@@ -1,4 +1,5 @@
-// The model's shape and numerics (the [model] section of the configuration).
+// The model's shape and numerics (the [model] section of the configuration), and how its
+// attention is computed (training.attention).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -18,7 +19,12 @@ struct ModelConfig {
   float norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
   std::string init_from;    // a safetensors file with Hugging Face names
+  // How attention is computed (set by the key training.attention; it changes the memory a
+  // step needs, not the model): fused keeps each row's log-sum-exp and recomputes the
+  // probabilities in backward; materialized keeps the [B, NH, T, T] probabilities.
+  std::string attention = "fused";  // fused | materialized
 
+  bool fused_attention() const { return attention == "fused"; }
   bool is_llama() const { return family == "llama"; }
   int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int head_dim() const { return d_model / n_head; }

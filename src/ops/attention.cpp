@@ -1,4 +1,5 @@
-// Causal grouped-query self-attention on a fused qkv buffer, through per-head sgemm calls.
+// Causal grouped-query self-attention on a fused qkv buffer, materialized variant: the
+// softmax probabilities are kept for backward. Per-head sgemm calls.
 //
 // Layout: qkv[B, T, W], W = (NH + 2 NKV) D. For batch b, query head h is the strided
 // matrix Q_h[T, D] at qkv + b T W + h D (row stride W); key head k at column (NH + k) D,
@@ -36,29 +37,6 @@ static_assert(kBlock % kLanes == 0, "row padding must stay inside the GEMM's blo
 // row's kBlock block, so every entry below np was written by the block GEMM.
 inline int64_t padded_len(int64_t n, int64_t T) { return std::min(T, (n + kLanes - 1) / kLanes * kLanes); }
 
-struct AttnShape {
-  int64_t B, T, NH, NKV, D, W, G;
-};
-
-AttnShape attn_shape(const Tensor& qkv, int n_head, int n_kv_head, const char* op) {
-  check_f32(qkv, op);
-  MT_CHECK(qkv.ndim() == 3, op << ": qkv must be 3-D [B, T, (NH + 2 NKV) D], got " << shape_str(qkv.shape()));
-  MT_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0,
-           op << ": n_head = " << n_head << " must be a positive multiple of n_kv_head = " << n_kv_head);
-  AttnShape s;
-  s.B = qkv.dim(0);
-  s.T = qkv.dim(1);
-  s.W = qkv.dim(2);
-  s.NH = n_head;
-  s.NKV = n_kv_head;
-  s.G = n_head / n_kv_head;
-  const int64_t heads = s.NH + 2 * s.NKV;
-  MT_CHECK(s.W % heads == 0 && s.W > 0, op << ": qkv's last dim " << s.W << " is not a multiple of NH + 2 NKV = "
-                                           << heads);
-  s.D = s.W / heads;
-  return s;
-}
-
 // C[r0:r1, 0:r1] = alpha * A[r0:r1] @ B[0:r1]^T for each row block (A, B: T x D, strided).
 // Block-lower part of a T x T matrix with leading dim T.
 void gemm_lower_nt(int64_t T, int64_t D, float alpha, const float* A, int64_t lda, const float* Bm, int64_t ldb,
@@ -92,9 +70,28 @@ void gemm_lower_tn(int64_t T, int64_t D, const float* P, const float* X, int64_t
 
 }  // namespace
 
+AttentionShape attention_shape(const Tensor& qkv, int n_head, int n_kv_head, const char* op) {
+  check_f32(qkv, op);
+  MT_CHECK(qkv.ndim() == 3, op << ": qkv must be 3-D [B, T, (NH + 2 NKV) D], got " << shape_str(qkv.shape()));
+  MT_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0,
+           op << ": n_head = " << n_head << " must be a positive multiple of n_kv_head = " << n_kv_head);
+  AttentionShape s;
+  s.B = qkv.dim(0);
+  s.T = qkv.dim(1);
+  s.W = qkv.dim(2);
+  s.NH = n_head;
+  s.NKV = n_kv_head;
+  s.G = n_head / n_kv_head;
+  const int64_t heads = s.NH + 2 * s.NKV;
+  MT_CHECK(s.W % heads == 0 && s.W > 0, op << ": qkv's last dim " << s.W << " is not a multiple of NH + 2 NKV = "
+                                           << heads);
+  s.D = s.W / heads;
+  return s;
+}
+
 // out[B, T, NH D]; att[B, NH, T, T] = softmax probabilities (zero above the diagonal)
 void attention_forward(const Tensor& out, const Tensor& att, const Tensor& qkv, int n_head, int n_kv_head) {
-  const AttnShape s = attn_shape(qkv, n_head, n_kv_head, "attention_forward");
+  const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_forward");
   check_f32(out, "attention_forward: out");
   check_f32(att, "attention_forward: att");
   check_numel(out, s.B * s.T * s.NH * s.D, "attention_forward: out ([B, T, NH * D])");
@@ -146,7 +143,7 @@ void attention_forward(const Tensor& out, const Tensor& att, const Tensor& qkv, 
 //   dP = dO V^T ; dS = P (dP - rowsum(P dP)) ; dQ = scale dS K ; dK = scale dS^T Q ; dV = P^T dO
 void attention_backward(const Tensor& dqkv, const Tensor& scratch, const Tensor& dout, const Tensor& qkv,
                         const Tensor& att, int n_head, int n_kv_head) {
-  const AttnShape s = attn_shape(qkv, n_head, n_kv_head, "attention_backward");
+  const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_backward");
   check_f32(dqkv, "attention_backward: dqkv");
   check_f32(scratch, "attention_backward: scratch");
   check_f32(dout, "attention_backward: dout");

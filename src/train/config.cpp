@@ -109,6 +109,8 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("training.micro_batch", &C::training, &TrainingConfig::micro_batch));
     v.push_back(int_key("training.seed", &C::training, &TrainingConfig::seed));
     v.push_back(bool_key("training.recompute", &C::training, &TrainingConfig::recompute));
+    // Kept in the model's configuration, which is what builds the activations.
+    v.push_back(str_key("training.attention", &C::model, &ModelConfig::attention, {"fused", "materialized"}));
     v.push_back(int_key("training.val_every", &C::training, &TrainingConfig::val_every));
     v.push_back(int_key("training.val_batches", &C::training, &TrainingConfig::val_batches));
     v.push_back(int_key("training.threads", &C::training, &TrainingConfig::threads));

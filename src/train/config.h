@@ -28,6 +28,7 @@ struct TrainingConfig {
   int64_t micro_batch = 0;    // sequences per forward/backward per rank; 0: global_batch / dp
   uint64_t seed = 1337;
   bool recompute = false;     // recompute each block's activations in backward
+  // training.attention (fused | materialized) lives in ModelConfig::attention
   int64_t val_every = 100;    // validation every N steps (and at the end); 0: never
   int64_t val_batches = 4;    // global batches of validation sequences per validation
   int threads = 0;            // OpenMP threads; 0: all cores
