@@ -4,6 +4,7 @@
 
 #include <climits>
 #include <cstdlib>
+#include <vector>
 
 #include "core/error.h"
 
@@ -49,24 +50,29 @@ class MpiComm final : public Communicator {
   }
 
  protected:
-  void raw_alltoall(const void* s, void* r, size_t bytes) override {
-    check(MPI_Alltoall(s, as_int(bytes), MPI_BYTE, r, as_int(bytes), MPI_BYTE, comm_), "MPI_Alltoall");
-  }
-  void raw_allgather(const void* s, void* r, size_t bytes) override {
-    // A rank's piece already in place in the output (a sharded buffer gathering itself)
-    // must be passed as MPI_IN_PLACE: MPI forbids overlapping send and receive buffers.
-    const bool in_place = s == static_cast<const char*>(r) + bytes * rank();
-    check(MPI_Allgather(in_place ? MPI_IN_PLACE : s, as_int(bytes), MPI_BYTE, r, as_int(bytes), MPI_BYTE, comm_),
-          "MPI_Allgather");
-  }
-  void raw_broadcast(void* buf, size_t bytes, int root) override {
-    check(MPI_Bcast(buf, as_int(bytes), MPI_BYTE, root, comm_), "MPI_Bcast");
-  }
-  void raw_send(const void* buf, size_t bytes, int peer) override {
-    check(MPI_Send(buf, as_int(bytes), MPI_BYTE, peer, 0, comm_), "MPI_Send");
-  }
-  void raw_recv(void* buf, size_t bytes, int peer) override {
-    check(MPI_Recv(buf, as_int(bytes), MPI_BYTE, peer, 0, comm_, MPI_STATUS_IGNORE), "MPI_Recv");
+  // Nonblocking sends and receives; MPI_Testall also moves them on (OpenMPI progresses
+  // messages only inside MPI calls), so the communication thread's polling drives them.
+  struct MpiTransfer final : Transfer {
+    std::vector<MPI_Request> reqs;
+    bool test() override {
+      int done = 0;
+      check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+      return done != 0;
+    }
+  };
+
+  std::unique_ptr<Transfer> start(const std::vector<Message>& sends, const std::vector<Message>& recvs,
+                                  int tag) override {
+    auto t = std::make_unique<MpiTransfer>();
+    for (const Message& m : recvs) {
+      t->reqs.emplace_back();
+      check(MPI_Irecv(m.buf, as_int(m.bytes), MPI_BYTE, m.peer, tag, comm_, &t->reqs.back()), "MPI_Irecv");
+    }
+    for (const Message& m : sends) {
+      t->reqs.emplace_back();
+      check(MPI_Isend(m.buf, as_int(m.bytes), MPI_BYTE, m.peer, tag, comm_, &t->reqs.back()), "MPI_Isend");
+    }
+    return t;
   }
 
  private:
