@@ -26,7 +26,7 @@ struct Descriptor {
 bool is_reducible(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
 
 // How the communication thread naps while other ranks are not ready (see the header).
-constexpr int64_t kFirstNapUs = 50, kLongestNapUs = 1000;
+constexpr int64_t kFirstNapUs = 50, kLongestNapUs = 500;
 
 // The element types a reduction adds, each summed in float: f32 from its first term (as
 // one would write it), bf16/f16 from zero and rounded once at the end.

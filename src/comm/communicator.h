@@ -16,7 +16,7 @@
 // bucketing, and bf16/fp16 inputs are summed in float and rounded once.
 //
 // Waiting costs no compute: while the transport waits for other ranks, the communication
-// thread polls it with sleeps that grow from 50 us to 1 ms (the cores usually all run
+// thread polls it with sleeps that grow from 50 us to 0.5 ms (the cores usually all run
 // compute threads, and a busy-polling thread would take time from them); only while a
 // caller is blocked in Work::wait() on this group, its core is idle and the thread polls
 // continuously, yielding to any thread that wants the core.
