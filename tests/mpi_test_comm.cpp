@@ -217,6 +217,14 @@ TEST(Collectives, DebugModeNamesMismatchedRanks) {
   EXPECT_EQ(ok.f32()[0], static_cast<float>(w.size()));
 }
 
+// The test job runs on one machine: every rank is on this node, in every group.
+TEST(Collectives, RanksOnNodeCountTheWholeJob) {
+  Communicator& w = *g_world;
+  EXPECT_EQ(w.ranks_on_node(), w.size());
+  auto half = w.split(w.rank() % 2, w.rank(), "half");
+  EXPECT_EQ(half->ranks_on_node(), w.size());
+}
+
 TEST(Mesh, AxesSplitTheWorld) {
   Communicator& w = *g_world;
   const int n = w.size();

@@ -148,8 +148,14 @@ bool Work::done() const {
   return done_;
 }
 
-Communicator::Communicator(int rank, int size, int world_rank, std::string name, CommOptions opts)
-    : rank_(rank), size_(size), world_rank_(world_rank), name_(std::move(name)), opts_(opts), t0_(now_seconds()) {
+Communicator::Communicator(int rank, int size, int world_rank, int ranks_on_node, std::string name, CommOptions opts)
+    : rank_(rank),
+      size_(size),
+      world_rank_(world_rank),
+      ranks_on_node_(ranks_on_node),
+      name_(std::move(name)),
+      opts_(opts),
+      t0_(now_seconds()) {
   thread_ = std::thread([this] { thread_main(); });
   watchdog_ = std::thread([this] { watchdog_main(); });
 }
@@ -459,7 +465,7 @@ namespace {
 
 class LocalComm final : public Communicator {
  public:
-  explicit LocalComm(CommOptions o, std::string name = "world") : Communicator(0, 1, 0, std::move(name), o) {}
+  explicit LocalComm(CommOptions o, std::string name = "world") : Communicator(0, 1, 0, 1, std::move(name), o) {}
   ~LocalComm() override { stop_thread(); }
   std::unique_ptr<Communicator> split(int, int, const std::string& name) override {
     return std::make_unique<LocalComm>(options(), name);

@@ -105,6 +105,8 @@ class Communicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int world_rank() const { return world_rank_; }
+  // Ranks of the whole job on this machine (of any group): they share its cores.
+  int ranks_on_node() const { return ranks_on_node_; }
   const std::string& name() const { return name_; }  // "world", "dp", "tp", "pp"
 
   // In place: t = sum over ranks of t (f32, bf16 or f16).
@@ -146,7 +148,7 @@ class Communicator {
   void set_options(const CommOptions& o);
 
  protected:
-  Communicator(int rank, int size, int world_rank, std::string name, CommOptions opts);
+  Communicator(int rank, int size, int world_rank, int ranks_on_node, std::string name, CommOptions opts);
   void stop_thread();  // implementations call this first in their destructor
 
   // The transport, used only on the communication thread: point-to-point messages to or
@@ -188,7 +190,7 @@ class Communicator {
   // allocations would page-fault on every large message).
   Tensor staging(int64_t numel, DType dtype);
 
-  int rank_, size_, world_rank_;
+  int rank_, size_, world_rank_, ranks_on_node_;
   std::string name_;
   CommOptions opts_;
   double t0_;

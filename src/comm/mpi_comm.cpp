@@ -28,8 +28,8 @@ int as_int(size_t bytes) {
 
 class MpiComm final : public Communicator {
  public:
-  MpiComm(MPI_Comm comm, std::string name, CommOptions opts)
-      : Communicator(rank_of(comm), size_of(comm), world_rank(), std::move(name), opts), comm_(comm) {}
+  MpiComm(MPI_Comm comm, int ranks_on_node, std::string name, CommOptions opts)
+      : Communicator(rank_of(comm), size_of(comm), world_rank(), ranks_on_node, std::move(name), opts), comm_(comm) {}
   ~MpiComm() override {
     stop_thread();
     if (comm_ != MPI_COMM_WORLD) MPI_Comm_free(&comm_);
@@ -41,7 +41,7 @@ class MpiComm final : public Communicator {
     MPI_Comm sub = MPI_COMM_NULL;
     barrier();
     check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
-    return std::make_unique<MpiComm>(sub, name, options());
+    return std::make_unique<MpiComm>(sub, ranks_on_node(), name, options());
   }
 
   [[noreturn]] void abort_job(int code) override {
@@ -107,12 +107,16 @@ MpiRuntime::MpiRuntime(int* argc, char*** argv) {
                                             "communication threads need; use Debian's OpenMPI (openmpi-bin)");
   // Errors come back as return codes (checked above) instead of killing the job silently.
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  MPI_Comm node = MPI_COMM_NULL;
+  check(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+  check(MPI_Comm_size(node, &ranks_on_node_), "MPI_Comm_size");
+  MPI_Comm_free(&node);
 }
 
 MpiRuntime::~MpiRuntime() { MPI_Finalize(); }
 
 std::unique_ptr<Communicator> MpiRuntime::world(CommOptions opts) const {
-  return std::make_unique<MpiComm>(MPI_COMM_WORLD, "world", opts);
+  return std::make_unique<MpiComm>(MPI_COMM_WORLD, ranks_on_node_, "world", opts);
 }
 
 }  // namespace mt
