@@ -9,6 +9,7 @@ step, zero_grad. Rank 0 prints one JSON line with the median step time.
     /usr/bin/python3 bench/torch_ddp_step.py [--ranks 2] [--steps 5]
 """
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -26,6 +27,18 @@ import torch_model as tm  # noqa: E402
 
 SIZES = dict(n_layer=6, d_model=384, n_head=6, seq_len=256, vocab_size=8192, family="gpt2")
 GLOBAL_BATCH = 8
+
+
+def blas_info():
+    """The OpenBLAS this process loaded (through torch), as meshtrain's benchmark names it."""
+    with open("/proc/self/maps") as maps:
+        libs = sorted({l.split()[-1] for l in maps if "libopenblas" in l})
+    if not libs:
+        return "not OpenBLAS"
+    blas = ctypes.CDLL(libs[0])
+    blas.openblas_get_corename.restype = blas.openblas_get_config.restype = ctypes.c_char_p
+    return (f"{blas.openblas_get_config().decode()}; kernels {blas.openblas_get_corename().decode()}, "
+            f"{torch.get_num_threads()} thread(s) per rank")
 
 
 def worker(rank, ranks, steps, store_path, out):
@@ -52,7 +65,7 @@ def worker(rank, ranks, steps, store_path, out):
     if rank == 0:
         out.put({"impl": "pytorch-ddp-gloo", "ranks": ranks, "threads_per_rank": 1,
                  "step_ms_median": round(statistics.median(times), 2), "step_ms_min": round(min(times), 2),
-                 "torch": torch.__version__})
+                 "torch": torch.__version__, "blas": blas_info()})
     dist.destroy_process_group()
 
 

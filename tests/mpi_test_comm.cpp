@@ -2,6 +2,8 @@
 // results, the asynchronous path, determinism, the mesh, and the error paths.
 #include <gtest/gtest.h>
 
+#include <time.h>
+
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -118,6 +120,69 @@ TEST(Collectives, AsyncProgressesDuringCompute) {
   EXPECT_GT(rec.back().end_s, 0.0);
 }
 
+// ZeRO's patterns: the reduce-scatter lands in the input's own chunk, and the all-gather
+// finds this rank's piece already in place; bf16 pieces are summed in float, rounded once.
+TEST(Collectives, ReduceScatterIntoItsOwnChunkThenAllgatherInPlace) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  const int n = w.size(), r = w.rank(), len = 5;
+  Tensor buf = Tensor::empty({n * len}, DType::f32, a, MemTag::comm);
+  for (int i = 0; i < n * len; ++i) buf.f32()[i] = 100.0f * r + i;
+  w.reduce_scatter(buf, buf.view(r * len, {len}));
+  w.allgather(buf.view(r * len, {len}), buf);
+  for (int i = 0; i < n * len; ++i) ASSERT_EQ(buf.f32()[i], 100.0f * n * (n - 1) / 2 + n * i) << "element " << i;
+
+  Tensor half = Tensor::empty({n * len}, DType::bf16, a, MemTag::comm);
+  for (int i = 0; i < n * len; ++i) half.data<uint16_t>()[i] = f32_to_bf16(0.5f * (r + 1) * (i + 1));
+  w.reduce_scatter(half, half.view(r * len, {len}));
+  for (int i = 0; i < len; ++i) {
+    const int at = r * len + i;
+    EXPECT_EQ(bf16_to_f32(half.data<uint16_t>()[at]), 0.5f * n * (n + 1) / 2 * (at + 1)) << "bf16 element " << at;
+  }
+}
+
+// Only the pieces of its own chunk that a rank receives are staged: an allreduce of n
+// elements keeps (size - 1) x ceil(n / size) of them, with no padded or whole copies.
+TEST(Collectives, AllreduceStagesOnlyWhatItReceives) {
+  Communicator& w = *g_world;
+  CpuAllocator a, counted;
+  auto group = w.split(0, w.rank(), "counted");  // made after `counted`, so gone before it
+  CommOptions o = group->options();
+  o.alloc = &counted;
+  group->set_options(o);
+  const int n = w.size();
+  const int64_t len = 100003;  // not a multiple of the group size
+  Tensor t = filled(a, len, w.rank() + 1.0f);
+  group->allreduce(t);
+  for (int64_t i = 0; i < len; ++i) ASSERT_EQ(t.f32()[i], n * (n + 1) / 2.0f) << "element " << i;
+  const size_t staged = counted.stats().peak[static_cast<int>(MemTag::comm)];
+  EXPECT_LE(staged, static_cast<size_t>((n - 1) * ((len + n - 1) / n) * 4));
+}
+
+// A rank whose peers are late naps between polls instead of busy-polling: the cores belong
+// to the compute threads, which go on meanwhile (sleeping here).
+TEST(Collectives, WaitingForALateRankCostsLittleCpu) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  Tensor t = filled(a, 1 << 16, 1.0f);
+  const bool late = w.rank() == w.size() - 1;
+  w.barrier();
+  if (late) std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  timespec c0, c1;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c0);
+  const double t0 = now_seconds();
+  WorkPtr work = w.allreduce_async(t);
+  if (!late) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &c1);
+    const double cpu = (c1.tv_sec - c0.tv_sec) + 1e-9 * (c1.tv_nsec - c0.tv_nsec), wall = now_seconds() - t0;
+    EXPECT_LT(cpu, 0.2 * wall) << "the communication thread used " << cpu << " s of CPU in " << wall
+                               << " s while waiting for the late rank";
+  }
+  work->wait();
+  EXPECT_EQ(t.f32()[7], static_cast<float>(w.size()));
+}
+
 TEST(Collectives, BadSizesAreErrors) {
   Communicator& w = *g_world;
   CpuAllocator a;
@@ -150,6 +215,16 @@ TEST(Collectives, DebugModeNamesMismatchedRanks) {
   Tensor ok = filled(a, 4, 1.0f);
   dbg->allreduce(ok);  // the group still works afterwards
   EXPECT_EQ(ok.f32()[0], static_cast<float>(w.size()));
+}
+
+// The test job runs on one machine: every rank is on this node, in every group.
+TEST(Collectives, RanksOnNodeCountTheWholeJob) {
+  Communicator& w = *g_world;
+  EXPECT_EQ(w.ranks_on_node(), w.size());
+  auto half = w.split(w.rank() % 2, w.rank(), "half");
+  EXPECT_EQ(half->ranks_on_node(), w.size());
+  EXPECT_FALSE(w.spans_machines());
+  EXPECT_FALSE(half->spans_machines());
 }
 
 TEST(Mesh, AxesSplitTheWorld) {

@@ -3,9 +3,12 @@
 // in buckets that are launched as units finish, for every gradient dtype.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "comm/mesh.h"
 #include "mpi_main.h"
 #include "core/half.h"
+#include "core/rng.h"
 #include "nn/model.h"
 #include "parallel/ddp.h"
 
@@ -36,22 +39,77 @@ TEST_P(DDPGroups, SumOverTheDpGroupOnly) {
   ASSERT_GT(ddp.num_buckets(), 1);
   // gradient element i of unit u on world rank r: r + 1 + small offsets, exactly representable
   auto value = [](int r, size_t u, int64_t i) { return static_cast<float>(r + 1) + 0.25f * (u % 3) + 0.5f * (i % 2); };
-  for (size_t u = 0; u < model.units().size(); ++u)
-    for (int64_t i = 0; i < model.units()[u].numel; ++i) model.units()[u].g.f32()[i] = value(w.rank(), u, i);
-  ddp.set_sync(true);
-  for (int u = static_cast<int>(model.units().size()) - 1; u >= 0; --u) ddp.after_backward(u);
-  ddp.finish();
   const int t = w.rank() % tp;  // this rank's dp peers: world ranks t, t + tp, ...
-  for (size_t u = 0; u < model.units().size(); ++u)
-    for (int64_t i = 0; i < model.units()[u].numel; ++i) {
-      float want = 0;
-      for (int d = 0; d < dp; ++d) want += value(d * tp + t, u, i);
-      ASSERT_EQ(model.units()[u].g.f32()[i], want) << "unit " << u << " element " << i;
-    }
+  for (bool overlap : {true, false}) {  // buckets launched as units finish, or all in finish()
+    ddp.set_overlap(overlap);
+    for (size_t u = 0; u < model.units().size(); ++u)
+      for (int64_t i = 0; i < model.units()[u].numel; ++i) model.units()[u].g.f32()[i] = value(w.rank(), u, i);
+    ddp.set_sync(true);
+    for (int u = static_cast<int>(model.units().size()) - 1; u >= 0; --u) ddp.after_backward(u);
+    ddp.finish();
+    for (size_t u = 0; u < model.units().size(); ++u)
+      for (int64_t i = 0; i < model.units()[u].numel; ++i) {
+        float want = 0;
+        for (int d = 0; d < dp; ++d) want += value(d * tp + t, u, i);
+        ASSERT_EQ(model.units()[u].g.f32()[i], want) << "unit " << u << " element " << i << " overlap " << overlap;
+      }
+  }
   EXPECT_TRUE(mesh.tp().flight_record().empty()) << mesh.tp().flight_dump();
   int reductions = 0;
   for (const CommRecord& r : mesh.dp().flight_record()) reductions += r.op == CommOp::allreduce;
-  EXPECT_EQ(reductions, dp > 1 ? ddp.num_buckets() : 0) << mesh.dp().flight_dump();
+  EXPECT_EQ(reductions, dp > 1 ? 2 * ddp.num_buckets() : 0) << mesh.dp().flight_dump();
+}
+
+// Overlapped or not, bucketed or not, the reduced gradients are bit-identical: every
+// element is summed in rank order. Gradients here are arbitrary floats.
+TEST(DDP, OverlapAndBucketingAreBitExact) {
+  Communicator& w = *g_world;
+  CpuAllocator alloc;
+  Mesh mesh(w, w.size(), 1, 1);
+  Model model(tiny(), alloc, 1);
+  std::vector<std::vector<float>> results;
+  for (double mb : {0.0005, 1000.0}) {
+    for (bool overlap : {true, false}) {
+      ParallelConfig pc;
+      pc.bucket_mb = mb;
+      DDP ddp(model, mesh.dp(), alloc, pc);
+      ddp.set_overlap(overlap);
+      Philox rng{5};
+      std::vector<float> all;
+      for (size_t u = 0; u < model.units().size(); ++u)
+        for (int64_t i = 0; i < model.units()[u].numel; ++i)
+          model.units()[u].g.f32()[i] = static_cast<float>(rng.normal(1000 * w.rank() + u, i));
+      ddp.set_sync(true);
+      for (int u = static_cast<int>(model.units().size()) - 1; u >= 0; --u) ddp.after_backward(u);
+      ddp.finish();
+      for (const Unit& u : model.units()) all.insert(all.end(), u.g.f32(), u.g.f32() + u.numel);
+      results.push_back(std::move(all));
+    }
+  }
+  for (size_t k = 1; k < results.size(); ++k)
+    EXPECT_EQ(0, std::memcmp(results[0].data(), results[k].data(), results[0].size() * 4)) << "variant " << k;
+}
+
+// The decision to overlap: across machines, or with a core left for every rank's
+// communication thread.
+TEST(DDP, OverlapPaysAcrossMachinesOrWithAFreeCorePerRank) {
+  EXPECT_FALSE(overlap_pays(2, 2, 1, false));   // this machine: two ranks of one thread on two cores
+  EXPECT_FALSE(overlap_pays(16, 2, 8, false));  // meshtrain launch's default: cores / ranks threads each
+  EXPECT_FALSE(overlap_pays(1, 2, 1, false));   // ranks bound to a core each
+  EXPECT_TRUE(overlap_pays(4, 2, 1, false));
+  EXPECT_TRUE(overlap_pays(16, 2, 7, false));
+  EXPECT_TRUE(overlap_pays(16, 1, 16, true));   // one rank per machine, all cores computing
+  // The run's ddp line says what DDP decided.
+  Communicator& w = *g_world;
+  CpuAllocator alloc;
+  Mesh mesh(w, w.size(), 1, 1);
+  Model model(tiny(), alloc, 1);
+  DDP ddp(model, mesh.dp(), alloc, ParallelConfig{});
+  if (w.size() > 1) {
+    const std::string line = ddp.describe();
+    EXPECT_EQ(line.find("overlapped with backward") != std::string::npos, ddp.overlapping()) << line;
+    EXPECT_EQ(line.find("steps aside") != std::string::npos, !ddp.overlapping()) << line;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, DDPGroups, ::testing::Values("fp32", "bf16", "fp16"));

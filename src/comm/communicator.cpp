@@ -1,5 +1,6 @@
 #include "comm/communicator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -23,6 +24,47 @@ struct Descriptor {
 };
 
 bool is_reducible(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
+
+// How the communication thread naps while other ranks are not ready (see the header).
+constexpr int64_t kFirstNapUs = 50, kLongestNapUs = 500;
+
+// The element types a reduction adds, each summed in float: f32 from its first term (as
+// one would write it), bf16/f16 from zero and rounded once at the end.
+struct F32 {
+  using T = float;
+  static float first(float x) { return x; }
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+};
+template <float (*Widen)(uint16_t), uint16_t (*Narrow)(float)>
+struct Half {
+  using T = uint16_t;
+  static float first(uint16_t x) { return 0.0f + Widen(x); }
+  static float load(uint16_t x) { return Widen(x); }
+  static uint16_t store(float x) { return Narrow(x); }
+};
+using BF16 = Half<bf16_to_f32, f32_to_bf16>;
+using F16 = Half<f16_to_f32, f32_to_f16>;
+
+// out[i] = src[0][i] + src[1][i] + ... in that order, block by block so that `out` may be
+// one of the sources (every element's terms are read before it is written).
+template <class E>
+void sum_in_order(const std::vector<const void*>& src, void* out, int64_t n) {
+  using T = typename E::T;
+  constexpr int64_t kBlock = 1024;
+  float acc[kBlock];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t m = std::min(kBlock, n - b);
+    const T* s0 = static_cast<const T*>(src[0]) + b;
+    for (int64_t i = 0; i < m; ++i) acc[i] = E::first(s0[i]);
+    for (size_t k = 1; k < src.size(); ++k) {
+      const T* s = static_cast<const T*>(src[k]) + b;
+      for (int64_t i = 0; i < m; ++i) acc[i] += E::load(s[i]);
+    }
+    T* o = static_cast<T*>(out) + b;
+    for (int64_t i = 0; i < m; ++i) o[i] = E::store(acc[i]);
+  }
+}
 
 }  // namespace
 
@@ -73,9 +115,31 @@ std::string CommRecord::describe() const {
   return os.str();
 }
 
-void Work::wait() {
+void Waiters::enter() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++count_;
+  }
+  cv_.notify_all();
+}
+
+void Waiters::leave() { --count_; }
+
+void Waiters::nap(int64_t us) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return done_; });
+  cv_.wait_for(lock, std::chrono::microseconds(us), [&] { return count_ > 0; });
+}
+
+void Work::wait() {
+  if (!done()) {
+    waiters_->enter();  // the communication thread may poll without napping meanwhile
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return done_; });
+    }
+    waiters_->leave();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
   if (!error_.empty()) throw Error(error_);
 }
 
@@ -84,8 +148,16 @@ bool Work::done() const {
   return done_;
 }
 
-Communicator::Communicator(int rank, int size, int world_rank, std::string name, CommOptions opts)
-    : rank_(rank), size_(size), world_rank_(world_rank), name_(std::move(name)), opts_(opts), t0_(now_seconds()) {
+Communicator::Communicator(int rank, int size, int world_rank, int ranks_on_node, bool spans_machines, std::string name,
+                           CommOptions opts)
+    : rank_(rank),
+      size_(size),
+      world_rank_(world_rank),
+      ranks_on_node_(ranks_on_node),
+      spans_machines_(spans_machines),
+      name_(std::move(name)),
+      opts_(opts),
+      t0_(now_seconds()) {
   thread_ = std::thread([this] { thread_main(); });
   watchdog_ = std::thread([this] { watchdog_main(); });
 }
@@ -117,7 +189,7 @@ void Communicator::set_options(const CommOptions& o) {
   // Once everything issued before has run, the worker is idle: drop its staging buffers.
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return queue_.empty() && running_since_ms_ < 0; });
-  for (Tensor& t : staging_) t = Tensor();
+  staging_ = Tensor();
   opts_ = o;
 }
 
@@ -132,6 +204,7 @@ WorkPtr Communicator::submit(CommRecord rec, std::function<void()> run) {
     default: break;
   }
   auto work = std::make_shared<Work>();
+  work->waiters_ = waiters_;
   {
     std::lock_guard<std::mutex> lock(mu_);
     MT_CHECK(!stopping_, "internal: communicator " << name_ << " used after shutdown");
@@ -223,7 +296,7 @@ void Communicator::check_same_everywhere(const CommRecord& rec) {
   Descriptor mine{rec.seq, static_cast<int32_t>(rec.op), static_cast<int32_t>(rec.dtype), rec.count,
                   rec.op == CommOp::broadcast ? rec.peer : -1, 0};
   std::vector<Descriptor> all(size_);
-  raw_allgather(&mine, all.data(), sizeof(Descriptor));
+  allgather_raw(&mine, all.data(), sizeof(Descriptor));
   bool same = true;
   for (const Descriptor& d : all)
     same = same && d.op == mine.op && d.dtype == mine.dtype && d.count == mine.count && d.peer == mine.peer &&
@@ -242,63 +315,91 @@ void Communicator::check_same_everywhere(const CommRecord& rec) {
   throw Error(os.str());
 }
 
-Tensor Communicator::staging(int slot, int64_t numel, DType dtype) {
+Tensor Communicator::staging(int64_t numel, DType dtype) {
   const int64_t words = (numel * static_cast<int64_t>(dtype_size(dtype)) + 3) / 4;
-  Tensor& buf = staging_[slot];
-  if (!buf.defined() || buf.numel() < words) {
-    buf = Tensor();  // free the old buffer first
+  if (!staging_.defined() || staging_.numel() < words) {
+    staging_ = Tensor();  // free the old buffer first
     if (task_opts_.alloc) {
-      buf = Tensor::empty({words}, DType::f32, *task_opts_.alloc, MemTag::comm);
+      staging_ = Tensor::empty({words}, DType::f32, *task_opts_.alloc, MemTag::comm);
     } else {
       static CpuAllocator uncounted;  // only for communicators made without an allocator (tests)
-      buf = Tensor::empty({words}, DType::f32, uncounted, MemTag::comm);
+      staging_ = Tensor::empty({words}, DType::f32, uncounted, MemTag::comm);
     }
   }
-  return Tensor::wrap(buf.raw(), {numel}, dtype);
+  return Tensor::wrap(staging_.raw(), {numel}, dtype);
 }
 
-// in[size * n] -> out[n]: every rank sends chunk r of its input to rank r, then sums the
-// pieces it received in rank order, in float.
-void Communicator::reduce_scatter_raw(const Tensor& in, const Tensor& out) {
-  const int64_t n = out.numel();
-  const size_t es = dtype_size(in.dtype());
-  Tensor recv = staging(0, n * size_, in.dtype());
-  raw_alltoall(in.raw(), recv.raw(), n * es);
-  if (in.dtype() == DType::f32) {
-    const float* r = recv.f32();
-    float* o = out.f32();
-    for (int64_t i = 0; i < n; ++i) o[i] = r[i];
-    for (int k = 1; k < size_; ++k)
-      for (int64_t i = 0; i < n; ++i) o[i] += r[k * n + i];
-    return;
+void Communicator::exchange(const std::vector<Message>& sends, const std::vector<Message>& recvs, int tag) {
+  std::unique_ptr<Transfer> t = start(sends, recvs, tag);
+  int64_t nap = kFirstNapUs;
+  while (!t->test()) {
+    if (waiters_->any()) {  // a caller is blocked on this group: its core is free
+      std::this_thread::yield();
+      nap = kFirstNapUs;
+      continue;
+    }
+    waiters_->nap(nap);
+    nap = std::min(2 * nap, kLongestNapUs);
   }
-  const bool bf = in.dtype() == DType::bf16;
-  const uint16_t* r = recv.data<uint16_t>();
-  uint16_t* o = out.data<uint16_t>();
-  std::vector<float> acc(n, 0.0f);
-  for (int k = 0; k < size_; ++k)
-    for (int64_t i = 0; i < n; ++i) acc[i] += bf ? bf16_to_f32(r[k * n + i]) : f16_to_f32(r[k * n + i]);
-  for (int64_t i = 0; i < n; ++i) o[i] = bf ? f32_to_bf16(acc[i]) : f32_to_f16(acc[i]);
+}
+
+void Communicator::allgather_raw(const void* in, void* out, size_t bytes) {
+  char* o = static_cast<char*>(out);
+  if (in != o + bytes * rank_) std::memmove(o + bytes * rank_, in, bytes);
+  std::vector<Message> sends, recvs;
+  for (int k = 0; k < size_; ++k) {
+    if (k == rank_) continue;
+    sends.push_back({const_cast<void*>(in), bytes, k});
+    recvs.push_back({o + bytes * k, bytes, k});
+  }
+  exchange(sends, recvs);
+}
+
+void Communicator::reduce_ranges(const Tensor& in, const std::vector<int64_t>& bounds, const Tensor& out) {
+  const size_t es = dtype_size(in.dtype());
+  const int64_t n = bounds[rank_ + 1] - bounds[rank_];
+  char* base = static_cast<char*>(in.raw());
+  Tensor recv = staging(n * (size_ - 1), in.dtype());
+  std::vector<Message> sends, recvs;
+  std::vector<const void*> terms;  // in rank order
+  for (int k = 0; k < size_; ++k) {
+    if (k == rank_) {
+      terms.push_back(base + bounds[k] * es);
+      continue;
+    }
+    sends.push_back({base + bounds[k] * es, (bounds[k + 1] - bounds[k]) * es, k});
+    char* slot = static_cast<char*>(recv.raw()) + (k < rank_ ? k : k - 1) * n * es;
+    recvs.push_back({slot, n * es, k});
+    terms.push_back(slot);
+  }
+  exchange(sends, recvs);
+  switch (in.dtype()) {
+    case DType::f32: sum_in_order<F32>(terms, out.raw(), n); break;
+    case DType::bf16: sum_in_order<BF16>(terms, out.raw(), n); break;
+    default: sum_in_order<F16>(terms, out.raw(), n); break;
+  }
 }
 
 WorkPtr Communicator::allreduce_async(const Tensor& t) {
   MT_CHECK(is_reducible(t.dtype()), "allreduce of " << dtype_name(t.dtype()) << ": only f32, bf16 and f16 reduce");
   CommRecord rec{0, CommOp::allreduce, t.dtype(), t.numel()};
   return submit(rec, [this, t] {
-    const int64_t n = t.numel(), chunk = (n + size_ - 1) / size_;
+    // Rank j owns elements [n j / size, n (j + 1) / size): it sums them, then sends the
+    // sum to every other rank, which receives it in place.
+    const int64_t n = t.numel();
     const size_t es = dtype_size(t.dtype());
-    Tensor mine = staging(1, chunk, t.dtype());
-    if (n == chunk * size_) {
-      reduce_scatter_raw(t, mine);
-      raw_allgather(mine.raw(), t.raw(), chunk * es);
-      return;
+    std::vector<int64_t> bounds(size_ + 1);
+    for (int j = 0; j <= size_; ++j) bounds[j] = n * j / size_;
+    const int64_t mine = bounds[rank_], len = bounds[rank_ + 1] - mine;
+    reduce_ranges(t, bounds, t.view(mine, {len}));
+    char* base = static_cast<char*>(t.raw());
+    std::vector<Message> sends, recvs;
+    for (int k = 0; k < size_; ++k) {
+      if (k == rank_) continue;
+      sends.push_back({base + mine * es, len * es, k});
+      recvs.push_back({base + bounds[k] * es, (bounds[k + 1] - bounds[k]) * es, k});
     }
-    Tensor padded = staging(2, chunk * size_, t.dtype());  // n padded to a multiple of size
-    std::memset(padded.raw(), 0, padded.nbytes());
-    std::memcpy(padded.raw(), t.raw(), t.nbytes());
-    reduce_scatter_raw(padded, mine);
-    raw_allgather(mine.raw(), padded.raw(), chunk * es);
-    std::memcpy(t.raw(), padded.raw(), t.nbytes());
+    exchange(sends, recvs);
   });
 }
 
@@ -309,7 +410,11 @@ WorkPtr Communicator::reduce_scatter_async(const Tensor& in, const Tensor& out) 
                                                                          << " elements is not " << size_
                                                                          << " x the output's " << out.numel());
   CommRecord rec{0, CommOp::reduce_scatter, in.dtype(), in.numel()};
-  return submit(rec, [this, in, out] { reduce_scatter_raw(in, out); });
+  return submit(rec, [this, in, out] {
+    std::vector<int64_t> bounds(size_ + 1);
+    for (int j = 0; j <= size_; ++j) bounds[j] = out.numel() * j;
+    reduce_ranges(in, bounds, out);
+  });
 }
 
 WorkPtr Communicator::allgather_async(const Tensor& in, const Tensor& out) {
@@ -318,25 +423,32 @@ WorkPtr Communicator::allgather_async(const Tensor& in, const Tensor& out) {
                                                                     << " elements is not " << size_
                                                                     << " x the input's " << in.numel());
   CommRecord rec{0, CommOp::allgather, in.dtype(), in.numel()};
-  return submit(rec, [this, in, out] { raw_allgather(in.raw(), out.raw(), in.nbytes()); });
+  return submit(rec, [this, in, out] { allgather_raw(in.raw(), out.raw(), in.nbytes()); });
 }
 
 WorkPtr Communicator::broadcast_async(const Tensor& t, int root) {
   MT_CHECK(root >= 0 && root < size_, "broadcast root " << root << " is not a rank of group '" << name_ << "'");
   CommRecord rec{0, CommOp::broadcast, t.dtype(), t.numel(), root};
-  return submit(rec, [this, t, root] { raw_broadcast(t.raw(), t.nbytes(), root); });
+  return submit(rec, [this, t, root] {
+    // The root sends to every rank directly (a tree would pay across many nodes).
+    std::vector<Message> sends, recvs;
+    if (rank_ != root) recvs.push_back({t.raw(), t.nbytes(), root});
+    for (int k = 0; k < size_ && rank_ == root; ++k)
+      if (k != root) sends.push_back({t.raw(), t.nbytes(), k});
+    exchange(sends, recvs);
+  });
 }
 
 WorkPtr Communicator::send_async(const Tensor& t, int peer) {
   MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "send to rank " << peer << " of group '" << name_ << "'");
   CommRecord rec{0, CommOp::send, t.dtype(), t.numel(), peer};
-  return submit(rec, [this, t, peer] { raw_send(t.raw(), t.nbytes(), peer); });
+  return submit(rec, [this, t, peer] { exchange({{t.raw(), t.nbytes(), peer}}, {}, kUserTag); });
 }
 
 WorkPtr Communicator::recv_async(const Tensor& t, int peer) {
   MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "recv from rank " << peer << " of group '" << name_ << "'");
   CommRecord rec{0, CommOp::recv, t.dtype(), t.numel(), peer};
-  return submit(rec, [this, t, peer] { raw_recv(t.raw(), t.nbytes(), peer); });
+  return submit(rec, [this, t, peer] { exchange({}, {{t.raw(), t.nbytes(), peer}}, kUserTag); });
 }
 
 void Communicator::barrier() { barrier_with(1); }
@@ -347,7 +459,7 @@ void Communicator::barrier_with(double slack) {
   rec.slack = slack;
   submit(rec, [this] {
     std::vector<char> in(1), out(size_);
-    raw_allgather(in.data(), out.data(), 1);
+    allgather_raw(in.data(), out.data(), 1);
   })->wait();
 }
 
@@ -355,7 +467,7 @@ namespace {
 
 class LocalComm final : public Communicator {
  public:
-  explicit LocalComm(CommOptions o, std::string name = "world") : Communicator(0, 1, 0, std::move(name), o) {}
+  explicit LocalComm(CommOptions o, std::string name = "world") : Communicator(0, 1, 0, 1, false, std::move(name), o) {}
   ~LocalComm() override { stop_thread(); }
   std::unique_ptr<Communicator> split(int, int, const std::string& name) override {
     return std::make_unique<LocalComm>(options(), name);
@@ -363,11 +475,16 @@ class LocalComm final : public Communicator {
   [[noreturn]] void abort_job(int code) override { std::_Exit(code); }
 
  protected:
-  void raw_alltoall(const void* s, void* r, size_t bytes) override { std::memcpy(r, s, bytes); }
-  void raw_allgather(const void* s, void* r, size_t bytes) override { std::memmove(r, s, bytes); }
-  void raw_broadcast(void*, size_t, int) override {}
-  void raw_send(const void*, size_t, int) override { MT_FAIL("internal: send on a single-rank group"); }
-  void raw_recv(void*, size_t, int) override { MT_FAIL("internal: recv on a single-rank group"); }
+  // One rank has no peers: every collective is local, and send/recv are refused before
+  // they get here.
+  std::unique_ptr<Transfer> start(const std::vector<Message>& sends, const std::vector<Message>& recvs,
+                                  int) override {
+    MT_CHECK(sends.empty() && recvs.empty(), "internal: a message on a single-rank group");
+    struct Done final : Transfer {
+      bool test() override { return true; }
+    };
+    return std::make_unique<Done>();
+  }
 };
 
 }  // namespace

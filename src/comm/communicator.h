@@ -5,10 +5,21 @@
 //   work->wait();                            // grads now hold the sum over the group
 //
 // Every group has one communication thread that runs its operations in the order they
-// were issued, so an asynchronous operation really progresses while compute runs. Sums
-// are deterministic: each rank receives every rank's piece of its chunk and adds them in
-// rank order (0, 1, …), so a result does not depend on message sizes or bucketing, and
-// bf16/fp16 inputs are summed in float and rounded once.
+// were issued, so an asynchronous operation really progresses while compute runs. The
+// collectives are built here from point-to-point messages that the transport (MPI) runs
+// without blocking, straight from and into the caller's tensors: an allreduce sends each
+// rank's chunk to its owner, the owner sums, then sends the sum to everyone; only the
+// pieces a rank receives for its own chunk are staged.
+//
+// Sums are deterministic: each rank receives every rank's piece of its chunk and adds
+// them in rank order (0, 1, ...), so a result does not depend on message sizes or
+// bucketing, and bf16/fp16 inputs are summed in float and rounded once.
+//
+// Waiting costs no compute: while the transport waits for other ranks, the communication
+// thread polls it with sleeps that grow from 50 us to 0.5 ms (the cores usually all run
+// compute threads, and a busy-polling thread would take time from them); only while a
+// caller is blocked in Work::wait() on this group, its core is idle and the thread polls
+// continuously, yielding to any thread that wants the core.
 //
 // Never hang, always say why:
 // - a flight recorder keeps each group's last operations (op, dtype, count, timing);
@@ -50,6 +61,22 @@ struct CommRecord {
   std::string describe() const;   // "#12 allreduce bf16 x 1048576 (3.1 ms)"
 };
 
+// Callers blocked in Work::wait() on one group, and the communication thread's naps,
+// which end early when a caller starts waiting.
+class Waiters {
+ public:
+  void enter();
+  void leave();
+  bool any() const { return count_ > 0; }
+  // Sleeps for up to `us` microseconds; returns at once when a caller waits.
+  void nap(int64_t us);
+
+ private:
+  std::atomic<int> count_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
 class Work {
  public:
   // Blocks until the operation finished; rethrows its failure as mt::Error.
@@ -58,6 +85,7 @@ class Work {
 
  private:
   friend class Communicator;
+  std::shared_ptr<Waiters> waiters_;  // the group's
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -77,6 +105,10 @@ class Communicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int world_rank() const { return world_rank_; }
+  // Ranks of the whole job on this machine (of any group): they share its cores.
+  int ranks_on_node() const { return ranks_on_node_; }
+  // Whether this group's ranks are on more than one machine (its messages cross a network).
+  bool spans_machines() const { return spans_machines_; }
   const std::string& name() const { return name_; }  // "world", "dp", "tp", "pp"
 
   // In place: t = sum over ranks of t (f32, bf16 or f16).
@@ -118,15 +150,26 @@ class Communicator {
   void set_options(const CommOptions& o);
 
  protected:
-  Communicator(int rank, int size, int world_rank, std::string name, CommOptions opts);
+  Communicator(int rank, int size, int world_rank, int ranks_on_node, bool spans_machines, std::string name,
+               CommOptions opts);
   void stop_thread();  // implementations call this first in their destructor
 
-  // Transport primitives, called only on the communication thread.
-  virtual void raw_alltoall(const void* send, void* recv, size_t bytes_per_rank) = 0;
-  virtual void raw_allgather(const void* send, void* recv, size_t bytes_per_rank) = 0;
-  virtual void raw_broadcast(void* buf, size_t bytes, int root) = 0;
-  virtual void raw_send(const void* buf, size_t bytes, int peer) = 0;
-  virtual void raw_recv(void* buf, size_t bytes, int peer) = 0;
+  // The transport, used only on the communication thread: point-to-point messages to or
+  // from group rank `peer`, started without blocking; test() says when all completed.
+  // Messages between two ranks with the same tag are received in the order they were sent.
+  struct Message {
+    void* buf;
+    size_t bytes;
+    int peer;
+  };
+  class Transfer {
+   public:
+    virtual ~Transfer() = default;
+    virtual bool test() = 0;  // true once every message has completed; throws on failure
+  };
+  static constexpr int kUserTag = 0, kCollectiveTag = 1;  // send/recv vs the collectives' own
+  virtual std::unique_ptr<Transfer> start(const std::vector<Message>& sends, const std::vector<Message>& recvs,
+                                          int tag) = 0;
 
  private:
   struct Task {
@@ -139,12 +182,19 @@ class Communicator {
   void watchdog_main();
   void check_same_everywhere(const CommRecord& rec);
   void barrier_with(double slack);
-  void reduce_scatter_raw(const Tensor& in, const Tensor& out);
-  // Scratch buffer `slot` (0, 1 or 2) of at least numel elements, kept and grown across
-  // operations (fresh allocations would page-fault on every large message).
-  Tensor staging(int slot, int64_t numel, DType dtype);
+  // The collectives' steps, on the communication thread.
+  void exchange(const std::vector<Message>& sends, const std::vector<Message>& recvs, int tag = kCollectiveTag);
+  void allgather_raw(const void* in, void* out, size_t bytes_per_rank);
+  // Rank j owns elements [bounds[j], bounds[j + 1]) of `in` (size + 1 bounds): every rank
+  // sends each owner its range, and out = the sum over ranks, in rank order, of this
+  // rank's range. `out` may be that range of `in` itself.
+  void reduce_ranges(const Tensor& in, const std::vector<int64_t>& bounds, const Tensor& out);
+  // Receive buffer of at least numel elements, kept and grown across operations (fresh
+  // allocations would page-fault on every large message).
+  Tensor staging(int64_t numel, DType dtype);
 
-  int rank_, size_, world_rank_;
+  int rank_, size_, world_rank_, ranks_on_node_;
+  bool spans_machines_;
   std::string name_;
   CommOptions opts_;
   double t0_;
@@ -157,10 +207,11 @@ class Communicator {
   CommOptions task_opts_;           // the options of the operation running on the worker
   uint64_t next_seq_ = 0;
   std::deque<CommRecord> history_;  // the last operations run, oldest first
-  std::atomic<int64_t> running_since_ms_{-1};
-  std::atomic<uint64_t> bytes_sent_{0};  // start of the running operation, -1 when idle
+  std::atomic<int64_t> running_since_ms_{-1};  // start of the running operation, -1 when idle
+  std::atomic<uint64_t> bytes_sent_{0};
+  std::shared_ptr<Waiters> waiters_ = std::make_shared<Waiters>();
   std::thread thread_, watchdog_;
-  Tensor staging_[3];  // used only on the communication thread
+  Tensor staging_;  // used only on the communication thread
 };
 
 // A group of one rank: every operation is a local copy (or nothing).

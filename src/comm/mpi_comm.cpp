@@ -4,6 +4,7 @@
 
 #include <climits>
 #include <cstdlib>
+#include <vector>
 
 #include "core/error.h"
 
@@ -19,6 +20,22 @@ void check(int rc, const char* what) {
   MT_FAIL(what << " failed: " << std::string(msg, len));
 }
 
+// Ranks of `comm` that share this rank's machine (MPI's shared-memory split; collective).
+int ranks_sharing_memory(MPI_Comm comm) {
+  MPI_Comm node = MPI_COMM_NULL;
+  check(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+  int n = 1;
+  check(MPI_Comm_size(node, &n), "MPI_Comm_size");
+  MPI_Comm_free(&node);
+  return n;
+}
+
+bool crosses_machines(MPI_Comm comm) {
+  int size = 1;
+  check(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  return ranks_sharing_memory(comm) < size;
+}
+
 int as_int(size_t bytes) {
   MT_CHECK(bytes <= static_cast<size_t>(INT_MAX), "a message of " << bytes << " bytes exceeds MPI's 2 GiB limit; "
                                                                   << "use a smaller parallel.bucket_mb");
@@ -27,8 +44,10 @@ int as_int(size_t bytes) {
 
 class MpiComm final : public Communicator {
  public:
-  MpiComm(MPI_Comm comm, std::string name, CommOptions opts)
-      : Communicator(rank_of(comm), size_of(comm), world_rank(), std::move(name), opts), comm_(comm) {}
+  MpiComm(MPI_Comm comm, int ranks_on_node, std::string name, CommOptions opts)
+      : Communicator(rank_of(comm), size_of(comm), world_rank(), ranks_on_node, crosses_machines(comm), std::move(name),
+                     opts),
+        comm_(comm) {}
   ~MpiComm() override {
     stop_thread();
     if (comm_ != MPI_COMM_WORLD) MPI_Comm_free(&comm_);
@@ -40,7 +59,7 @@ class MpiComm final : public Communicator {
     MPI_Comm sub = MPI_COMM_NULL;
     barrier();
     check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
-    return std::make_unique<MpiComm>(sub, name, options());
+    return std::make_unique<MpiComm>(sub, ranks_on_node(), name, options());
   }
 
   [[noreturn]] void abort_job(int code) override {
@@ -49,24 +68,29 @@ class MpiComm final : public Communicator {
   }
 
  protected:
-  void raw_alltoall(const void* s, void* r, size_t bytes) override {
-    check(MPI_Alltoall(s, as_int(bytes), MPI_BYTE, r, as_int(bytes), MPI_BYTE, comm_), "MPI_Alltoall");
-  }
-  void raw_allgather(const void* s, void* r, size_t bytes) override {
-    // A rank's piece already in place in the output (a sharded buffer gathering itself)
-    // must be passed as MPI_IN_PLACE: MPI forbids overlapping send and receive buffers.
-    const bool in_place = s == static_cast<const char*>(r) + bytes * rank();
-    check(MPI_Allgather(in_place ? MPI_IN_PLACE : s, as_int(bytes), MPI_BYTE, r, as_int(bytes), MPI_BYTE, comm_),
-          "MPI_Allgather");
-  }
-  void raw_broadcast(void* buf, size_t bytes, int root) override {
-    check(MPI_Bcast(buf, as_int(bytes), MPI_BYTE, root, comm_), "MPI_Bcast");
-  }
-  void raw_send(const void* buf, size_t bytes, int peer) override {
-    check(MPI_Send(buf, as_int(bytes), MPI_BYTE, peer, 0, comm_), "MPI_Send");
-  }
-  void raw_recv(void* buf, size_t bytes, int peer) override {
-    check(MPI_Recv(buf, as_int(bytes), MPI_BYTE, peer, 0, comm_, MPI_STATUS_IGNORE), "MPI_Recv");
+  // Nonblocking sends and receives; MPI_Testall also moves them on (OpenMPI progresses
+  // messages only inside MPI calls), so the communication thread's polling drives them.
+  struct MpiTransfer final : Transfer {
+    std::vector<MPI_Request> reqs;
+    bool test() override {
+      int done = 0;
+      check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+      return done != 0;
+    }
+  };
+
+  std::unique_ptr<Transfer> start(const std::vector<Message>& sends, const std::vector<Message>& recvs,
+                                  int tag) override {
+    auto t = std::make_unique<MpiTransfer>();
+    for (const Message& m : recvs) {
+      t->reqs.emplace_back();
+      check(MPI_Irecv(m.buf, as_int(m.bytes), MPI_BYTE, m.peer, tag, comm_, &t->reqs.back()), "MPI_Irecv");
+    }
+    for (const Message& m : sends) {
+      t->reqs.emplace_back();
+      check(MPI_Isend(m.buf, as_int(m.bytes), MPI_BYTE, m.peer, tag, comm_, &t->reqs.back()), "MPI_Isend");
+    }
+    return t;
   }
 
  private:
@@ -101,12 +125,13 @@ MpiRuntime::MpiRuntime(int* argc, char*** argv) {
                                             "communication threads need; use Debian's OpenMPI (openmpi-bin)");
   // Errors come back as return codes (checked above) instead of killing the job silently.
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  ranks_on_node_ = ranks_sharing_memory(MPI_COMM_WORLD);
 }
 
 MpiRuntime::~MpiRuntime() { MPI_Finalize(); }
 
 std::unique_ptr<Communicator> MpiRuntime::world(CommOptions opts) const {
-  return std::make_unique<MpiComm>(MPI_COMM_WORLD, "world", opts);
+  return std::make_unique<MpiComm>(MPI_COMM_WORLD, ranks_on_node_, "world", opts);
 }
 
 }  // namespace mt

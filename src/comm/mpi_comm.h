@@ -18,6 +18,9 @@ class MpiRuntime {
   MpiRuntime(const MpiRuntime&) = delete;
   MpiRuntime& operator=(const MpiRuntime&) = delete;
   std::unique_ptr<Communicator> world(CommOptions opts = {}) const;
+
+ private:
+  int ranks_on_node_ = 1;  // of the whole job, on this machine
 };
 
 }  // namespace mt

@@ -1,5 +1,8 @@
 #include "parallel/ddp.h"
 
+#include <omp.h>
+#include <sched.h>
+
 #include <cstdio>
 #include <cstring>
 
@@ -8,8 +11,25 @@
 
 namespace mt {
 
+namespace {
+
+int affinity_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;  // unknown: assume the least
+  return CPU_COUNT(&set);
+}
+
+}  // namespace
+
+bool overlap_pays(int cpus, int ranks_on_node, int threads_per_rank, bool across_machines) {
+  return across_machines || cpus >= ranks_on_node * (threads_per_rank + 1);
+}
+
 DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg)
-    : model_(model), dp_(dp), cfg_(cfg) {
+    : model_(model),
+      dp_(dp),
+      cfg_(cfg),
+      overlap_(cfg.overlap && overlap_pays(affinity_cpus(), dp.ranks_on_node(), omp_get_max_threads(), dp.spans_machines())) {
   dtype_ = cfg.grad_comm_dtype == "bf16" ? DType::bf16 : cfg.grad_comm_dtype == "fp16" ? DType::f16 : DType::f32;
   const auto& units = model.units();
   const int64_t cap = static_cast<int64_t>(cfg.bucket_mb * 1024 * 1024 / 4);  // float32 elements
@@ -45,7 +65,7 @@ void DDP::after_backward(int unit) {
   if (!sync_ || dp_.size() == 1) return;
   Bucket& b = buckets_[bucket_of_[unit]];
   if (b.pending == 0) b.pending = static_cast<int>(b.units.size());
-  if (--b.pending == 0 && cfg_.overlap) launch(b);
+  if (--b.pending == 0 && overlap_) launch(b);
 }
 
 void DDP::launch(Bucket& b) {
@@ -73,7 +93,7 @@ void DDP::launch(Bucket& b) {
 void DDP::finish() {
   if (dp_.size() == 1) return;
   auto& units = model_.units();
-  if (!cfg_.overlap)
+  if (!overlap_)
     for (Bucket& b : buckets_) launch(b);
   for (Bucket& b : buckets_) {
     MT_CHECK(b.work, "internal: a DDP bucket was never launched (did every unit run backward?)");
@@ -119,9 +139,12 @@ std::vector<ParamSlice> DDP::owned() {
 
 std::string DDP::describe() const {
   if (dp_.size() == 1) return "";
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "ddp: %d gradient buckets of about %g MiB, %s reduction%s", num_buckets(),
-                cfg_.bucket_mb, cfg_.grad_comm_dtype.c_str(), cfg_.overlap ? ", overlapped with backward" : "");
+  const char* when = overlap_       ? "overlapped with backward"
+                     : cfg_.overlap ? "after backward (no core free for communication: parallel.overlap steps aside)"
+                                    : "after backward";
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "ddp: %d gradient buckets of about %g MiB, %s reduction %s", num_buckets(),
+                cfg_.bucket_mb, cfg_.grad_comm_dtype.c_str(), when);
   return buf;
 }
 

@@ -2,10 +2,18 @@
 // global batch, and the gradients are summed over the dp group before the optimizer step.
 //
 // Gradients are reduced in buckets of whole units, in backward order (final unit first,
-// embedding last), of about parallel.bucket_mb each. A bucket is launched asynchronously
-// as soon as the backward pass has finished all its units, so its reduction runs on the
-// communication thread while the backward pass goes on with the units below; finish()
-// waits for all of them. Accumulation micro-steps before the last do not communicate.
+// embedding last), of about parallel.bucket_mb each. With parallel.overlap, a bucket is
+// launched asynchronously as soon as the backward pass has finished all its units, so its
+// reduction runs on the communication thread while the backward pass goes on with the
+// units below; finish() waits for all of them. Accumulation micro-steps before the last
+// do not communicate.
+//
+// Within one machine, overlapping pays only where a core is free for the communication
+// thread: the reduction's copies and sums are CPU work, and on cores that all run compute
+// threads they take as long during backward as after it, while evicting the compute's
+// caches (measured: dp 2 on 2 cores, one thread per rank, overlapping was 1-6 ms slower per
+// step). So DDP steps aside there and reduces after backward (overlap_pays; describe()
+// says so). A dp group that crosses machines always overlaps: there the wire is the cost.
 //
 // Each rank scales its loss by 1 / (tokens of the global batch), so the plain sum over the
 // group is the gradient of the global mean loss, whatever the split. The sum adds ranks in
@@ -41,6 +49,9 @@ class DDP final : public DataParallel {
   std::string describe() const override;
   uint64_t bytes_sent() const override { return dp_.bytes_sent(); }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  bool overlapping() const { return overlap_; }
+  // Reduce during backward (true) or after it, whatever the cores: for tests.
+  void set_overlap(bool on) { overlap_ = on; }
 
  private:
   struct Bucket {
@@ -59,7 +70,16 @@ class DDP final : public DataParallel {
   DType dtype_;
   std::vector<Bucket> buckets_;
   std::vector<int> bucket_of_;  // unit -> bucket
+  bool overlap_;  // launch buckets during backward
   bool sync_ = true;
 };
+
+// Whether overlapping the reduction with backward can hide it: when the dp group crosses
+// machines (the network's time is what the overlap hides; the communication thread naps
+// meanwhile), or when the `cpus` this rank may run on leave a core for the communication
+// thread of every rank on this machine besides their compute threads (the machine's ranks
+// are taken to share these cpus, so ranks bound to cores of their own may be judged short
+// of one).
+bool overlap_pays(int cpus, int ranks_on_node, int threads_per_rank, bool across_machines);
 
 }  // namespace mt
