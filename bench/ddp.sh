@@ -13,12 +13,16 @@
 #   bash bench/ddp.sh [--steps K]
 # Target: meshtrain's step at most 0.6x PyTorch DDP's.
 source "$(dirname "$0")/dp_common.sh"
-median_step() {  # median step_ms of a metrics file, skipping two warm-up steps
-  /usr/bin/python3 -c "import json,sys,statistics; s=[json.loads(l) for l in open(sys.argv[1])];
-s=[x['step_ms'] for x in s if 'event' not in x][2:]; print(statistics.median(s))" "$1"
+median_step() {  # median step_ms over metrics files, skipping each run's two warm-up steps
+  /usr/bin/python3 -c "import json,sys,statistics; runs=[[json.loads(l) for l in open(f)] for f in sys.argv[1:]]
+print(statistics.median(x['step_ms'] for r in runs for x in [x for x in r if 'event' not in x][2:]))" "$@"
 }
-./build/meshtrain launch -n 2 train "${dp_opts[@]}" --logging.metrics="$work/on.jsonl" > "$work/on.out" 2>&1
-./build/meshtrain launch -n 2 train "${dp_opts[@]}" --parallel.overlap=false --logging.metrics="$work/off.jsonl" > /dev/null 2>&1
+# The dp-2 runs alternate, twice each, so that a slow moment of the machine does not land on one.
+for i in 1 2; do
+  ./build/meshtrain launch -n 2 train "${dp_opts[@]}" --logging.metrics="$work/on$i.jsonl" > "$work/on.out" 2>&1
+  ./build/meshtrain launch -n 2 train "${dp_opts[@]}" --parallel.overlap=false --logging.metrics="$work/off$i.jsonl" \
+    > /dev/null 2>&1
+done
 ./build/meshtrain train "${dp_opts[@]}" --training.global_batch=4 --logging.metrics="$work/alone.jsonl" > /dev/null
 ./build/meshtrain train "${dp_opts[@]}" --training.global_batch=4 --logging.metrics="$work/side0.jsonl" > /dev/null &
 ./build/meshtrain train "${dp_opts[@]}" --training.global_batch=4 --logging.metrics="$work/side1.jsonl" > /dev/null
@@ -26,7 +30,7 @@ wait
 pt=$(/usr/bin/python3 bench/torch_ddp_step.py --ranks 2 --steps "$steps")
 echo "DDP step, GPT-2 6 x 384, global batch 8 x 256 tokens, dp 2, 1 thread per rank"
 blas_info
-/usr/bin/python3 - "$(median_step "$work/on.jsonl")" "$(median_step "$work/off.jsonl")" "$(median_step "$work/alone.jsonl")" \
+/usr/bin/python3 - "$(median_step "$work/on1.jsonl" "$work/on2.jsonl")" "$(median_step "$work/off1.jsonl" "$work/off2.jsonl")" "$(median_step "$work/alone.jsonl")" \
                    "$(median_step "$work/side0.jsonl")" "$(median_step "$work/side1.jsonl")" "$pt" \
                    "$(grep '^ddp:' "$work/on.out")" <<'PY'
 import json, sys
