@@ -10,10 +10,11 @@ struct ParallelConfig {
   int pp = 1;  // pipeline stages
   double bucket_mb = 25;               // DDP gradient bucket size (MiB of float32 gradients)
   std::string grad_comm_dtype = "fp32";  // fp32 | bf16 | fp16: dtype of the gradient reduction
-  bool overlap = true;                 // reduce buckets during backward (false: after it)
+  bool overlap = true;                 // reduce buckets during backward where that pays (ddp.h)
   bool debug_collectives = false;      // cross-check every collective across ranks
   double timeout_s = 300;              // watchdog: a collective running longer ends the job
-  std::string test_fault;              // test-only: "die:R", "hang:R", "throw:R", "mismatch:R" at step 1
+  std::string test_fault;              // test-only: "die:R", "hang:R", "throw:R", "mismatch:R" at step 1;
+                                       // "slow_save:R" pauses rank R inside each checkpoint save
 
   // ZeRO / FSDP (parallel/zero.h). zero: 0 replicate everything (DDP), 1 shard optimizer
   // state, 2 also gradients, 3 also parameters. sharding names FSDP's strategies:
