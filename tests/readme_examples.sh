@@ -110,6 +110,8 @@ declare -A how=(
   ['[ $? -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"']='skip "needs Slurm"'
   ["./build/meshtrain launch -n 4 train --parallel.zero=3"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 4 train --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2"]='run "$cmd $few"'
+  ["./build/meshtrain launch -n 2 train --parallel.tp=2"]='run "$cmd $few"'
+  ["./build/meshtrain launch -n 4 train --parallel.tp=2 --parallel.zero=1"]='run "$cmd $few"'
 )
 
 for cmd in "${commands[@]}"; do

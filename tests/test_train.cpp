@@ -89,7 +89,7 @@ TEST(Optimizer, AdamWMatchesPyTorchFormula) {
   std::memcpy(w.f32(), w0, 16);
   OptimConfig oc;
   oc.lr = 0.01, oc.weight_decay = 0.1, oc.beta1 = 0.9, oc.beta2 = 0.95, oc.eps = 1e-8;
-  Optimizer opt(oc, {OptimSegment{w, g, {{2, 4}}}}, alloc);
+  Optimizer opt(oc, {OptimSegment{w, g, {{2, 4}}, {}}}, alloc);
   double m[4] = {}, v[4] = {}, p[4];
   for (int i = 0; i < 4; ++i) p[i] = w0[i];
   for (int t = 1; t <= 2; ++t) {
@@ -114,7 +114,7 @@ TEST(Optimizer, SgdMomentumMatchesPyTorchFormula) {
   w.f32()[0] = 1.0f, w.f32()[1] = -2.0f;
   OptimConfig oc;
   oc.name = "sgd", oc.lr = 0.1, oc.momentum = 0.9, oc.weight_decay = 0.01;
-  Optimizer opt(oc, {OptimSegment{w, g, {{1, 2}}}}, alloc);
+  Optimizer opt(oc, {OptimSegment{w, g, {{1, 2}}, {}}}, alloc);
   double p[2] = {1.0, -2.0}, buf[2] = {};
   for (int t = 1; t <= 3; ++t) {
     g.f32()[0] = 0.5f, g.f32()[1] = 0.25f * t;

@@ -10,7 +10,10 @@ namespace mt {
 
 namespace {
 
-Shape hf_shape(const ParamSpec& p) { return p.hf_transposed ? Shape{p.shape[1], p.shape[0]} : p.shape; }
+// On disk every parameter is whole (the tp = 1 layout: global shapes and offsets).
+Shape hf_shape(const ParamSpec& p) {
+  return p.hf_transposed ? Shape{p.global_shape[1], p.global_shape[0]} : p.global_shape;
+}
 
 // Which model key a tensor's shape depends on, for the error message.
 std::string shape_hint(const ParamSpec& p) {
@@ -84,14 +87,15 @@ HfImporter::~HfImporter() = default;
 
 void HfImporter::unit(int u, float* dst_unit) const {
   for (const ParamSpec& p : impl_->layout[u].params) {
-    float* dst = dst_unit + p.offset;
+    float* dst = dst_unit + p.global_offset;
+    const int64_t n = shape_numel(p.global_shape);
     if (!p.hf_transposed) {
-      impl_->r.read_f32(p.name, dst, p.numel());
+      impl_->r.read_f32(p.name, dst, n);
       continue;
     }
-    std::vector<float> tmp(p.numel());
-    impl_->r.read_f32(p.name, tmp.data(), p.numel());
-    const int64_t rows = p.shape[0], cols = p.shape[1];  // here [out, in]; on disk [in, out]
+    std::vector<float> tmp(n);
+    impl_->r.read_f32(p.name, tmp.data(), n);
+    const int64_t rows = p.global_shape[0], cols = p.global_shape[1];  // here [a, b]; on disk [b, a]
     for (int64_t i = 0; i < cols; ++i)
       for (int64_t o = 0; o < rows; ++o) dst[o * cols + i] = tmp[i * rows + o];
   }
@@ -119,13 +123,13 @@ void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units,
     const Unit& u = units[ui];
     const float* unit_w = fetch(static_cast<int>(ui));
     for (const ParamSpec& p : u.params) {
-      const float* src = unit_w + p.offset;
+      const float* src = unit_w + p.global_offset;
       if (!p.hf_transposed) {
         w.write(p.name, src);
         continue;
       }
-      const int64_t rows = p.shape[0], cols = p.shape[1];
-      tmp.resize(p.numel());
+      const int64_t rows = p.global_shape[0], cols = p.global_shape[1];
+      tmp.resize(shape_numel(p.global_shape));
       for (int64_t o = 0; o < rows; ++o)
         for (int64_t i = 0; i < cols; ++i) tmp[i * rows + o] = src[o * cols + i];
       w.write(p.name, tmp.data());

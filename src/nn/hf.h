@@ -1,6 +1,8 @@
 // Hugging Face safetensors import (model.init_from) and export (meshtrain export).
-// Names and layouts are Hugging Face's; GPT-2's Conv1D weights are [in, out] on disk and
-// [out, in] here, so they are transposed on the way in and out.
+// Names and layouts are Hugging Face's; a weight stored here the other way round (GPT-2's
+// Conv1D column-parallel weights, Llama's row-parallel ones: ParamSpec::hf_transposed) is
+// transposed on the way in and out. The file always holds whole parameters: layouts here
+// are the whole model's (tp = 1), and units are whole (global_numel elements).
 #pragma once
 #include <functional>
 #include <memory>
@@ -11,7 +13,7 @@
 
 namespace mt {
 
-// Loads every parameter of units (their w must be allocated) from a safetensors file.
+// Loads every parameter of whole units (their w must be allocated) from a safetensors file.
 // A missing tensor, a shape that differs, or a tensor the model has no place for is an
 // mt::Error naming the tensor, both shapes and the model key to change.
 void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::string& path);
@@ -22,7 +24,7 @@ class HfImporter {
  public:
   HfImporter(const ModelConfig& cfg, const std::vector<Unit>& layout, const std::string& path);
   ~HfImporter();
-  void unit(int u, float* dst) const;  // unit u's numel elements
+  void unit(int u, float* dst) const;  // unit u's global_numel elements
 
  private:
   struct Impl;

@@ -20,41 +20,219 @@ Tensor Unit::param(const std::string& suffix) const {
   MT_FAIL("internal: no parameter ending in " << suffix << " in unit " << name);
 }
 
+int64_t ParamSpec::global_index(int64_t i) const {
+  const int64_t rn = row_numel(), row = i / rn;
+  int64_t first = 0;  // local row of the current range
+  for (const RowRange& r : rows) {
+    if (row < first + (r.end - r.begin)) return (r.begin + row - first) * rn + i % rn;
+    first += r.end - r.begin;
+  }
+  return -1;
+}
+
+std::vector<UnitPiece> Unit::pieces() const {
+  std::vector<UnitPiece> out;
+  for (const ParamSpec& p : params) {
+    const int64_t rn = p.row_numel();
+    int64_t local = p.offset;
+    for (const RowRange& r : p.rows) {
+      const UnitPiece piece{local, p.global_offset + r.begin * rn, (r.end - r.begin) * rn};
+      if (!out.empty() && out.back().local + out.back().n == piece.local &&
+          out.back().global + out.back().n == piece.global)
+        out.back().n += piece.n;  // continues the previous piece
+      else
+        out.push_back(piece);
+      local += piece.n;
+    }
+  }
+  return out;
+}
+
 namespace {
 
-// Appends a parameter to a unit. Matrices decay; vectors (norms, biases) do not.
-void add_param(Unit& u, std::string name, Shape shape, Init init, float std = 0.02f, bool hf_transposed = false) {
+// The TP plan: how each parameter is split over the tp ranks, by the end of its name. Every
+// split is by rows of the stored shape: column-parallel weights are stored [out, in] and
+// split by output features, row-parallel ones stored [in, out] and split by input features.
+enum class Split {
+  replicate,  // every rank holds it whole (norms, a row-parallel layer's bias, positions)
+  column,     // output features, in `groups` equal groups each split evenly (q|k|v by heads)
+  row,        // input features (the attention output projection, the MLP down projection)
+  kv_heads,   // key/value heads: split evenly, or each held by tp / n_kv_head ranks
+  vocab,      // vocabulary rows, padded to a multiple of tp
+};
+struct SplitRule {
+  const char* suffix;
+  Split split;
+  int groups = 1;
+};
+
+constexpr SplitRule kGpt2Plan[] = {
+    {"wte.weight", Split::vocab},          {"wpe.weight", Split::replicate},
+    {"ln_1.weight", Split::replicate},     {"ln_1.bias", Split::replicate},
+    {"c_attn.weight", Split::column, 3},   {"c_attn.bias", Split::column, 3},  // q|k|v, by heads
+    {"attn.c_proj.weight", Split::row},    {"attn.c_proj.bias", Split::replicate},  // added after the reduction
+    {"ln_2.weight", Split::replicate},     {"ln_2.bias", Split::replicate},
+    {"c_fc.weight", Split::column},        {"c_fc.bias", Split::column},
+    {"mlp.c_proj.weight", Split::row},     {"mlp.c_proj.bias", Split::replicate},
+    {"ln_f.weight", Split::replicate},     {"ln_f.bias", Split::replicate},
+    {"lm_head.weight", Split::vocab},
+};
+constexpr SplitRule kLlamaPlan[] = {
+    {"embed_tokens.weight", Split::vocab},  {"input_layernorm.weight", Split::replicate},
+    {"q_proj.weight", Split::column},       {"k_proj.weight", Split::kv_heads},
+    {"v_proj.weight", Split::kv_heads},     {"o_proj.weight", Split::row},
+    {"post_attention_layernorm.weight", Split::replicate},
+    {"gate_proj.weight", Split::column},    {"up_proj.weight", Split::column},  // gate|up stays gate|up per rank
+    {"down_proj.weight", Split::row},       {"model.norm.weight", Split::replicate},
+    {"lm_head.weight", Split::vocab},
+};
+
+const SplitRule& split_rule(const ModelConfig& cfg, const std::string& name) {
+  auto find = [&](const auto& plan) -> const SplitRule& {
+    for (const SplitRule& r : plan) {
+      const std::string suffix = r.suffix;
+      if (name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+        return r;
+    }
+    MT_FAIL("internal: parameter " << name << " has no entry in the TP plan");
+  };
+  return cfg.is_llama() ? find(kLlamaPlan) : find(kGpt2Plan);
+}
+
+// Which global rows of a parameter with R rows (stored shape) rank tp.rank holds, how many
+// local rows it has (padding included) and how many ranks hold each row.
+struct RowShare {
+  std::vector<RowRange> rows;
+  int64_t local_rows = 0;
+  int holders = 1;
+  bool primary = true;
+};
+
+RowShare row_share(const ModelConfig& cfg, const SplitRule& rule, int64_t R, TpShard tp) {
+  RowShare s;
+  const int n = tp.size, r = tp.rank;
+  switch (rule.split) {
+    case Split::replicate:
+      s.rows = {{0, R}};
+      s.holders = n;
+      s.primary = r == 0;
+      break;
+    case Split::column:
+    case Split::row: {
+      const int64_t group = R / rule.groups, part = group / n;
+      for (int g = 0; g < rule.groups; ++g) s.rows.push_back({g * group + r * part, g * group + (r + 1) * part});
+      break;
+    }
+    case Split::kv_heads: {
+      const int64_t heads = cfg.kv_heads(), D = R / heads;
+      if (heads % n == 0) {
+        s.rows = {{r * R / n, (r + 1) * R / n}};
+      } else {  // n is a multiple of heads: head r / (n / heads)
+        const int sharers = n / static_cast<int>(heads);
+        const int64_t h = r / sharers;
+        s.rows = {{h * D, (h + 1) * D}};
+        s.holders = sharers;
+        s.primary = r % sharers == 0;
+      }
+      break;
+    }
+    case Split::vocab: {
+      const int64_t local = padded_vocab(cfg, n) / n;
+      s.rows = {{std::min(R, r * local), std::min(R, (r + 1) * local)}};
+      s.local_rows = local;
+      break;
+    }
+  }
+  if (s.local_rows == 0)
+    for (const RowRange& rr : s.rows) s.local_rows += rr.end - rr.begin;
+  return s;
+}
+
+// Appends a parameter (its whole shape given) to a unit, as tp rank tp.rank holds it.
+// Matrices decay; vectors (norms, biases) do not.
+void add_param(Unit& u, const ModelConfig& cfg, TpShard tp, std::string name, Shape shape, Init init,
+               float std = 0.02f, bool hf_transposed = false) {
   ParamSpec p;
   p.name = std::move(name);
-  p.shape = std::move(shape);
+  p.global_shape = shape;
+  p.global_offset = u.global_numel;
+  RowShare share = row_share(cfg, split_rule(cfg, p.name), shape[0], tp);
+  p.rows = std::move(share.rows);
+  p.tp_holders = share.holders;
+  p.tp_primary = share.primary;
+  p.shape = shape;
+  p.shape[0] = share.local_rows;
   p.offset = u.numel;
   p.decay = p.shape.size() >= 2;
   p.hf_transposed = hf_transposed;
   p.init = init;
   p.init_std = std;
   u.numel += p.numel();
+  u.global_numel += shape_numel(shape);
   u.params.push_back(std::move(p));
 }
 
 }  // namespace
 
+void validate_tp(const ModelConfig& cfg, int tp) {
+  MT_CHECK(tp >= 1, "parallel.tp = " << tp << " must be at least 1");
+  if (tp == 1) return;
+  MT_CHECK(cfg.n_head % tp == 0, "model.n_head = " << cfg.n_head << " does not split over parallel.tp = " << tp
+                                                   << " ranks; use a tp that divides it");
+  const int kv = cfg.kv_heads();
+  MT_CHECK(kv % tp == 0 || tp % kv == 0, "model.n_kv_head = " << kv << " and parallel.tp = " << tp
+                                             << ": one must divide the other (key/value heads are split, or "
+                                                "each is held by tp / n_kv_head ranks)");
+  MT_CHECK(cfg.ff_dim() % tp == 0, "model.d_ff = " << cfg.ff_dim() << " does not split over parallel.tp = " << tp
+                                                   << " ranks; use a d_ff or tp that divides it");
+  MT_CHECK(cfg.vocab_size >= tp, "model.vocab_size = " << cfg.vocab_size << " is smaller than parallel.tp = " << tp);
+}
+
+int64_t padded_vocab(const ModelConfig& cfg, int tp) {
+  return (int64_t{cfg.vocab_size} + tp - 1) / tp * tp;
+}
+
+LocalDims local_dims(const ModelConfig& cfg, TpShard tp) {
+  validate_tp(cfg, tp.size);
+  LocalDims d;
+  const int kv = cfg.kv_heads();
+  d.C = cfg.d_model;
+  d.D = cfg.head_dim();
+  d.NH = cfg.n_head / tp.size;
+  d.NKV = kv % tp.size == 0 ? kv / tp.size : 1;
+  d.kv_sharers = kv % tp.size == 0 ? 1 : tp.size / kv;
+  d.F = cfg.ff_dim() / tp.size;
+  d.V = padded_vocab(cfg, tp.size) / tp.size;
+  d.vocab_begin = std::min<int64_t>(cfg.vocab_size, tp.rank * d.V);
+  d.vocab_valid = std::min<int64_t>(cfg.vocab_size, (tp.rank + 1) * d.V) - d.vocab_begin;
+  return d;
+}
+
 // Initialisation scheme (GPT-2's): linear and embedding weights N(0, 0.02); the two
 // projections that write into the residual stream (attention output, MLP output) use
 // 0.02 / sqrt(2 n_layer) so the residual's variance does not grow with depth; learned
 // positions N(0, 0.01); biases 0; norm weights 1.
-std::vector<Unit> model_layout(const ModelConfig& cfg) {
+//
+// The row-parallel weights (the attention output projection, the MLP down projection) are
+// stored [in, out], so that tensor parallelism splits every weight by rows: GPT-2's Conv1D
+// layout on disk, Llama's transposed on import and export.
+std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp) {
   cfg.validate();
+  validate_tp(cfg, tp.size);
   const int64_t C = cfg.d_model, F = cfg.ff_dim(), V = cfg.vocab_size, T = cfg.seq_len;
   const int64_t D = cfg.head_dim(), NH = cfg.n_head, NKV = cfg.kv_heads();
   const float resid_std = 0.02f / std::sqrt(2.0f * cfg.n_layer);
+  auto add = [&](Unit& u, std::string name, Shape shape, Init init, float std = 0.02f, bool hf_transposed = false) {
+    add_param(u, cfg, tp, std::move(name), std::move(shape), init, std, hf_transposed);
+  };
   std::vector<Unit> units;
   Unit embed;
   embed.name = "embed";
   if (!cfg.is_llama()) {
-    add_param(embed, "transformer.wte.weight", {V, C}, Init::normal);
-    add_param(embed, "transformer.wpe.weight", {T, C}, Init::normal, 0.01f);
+    add(embed, "transformer.wte.weight", {V, C}, Init::normal);
+    add(embed, "transformer.wpe.weight", {T, C}, Init::normal, 0.01f);
   } else {
-    add_param(embed, "model.embed_tokens.weight", {V, C}, Init::normal);
+    add(embed, "model.embed_tokens.weight", {V, C}, Init::normal);
   }
   units.push_back(std::move(embed));
   for (int l = 0; l < cfg.n_layer; ++l) {
@@ -62,47 +240,54 @@ std::vector<Unit> model_layout(const ModelConfig& cfg) {
     b.name = "block." + std::to_string(l);
     if (!cfg.is_llama()) {
       std::string h = "transformer.h." + std::to_string(l) + ".";
-      add_param(b, h + "ln_1.weight", {C}, Init::ones);
-      add_param(b, h + "ln_1.bias", {C}, Init::zeros);
-      add_param(b, h + "attn.c_attn.weight", {3 * C, C}, Init::normal, 0.02f, true);
-      add_param(b, h + "attn.c_attn.bias", {3 * C}, Init::zeros);
-      add_param(b, h + "attn.c_proj.weight", {C, C}, Init::normal, resid_std, true);
-      add_param(b, h + "attn.c_proj.bias", {C}, Init::zeros);
-      add_param(b, h + "ln_2.weight", {C}, Init::ones);
-      add_param(b, h + "ln_2.bias", {C}, Init::zeros);
-      add_param(b, h + "mlp.c_fc.weight", {F, C}, Init::normal, 0.02f, true);
-      add_param(b, h + "mlp.c_fc.bias", {F}, Init::zeros);
-      add_param(b, h + "mlp.c_proj.weight", {C, F}, Init::normal, resid_std, true);
-      add_param(b, h + "mlp.c_proj.bias", {C}, Init::zeros);
+      add(b, h + "ln_1.weight", {C}, Init::ones);
+      add(b, h + "ln_1.bias", {C}, Init::zeros);
+      add(b, h + "attn.c_attn.weight", {3 * C, C}, Init::normal, 0.02f, true);
+      add(b, h + "attn.c_attn.bias", {3 * C}, Init::zeros);
+      add(b, h + "attn.c_proj.weight", {C, C}, Init::normal, resid_std);  // [in, out]
+      add(b, h + "attn.c_proj.bias", {C}, Init::zeros);
+      add(b, h + "ln_2.weight", {C}, Init::ones);
+      add(b, h + "ln_2.bias", {C}, Init::zeros);
+      add(b, h + "mlp.c_fc.weight", {F, C}, Init::normal, 0.02f, true);
+      add(b, h + "mlp.c_fc.bias", {F}, Init::zeros);
+      add(b, h + "mlp.c_proj.weight", {F, C}, Init::normal, resid_std);  // [in, out]
+      add(b, h + "mlp.c_proj.bias", {C}, Init::zeros);
     } else {
       std::string h = "model.layers." + std::to_string(l) + ".";
-      add_param(b, h + "input_layernorm.weight", {C}, Init::ones);
-      add_param(b, h + "self_attn.q_proj.weight", {NH * D, C}, Init::normal);
-      add_param(b, h + "self_attn.k_proj.weight", {NKV * D, C}, Init::normal);
-      add_param(b, h + "self_attn.v_proj.weight", {NKV * D, C}, Init::normal);
-      add_param(b, h + "self_attn.o_proj.weight", {C, NH * D}, Init::normal, resid_std);
-      add_param(b, h + "post_attention_layernorm.weight", {C}, Init::ones);
-      add_param(b, h + "mlp.gate_proj.weight", {F, C}, Init::normal);
-      add_param(b, h + "mlp.up_proj.weight", {F, C}, Init::normal);
-      add_param(b, h + "mlp.down_proj.weight", {C, F}, Init::normal, resid_std);
+      add(b, h + "input_layernorm.weight", {C}, Init::ones);
+      add(b, h + "self_attn.q_proj.weight", {NH * D, C}, Init::normal);
+      add(b, h + "self_attn.k_proj.weight", {NKV * D, C}, Init::normal);
+      add(b, h + "self_attn.v_proj.weight", {NKV * D, C}, Init::normal);
+      add(b, h + "self_attn.o_proj.weight", {NH * D, C}, Init::normal, resid_std, true);  // [in, out]
+      add(b, h + "post_attention_layernorm.weight", {C}, Init::ones);
+      add(b, h + "mlp.gate_proj.weight", {F, C}, Init::normal);
+      add(b, h + "mlp.up_proj.weight", {F, C}, Init::normal);
+      add(b, h + "mlp.down_proj.weight", {F, C}, Init::normal, resid_std, true);  // [in, out]
     }
     units.push_back(std::move(b));
   }
   Unit fin;
   fin.name = "final";
   if (!cfg.is_llama()) {
-    add_param(fin, "transformer.ln_f.weight", {C}, Init::ones);
-    add_param(fin, "transformer.ln_f.bias", {C}, Init::zeros);
+    add(fin, "transformer.ln_f.weight", {C}, Init::ones);
+    add(fin, "transformer.ln_f.bias", {C}, Init::zeros);
   } else {
-    add_param(fin, "model.norm.weight", {C}, Init::ones);
+    add(fin, "model.norm.weight", {C}, Init::ones);
   }
-  if (!cfg.tied()) add_param(fin, "lm_head.weight", {V, C}, Init::normal);
+  if (!cfg.tied()) add(fin, "lm_head.weight", {V, C}, Init::normal);
   units.push_back(std::move(fin));
   return units;
 }
 
-Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute, bool allocate_state)
-    : cfg_(cfg), alloc_(alloc), micro_batch_(micro_batch), recompute_(recompute), units_(model_layout(cfg)) {
+Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute, bool allocate_state,
+             TpMappings* tp)
+    : cfg_(cfg),
+      tp_(tp ? *tp : no_tp_),
+      dims_(local_dims(cfg, tp_.shard())),
+      alloc_(alloc),
+      micro_batch_(micro_batch),
+      recompute_(recompute),
+      units_(model_layout(cfg, tp_.shard())) {
   MT_CHECK(micro_batch >= 1, "training.micro_batch = " << micro_batch << " must be at least 1");
   if (allocate_state) {
     // All gradients in one buffer, units in backward order (final unit first), so that a
@@ -117,11 +302,12 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
       u.g = grads.view(off, {u.numel});
     }
   }
-  const int64_t B = micro_batch, T = cfg.seq_len, C = cfg.d_model, V = cfg.vocab_size;
+  const int64_t B = micro_batch, T = cfg.seq_len, C = cfg.d_model, V = dims_.V;
   auto make = [&](const Shape& s, DType t = DType::f32) { return Tensor::empty(s, t, alloc, MemTag::activations); };
   tokens_ = make({B, T}, DType::i32);
   targets_ = make({B, T}, DType::i32);
-  for (int l = 0; l < (recompute ? 1 : cfg.n_layer); ++l) acts_.push_back(std::make_unique<BlockActs>(cfg, B, alloc));
+  for (int l = 0; l < (recompute ? 1 : cfg.n_layer); ++l)
+    acts_.push_back(std::make_unique<BlockActs>(cfg, dims_, B, alloc));
   for (int l = 0; l <= cfg.n_layer; ++l) block_in_.push_back(make({B, T, C}));
   lnf_ = make({B, T, C});
   lnf_mean_ = make({B, T});
@@ -129,8 +315,10 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
   logits_ = make({B, T, V});
   losses_ = make({B, T});
   lse_ = make({B, T});
+  row_max_ = make({B, T});
+  target_logit_ = make({B, T});
   dresid_ = make({B, T, C});
-  scratch_ = std::make_unique<BlockScratch>(cfg, B, alloc);
+  scratch_ = std::make_unique<BlockScratch>(cfg, dims_, B, alloc);
 }
 
 Model::~Model() = default;
@@ -181,7 +369,10 @@ void Model::init_range(int unit, int64_t begin, int64_t end, float* dst, uint64_
     const uint64_t stream = stream_id(p.name.c_str());
     const int64_t first = lo - p.offset, n = hi - lo;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(rng.normal(stream, first + i) * p.init_std);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t g = p.global_index(first + i);  // -1: padding
+      out[i] = g < 0 ? 0.0f : static_cast<float>(rng.normal(stream, g) * p.init_std);
+    }
   }
 }
 
@@ -189,7 +380,7 @@ void Model::zero_grad() {
   for (Unit& u : units_) u.g.zero_();
 }
 
-Tensor Model::logits() const { return logits_.view(0, {B_, T_, cfg_.vocab_size}); }
+Tensor Model::logits() const { return logits_.view(0, {B_, T_, dims_.V}); }
 
 double Model::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
   MT_CHECK(B >= 1 && B <= micro_batch_, "internal: batch " << B << " exceeds micro_batch " << micro_batch_);
@@ -217,14 +408,30 @@ double Model::forward(const int32_t* tokens, const int32_t* targets, int B, int 
     h.before_forward(l + 1);
     const Tensor x = block_in_[l].view(0, {B, T, cfg_.d_model});
     const Tensor out = block_in_[l + 1].view(0, {B, T, cfg_.d_model});
-    block_forward(cfg_, units_[l + 1], *acts_[recompute_ ? 0 : l], x, out, B, T);
+    block_forward(BlockEnv{cfg_, dims_, tp_}, units_[l + 1], *acts_[recompute_ ? 0 : l], x, out, B, T);
     h.after_forward(l + 1);
   }
   h.before_forward(cfg_.n_layer + 1);
   final_forward();
   h.after_forward(cfg_.n_layer + 1);
   if (!targets) return 0.0;
-  return cross_entropy_forward(losses_.view(0, {B, T}), lse_.view(0, {B, T}), logits(), targets_.view(0, {B, T}));
+  return loss_forward();
+}
+
+// The loss over the vocabulary; under tensor parallelism over this rank's columns, with the
+// row statistics (max, sum of exponentials, target logit) reduced over tp, so that no rank
+// holds the logits of the whole vocabulary.
+double Model::loss_forward() {
+  const Tensor losses = losses_.view(0, {B_, T_}), lse = lse_.view(0, {B_, T_}), tg = targets_.view(0, {B_, T_});
+  if (tp_.shard().size == 1) return cross_entropy_forward(losses, lse, logits(), tg);
+  const Tensor m = row_max_.view(0, {B_, T_}), t = target_logit_.view(0, {B_, T_});
+  const Tensor sum_exp = lse;  // lse holds the sum of exponentials until cross_entropy_finish
+  cross_entropy_row_max(m, logits(), dims_.vocab_valid);
+  tp_.max(m);
+  cross_entropy_row_stats(sum_exp, t, logits(), tg, dims_.vocab_begin, dims_.vocab_valid, m);
+  tp_.sum(sum_exp);
+  tp_.sum(t);
+  return cross_entropy_finish(losses, lse, m, sum_exp, t, tg);
 }
 
 void Model::backward(float scale) {
@@ -241,8 +448,9 @@ void Model::backward(float scale) {
     BlockActs& a = *acts_[recompute_ ? 0 : l];
     // Recomputation rewrites the block's output into block_in_[l + 1], bit-identical to
     // what the forward wrote, and no longer needed: the block above is done.
-    if (recompute_) block_forward(cfg_, units_[l + 1], a, x, block_in_[l + 1].view(0, {B, T, cfg_.d_model}), B, T);
-    block_backward(cfg_, units_[l + 1], a, *scratch_, x, dresid, B, T);
+    const BlockEnv env{cfg_, dims_, tp_};
+    if (recompute_) block_forward(env, units_[l + 1], a, x, block_in_[l + 1].view(0, {B, T, cfg_.d_model}), B, T);
+    block_backward(env, units_[l + 1], a, *scratch_, x, dresid, B, T);
     h.after_backward(l + 1);
   }
   h.before_backward(0);
@@ -254,27 +462,36 @@ void Model::embed_forward() {
   const Unit& u = units_[0];
   const Tensor out = block_in_[0].view(0, {B_, T_, cfg_.d_model});
   const Tensor tok = tokens_.view(0, {B_, T_});
-  if (!cfg_.is_llama()) {
-    Tensor wpe = u.param("wpe.weight");
-    embedding_forward(out, tok, u.param("wte.weight"), &wpe);
-  } else {
-    embedding_forward(out, tok, u.param("embed_tokens.weight"), nullptr);
+  const Tensor wte = u.param(cfg_.is_llama() ? "embed_tokens.weight" : "wte.weight");
+  if (tp_.shard().size == 1) {
+    Tensor wpe;
+    if (!cfg_.is_llama()) wpe = u.param("wpe.weight");
+    embedding_forward(out, tok, wte, wpe.defined() ? &wpe : nullptr);
+    return;
   }
+  // vocabulary-parallel: each rank looks up the ids it holds (0 for the others), reduce
+  embedding_shard_forward(out, tok, wte, dims_.vocab_begin, dims_.vocab_valid, cfg_.vocab_size);
+  tp_.reduce_forward(out);
+  if (!cfg_.is_llama()) position_forward(out, u.param("wpe.weight"));
 }
 
 void Model::embed_backward() {
   const Unit& u = units_[0];
   const Tensor dout = dresid_.view(0, {B_, T_, cfg_.d_model});
   const Tensor tok = tokens_.view(0, {B_, T_});
-  if (!cfg_.is_llama()) {
-    const ParamSpec* wte = find_param("transformer.wte.weight");
-    const ParamSpec* wpe = find_param("transformer.wpe.weight");
-    Tensor dwpe = u.g.view(wpe->offset, wpe->shape);
-    embedding_backward(u.g.view(wte->offset, wte->shape), &dwpe, dout, tok);
-  } else {
-    const ParamSpec* wte = find_param("model.embed_tokens.weight");
-    embedding_backward(u.g.view(wte->offset, wte->shape), nullptr, dout, tok);
+  auto grad = [&](const char* name) {
+    const ParamSpec* p = find_param(name);
+    return u.g.view(p->offset, p->shape);
+  };
+  const Tensor dwte = grad(cfg_.is_llama() ? "model.embed_tokens.weight" : "transformer.wte.weight");
+  Tensor dwpe;
+  if (!cfg_.is_llama()) dwpe = grad("transformer.wpe.weight");
+  if (tp_.shard().size == 1) {
+    embedding_backward(dwte, dwpe.defined() ? &dwpe : nullptr, dout, tok);
+    return;
   }
+  embedding_shard_backward(dwte, dout, tok, dims_.vocab_begin, dims_.vocab_valid, cfg_.vocab_size);
+  if (dwpe.defined()) position_backward(dwpe, dout);
 }
 
 // The output head's weight: lm_head.weight, or the token embedding when tied.
@@ -306,12 +523,14 @@ void Model::final_backward(float scale) {
   const Tensor x = block_in_[cfg_.n_layer].view(0, {B, T, C});
   const Tensor lnf = lnf_.view(0, {B, T, C});
   const Tensor dlogits = logits();  // the gradient overwrites the logits in place
-  cross_entropy_backward(dlogits, logits(), lse_.view(0, {B, T}), targets_.view(0, {B, T}), scale);
+  cross_entropy_backward_shard(dlogits, logits(), lse_.view(0, {B, T}), targets_.view(0, {B, T}), scale,
+                               dims_.vocab_begin, dims_.vocab_valid);
   int hu = 0;
   const ParamSpec& hp = head_spec(*this, &hu);
   linear_backward_weight(units_[hu].g.view(hp.offset, hp.shape), nullptr, dlogits, lnf);
   const Tensor dln = scratch_->dln.view(0, {B, T, C});
   linear_backward_input(dln, dlogits, units_[hu].w.view(hp.offset, hp.shape), false);
+  tp_.copy_backward(dln);  // the head is column-parallel over the vocabulary
   const Tensor dresid = dresid_.view(0, {B, T, C});
   dresid.zero_();
   auto grad = [&](const char* name) {

@@ -25,26 +25,53 @@
 
 #include "core/tensor.h"
 #include "nn/model_config.h"
+#include "nn/tp.h"
 
 namespace mt {
 
 enum class Init { normal, zeros, ones };
 
+// Rows [begin, end) of a parameter's whole (global) shape.
+struct RowRange {
+  int64_t begin = 0, end = 0;
+};
+
+// One parameter as this rank holds it. Under tensor parallelism a rank holds some rows of
+// the whole parameter (dim 0 of the stored shape: every split weight is stored so that its
+// split dimension comes first); `rows` lists them in local order, and local rows past them
+// are padding that belongs to no global row (the vocabulary padded to a multiple of tp).
 struct ParamSpec {
   std::string name;   // Hugging Face name, e.g. "transformer.h.0.attn.c_attn.weight"
-  Shape shape;        // as stored here ([out, in] for linear weights)
+  Shape shape;        // this rank's part, as stored here ([out, in] for column-parallel and
+                      // other linear weights, [in, out] for row-parallel ones)
   int64_t offset = 0; // elements into the unit's flat buffer
+  Shape global_shape;          // the whole parameter
+  int64_t global_offset = 0;   // elements into the whole unit's flat buffer (the tp = 1 layout)
+  std::vector<RowRange> rows;  // global rows held, in local order
+  int tp_holders = 1;          // tp ranks that hold each of its elements (all of tp: replicated)
+  bool tp_primary = true;      // this rank is the first of them (counts it once in norms, saves it)
   bool decay = false; // weight decay applies (parameters of two or more dims)
   bool hf_transposed = false;  // stored on disk as shape reversed (GPT-2 Conv1D)
   Init init = Init::normal;
   float init_std = 0.02f;
   int64_t numel() const { return shape_numel(shape); }
+  int64_t row_numel() const { return shape.empty() ? 1 : numel() / shape[0]; }
+  // Index into the whole parameter of local element i, or -1 for padding.
+  int64_t global_index(int64_t i) const;
+};
+
+// A stretch of a unit held by this rank: local elements [local, local + n) are the whole
+// unit's elements [global, global + n).
+struct UnitPiece {
+  int64_t local = 0, global = 0, n = 0;
 };
 
 struct Unit {
   std::string name;  // "embed", "block.3", "final"
   std::vector<ParamSpec> params;
   int64_t numel = 0;
+  int64_t global_numel = 0;  // of the whole unit (tp = 1)
+  std::vector<UnitPiece> pieces() const;  // this rank's elements of the whole unit, in local order
   Tensor w;  // [numel] parameters
   Tensor g;  // [numel] gradients (accumulated by backward)
   Tensor param(const std::string& suffix) const;  // view of the parameter whose name ends with suffix
@@ -59,8 +86,9 @@ class UnitHooks {
   virtual void after_backward(int unit) {}
 };
 
-// The units and parameter specs of a configuration, without allocating anything.
-std::vector<Unit> model_layout(const ModelConfig& cfg);
+// The units and parameter specs of a configuration as tp rank `tp.rank` of `tp.size` holds
+// them (the TP plan: model.cpp), without allocating anything.
+std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp = {});
 
 struct BlockActs;     // activations one block keeps for its backward (block.h)
 struct BlockScratch;  // workspace for a block's backward (block.h)
@@ -69,12 +97,17 @@ class Model {
  public:
   // allocate_state=false leaves every unit's w and g empty for a strategy to provide
   // (ZeRO keeps only shards).
-  Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute = false, bool allocate_state = true);
+  // tp: the tensor-parallel mappings this rank's share of the model runs with (null: the
+  // whole model on one rank).
+  Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute = false, bool allocate_state = true,
+        TpMappings* tp = nullptr);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
+  const LocalDims& dims() const { return dims_; }
+  TpShard tp_shard() const { return tp_.shard(); }
   std::vector<Unit>& units() { return units_; }
   const std::vector<Unit>& units() const { return units_; }
   int64_t num_params() const;
@@ -82,8 +115,9 @@ class Model {
   std::vector<int> units_used(int unit) const;
   Tensor param(const std::string& name) const;  // a view of one parameter
 
-  // Layout-independent initialisation: element i of parameter p is
-  // normal(seed, stream = hash(p.name), index = i) * p.init_std (or 0 / 1).
+  // Layout-independent initialisation: element i of the whole parameter p (whatever rank
+  // holds it) is normal(seed, stream = hash(p.name), index = i) * p.init_std (or 0 / 1);
+  // padding rows are 0.
   void init(uint64_t seed);
   // The same values for elements [begin, end) of unit `unit`, written to dst.
   void init_range(int unit, int64_t begin, int64_t end, float* dst, uint64_t seed) const;
@@ -95,16 +129,21 @@ class Model {
   double forward(const int32_t* tokens, const int32_t* targets, int B, int T);
   // Accumulates into every unit's g the gradient of (forward's loss sum) * scale.
   void backward(float scale);
-  // Logits [B, T, V] of the last forward (valid until backward, which overwrites them).
+  // Logits [B, T, V] of the last forward (valid until backward, which overwrites them);
+  // under tensor parallelism this rank's vocabulary rows, padding included.
   Tensor logits() const;
 
  private:
+  double loss_forward();
   void embed_forward();
   void embed_backward();
   void final_forward();
   void final_backward(float scale);
 
   ModelConfig cfg_;
+  TpMappings no_tp_;
+  TpMappings& tp_;
+  LocalDims dims_;
   Allocator& alloc_;
   int micro_batch_;
   bool recompute_;
@@ -118,7 +157,8 @@ class Model {
   std::vector<std::unique_ptr<BlockActs>> acts_;  // per block (one shared set when recomputing)
   std::vector<Tensor> block_in_;            // [L + 1] residual stream: input of block l; [L] = output
   Tensor lnf_, lnf_mean_, lnf_rstd_;        // [B, T, C], [B, T], [B, T]
-  Tensor logits_, losses_, lse_;            // [B, T, V], [B, T], [B, T]
+  Tensor logits_, losses_, lse_;            // [B, T, V], [B, T], [B, T] (V: this rank's vocabulary rows)
+  Tensor row_max_, target_logit_;           // [B, T], [B, T]: the vocabulary-parallel loss's statistics
   Tensor dresid_;                           // [B, T, C] gradient of the residual stream
   std::unique_ptr<BlockScratch> scratch_;   // shared gradient workspace for block backward
 };

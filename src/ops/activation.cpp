@@ -144,4 +144,17 @@ void add_inplace(const Tensor& a, const Tensor& b) {
   }
 }
 
+void add_bias(const Tensor& y, const Tensor& b) {
+  check_f32(y, "add_bias: y");
+  check_f32(b, "add_bias: b");
+  const int64_t O = b.numel();
+  MT_CHECK(O > 0 && y.numel() % O == 0, "add_bias: y " << shape_str(y.shape()) << " has no rows of " << O);
+  const int64_t N = y.numel() / O;
+  float* yp = y.f32();
+  const float* bp = b.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < O; ++o) yp[n * O + o] += bp[o];
+}
+
 }  // namespace mt

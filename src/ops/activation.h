@@ -16,5 +16,7 @@ void swiglu_backward(const Tensor& dgu, const Tensor& gu, const Tensor& dout);
 
 // a += b (same numel): the residual add, whose backward is the identity on both inputs.
 void add_inplace(const Tensor& a, const Tensor& b);
+// y[N, O] += b[O] on every row (a bias added after a tensor-parallel reduction).
+void add_bias(const Tensor& y, const Tensor& b);
 
 }  // namespace mt

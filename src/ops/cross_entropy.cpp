@@ -5,6 +5,7 @@
 #include "ops/cross_entropy.h"
 
 #include <cmath>
+#include <initializer_list>
 
 #include "ops/detail.h"
 
@@ -72,6 +73,84 @@ void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const T
                             float scale) {
   int64_t N, V;
   check_ce(logits, targets, lse, N, V, "cross_entropy_backward: logits/targets/lse");
+  cross_entropy_backward_shard(dlogits, logits, lse, targets, scale, 0, V);
+}
+
+namespace {
+// Checks a vocabulary shard's operands: logits [N, Vl], `valid` <= Vl, N-element row
+// tensors (f32) and targets (i32, when given); returns N and Vl.
+void check_shard(const Tensor& logits, const Tensor* targets, std::initializer_list<const Tensor*> rows,
+                 int64_t valid, int64_t& N, int64_t& V, const char* op) {
+  check_f32(logits, op);
+  MT_CHECK(logits.ndim() >= 1 && logits.dim(-1) > 0, op << ": logits must be [N, V], got " << shape_str(logits.shape()));
+  V = logits.dim(-1);
+  N = logits.numel() / V;
+  MT_CHECK(valid >= 0 && valid <= V, op << ": " << valid << " valid columns of " << V);
+  if (targets) {
+    check_i32(*targets, op);
+    check_numel(*targets, N, op);
+  }
+  for (const Tensor* t : rows) {
+    check_f32(*t, op);
+    check_numel(*t, N, op);
+  }
+}
+}  // namespace
+
+void cross_entropy_row_max(const Tensor& row_max, const Tensor& logits, int64_t valid) {
+  int64_t N = 0, V = 0;
+  check_shard(logits, nullptr, {&row_max}, valid, N, V, "cross_entropy_row_max");
+  const float* lp = logits.f32();
+  float* mp = row_max.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) mp[n] = valid > 0 ? max_f32(lp + n * V, valid) : -INFINITY;
+}
+
+void cross_entropy_row_stats(const Tensor& sum_exp, const Tensor& target_logit, const Tensor& logits,
+                             const Tensor& targets, int64_t begin, int64_t valid, const Tensor& row_max) {
+  int64_t N = 0, V = 0;
+  check_shard(logits, &targets, {&sum_exp, &target_logit, &row_max}, valid, N, V, "cross_entropy_row_stats");
+  const float* lp = logits.f32();
+  const int32_t* tp = targets.i32();
+  const float* mp = row_max.f32();
+  float* sp = sum_exp.f32();
+  float* tl = target_logit.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = lp + n * V;
+    const float m = mp[n];
+    float acc[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= valid; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) acc[j] += exp_f32(row[i + j] - m);
+    for (int j = 0; j < kLanes && i < valid; ++i, ++j) acc[j] += exp_f32(row[i] - m);
+    sp[n] = reduce_lanes(acc);
+    const int64_t t = int64_t{tp[n]} - begin;
+    tl[n] = tp[n] >= 0 && t >= 0 && t < valid ? row[t] : 0.0f;
+  }
+}
+
+double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sum_exp,
+                            const Tensor& target_logit, const Tensor& targets) {
+  const int64_t N = losses.numel();
+  for (const Tensor* t : {&lse, &row_max, &sum_exp, &target_logit}) check_numel(*t, N, "cross_entropy_finish");
+  check_numel(targets, N, "cross_entropy_finish: targets");
+  const int32_t* tp = targets.i32();
+  float* lossp = losses.f32();
+  float* lsep = lse.f32();
+  double total = 0.0;
+  for (int64_t n = 0; n < N; ++n) {
+    lsep[n] = row_max.f32()[n] + std::log(sum_exp.f32()[n]);
+    lossp[n] = tp[n] < 0 ? 0.0f : lsep[n] - target_logit.f32()[n];
+    total += lossp[n];
+  }
+  return total;
+}
+
+void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
+                                  const Tensor& targets, float scale, int64_t begin, int64_t valid) {
+  int64_t N = 0, V = 0;
+  check_shard(logits, &targets, {&lse}, valid, N, V, "cross_entropy_backward");
   check_f32(dlogits, "cross_entropy_backward: dlogits");
   check_numel(dlogits, N * V, "cross_entropy_backward: dlogits (must match logits)");
   const float* lp = logits.f32();
@@ -91,8 +170,9 @@ void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const T
     // Each element is read before it is written, so d == row (in place) is fine; ivdep
     // keeps GCC from falling back to a scalar loop when it sees the overlap at run time.
 #pragma GCC ivdep
-    for (int64_t i = 0; i < V; ++i) d[i] = exp_f32(row[i] - l) * scale;
-    d[t] -= scale;
+    for (int64_t i = 0; i < valid; ++i) d[i] = exp_f32(row[i] - l) * scale;
+    for (int64_t i = valid; i < V; ++i) d[i] = 0.0f;  // padding
+    if (t - begin >= 0 && t - begin < valid) d[t - begin] -= scale;
   }
 }
 

@@ -13,4 +13,23 @@ double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tens
 void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                             const Tensor& targets, float scale);
 
+// The same loss over a vocabulary split by columns (tensor parallelism): this rank holds
+// logits[N, Vl] for the global columns [begin, begin + valid); columns past `valid` are
+// padding and never count. The caller reduces between the steps:
+//   cross_entropy_row_max(m, ...)            then m = max over ranks
+//   cross_entropy_row_stats(s, t, ..., m)    then s = sum, t = sum over ranks
+//   cross_entropy_finish(losses, lse, m, s, t, targets)  -> the loss sum
+// With one rank holding every column (begin 0, valid V) this is cross_entropy_forward.
+void cross_entropy_row_max(const Tensor& row_max, const Tensor& logits, int64_t valid);
+// sum_exp[N] = sum over held columns of exp(logit - row_max); target_logit[N] = the target's
+// logit where this rank holds it, else 0.
+void cross_entropy_row_stats(const Tensor& sum_exp, const Tensor& target_logit, const Tensor& logits,
+                             const Tensor& targets, int64_t begin, int64_t valid, const Tensor& row_max);
+// lse = row_max + log(sum_exp); losses = lse - target_logit (0 where the target is -1).
+double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sum_exp,
+                            const Tensor& target_logit, const Tensor& targets);
+// dlogits for this rank's columns; padding columns get zero gradient.
+void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
+                                  const Tensor& targets, float scale, int64_t begin, int64_t valid);
+
 }  // namespace mt

@@ -119,4 +119,94 @@ void embedding_backward(const Tensor& dwte, const Tensor* dwpe, const Tensor& do
   }
 }
 
+// The vocabulary-parallel lookup: out[b, t] = wte[id - begin] for ids in [begin, begin + valid), else 0.
+void embedding_shard_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, int64_t begin, int64_t valid,
+                             int64_t vocab) {
+  check_f32(out, "embedding_shard_forward: out");
+  check_f32(wte, "embedding_shard_forward: wte");
+  MT_CHECK(wte.ndim() == 2 && valid <= wte.dim(0), "embedding_shard_forward: wte must be [>= " << valid << ", C], got "
+                                                                                            << shape_str(wte.shape()));
+  const int64_t C = wte.dim(1);
+  int64_t B, T;
+  check_tokens(tokens, out, vocab, B, T, "embedding_shard_forward: tokens");
+  check_numel(out, B * T * C, "embedding_shard_forward: out ([B, T, C])");
+  const int32_t* tp = tokens.i32();
+  const float* wtep = wte.f32();
+  float* op = out.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t row = tp[bt] - begin;
+    float* o = op + bt * C;
+    if (row >= 0 && row < valid) std::copy(wtep + row * C, wtep + (row + 1) * C, o);
+    else std::fill(o, o + C, 0.0f);
+  }
+}
+
+// dwte[id - begin] += dout[b, t] for the ids held, in (b, t) order per element.
+void embedding_shard_backward(const Tensor& dwte, const Tensor& dout, const Tensor& tokens, int64_t begin,
+                              int64_t valid, int64_t vocab) {
+  check_f32(dwte, "embedding_shard_backward: dwte");
+  check_f32(dout, "embedding_shard_backward: dout");
+  MT_CHECK(dwte.ndim() == 2 && valid <= dwte.dim(0), "embedding_shard_backward: dwte must be [>= " << valid
+                                                                                                  << ", C]");
+  const int64_t C = dwte.dim(1);
+  int64_t B, T;
+  check_tokens(tokens, dout, vocab, B, T, "embedding_shard_backward: tokens");
+  check_numel(dout, B * T * C, "embedding_shard_backward: dout ([B, T, C])");
+  const int32_t* tp = tokens.i32();
+  const float* dop = dout.f32();
+  float* dwtep = dwte.f32();
+  constexpr int64_t CB = 16;  // as embedding_backward: each thread owns whole column blocks
+  const int64_t ncb = (C + CB - 1) / CB, BT = B * T;
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t c0 = std::min(C, (ncb * tid / nt) * CB), c1 = std::min(C, (ncb * (tid + 1) / nt) * CB);
+    for (int64_t bt = 0; bt < BT && c1 > c0; ++bt) {
+      const int64_t row = tp[bt] - begin;
+      if (row < 0 || row >= valid) continue;
+      float* d = dwtep + row * C;
+      const float* g = dop + bt * C;
+      for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
+    }
+  }
+}
+
+// out[b, t] += wpe[t]
+void position_forward(const Tensor& out, const Tensor& wpe) {
+  check_f32(out, "position_forward: out");
+  check_f32(wpe, "position_forward: wpe");
+  MT_CHECK(out.ndim() == 3 && wpe.ndim() == 2 && wpe.dim(1) == out.dim(2) && wpe.dim(0) >= out.dim(1),
+           "position_forward: out [B, T, C] and wpe [maxT >= T, C], got " << shape_str(out.shape()) << " and "
+                                                                          << shape_str(wpe.shape()));
+  const int64_t B = out.dim(0), T = out.dim(1), C = out.dim(2);
+  float* op = out.f32();
+  const float* pp = wpe.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const float* p = pp + (bt % T) * C;
+    float* o = op + bt * C;
+    for (int64_t c = 0; c < C; ++c) o[c] += p[c];
+  }
+}
+
+// dwpe[t] += sum over b of dout[b, t], in b order
+void position_backward(const Tensor& dwpe, const Tensor& dout) {
+  check_f32(dwpe, "position_backward: dwpe");
+  check_f32(dout, "position_backward: dout");
+  MT_CHECK(dout.ndim() == 3 && dwpe.ndim() == 2 && dwpe.dim(1) == dout.dim(2) && dwpe.dim(0) >= dout.dim(1),
+           "position_backward: dout [B, T, C] and dwpe [maxT >= T, C]");
+  const int64_t B = dout.dim(0), T = dout.dim(1), C = dout.dim(2);
+  const float* dop = dout.f32();
+  float* dp = dwpe.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float* d = dp + t * C;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* g = dop + (b * T + t) * C;
+      for (int64_t c = 0; c < C; ++c) d[c] += g[c];
+    }
+  }
+}
+
 }  // namespace mt

@@ -11,4 +11,16 @@ void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wt
 // Deterministic: the sum order does not depend on the thread count.
 void embedding_backward(const Tensor& dwte, const Tensor* dwpe, const Tensor& dout, const Tensor& tokens);
 
+// Vocabulary-parallel lookup (tensor parallelism): wte holds the rows of ids
+// [begin, begin + valid) (and padding rows after them); ids are checked against [0, vocab).
+// out[b, t] = wte[id - begin] for ids held, 0 for the others, so the sum over the tp ranks
+// is the whole lookup. Backward adds dout into the rows held, deterministically.
+void embedding_shard_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, int64_t begin, int64_t valid,
+                             int64_t vocab);
+void embedding_shard_backward(const Tensor& dwte, const Tensor& dout, const Tensor& tokens, int64_t begin,
+                              int64_t valid, int64_t vocab);
+// Learned positions added after the reduction: out[B, T, C] += wpe[t]; dwpe[t] += sum over b.
+void position_forward(const Tensor& out, const Tensor& wpe);
+void position_backward(const Tensor& dwpe, const Tensor& dout);
+
 }  // namespace mt

@@ -11,13 +11,21 @@ namespace mt {
 
 using namespace detail;
 
-// y[N, O] = x[N, I] @ w[O, I]^T (+ b[O])
-void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) {
+namespace {
+
+// A weight's in and out dims: stored [out, in], or [in, out] (io).
+void weight_dims(const Tensor& w, bool io, int64_t& O, int64_t& I, const char* op) {
+  check_f32(w, op);
+  MT_CHECK(w.ndim() == 2, op << ": w must be 2-D " << (io ? "[in, out]" : "[out, in]") << ", got " << shape_str(w.shape()));
+  O = io ? w.dim(1) : w.dim(0);
+  I = io ? w.dim(0) : w.dim(1);
+}
+
+void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b, bool io) {
+  int64_t O, I;
+  weight_dims(w, io, O, I, "linear_forward: w");
   check_f32(y, "linear_forward: y");
   check_f32(x, "linear_forward: x");
-  check_f32(w, "linear_forward: w");
-  MT_CHECK(w.ndim() == 2, "linear_forward: w must be 2-D [out, in], got " << shape_str(w.shape()));
-  const int64_t O = w.dim(0), I = w.dim(1);
   const int64_t N = rows_of(x, I, "linear_forward: x (last dim must equal w's in-dim)");
   MT_CHECK(rows_of(y, O, "linear_forward: y (last dim must equal w's out-dim)") == N,
            "linear_forward: y has " << y.numel() / O << " rows but x has " << N);
@@ -36,30 +44,58 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
     for (int64_t n = 0; n < N; ++n) std::copy(bp, bp + O, yp + n * O);
     beta = 1.0f;
   }
-  gemm(false, true, N, O, I, x.f32(), I, w.f32(), I, beta, yp, O);
+  if (io) gemm(false, false, N, O, I, x.f32(), I, w.f32(), O, beta, yp, O);
+  else gemm(false, true, N, O, I, x.f32(), I, w.f32(), I, beta, yp, O);
 }
 
-// dx[N, I] (=, or += when accumulate) dy[N, O] @ w[O, I]
-void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate) {
+void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate, bool io) {
+  int64_t O, I;
+  weight_dims(w, io, O, I, "linear_backward_input: w");
   check_f32(dx, "linear_backward_input: dx");
   check_f32(dy, "linear_backward_input: dy");
-  check_f32(w, "linear_backward_input: w");
-  MT_CHECK(w.ndim() == 2, "linear_backward_input: w must be 2-D [out, in], got " << shape_str(w.shape()));
-  const int64_t O = w.dim(0), I = w.dim(1);
   const int64_t N = rows_of(dy, O, "linear_backward_input: dy (last dim must equal w's out-dim)");
   MT_CHECK(rows_of(dx, I, "linear_backward_input: dx (last dim must equal w's in-dim)") == N,
            "linear_backward_input: dx has " << dx.numel() / I << " rows but dy has " << N);
   if (N == 0) return;
-  gemm(false, false, N, I, O, dy.f32(), O, w.f32(), I, accumulate ? 1.0f : 0.0f, dx.f32(), I);
+  const float beta = accumulate ? 1.0f : 0.0f;
+  if (io) gemm(false, true, N, I, O, dy.f32(), O, w.f32(), O, beta, dx.f32(), I);
+  else gemm(false, false, N, I, O, dy.f32(), O, w.f32(), I, beta, dx.f32(), I);
+}
+
+void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io);
+
+}  // namespace
+
+// y[N, O] = x[N, I] @ w[O, I]^T (+ b[O])
+void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) { forward(y, x, w, b, false); }
+// y[N, O] = x[N, I] @ w[I, O] (+ b[O])
+void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) { forward(y, x, w, b, true); }
+
+// dx[N, I] (=, or += when accumulate) dy[N, O] @ w[O, I]
+void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate) {
+  backward_input(dx, dy, w, accumulate, false);
+}
+// dx[N, I] (=, or +=) dy[N, O] @ w[I, O]^T
+void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate) {
+  backward_input(dx, dy, w, accumulate, true);
 }
 
 // dw[O, I] += dy[N, O]^T @ x[N, I] ; db[O] += sum over rows of dy
 void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
-  check_f32(dw, "linear_backward_weight: dw");
+  backward_weight(dw, db, dy, x, false);
+}
+// dw[I, O] += x[N, I]^T @ dy[N, O] ; db[O] += sum over rows of dy
+void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
+  backward_weight(dw, db, dy, x, true);
+}
+
+namespace {
+
+void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io) {
+  int64_t O, I;
+  weight_dims(dw, io, O, I, "linear_backward_weight: dw");
   check_f32(dy, "linear_backward_weight: dy");
   check_f32(x, "linear_backward_weight: x");
-  MT_CHECK(dw.ndim() == 2, "linear_backward_weight: dw must be 2-D [out, in], got " << shape_str(dw.shape()));
-  const int64_t O = dw.dim(0), I = dw.dim(1);
   const int64_t N = rows_of(dy, O, "linear_backward_weight: dy (last dim must equal dw's out-dim)");
   MT_CHECK(rows_of(x, I, "linear_backward_weight: x (last dim must equal dw's in-dim)") == N,
            "linear_backward_weight: x has " << x.numel() / I << " rows but dy has " << N);
@@ -68,7 +104,8 @@ void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy
     check_numel(*db, O, "linear_backward_weight: db");
   }
   if (N == 0) return;
-  gemm(true, false, O, I, N, dy.f32(), O, x.f32(), I, 1.0f, dw.f32(), I);
+  if (io) gemm(true, false, I, O, N, x.f32(), I, dy.f32(), O, 1.0f, dw.f32(), O);
+  else gemm(true, false, O, I, N, dy.f32(), O, x.f32(), I, 1.0f, dw.f32(), I);
   if (db) {
     // Column sums, parallel over blocks of columns: each db element is summed by one
     // thread over the rows in order, so the result does not depend on the thread count.
@@ -88,5 +125,7 @@ void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy
     }
   }
 }
+
+}  // namespace
 
 }  // namespace mt

@@ -13,4 +13,11 @@ void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, 
 // dw[O, I] += dy^T @ x ; db[O] += sum over rows of dy   (always accumulates)
 void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x);
 
+// The same three for a weight stored [in, out] (the row-parallel layers, so that tensor
+// parallelism splits them by rows): y[N, O] = x[N, I] @ w[I, O] (+ b[O]),
+// dx = dy @ w^T, dw[I, O] += x^T @ dy, db as above.
+void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b);
+void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate);
+void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x);
+
 }  // namespace mt

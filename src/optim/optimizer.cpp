@@ -126,8 +126,19 @@ double grad_sumsq(const std::vector<OptimSegment>& segments) {
     std::vector<double> part(nchunks, 0.0);
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < nchunks; ++c) {
+      const int64_t hi = std::min(n, (c + 1) * kChunk);
       double acc = 0.0;
-      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) acc += double(g[i]) * g[i];
+      int64_t i = c * kChunk;
+      auto add_up_to = [&](int64_t end) {
+        for (; i < end; ++i) acc += double(g[i]) * g[i];
+      };
+      for (const auto& [a, b] : s.replica_ranges) {  // skipped: another rank counts them
+        if (b <= i) continue;
+        if (a >= hi) break;
+        add_up_to(std::max(i, a));
+        i = std::min(hi, std::max(i, b));
+      }
+      add_up_to(hi);
       part[c] = acc;
     }
     for (double x : part) total += x;

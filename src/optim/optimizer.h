@@ -30,10 +30,12 @@ struct OptimConfig {
 };
 
 // One flat buffer the optimizer updates: parameters w and gradients g of the same length,
-// with the element ranges [begin, end) that take weight decay.
+// with the element ranges [begin, end) that take weight decay, and those that another
+// tensor-parallel rank also holds and counts in the gradient norm (replicas: not counted here).
 struct OptimSegment {
   Tensor w, g;
   std::vector<std::pair<int64_t, int64_t>> decay_ranges;
+  std::vector<std::pair<int64_t, int64_t>> replica_ranges;  // sorted, disjoint
 };
 
 class Optimizer {

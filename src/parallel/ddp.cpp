@@ -122,9 +122,11 @@ void DDP::check_same_parameters() { check_same_units(dp_, model_.units()); }
 std::vector<OptimSegment> DDP::optim_segments() {
   std::vector<OptimSegment> segs;
   for (Unit& u : model_.units()) {
-    OptimSegment s{u.w, u.g, {}};
-    for (const ParamSpec& p : u.params)
+    OptimSegment s{u.w, u.g, {}, {}};
+    for (const ParamSpec& p : u.params) {
       if (p.decay) s.decay_ranges.emplace_back(p.offset, p.offset + p.numel());
+      if (!p.tp_primary) s.replica_ranges.emplace_back(p.offset, p.offset + p.numel());
+    }
     segs.push_back(std::move(s));
   }
   return segs;

@@ -186,6 +186,7 @@ std::vector<OptimSegment> ZeRO::optim_segments() {
     for (const ParamSpec& p : model_.units()[u].params) {
       const int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel(), b + len);
       if (p.decay && lo < hi) seg.decay_ranges.emplace_back(lo - b, hi - b);
+      if (!p.tp_primary && lo < hi) seg.replica_ranges.emplace_back(lo - b, hi - b);
     }
     segs.push_back(std::move(seg));
   }

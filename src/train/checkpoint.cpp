@@ -20,7 +20,9 @@ namespace mt {
 namespace {
 
 constexpr const char* kFormat = "meshtrain-checkpoint";
-constexpr int kVersion = 2;
+// 3: the row-parallel weights (attention output, MLP down projection) are stored [in, out],
+//    and a shard's tensors are named by unit, tensor and first element.
+constexpr int kVersion = 3;
 
 uint32_t crc32_file(const std::string& path) {
   static const auto table = [] {
@@ -77,6 +79,12 @@ nlohmann::json read_meta(const std::string& dir) {
   return j;
 }
 
+// A shard file's tensor for one range of a unit: "block.3.adam_m@1024" (a rank may hold
+// several ranges of a unit: its tensor-parallel pieces).
+std::string tensor_name(const std::string& unit, const std::string& tensor, int64_t begin) {
+  return unit + "." + tensor + "@" + std::to_string(begin);
+}
+
 // Every rank's string, in rank order (two all-gathers: lengths, then padded bytes).
 std::vector<std::string> allgather_strings(Communicator& c, const std::string& mine) {
   const int n = c.size();
@@ -129,7 +137,7 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
     for (const CheckpointSlice& s : slices) {
       nlohmann::json names = nlohmann::json::array();
       for (const auto& [t, ptr] : s.tensors) {
-        list.emplace_back(s.unit + "." + t, Shape{s.end - s.begin});
+        list.emplace_back(tensor_name(s.unit, t, s.begin), Shape{s.end - s.begin});
         names.push_back(t);
       }
       ranges.push_back({{"unit", s.unit}, {"begin", s.begin}, {"end", s.end}, {"tensors", names}});
@@ -137,7 +145,7 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
     {
       SafetensorsWriter w(tmp + "/" + name, list);
       for (const CheckpointSlice& s : slices)
-        for (const auto& [t, ptr] : s.tensors) w.write(s.unit + "." + t, ptr);
+        for (const auto& [t, ptr] : s.tensors) w.write(tensor_name(s.unit, t, s.begin), ptr);
       w.finish();
     }
     const std::string path = tmp + "/" + name;
@@ -216,6 +224,35 @@ std::vector<CheckpointSlice> checkpoint_param_slices(const std::vector<Unit>& un
   return r;
 }
 
+std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin, int64_t end,
+                                                    const std::vector<std::pair<std::string, float*>>& tensors,
+                                                    bool primary_only) {
+  MT_CHECK(!tensors.empty(), "internal: a checkpoint slice without tensors");
+  std::vector<CheckpointSlice> r;
+  for (const ParamSpec& p : u.params) {
+    if (primary_only && !p.tp_primary) continue;
+    const int64_t rn = p.row_numel();
+    int64_t local = p.offset;
+    for (const RowRange& rows : p.rows) {
+      const int64_t n = (rows.end - rows.begin) * rn, global = p.global_offset + rows.begin * rn;
+      const int64_t lo = std::max(begin, local), hi = std::min(end, local + n);
+      if (lo < hi) {
+        const int64_t g0 = global + (lo - local), g1 = g0 + (hi - lo), shift = lo - begin;
+        if (!r.empty() && r.back().end == g0 &&
+            r.back().tensors[0].second + (r.back().end - r.back().begin) == tensors[0].second + shift) {
+          r.back().end = g1;  // continues the previous stretch, locally and globally
+        } else {
+          CheckpointSlice slice{u.name, g0, g1, tensors};
+          for (auto& t : slice.tensors) t.second += shift;
+          r.push_back(std::move(slice));
+        }
+      }
+      local += n;
+    }
+  }
+  return r;
+}
+
 std::string checkpoint_latest(const std::string& root) {
   if (fs::exists(root + "/meta.json")) return root;
   if (!fs::is_directory(root)) return "";
@@ -284,8 +321,8 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
           const int64_t lo = std::max(want.begin, rg.at("begin").get<int64_t>());
           const int64_t hi = std::min(want.end, rg.at("end").get<int64_t>());
           if (lo >= hi) continue;
-          reader(sh).read_f32_range(want.unit + "." + tname, lo - rg.at("begin").get<int64_t>(), hi - lo,
-                                    dst + (lo - want.begin));
+          const int64_t begin = rg.at("begin").get<int64_t>();
+          reader(sh).read_f32_range(tensor_name(want.unit, tname, begin), lo - begin, hi - lo, dst + (lo - want.begin));
           filled += hi - lo;
         }
       MT_CHECK(filled == want.end - want.begin,

@@ -6,7 +6,8 @@
 // checkpoint loads into any layout (dp size, ZeRO stage).
 //
 //   <dir>/step_00000100/meta.json
-//   <dir>/step_00000100/shard_00003.safetensors   "<unit>.params", "<unit>.adam_m", ... over [begin, end)
+//   <dir>/step_00000100/shard_00003.safetensors   "<unit>.params@<begin>", "<unit>.adam_m@<begin>", ...
+//                                                 each over one range [begin, end) of the whole unit
 //
 // Writing needs every rank's checkpoint.dir to be the same shared directory.
 //
@@ -43,6 +44,13 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
                             int keep);
 // Slices covering every unit's parameters whole ("params" into each unit's w).
 std::vector<CheckpointSlice> checkpoint_param_slices(const std::vector<Unit>& units);
+// Checkpoints hold whole units (the tp = 1 layout). Local elements [begin, end) of unit u
+// as this rank holds it (a tensor-parallel share of it, or all of it), as slices of the
+// whole unit: `tensors` point at local element `begin`. primary_only leaves out the
+// parameters another tp rank saves (replicas), and padding never appears.
+std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin, int64_t end,
+                                                    const std::vector<std::pair<std::string, float*>>& tensors,
+                                                    bool primary_only);
 
 // The newest complete checkpoint directory under root ("" if none); a step directory
 // itself is accepted too.

@@ -7,6 +7,7 @@
 #include <toml++/toml.h>
 
 #include "core/error.h"
+#include "nn/tp.h"
 
 namespace mt {
 
@@ -266,7 +267,7 @@ void Config::validate() const {
   MT_CHECK(!checkpoint.resume || !checkpoint.dir.empty(), "checkpoint.resume=true needs checkpoint.dir");
   MT_CHECK(logging.every >= 1, "logging.every must be at least 1");
   MT_CHECK(parallel.dp >= 0, "parallel.dp = " << parallel.dp << " must not be negative (0: all remaining ranks)");
-  MT_CHECK(parallel.tp == 1, "parallel.tp = " << parallel.tp << ": tensor parallelism is not available yet; use parallel.tp=1");
+  validate_tp(model, parallel.tp);  // heads, key/value heads and d_ff must split tp ways
   MT_CHECK(parallel.pp == 1, "parallel.pp = " << parallel.pp << ": pipeline parallelism is not available yet; use parallel.pp=1");
   MT_CHECK(parallel.bucket_mb > 0, "parallel.bucket_mb = " << parallel.bucket_mb << " must be positive");
   MT_CHECK(parallel.timeout_s >= 0, "parallel.timeout_s must not be negative (0: no watchdog)");

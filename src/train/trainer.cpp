@@ -22,6 +22,7 @@
 #include "parallel/data_parallel.h"
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
+#include "parallel/tensor.h"
 #include "parallel/zero.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
@@ -181,15 +182,17 @@ void inject_fault(const std::string& spec, int64_t step, Communicator& world, Co
   MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw, mismatch or slow_save");
 }
 
-// The optimizer state of segment i (unit i) next to the strategy's parameter range.
+// The optimizer state of segment i (unit i) next to the strategy's parameter range, as
+// slices of the whole units; saving leaves out what another tp rank saves.
 std::vector<CheckpointSlice> state_slices(const std::vector<ParamSlice>& params, const Optimizer& opt,
-                                          const std::vector<Unit>& units, bool with_params) {
+                                          const std::vector<Unit>& units, bool saving) {
   std::vector<CheckpointSlice> r;
   for (const ParamSlice& p : params) {
-    CheckpointSlice s{units[p.unit].name, p.begin, p.end, {}};
-    if (with_params) s.tensors.emplace_back("params", p.params);
-    for (auto& [name, t] : opt.state(p.unit)) s.tensors.emplace_back(name, t.f32());
-    r.push_back(std::move(s));
+    std::vector<std::pair<std::string, float*>> tensors;
+    if (saving) tensors.emplace_back("params", p.params);
+    for (auto& [name, t] : opt.state(p.unit)) tensors.emplace_back(name, t.f32());
+    for (CheckpointSlice& s : checkpoint_unit_slices(units[p.unit], p.begin, p.end, tensors, saving))
+      r.push_back(std::move(s));
   }
   return r;
 }
@@ -222,6 +225,7 @@ struct Run {
   const Config& c;
   Communicator& world;
   Communicator& dp;
+  Communicator& tp;
   Model& model;
   DataParallel& strategy;
   Optimizer& opt;
@@ -271,12 +275,17 @@ std::string resume_point(const Config& c, Communicator& world, MetricsLog& log) 
 // Hugging Face file (model.init_from) or the seed. *start: the checkpoint's step.
 std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Communicator& dp, CpuAllocator& alloc,
                                             const std::string& from, int64_t* start) {
+  const std::vector<Unit> whole_layout = model_layout(c.model);  // files hold whole units
   std::optional<HfImporter> hf;
-  if (from.empty() && !c.model.init_from.empty()) hf.emplace(c.model, model.units(), c.model.init_from);
+  if (from.empty() && !c.model.init_from.empty()) hf.emplace(c.model, whole_layout, c.model.init_from);
   auto fill = [&](const std::vector<ParamSlice>& ranges) {
     if (!from.empty()) {
       std::vector<CheckpointSlice> slices;
-      for (const ParamSlice& r : ranges) slices.push_back({model.units()[r.unit].name, r.begin, r.end, {{"params", r.params}}});
+      for (const ParamSlice& r : ranges) {
+        std::fill(r.params, r.params + (r.end - r.begin), 0.0f);  // padding rows stay 0
+        for (CheckpointSlice& s : checkpoint_unit_slices(model.units()[r.unit], r.begin, r.end, {{"params", r.params}}, false))
+          slices.push_back(std::move(s));
+      }
       *start = checkpoint_load(from, c.model, slices);
       return;
     }
@@ -285,9 +294,13 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
         model.init_range(r.unit, r.begin, r.end, r.params, c.training.seed);
         continue;
       }
-      std::vector<float> whole(model.units()[r.unit].numel);  // one unit at a time
+      std::vector<float> whole(whole_layout[r.unit].global_numel);  // one unit at a time
       hf->unit(r.unit, whole.data());
-      std::copy(whole.begin() + r.begin, whole.begin() + r.end, r.params);
+      std::fill(r.params, r.params + (r.end - r.begin), 0.0f);
+      for (const UnitPiece& piece : model.units()[r.unit].pieces()) {  // this rank's share of it
+        const int64_t lo = std::max(r.begin, piece.local), hi = std::min(r.end, piece.local + piece.n);
+        if (lo < hi) std::copy_n(whole.data() + piece.global + (lo - piece.local), hi - lo, r.params + (lo - r.begin));
+      }
     }
   };
   if (c.parallel.zero > 0) return std::make_unique<ZeRO>(model, dp, alloc, c.parallel, fill);
@@ -298,14 +311,25 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
   return std::make_unique<DDP>(model, dp, alloc, c.parallel);
 }
 
+// The bytes a tp rank sends per optimizer step, by tp_bytes_per_micro_batch.
+double tp_bytes_per_step(const Run& run) {
+  const Config& c = run.c;
+  const int64_t M = c.training.micro_batch, n_micro = c.training.global_batch / (int64_t{run.dp.size()} * M);
+  return n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, c.model.seq_len,
+                                            c.training.recompute);
+}
+
 void log_header(const Run& run, const std::string& resumed_from, int64_t start) {
   const Config& c = run.c;
   const int T = c.model.seq_len, M = static_cast<int>(c.training.micro_batch), R = run.dp.size();
   const int64_t G = c.training.global_batch, n_micro = G / (int64_t{R} * M);
   char head[512];
-  std::snprintf(head, sizeof head, "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d), %d threads each",
-                c.model.family.c_str(), c.model.n_layer, c.model.d_model, run.model.num_params() / 1e6,
-                run.world.size(), run.world.size() > 1 ? "s" : "", R, omp_get_max_threads());
+  int64_t whole = 0;
+  for (const Unit& u : run.model.units()) whole += u.global_numel;
+  std::snprintf(head, sizeof head,
+                "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d, tp %d), %d threads each",
+                c.model.family.c_str(), c.model.n_layer, c.model.d_model, whole / 1e6, run.world.size(),
+                run.world.size() > 1 ? "s" : "", R, run.tp.size(), omp_get_max_threads());
   run.log.message(head);
   run.log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
                   " threads, fixed tile grid");
@@ -315,6 +339,16 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
                 static_cast<long long>(G), T, static_cast<long long>(n_micro), n_micro > 1 ? "es" : "", M);
   run.log.message(head);
   if (!run.strategy.describe().empty()) run.log.message(run.strategy.describe());
+  if (run.tp.size() > 1) {
+    const LocalDims& d = run.model.dims();
+    std::snprintf(head, sizeof head,
+                  "tp: %d ranks, each %lld of %d heads, %lld of %d key/value heads, %lld of %d MLP units, %lld "
+                  "vocabulary rows; %.2f MB sent per step by each tp rank",
+                  run.tp.size(), static_cast<long long>(d.NH), c.model.n_head, static_cast<long long>(d.NKV),
+                  c.model.kv_heads(), static_cast<long long>(d.F), c.model.ff_dim(), static_cast<long long>(d.V),
+                  tp_bytes_per_step(run) / 1e6);
+    run.log.message(head);
+  }
   if (!resumed_from.empty()) run.log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
   else if (c.checkpoint.resume) run.log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
 }
@@ -341,7 +375,8 @@ nlohmann::json step_run(Run& run, int64_t s) {
   const double loss = sum_doubles(run.dp, loss_sum) / tokens_per_step;
   MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
                                                    << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
-  const double norm = std::sqrt(run.strategy.grad_sumsq(run.opt.segments()));
+  // Each element once: a tp rank counts its shards and the replicas it is first to hold.
+  const double norm = std::sqrt(sum_doubles(run.tp, run.strategy.grad_sumsq(run.opt.segments())));
   grad_clip(run.opt.segments(), norm, c.optim.grad_clip);
   const double lr = lr_at(c.optim, s, c.training.steps);
   run.opt.step(lr);
@@ -353,7 +388,7 @@ nlohmann::json step_run(Run& run, int64_t s) {
 // replicas do not write).
 std::string checkpoint_write(Run& run, int64_t step) {
   const std::vector<ParamSlice> mine = run.strategy.writes_checkpoint() ? run.strategy.owned() : std::vector<ParamSlice>{};
-  return checkpoint_save(run.c.checkpoint.dir, step, run.c, run.model.units(),
+  return checkpoint_save(run.c.checkpoint.dir, step, run.c, model_layout(run.c.model),
                          state_slices(mine, run.opt, run.model.units(), true), run.opt.steps_taken(), run.world,
                          run.c.checkpoint.keep);
 }
@@ -365,7 +400,7 @@ void run_steps(Run& run, Progress& p) {
   const double tokens_per_step = double(c.training.global_batch) * c.model.seq_len;
   for (int64_t s = p.steps_done; s < c.training.steps; ++s) {
     const auto t0 = Clock::now();
-    const uint64_t bytes_before = run.strategy.bytes_sent();
+    const uint64_t bytes_before = run.strategy.bytes_sent(), tp_before = run.tp.bytes_sent();
     nlohmann::json j = step_run(run, s);
     const double dt = seconds_since(t0), loss = j["loss"], lr = j["lr"];
     p.train_seconds += dt;
@@ -378,6 +413,10 @@ void run_steps(Run& run, Progress& p) {
     j["mem_model_state"] = model_state_bytes(a.peaks);
     j["mem_model_state_predicted"] = run.predicted;
     j["comm_bytes"] = run.strategy.bytes_sent() - bytes_before;  // this rank's, this step
+    if (run.tp.size() > 1) {
+      j["comm_bytes_tp"] = run.tp.bytes_sent() - tp_before;
+      j["comm_bytes_tp_predicted"] = tp_bytes_per_step(run);
+    }
     run.log.write(j);
     run.log.progress(s, c.training.steps, loss, lr, p.timed_steps * tokens_per_step / p.train_seconds,
                      (c.training.steps - s - 1) * p.train_seconds / p.timed_steps);
@@ -544,8 +583,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   const std::optional<double> baseline = unigram_baseline(train_data.tokens(), data.val, c.model.vocab_size);
 
   // Each rank materialises only the parameters it keeps.
+  TensorParallel tp(mesh.tp());
   Model model(c.model, alloc, static_cast<int>(c.training.micro_batch), c.training.recompute,
-              /*allocate_state=*/c.parallel.zero == 0);
+              /*allocate_state=*/c.parallel.zero == 0, &tp);
   const std::string resumed_from = resume_point(c, world, log);
   Progress p;
   std::unique_ptr<DataParallel> strategy = strategy_make(c, model, dp, alloc, resumed_from, &p.steps_done);
@@ -558,7 +598,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   }
   world.barrier_slow();  // ranks load at different speeds
   if (dp.size() > 1) strategy->check_same_parameters();
-  Run run{c, world, dp, model, *strategy, opt, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
+  Run run{c, world, dp, mesh.tp(), model, *strategy, opt, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
           predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name)};
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
 

@@ -1,0 +1,165 @@
+// Tensor parallelism in whole training runs (meshtrain launch): tp 2 and 4, tp x dp with
+// ZeRO 0, 1 and 3, accumulation and recomputation train what one process trains; a
+// checkpoint written at tp 2 x dp 2 resumes at tp 1 and tp 4; layouts the model cannot
+// split are refused before any work. The model-level checks (parameters by global index,
+// gradients of every plan entry) are in mpi_test_tp.cpp.
+#include <filesystem>
+
+#include "core/safetensors.h"
+#include "nn/hf.h"
+#include "train_runs.h"
+
+using namespace mt;
+using namespace mt::test;
+
+namespace {
+
+class TpFamily : public ::testing::TestWithParam<std::string> {};
+
+// Every step's bytes sent over tp are the predicted ones (tp_bytes_per_micro_batch): the
+// mappings run exactly the collectives the design says, no more.
+void expect_tp_bytes_as_predicted(const TempDir& d, const std::string& name) {
+  int steps = 0;
+  for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
+    const auto j = nlohmann::json::parse(l);
+    if (j.contains("event")) continue;
+    ++steps;
+    ASSERT_TRUE(j.contains("comm_bytes_tp")) << name << ": " << l;
+    const double got = j["comm_bytes_tp"], want = j["comm_bytes_tp_predicted"];
+    EXPECT_GT(want, 0) << name;
+    EXPECT_NEAR(got, want, 1e-6 * want + 64) << name;  // per-collective byte counts are whole numbers
+  }
+  EXPECT_GT(steps, 0) << name;
+}
+
+// The tolerances are expect_equivalent's (train_runs.h): tp changes only the order of sums
+// (row-parallel products split over d_model / tp or F / tp inputs and added over ranks, the
+// loss's row statistics over the vocabulary shards), the rounding that derivation covers.
+TEST_P(TpFamily, LayoutsMatchSingleRank) {
+  TempDir d;
+  const std::string fam = GetParam(), data = " --data.path=" + write_tokens(d, "t.bin", 3000, 37);
+  const std::string clip = " --optim.grad_clip=0.05";  // clipping active: the norm must count each element once
+  RunResult one = train_run(d, "one", 1, options(fam, 8, 0) + data + clip);
+  expect_equivalent(one, train_run(d, "tp2", 2, options(fam, 8, 0) + data + clip + " --parallel.tp=2"), fam + " tp 2");
+  // llama: 2 key/value heads at tp 4, each held by two ranks
+  expect_equivalent(one, train_run(d, "tp4", 4, options(fam, 8, 0) + data + clip + " --parallel.tp=4"), fam + " tp 4");
+  expect_tp_bytes_as_predicted(d, "tp2");
+  expect_tp_bytes_as_predicted(d, "tp4");
+  for (int zero : {0, 1, 3}) {
+    const std::string name = "tp2dp2z" + std::to_string(zero);
+    // micro-batch 2: two micro-steps per rank
+    RunResult r = train_run(d, name, 4, options(fam, 8, 2) + data + clip + " --parallel.tp=2 --parallel.zero=" +
+                                            std::to_string(zero));
+    expect_equivalent(one, r, fam + " " + name);
+  }
+  expect_equivalent(one, train_run(d, "recompute", 2, options(fam, 8, 4) + data + clip +
+                                                         " --parallel.tp=2 --training.recompute=true"),
+                    fam + " tp 2 with recompute and accumulation");
+  expect_tp_bytes_as_predicted(d, "recompute");
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, TpFamily, ::testing::Values("gpt2", "llama"));
+
+// Multi-query attention (one key/value head held by every rank) and an untied head.
+TEST(Tp, MultiQueryAndUntiedHead) {
+  TempDir d;
+  const std::string o = options("llama", 8, 0) + " --model.n_kv_head=1 --data.path=" + write_tokens(d, "t.bin", 3000, 37);
+  RunResult one = train_run(d, "one", 1, o);
+  expect_equivalent(one, train_run(d, "tp2", 2, o + " --parallel.tp=2"), "llama MQA tp 2");
+  expect_equivalent(one, train_run(d, "tp4", 4, o + " --parallel.tp=4"), "llama MQA tp 4");
+  const std::string g = options("gpt2", 8, 0) + " --model.tie_embeddings=false --data.path=" + d / "t.bin";
+  expect_equivalent(train_run(d, "g1", 1, g), train_run(d, "g2", 2, g + " --parallel.tp=2"), "gpt2 untied tp 2");
+}
+
+// Checkpoints hold whole parameters: written at tp 2 x dp 2 (ZeRO 1), they resume at tp 1
+// and at tp 4 with the uninterrupted run's losses and parameters (to rounding: the layout
+// changes the order of sums), and at the same layout bit-exactly. Export writes the whole
+// model from the tp shards.
+TEST(Tp, CheckpointResumesAtAnotherTp) {
+  TempDir d;
+  const std::string o = options("llama", 8, 0) + " --optim.schedule=constant --data.path=" +
+                        write_tokens(d, "t.bin", 3000, 37);
+  const std::string saved_layout = " --parallel.tp=2 --parallel.zero=1";
+  RunResult straight = train_run(d, "straight", 4, o + saved_layout);
+  const RunResult last3{{straight.loss.begin() + 3, straight.loss.end()},
+                        {straight.grad_norm.begin() + 3, straight.grad_norm.end()},
+                        {},
+                        straight.units,
+                        straight.model,
+                        straight.adam_v,
+                        straight.config};
+  for (const auto& [ranks, layout] : std::vector<std::pair<int, std::string>>{
+           {1, ""}, {4, " --parallel.tp=4"}, {4, saved_layout}}) {
+    const std::string name = "resume" + std::to_string(ranks) + (layout == saved_layout ? "same" : "");
+    train_run(d, name, 4, o + saved_layout + " --training.steps=3");
+    std::filesystem::remove(d / (name + ".jsonl"));
+    RunResult r = train_run(d, name, ranks, o + layout + " --checkpoint.resume=true");
+    ASSERT_EQ(r.loss.size(), 3u) << name;
+    if (layout == saved_layout) {
+      EXPECT_EQ(r.loss, last3.loss) << name;
+      EXPECT_EQ(r.units, straight.units) << name;
+      continue;
+    }
+    for (size_t s = 0; s < 3; ++s)
+      EXPECT_NEAR(r.loss[s], straight.loss[s + 3], 1e-6 * straight.loss[s + 3]) << name << " step " << s + 3;
+    expect_equivalent(last3, r, "resumed at " + name);
+  }
+  std::string out;
+  ASSERT_EQ(run_command(std::string(MESHTRAIN_BIN) + " export --checkpoint " + d / "straight" + " --out " +
+                            d / "export.safetensors",
+                        &out),
+            0)
+      << out;
+  SafetensorsReader file(d / "export.safetensors");
+  std::vector<Unit> whole = model_layout(straight.model);
+  for (size_t u = 0; u < whole.size(); ++u)
+    for (const ParamSpec& p : whole[u].params) {
+      std::vector<float> got(p.numel());
+      file.read_f32(p.name, got.data(), p.numel());
+      if (p.hf_transposed) {  // stored [a, b] here, [b, a] in the file
+        std::vector<float> t(got.size());
+        for (int64_t i = 0; i < p.shape[0]; ++i)
+          for (int64_t j = 0; j < p.shape[1]; ++j) t[i * p.shape[1] + j] = got[j * p.shape[0] + i];
+        got = t;
+      }
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), straight.units[u].begin() + p.offset)) << p.name;
+    }
+}
+
+// Starting from a Hugging Face file, each tp rank takes its rows of every parameter: the
+// run trains what one process trains from the same file.
+TEST(Tp, InitFromHuggingFaceFile) {
+  TempDir d;
+  ModelConfig m;
+  m.family = "llama", m.n_layer = 2, m.n_head = 4, m.n_kv_head = 2, m.d_model = 32, m.vocab_size = 37, m.seq_len = 16;
+  CpuAllocator alloc;
+  Model src(m, alloc, 1);
+  src.init(4242);
+  hf_export(m, src.units(), d / "init.safetensors");
+  const std::string o = options("llama", 8, 0) + " --model.init_from=" + d / "init.safetensors" +
+                        " --data.path=" + write_tokens(d, "t.bin", 3000, 37);
+  RunResult one = train_run(d, "one", 1, o);
+  expect_equivalent(one, train_run(d, "tp2dp2z3", 4, o + " --parallel.tp=2 --parallel.zero=3"), "init_from at tp 2 x dp 2");
+}
+
+// Sizes that do not split: one message naming the key, before any work.
+TEST(Tp, LayoutsThatCannotSplitAreRefused) {
+  TempDir d;
+  const std::string bin = MESHTRAIN_BIN, data = " --data.path=" + write_tokens(d, "t.bin", 3000, 37);
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"--model.n_head=6 --model.d_model=48 --parallel.tp=4", "model.n_head = 6"},
+      {"--model.family=llama --model.n_head=12 --model.n_kv_head=3 --model.d_model=48 --parallel.tp=4",
+       "model.n_kv_head = 3"},
+      {"--model.d_ff=66 --parallel.tp=4", "model.d_ff = 66"},
+  };
+  for (const auto& [opts, want] : bad) {
+    std::string out;
+    const int rc = run_command(bin + " launch -n 4 train " + options("gpt2", 8, 0) + data + " " + opts +
+                                   " --logging.progress=off --checkpoint.dir=",
+                               &out);
+    EXPECT_NE(rc, 0) << opts;
+    EXPECT_NE(out.find(want), std::string::npos) << opts << "\n" << out;
+  }
+}
+
+}  // namespace
