@@ -1,8 +1,9 @@
 // Tensor parallelism at the model level, under mpirun: a model split over a tp group holds,
 // element for element, the single-rank model's parameters (initialised by global index) and
 // computes the same loss and gradients, for both families, grouped-query and multi-query
-// heads, tied and untied heads, a vocabulary tp does not divide, and recomputation. Run
-// with 2 ranks (tp 2) and 4 (tp 4, and tp 2 twice side by side).
+// heads, tied and untied heads, a vocabulary tp does not divide, and recomputation, with
+// and without sequence parallelism. Run with 2 ranks (tp 2) and 4 (tp 4, and tp 2 twice
+// side by side).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -83,12 +84,12 @@ std::unique_ptr<Communicator> tp_group(int tp) {
   return w.split(w.rank() / tp, w.rank(), "tp");
 }
 
-void check_case(const Case& k, int tp) {
-  SCOPED_TRACE(std::string(k.name) + " at tp " + std::to_string(tp));
+void check_case(const Case& k, int tp, bool sp) {
+  SCOPED_TRACE(std::string(k.name) + " at tp " + std::to_string(tp) + (sp ? " with sequence parallelism" : ""));
   const int B = 2, T = k.model.seq_len;
   CpuAllocator alloc;
   auto group = tp_group(tp);
-  TensorParallel mappings(*group);
+  TensorParallel mappings(*group, sp);
   Model whole(k.model, alloc, B, k.recompute);
   Model part(k.model, alloc, B, k.recompute, true, &mappings);
   whole.init(7);
@@ -143,10 +144,11 @@ void check_case(const Case& k, int tp) {
 
 TEST(TensorParallel, ModelMatchesOneRank) {
   const int n = g_world->size();
-  for (const Case& k : cases()) {
-    check_case(k, n);
-    if (n == 4) check_case(k, 2);  // two tp-2 groups side by side
-  }
+  for (bool sp : {false, true})
+    for (const Case& k : cases()) {
+      check_case(k, n, sp);
+      if (n == 4) check_case(k, 2, sp);  // two tp-2 groups side by side
+    }
 }
 
 // The tp collectives run on the tp group only: a 2 x 2 split of 4 ranks leaves the other

@@ -111,7 +111,7 @@ declare -A how=(
   ["./build/meshtrain launch -n 4 train --parallel.zero=3"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 4 train --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 2 train --parallel.tp=2"]='run "$cmd $few"'
-  ["./build/meshtrain launch -n 4 train --parallel.tp=2 --parallel.zero=1"]='run "$cmd $few"'
+  ["./build/meshtrain launch -n 4 train --parallel.tp=2 --parallel.zero=1 --parallel.sequence_parallel=true"]='run "$cmd $few"'
 )
 
 for cmd in "${commands[@]}"; do

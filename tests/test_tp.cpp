@@ -1,5 +1,6 @@
 // Tensor parallelism in whole training runs (meshtrain launch): tp 2 and 4, tp x dp with
-// ZeRO 0, 1 and 3, accumulation and recomputation train what one process trains; a
+// ZeRO 0, 1 and 3, sequence parallelism, accumulation and recomputation train what one
+// process trains; a
 // checkpoint written at tp 2 x dp 2 resumes at tp 1 and tp 4; layouts the model cannot
 // split are refused before any work. The model-level checks (parameters by global index,
 // gradients of every plan entry) are in mpi_test_tp.cpp.
@@ -45,6 +46,15 @@ TEST_P(TpFamily, LayoutsMatchSingleRank) {
   expect_equivalent(one, train_run(d, "tp4", 4, options(fam, 8, 0) + data + clip + " --parallel.tp=4"), fam + " tp 4");
   expect_tp_bytes_as_predicted(d, "tp2");
   expect_tp_bytes_as_predicted(d, "tp4");
+  // sequence parallelism: the residual stream, norms and residual adds on 16 / tp positions
+  const std::string sp = " --parallel.sequence_parallel=true";
+  expect_equivalent(one, train_run(d, "sp4", 4, options(fam, 8, 0) + data + clip + " --parallel.tp=4" + sp),
+                    fam + " tp 4 sequence parallel");
+  expect_equivalent(one, train_run(d, "sp2dp2", 4, options(fam, 8, 2) + data + clip + " --parallel.tp=2 --parallel.zero=3" + sp),
+                    fam + " tp 2 x dp 2 ZeRO 3 sequence parallel");
+  expect_equivalent(one, train_run(d, "sp2rc", 2, options(fam, 8, 4) + data + clip + " --parallel.tp=2 --training.recompute=true" + sp),
+                    fam + " tp 2 sequence parallel with recompute and accumulation");
+  for (const char* name : {"sp4", "sp2dp2", "sp2rc"}) expect_tp_bytes_as_predicted(d, name);
   for (int zero : {0, 1, 3}) {
     const std::string name = "tp2dp2z" + std::to_string(zero);
     // micro-batch 2: two micro-steps per rank
@@ -142,23 +152,29 @@ TEST(Tp, InitFromHuggingFaceFile) {
   expect_equivalent(one, train_run(d, "tp2dp2z3", 4, o + " --parallel.tp=2 --parallel.zero=3"), "init_from at tp 2 x dp 2");
 }
 
-// Sizes that do not split: one message naming the key, before any work.
+// Sizes that do not split: one message naming the key and the tp sizes that work, printed
+// once, before any work.
 TEST(Tp, LayoutsThatCannotSplitAreRefused) {
   TempDir d;
   const std::string bin = MESHTRAIN_BIN, data = " --data.path=" + write_tokens(d, "t.bin", 3000, 37);
-  const std::vector<std::pair<std::string, std::string>> bad = {
-      {"--model.n_head=6 --model.d_model=48 --parallel.tp=4", "model.n_head = 6"},
+  const std::vector<std::pair<std::string, std::vector<std::string>>> bad = {
+      {"--model.n_head=6 --model.d_model=48 --parallel.tp=4",
+       {"model.n_head = 6", "parallel.tp can be 1, 2, 3 or 6 for this model"}},
       {"--model.family=llama --model.n_head=12 --model.n_kv_head=3 --model.d_model=48 --parallel.tp=4",
-       "model.n_kv_head = 3"},
-      {"--model.d_ff=66 --parallel.tp=4", "model.d_ff = 66"},
+       {"model.n_kv_head = 3"}},
+      {"--model.d_ff=66 --parallel.tp=4", {"model.d_ff = 66"}},
+      {"--model.seq_len=18 --parallel.tp=4 --parallel.sequence_parallel=true", {"model.seq_len = 18"}},
   };
-  for (const auto& [opts, want] : bad) {
+  for (const auto& [opts, wants] : bad) {
     std::string out;
     const int rc = run_command(bin + " launch -n 4 train " + options("gpt2", 8, 0) + data + " " + opts +
                                    " --logging.progress=off --checkpoint.dir=",
                                &out);
     EXPECT_NE(rc, 0) << opts;
-    EXPECT_NE(out.find(want), std::string::npos) << opts << "\n" << out;
+    for (const std::string& want : wants) EXPECT_NE(out.find(want), std::string::npos) << opts << "\n" << out;
+    size_t errors = 0;  // printed once, not by every rank
+    for (size_t at = out.find("error:"); at != std::string::npos; at = out.find("error:", at + 1)) ++errors;
+    EXPECT_EQ(errors, 1u) << opts << "\n" << out;
   }
 }
 

@@ -64,15 +64,19 @@ const Tensor* opt(const Tensor& t) { return t.defined() ? &t : nullptr; }
 }  // namespace
 
 // Every activation tensor with its shape for a batch of [B, T], listed once.
+// Under sequence parallelism the residual stream and the norms' outputs and statistics
+// hold this rank's Tl = T / tp positions (a norm's output is gathered into a workspace
+// for the layer it feeds, and again in backward for that layer's weight gradient); the
+// split layers' inputs and outputs hold all T.
 template <class Fn>
 void BlockActs::each(const ModelConfig& cfg, const LocalDims& d, int64_t B, int64_t T, Fn fn) {
-  const int64_t C = d.C, F = d.F, NH = d.NH;
-  fn(ln1, {B, T, C}), fn(ln1_mean, {B, T}), fn(ln1_rstd, {B, T});
+  const int64_t C = d.C, F = d.F, NH = d.NH, Tl = T / d.seq_split;
+  fn(ln1, {B, Tl, C}), fn(ln1_mean, {B, Tl}), fn(ln1_rstd, {B, Tl});
   fn(qkv, {B, T, d.qkv()});
   if (cfg.fused_attention()) fn(lse, {B, NH, T});
   else fn(att, {B, NH, T, T});
-  fn(atty, {B, T, d.attn()}), fn(mid, {B, T, C});
-  fn(ln2, {B, T, C}), fn(ln2_mean, {B, T}), fn(ln2_rstd, {B, T});
+  fn(atty, {B, T, d.attn()}), fn(mid, {B, Tl, C});
+  fn(ln2, {B, Tl, C}), fn(ln2_mean, {B, Tl}), fn(ln2_rstd, {B, Tl});
   fn(fc, {B, T, cfg.is_llama() ? 2 * F : F}), fn(act, {B, T, F});
 }
 
@@ -83,6 +87,7 @@ void BlockScratch::each(const ModelConfig& cfg, const LocalDims& d, int64_t B, i
   if (!cfg.fused_attention()) fn(datt, {B, NH, T, T});
   fn(dfc, {B, T, cfg.is_llama() ? 2 * F : F}), fn(dact, {B, T, F});
   if (d.kv_sharers > 1) fn(dwqkv, {d.qkv(), C});
+  if (d.seq_split > 1) fn(seq, {B, T, C}), fn(local, {B, T / d.seq_split, C}), fn(rep, {6 * C});
 }
 
 BlockActs::BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
@@ -109,16 +114,67 @@ BlockScratch BlockScratch::at(const ModelConfig& cfg, const LocalDims& d, int B,
 
 namespace {
 
-// A row-parallel layer: y = x @ w (this rank's input features, partial sums) summed over
-// tp (reduce), then the bias, added once. On one rank, the bias rides in the product.
-void row_parallel_forward(TpMappings& tp, const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) {
-  if (tp.shard().size == 1) return linear_io_forward(y, x, w, b);
-  linear_io_forward(y, x, w, nullptr);
-  tp.reduce_forward(y);
+bool sequence_parallel(const BlockEnv& env) { return env.d.seq_split > 1; }
+
+// A row-parallel layer: y = x @ w (this rank's input features: partial sums) summed over
+// tp (reduce; under sequence parallelism reduce-scattered into this rank's positions, via
+// `full`), then the bias, added once. On one rank the bias rides in the product.
+void row_parallel_forward(const BlockEnv& env, const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
+                          const Tensor& full) {
+  if (env.tp.shard().size == 1) return linear_io_forward(y, x, w, b);
+  if (sequence_parallel(env)) {
+    linear_io_forward(full, x, w, nullptr);
+    env.tp.reduce_scatter_sequence(y, full);
+  } else {
+    linear_io_forward(y, x, w, nullptr);
+    env.tp.reduce_forward(y);
+  }
   if (b) add_bias(y, *b);
 }
 
+// Its backward from dy (this rank's positions under sequence parallelism, gathered into
+// `full` first): dw += x^T dy, db += column sums of dy, dx = dy w^T.
+void row_parallel_backward(const BlockEnv& env, const Tensor& dw, const Tensor* db, const Tensor& dx,
+                           const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& full) {
+  Tensor dyf = dy;
+  if (sequence_parallel(env)) {
+    env.tp.gather_sequence(full, dy);
+    dyf = full;
+    if (db) bias_backward(*db, dy);
+    db = nullptr;
+  }
+  linear_io_backward_weight(dw, db, dyf, x);
+  linear_io_backward_input(dx, dyf, w, false);
+}
+
 }  // namespace
+
+// The norm in front of a column-parallel layer: out[B, T, C] (the layer's input) = norm(x).
+// Under sequence parallelism x is this rank's [B, T / tp, C]: the norm writes `local`, and
+// gather assembles every rank's positions into out.
+void norm_forward(const BlockEnv& env, const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                  const Tensor& w, const Tensor& b, const Tensor& local) {
+  const Tensor y = sequence_parallel(env) ? local : out;
+  if (env.cfg.is_llama()) rmsnorm_forward(y, rstd, x, w, env.cfg.norm_eps);
+  else layernorm_forward(y, mean, rstd, x, w, b, env.cfg.norm_eps);
+  if (sequence_parallel(env)) env.tp.gather_sequence(out, local);
+}
+
+// Its backward: dln[B, T, C] is this rank's part of the gradient of the layer's input (the
+// copy's backward sums it over tp; under sequence parallelism the gather's reduce-scatters
+// it into `local`); the norm's backward adds d(x) into dx.
+void norm_backward(const BlockEnv& env, const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dln,
+                   const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd, const Tensor& local) {
+  Tensor d = dln;
+  if (sequence_parallel(env)) {
+    env.tp.reduce_scatter_sequence(local, dln);
+    d = local;
+  } else {
+    env.tp.copy_backward(dln);
+  }
+  if (env.cfg.is_llama()) rmsnorm_backward(dx, dw, d, x, w, rstd);
+  else layernorm_backward(dx, dw, db, d, x, w, mean, rstd);
+}
 
 void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& out, int B,
                    int T) {
@@ -128,73 +184,91 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   const bool llama = cfg.is_llama();
   BlockParams p = block_params(cfg, d, u);
   const BlockActs a = acts.at(cfg, d, B, T);
+  const BlockScratch s = env.scratch.at(cfg, d, B, T);
 
-  // attention branch: copy into the column-parallel q|k|v (this rank's heads), reduce after
-  // the row-parallel output projection
-  if (llama) rmsnorm_forward(a.ln1, a.ln1_rstd, x, p.ln1_w, cfg.norm_eps);
-  else layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b, cfg.norm_eps);
-  linear_forward(a.qkv, a.ln1, p.wqkv, opt(p.bqkv));
+  // attention branch: copy (or gather) into the column-parallel q|k|v of this rank's heads,
+  // reduce (or reduce-scatter) after the row-parallel output projection
+  const bool sp = sequence_parallel(env);
+  const Tensor ln1 = sp ? s.dln : a.ln1;  // [B, T, C]: the column-parallel layer's input
+  norm_forward(env, ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b, a.ln1);
+  linear_forward(a.qkv, ln1, p.wqkv, opt(p.bqkv));
   if (llama) rope_forward(a.qkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta);
   if (cfg.fused_attention()) attention_fused_forward(a.atty, a.lse, a.qkv, NH, NKV);
   else attention_forward(a.atty, a.att, a.qkv, NH, NKV);
-  row_parallel_forward(env.tp, a.mid, a.atty, p.wo, opt(p.bo));
+  row_parallel_forward(env, a.mid, a.atty, p.wo, opt(p.bo), s.seq);
   add_inplace(a.mid, x);  // mid = x + attn
 
   // MLP branch: the same around the column-parallel up (and gate) and row-parallel down
-  if (llama) rmsnorm_forward(a.ln2, a.ln2_rstd, a.mid, p.ln2_w, cfg.norm_eps);
-  else layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.mid, p.ln2_w, p.ln2_b, cfg.norm_eps);
-  linear_forward(a.fc, a.ln2, p.wfc, opt(p.bfc));
+  const Tensor ln2 = sp ? s.dln : a.ln2;
+  norm_forward(env, ln2, a.ln2_mean, a.ln2_rstd, a.mid, p.ln2_w, p.ln2_b, a.ln2);
+  linear_forward(a.fc, ln2, p.wfc, opt(p.bfc));
   if (llama) swiglu_forward(a.act, a.fc);
   else gelu_forward(a.act, a.fc);
-  row_parallel_forward(env.tp, out, a.act, p.wproj, opt(p.bproj));
+  row_parallel_forward(env, out, a.act, p.wproj, opt(p.bproj), s.seq);
   add_inplace(out, a.mid);  // out = mid + mlp
 }
 
-void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const BlockScratch& scratch,
-                    const Tensor& x, const Tensor& dresid, int B, int T) {
+void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& dresid,
+                    int B, int T) {
   const ModelConfig& cfg = env.cfg;
   const LocalDims& d = env.d;
   const int NH = static_cast<int>(d.NH), NKV = static_cast<int>(d.NKV);
   const bool llama = cfg.is_llama();
   BlockParams p = block_params(cfg, d, u);
   const BlockActs a = acts.at(cfg, d, B, T);
-  const BlockScratch s = scratch.at(cfg, d, B, T);
+  const BlockScratch s = env.scratch.at(cfg, d, B, T);
+  // Under sequence parallelism the norms and the row-parallel biases see this rank's
+  // positions only: their gradients are gathered in s.rep, summed over tp at the end.
+  BlockParams g = p;
+  if (sequence_parallel(env)) {
+    s.rep.zero_();
+    const int64_t C = d.C;
+    Tensor* reps[] = {&g.g_ln1_w, &g.g_ln1_b, &g.g_bo, &g.g_ln2_w, &g.g_ln2_b, &g.g_bproj};
+    for (int k = 0; k < 6; ++k)
+      if (reps[k]->defined()) *reps[k] = s.rep.view(k * C, {C});
+  }
 
-  // MLP branch: out = mid + proj(act); dresid is d(out) = d(mid) through the skip. The
-  // reduce's backward is the identity; the copy's sums the norm input's gradient over tp.
-  linear_io_backward_weight(p.g_wproj, opt(p.g_bproj), dresid, a.act);
-  linear_io_backward_input(s.dact, dresid, p.wproj, false);
+  // MLP branch: out = mid + proj(act); dresid is d(out) = d(mid) through the skip.
+  row_parallel_backward(env, p.g_wproj, opt(g.g_bproj), s.dact, dresid, a.act, p.wproj, s.seq);
   if (llama) swiglu_backward(s.dfc, a.fc, s.dact);
   else gelu_backward(s.dfc, a.fc, s.dact);
-  linear_backward_weight(p.g_wfc, opt(p.g_bfc), s.dfc, a.ln2);
+  // a column-parallel layer's weight gradient needs its whole input: gathered again
+  auto input = [&](const Tensor& saved) {
+    if (!sequence_parallel(env)) return saved;
+    env.tp.gather_sequence(s.seq, saved);
+    return s.seq;
+  };
+  linear_backward_weight(p.g_wfc, opt(p.g_bfc), s.dfc, input(a.ln2));
   linear_backward_input(s.dln, s.dfc, p.wfc, false);
-  env.tp.copy_backward(s.dln);
   // the norm's backward adds into dresid, which then holds d(mid)
-  if (llama) rmsnorm_backward(dresid, p.g_ln2_w, s.dln, a.mid, p.ln2_w, a.ln2_rstd);
-  else layernorm_backward(dresid, p.g_ln2_w, p.g_ln2_b, s.dln, a.mid, p.ln2_w, a.ln2_mean, a.ln2_rstd);
+  norm_backward(env, dresid, g.g_ln2_w, g.g_ln2_b, s.dln, a.mid, p.ln2_w, a.ln2_mean, a.ln2_rstd, s.local);
 
   // attention branch: mid = x + proj(atty)
-  linear_io_backward_weight(p.g_wo, opt(p.g_bo), dresid, a.atty);
-  linear_io_backward_input(s.datty, dresid, p.wo, false);
+  row_parallel_backward(env, p.g_wo, opt(g.g_bo), s.datty, dresid, a.atty, p.wo, s.seq);
   if (cfg.fused_attention()) attention_fused_backward(s.dqkv, s.datty, a.qkv, a.atty, a.lse, NH, NKV);
   else attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, NH, NKV);
   if (llama) rope_backward(s.dqkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta);
   if (d.kv_sharers == 1) {
-    linear_backward_weight(p.g_wqkv, opt(p.g_bqkv), s.dqkv, a.ln1);
+    linear_backward_weight(p.g_wqkv, opt(p.g_bqkv), s.dqkv, input(a.ln1));
   } else {
     // This rank's key/value head is also held by other ranks, each with its own query
     // heads: this micro-batch's key/value gradient is the sum of theirs (Llama: no bias).
     s.dwqkv.zero_();
-    linear_backward_weight(s.dwqkv, nullptr, s.dqkv, a.ln1);
+    linear_backward_weight(s.dwqkv, nullptr, s.dqkv, input(a.ln1));
     const int64_t q = d.attn() * d.C;
     env.tp.sum_over_kv_sharers(s.dwqkv.reshape({s.dwqkv.numel()}).view(q, {s.dwqkv.numel() - q}),
                                static_cast<int>(d.kv_sharers));
     add_inplace(p.g_wqkv, s.dwqkv);
   }
   linear_backward_input(s.dln, s.dqkv, p.wqkv, false);
-  env.tp.copy_backward(s.dln);
-  if (llama) rmsnorm_backward(dresid, p.g_ln1_w, s.dln, x, p.ln1_w, a.ln1_rstd);
-  else layernorm_backward(dresid, p.g_ln1_w, p.g_ln1_b, s.dln, x, p.ln1_w, a.ln1_mean, a.ln1_rstd);
+  norm_backward(env, dresid, g.g_ln1_w, g.g_ln1_b, s.dln, x, p.ln1_w, a.ln1_mean, a.ln1_rstd, s.local);
+
+  if (sequence_parallel(env)) {
+    env.tp.sum(s.rep);
+    Tensor* reps[] = {&p.g_ln1_w, &p.g_ln1_b, &p.g_bo, &p.g_ln2_w, &p.g_ln2_b, &p.g_bproj};
+    for (int k = 0; k < 6; ++k)
+      if (reps[k]->defined()) add_inplace(*reps[k], s.rep.view(k * d.C, {d.C}));
+  }
 }
 
 }  // namespace mt

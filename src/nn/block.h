@@ -16,24 +16,27 @@ namespace mt {
 
 // What a block computes with: the model's configuration, this rank's share of its layers
 // and the tensor-parallel mappings.
+struct BlockScratch;
 struct BlockEnv {
   const ModelConfig& cfg;
   const LocalDims& d;
   TpMappings& tp;
+  const BlockScratch& scratch;  // workspace shared by all blocks
 };
 
-// Activations kept for backward, allocated for [B, T] = [micro_batch, seq_len];
+// Activations kept for backward, allocated for [B, T] = [micro_batch, seq_len] (with
+// sequence parallelism the residual stream's are [B, T / tp]);
 // at(B, T) gives views of a smaller current batch (at offset 0). Attention keeps lse with
 // the fused path (cfg.fused_attention()) and att with the materialized one; the other
 // stays undefined, so the fused path holds nothing of size T x T.
 struct BlockActs {
-  Tensor ln1, ln1_mean, ln1_rstd;  // [B, T, C], [B, T], [B, T] (rmsnorm: mean unused)
+  Tensor ln1, ln1_mean, ln1_rstd;  // [B, Tl, C], [B, Tl], [B, Tl] (rmsnorm: mean unused)
   Tensor qkv;                      // [B, T, QKV] (after rope for llama)
   Tensor lse;                      // [B, NH, T] log-sum-exp of each score row (fused)
   Tensor att;                      // [B, NH, T, T] softmax probabilities (materialized)
   Tensor atty;                     // [B, T, NH D] attention output before the projection
-  Tensor mid;                      // [B, T, C] residual after the attention branch
-  Tensor ln2, ln2_mean, ln2_rstd;  // [B, T, C], [B, T], [B, T]
+  Tensor mid;                      // [B, Tl, C] residual after the attention branch (Tl = T / tp with sequence parallelism, else T)
+  Tensor ln2, ln2_mean, ln2_rstd;  // [B, Tl, C], [B, Tl], [B, Tl]
   Tensor fc;                       // [B, T, F] gpt2 pre-gelu; llama [B, T, 2F] gate|up
   Tensor act;                      // [B, T, F] gelu / swiglu output
   BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc);
@@ -46,13 +49,17 @@ struct BlockActs {
 
 // Workspace for one block's backward, shared by all blocks.
 struct BlockScratch {
-  Tensor dln;    // [B, T, C]
+  Tensor dln;    // [B, T, C] (forward, with sequence parallelism: a gathered norm output)
   Tensor dqkv;   // [B, T, QKV]
   Tensor datt;   // [B, NH, T, T] (materialized attention only)
   Tensor datty;  // [B, T, NH D]
   Tensor dfc;    // [B, T, F or 2F]
   Tensor dact;   // [B, T, F]
   Tensor dwqkv;  // [QKV, C] this micro-batch's q|k|v weight gradient (key/value heads held by several tp ranks only)
+  // sequence parallelism only:
+  Tensor seq;    // [B, T, C] a row-parallel layer's partial output, or a gathered gradient
+  Tensor local;  // [B, T / tp, C] a norm's input gradient after the reduce-scatter
+  Tensor rep;    // [6 C] this micro-batch's gradients of the norms and row-parallel biases, before the sum over tp
   BlockScratch(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc);
   BlockScratch at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const;
 
@@ -61,11 +68,21 @@ struct BlockScratch {
   template <class Fn> void each(const ModelConfig& cfg, const LocalDims& d, int64_t B, int64_t T, Fn fn);
 };
 
-// out[B, T, C] = block(x[B, T, C]); fills a.
+// The norm in front of a column-parallel layer (a block's two, the final one before the
+// head): out[B, T, C] = norm(x); under sequence parallelism x is [B, T / tp, C], the norm
+// writes `local` ([B, T / tp, C]) and gather assembles out. Statistics mean/rstd: x's rows.
+void norm_forward(const BlockEnv& env, const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                  const Tensor& w, const Tensor& b, const Tensor& local);
+// Its backward: dln[B, T, C] is this rank's part of the layer input's gradient (summed over
+// tp, or reduce-scattered into `local` under sequence parallelism); dx += d(x), dw/db +=.
+void norm_backward(const BlockEnv& env, const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dln,
+                   const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd, const Tensor& local);
+
+// out[B, Tl, C] = block(x[B, Tl, C]); fills a.
 void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& out, int B,
                    int T);
 // dresid holds d(out) on entry and d(x) on return; parameter gradients accumulate in u.g.
-void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const BlockScratch& scratch,
-                    const Tensor& x, const Tensor& dresid, int B, int T);
+void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& dresid,
+                    int B, int T);
 
 }  // namespace mt

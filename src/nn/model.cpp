@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <string>
 
 #include "core/error.h"
 #include "core/rng.h"
 #include "nn/block.h"
+#include "ops/activation.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
@@ -174,17 +177,37 @@ void add_param(Unit& u, const ModelConfig& cfg, TpShard tp, std::string name, Sh
 
 }  // namespace
 
+namespace {
+
+// The tp sizes up to 64 for which ok(tp) holds, as "1, 2, 4 or 8".
+std::string tp_sizes(const std::function<bool(int)>& ok) {
+  std::vector<int> v;
+  for (int t = 1; t <= 64; ++t)
+    if (ok(t)) v.push_back(t);
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i)
+    out += (i == 0 ? "" : i + 1 == v.size() ? " or " : ", ") + std::to_string(v[i]);
+  return out;
+}
+
+}  // namespace
+
 void validate_tp(const ModelConfig& cfg, int tp) {
   MT_CHECK(tp >= 1, "parallel.tp = " << tp << " must be at least 1");
   if (tp == 1) return;
-  MT_CHECK(cfg.n_head % tp == 0, "model.n_head = " << cfg.n_head << " does not split over parallel.tp = " << tp
-                                                   << " ranks; use a tp that divides it");
-  const int kv = cfg.kv_heads();
-  MT_CHECK(kv % tp == 0 || tp % kv == 0, "model.n_kv_head = " << kv << " and parallel.tp = " << tp
-                                             << ": one must divide the other (key/value heads are split, or "
-                                                "each is held by tp / n_kv_head ranks)");
-  MT_CHECK(cfg.ff_dim() % tp == 0, "model.d_ff = " << cfg.ff_dim() << " does not split over parallel.tp = " << tp
-                                                   << " ranks; use a d_ff or tp that divides it");
+  const int kv = cfg.kv_heads(), ff = cfg.ff_dim();
+  auto heads_ok = [&](int t) { return cfg.n_head % t == 0; };
+  auto kv_ok = [&](int t) { return kv % t == 0 || t % kv == 0; };
+  auto ff_ok = [&](int t) { return ff % t == 0; };
+  auto all_ok = [&](int t) { return heads_ok(t) && kv_ok(t) && ff_ok(t) && t <= cfg.vocab_size; };
+  const std::string works = "; parallel.tp can be " + tp_sizes(all_ok) + " for this model";
+  MT_CHECK(heads_ok(tp), "model.n_head = " << cfg.n_head << " does not split over parallel.tp = " << tp
+                                           << " ranks (each rank holds whole heads)" << works);
+  MT_CHECK(kv_ok(tp), "model.n_kv_head = " << kv << " and parallel.tp = " << tp
+                                           << ": one must divide the other (key/value heads are split, or each is "
+                                              "held by tp / n_kv_head ranks)"
+                                           << works);
+  MT_CHECK(ff_ok(tp), "model.d_ff = " << ff << " does not split over parallel.tp = " << tp << " ranks" << works);
   MT_CHECK(cfg.vocab_size >= tp, "model.vocab_size = " << cfg.vocab_size << " is smaller than parallel.tp = " << tp);
 }
 
@@ -289,6 +312,12 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
       recompute_(recompute),
       units_(model_layout(cfg, tp_.shard())) {
   MT_CHECK(micro_batch >= 1, "training.micro_batch = " << micro_batch << " must be at least 1");
+  if (tp_.sequence_parallel()) {
+    dims_.seq_split = tp_.shard().size;
+    MT_CHECK(cfg.seq_len % dims_.seq_split == 0, "model.seq_len = " << cfg.seq_len << " does not split over parallel.tp = "
+                                                     << dims_.seq_split << " ranks for parallel.sequence_parallel; "
+                                                     << "use a seq_len that tp divides, or sequence_parallel=false");
+  }
   if (allocate_state) {
     // All gradients in one buffer, units in backward order (final unit first), so that a
     // data-parallel bucket of consecutive units is one contiguous range, reduced in place.
@@ -308,16 +337,17 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
   targets_ = make({B, T}, DType::i32);
   for (int l = 0; l < (recompute ? 1 : cfg.n_layer); ++l)
     acts_.push_back(std::make_unique<BlockActs>(cfg, dims_, B, alloc));
-  for (int l = 0; l <= cfg.n_layer; ++l) block_in_.push_back(make({B, T, C}));
+  const int64_t Tl = T / dims_.seq_split;  // positions of the residual stream on this rank
+  for (int l = 0; l <= cfg.n_layer; ++l) block_in_.push_back(make({B, Tl, C}));
   lnf_ = make({B, T, C});
-  lnf_mean_ = make({B, T});
-  lnf_rstd_ = make({B, T});
+  lnf_mean_ = make({B, Tl});
+  lnf_rstd_ = make({B, Tl});
   logits_ = make({B, T, V});
   losses_ = make({B, T});
   lse_ = make({B, T});
   row_max_ = make({B, T});
   target_logit_ = make({B, T});
-  dresid_ = make({B, T, C});
+  dresid_ = make({B, Tl, C});
   scratch_ = std::make_unique<BlockScratch>(cfg, dims_, B, alloc);
 }
 
@@ -406,9 +436,8 @@ double Model::forward(const int32_t* tokens, const int32_t* targets, int B, int 
   h.after_forward(0);
   for (int l = 0; l < cfg_.n_layer; ++l) {
     h.before_forward(l + 1);
-    const Tensor x = block_in_[l].view(0, {B, T, cfg_.d_model});
-    const Tensor out = block_in_[l + 1].view(0, {B, T, cfg_.d_model});
-    block_forward(BlockEnv{cfg_, dims_, tp_}, units_[l + 1], *acts_[recompute_ ? 0 : l], x, out, B, T);
+    const Tensor x = resid(block_in_[l]), out = resid(block_in_[l + 1]);
+    block_forward(env(), units_[l + 1], *acts_[recompute_ ? 0 : l], x, out, B, T);
     h.after_forward(l + 1);
   }
   h.before_forward(cfg_.n_layer + 1);
@@ -441,16 +470,15 @@ void Model::backward(float scale) {
   h.before_backward(L + 1);
   final_backward(scale);
   h.after_backward(L + 1);
-  const Tensor dresid = dresid_.view(0, {B, T, cfg_.d_model});
+  const Tensor dresid = resid(dresid_);
   for (int l = L - 1; l >= 0; --l) {
     h.before_backward(l + 1);
-    const Tensor x = block_in_[l].view(0, {B, T, cfg_.d_model});
+    const Tensor x = resid(block_in_[l]);
     BlockActs& a = *acts_[recompute_ ? 0 : l];
     // Recomputation rewrites the block's output into block_in_[l + 1], bit-identical to
     // what the forward wrote, and no longer needed: the block above is done.
-    const BlockEnv env{cfg_, dims_, tp_};
-    if (recompute_) block_forward(env, units_[l + 1], a, x, block_in_[l + 1].view(0, {B, T, cfg_.d_model}), B, T);
-    block_backward(env, units_[l + 1], a, *scratch_, x, dresid, B, T);
+    if (recompute_) block_forward(env(), units_[l + 1], a, x, resid(block_in_[l + 1]), B, T);
+    block_backward(env(), units_[l + 1], a, x, dresid, B, T);
     h.after_backward(l + 1);
   }
   h.before_backward(0);
@@ -458,9 +486,18 @@ void Model::backward(float scale) {
   h.after_backward(0);
 }
 
+BlockEnv Model::env() const { return BlockEnv{cfg_, dims_, tp_, *scratch_}; }
+
+Tensor Model::resid(const Tensor& buf) const { return buf.view(0, {B_, T_ / dims_.seq_split, cfg_.d_model}); }
+
+// The first position of this rank's part of the sequence (sequence parallelism), else 0.
+int64_t Model::first_position() const {
+  return dims_.seq_split > 1 ? int64_t{tp_.shard().rank} * (T_ / dims_.seq_split) : 0;
+}
+
 void Model::embed_forward() {
   const Unit& u = units_[0];
-  const Tensor out = block_in_[0].view(0, {B_, T_, cfg_.d_model});
+  const Tensor out = resid(block_in_[0]);
   const Tensor tok = tokens_.view(0, {B_, T_});
   const Tensor wte = u.param(cfg_.is_llama() ? "embed_tokens.weight" : "wte.weight");
   if (tp_.shard().size == 1) {
@@ -469,15 +506,25 @@ void Model::embed_forward() {
     embedding_forward(out, tok, wte, wpe.defined() ? &wpe : nullptr);
     return;
   }
-  // vocabulary-parallel: each rank looks up the ids it holds (0 for the others), reduce
-  embedding_shard_forward(out, tok, wte, dims_.vocab_begin, dims_.vocab_valid, cfg_.vocab_size);
-  tp_.reduce_forward(out);
-  if (!cfg_.is_llama()) position_forward(out, u.param("wpe.weight"));
+  // vocabulary-parallel: each rank looks up the ids it holds (0 for the others), then the
+  // sum over tp (reduce, or reduce-scatter into this rank's positions)
+  if (dims_.seq_split > 1) {
+    const Tensor full = scratch_->seq.view(0, {B_, T_, cfg_.d_model});
+    embedding_shard_forward(full, tok, wte, dims_.vocab_begin, dims_.vocab_valid, cfg_.vocab_size);
+    tp_.reduce_scatter_sequence(out, full);
+  } else {
+    embedding_shard_forward(out, tok, wte, dims_.vocab_begin, dims_.vocab_valid, cfg_.vocab_size);
+    tp_.reduce_forward(out);
+  }
+  if (!cfg_.is_llama()) {
+    const Tensor wpe = u.param("wpe.weight");
+    position_forward(out, wpe.view(first_position() * cfg_.d_model, {out.dim(1), cfg_.d_model}));
+  }
 }
 
 void Model::embed_backward() {
   const Unit& u = units_[0];
-  const Tensor dout = dresid_.view(0, {B_, T_, cfg_.d_model});
+  const Tensor dout = resid(dresid_);
   const Tensor tok = tokens_.view(0, {B_, T_});
   auto grad = [&](const char* name) {
     const ParamSpec* p = find_param(name);
@@ -490,8 +537,23 @@ void Model::embed_backward() {
     embedding_backward(dwte, dwpe.defined() ? &dwpe : nullptr, dout, tok);
     return;
   }
-  embedding_shard_backward(dwte, dout, tok, dims_.vocab_begin, dims_.vocab_valid, cfg_.vocab_size);
-  if (dwpe.defined()) position_backward(dwpe, dout);
+  if (dims_.seq_split == 1) {
+    embedding_shard_backward(dwte, dout, tok, dims_.vocab_begin, dims_.vocab_valid, cfg_.vocab_size);
+    if (dwpe.defined()) position_backward(dwpe, dout);
+    return;
+  }
+  // sequence parallel: the reduce-scatter's backward gathers every rank's positions
+  const int64_t C = cfg_.d_model, Tl = dout.dim(1);
+  const Tensor full = scratch_->seq.view(0, {B_, T_, C});
+  tp_.gather_sequence(full, dout);
+  embedding_shard_backward(dwte, full, tok, dims_.vocab_begin, dims_.vocab_valid, cfg_.vocab_size);
+  if (!dwpe.defined()) return;
+  // this rank's positions' rows of the position gradient, gathered from every rank
+  const Tensor mine = scratch_->local.view(0, {1, Tl, C}), rows = scratch_->seq.view(0, {1, T_, C});
+  mine.zero_();
+  position_backward(mine.reshape({Tl, C}), dout);
+  tp_.gather_sequence(rows, mine);
+  add_inplace(dwpe.view(0, {T_, C}), rows.reshape({T_, C}));
 }
 
 // The output head's weight: lm_head.weight, or the token embedding when tied.
@@ -504,14 +566,12 @@ static const ParamSpec& head_spec(const Model& m, int* unit) {
 
 void Model::final_forward() {
   const Unit& u = units_.back();
-  const int B = B_, T = T_, C = cfg_.d_model;
-  const Tensor x = block_in_[cfg_.n_layer].view(0, {B, T, C});
-  const Tensor lnf = lnf_.view(0, {B, T, C});
-  if (!cfg_.is_llama())
-    layernorm_forward(lnf, lnf_mean_.view(0, {B, T}), lnf_rstd_.view(0, {B, T}), x, u.param("ln_f.weight"),
-                      u.param("ln_f.bias"), cfg_.norm_eps);
-  else
-    rmsnorm_forward(lnf, lnf_rstd_.view(0, {B, T}), x, u.param("model.norm.weight"), cfg_.norm_eps);
+  const Tensor x = resid(block_in_[cfg_.n_layer]);
+  const Tensor lnf = lnf_.view(0, {B_, T_, cfg_.d_model});
+  const Tensor mean = lnf_mean_.view(0, {B_, x.dim(1)}), rstd = lnf_rstd_.view(0, {B_, x.dim(1)});
+  const Tensor local = dims_.seq_split > 1 ? scratch_->local.view(0, x.shape()) : Tensor();
+  if (!cfg_.is_llama()) norm_forward(env(), lnf, mean, rstd, x, u.param("ln_f.weight"), u.param("ln_f.bias"), local);
+  else norm_forward(env(), lnf, mean, rstd, x, u.param("model.norm.weight"), Tensor(), local);
   int hu = 0;
   const ParamSpec& hp = head_spec(*this, &hu);
   linear_forward(logits(), lnf, units_[hu].w.view(hp.offset, hp.shape), nullptr);
@@ -520,7 +580,7 @@ void Model::final_forward() {
 void Model::final_backward(float scale) {
   Unit& u = units_.back();
   const int B = B_, T = T_, C = cfg_.d_model;
-  const Tensor x = block_in_[cfg_.n_layer].view(0, {B, T, C});
+  const Tensor x = resid(block_in_[cfg_.n_layer]);
   const Tensor lnf = lnf_.view(0, {B, T, C});
   const Tensor dlogits = logits();  // the gradient overwrites the logits in place
   cross_entropy_backward_shard(dlogits, logits(), lse_.view(0, {B, T}), targets_.view(0, {B, T}), scale,
@@ -530,19 +590,27 @@ void Model::final_backward(float scale) {
   linear_backward_weight(units_[hu].g.view(hp.offset, hp.shape), nullptr, dlogits, lnf);
   const Tensor dln = scratch_->dln.view(0, {B, T, C});
   linear_backward_input(dln, dlogits, units_[hu].w.view(hp.offset, hp.shape), false);
-  tp_.copy_backward(dln);  // the head is column-parallel over the vocabulary
-  const Tensor dresid = dresid_.view(0, {B, T, C});
+  const Tensor dresid = resid(dresid_);
   dresid.zero_();
   auto grad = [&](const char* name) {
     const ParamSpec* p = find_param(name);
     return u.g.view(p->offset, p->shape);
   };
-  if (!cfg_.is_llama())
-    layernorm_backward(dresid, grad("transformer.ln_f.weight"), grad("transformer.ln_f.bias"), dln, x,
-                       u.param("ln_f.weight"), lnf_mean_.view(0, {B, T}), lnf_rstd_.view(0, {B, T}));
-  else
-    rmsnorm_backward(dresid, grad("model.norm.weight"), dln, x, u.param("model.norm.weight"),
-                     lnf_rstd_.view(0, {B, T}));
+  Tensor dw = grad(cfg_.is_llama() ? "model.norm.weight" : "transformer.ln_f.weight"), db;
+  if (!cfg_.is_llama()) db = grad("transformer.ln_f.bias");
+  const Tensor w = u.param(cfg_.is_llama() ? "model.norm.weight" : "ln_f.weight");
+  const Tensor mean = lnf_mean_.view(0, {B, x.dim(1)}), rstd = lnf_rstd_.view(0, {B, x.dim(1)});
+  // The head is column-parallel over the vocabulary: its input gradient is summed over tp.
+  // Under sequence parallelism the norm sees this rank's positions: its weight (and bias)
+  // gradients are summed over tp, from a workspace so that accumulation does not repeat it.
+  if (dims_.seq_split == 1) return norm_backward(env(), dresid, dw, db, dln, x, w, mean, rstd, Tensor());
+  const Tensor rep = scratch_->rep.view(0, {2 * C});
+  rep.zero_();
+  const Tensor rw = rep.view(0, {C}), rb = db.defined() ? rep.view(C, {C}) : Tensor();
+  norm_backward(env(), dresid, rw, rb, dln, x, w, mean, rstd, scratch_->local.view(0, x.shape()));
+  tp_.sum(rep);
+  add_inplace(dw, rw);
+  if (db.defined()) add_inplace(db, rb);
 }
 
 }  // namespace mt

@@ -90,6 +90,7 @@ class UnitHooks {
 // them (the TP plan: model.cpp), without allocating anything.
 std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp = {});
 
+struct BlockEnv;      // what a block computes with (block.h)
 struct BlockActs;     // activations one block keeps for its backward (block.h)
 struct BlockScratch;  // workspace for a block's backward (block.h)
 
@@ -135,6 +136,9 @@ class Model {
 
  private:
   double loss_forward();
+  BlockEnv env() const;
+  Tensor resid(const Tensor& buf) const;  // [B, T, C] of the residual stream (T / tp positions with sequence parallelism)
+  int64_t first_position() const;
   void embed_forward();
   void embed_backward();
   void final_forward();
@@ -155,11 +159,12 @@ class Model {
   bool has_targets_ = false;
   Tensor tokens_, targets_;                 // [B, T] i32
   std::vector<std::unique_ptr<BlockActs>> acts_;  // per block (one shared set when recomputing)
-  std::vector<Tensor> block_in_;            // [L + 1] residual stream: input of block l; [L] = output
-  Tensor lnf_, lnf_mean_, lnf_rstd_;        // [B, T, C], [B, T], [B, T]
+  // The residual stream holds Tl = T / tp positions with sequence parallelism, else T.
+  std::vector<Tensor> block_in_;            // [L + 1] x [B, Tl, C]: input of block l; [L] = output
+  Tensor lnf_, lnf_mean_, lnf_rstd_;        // [B, T, C] (the head's input), [B, Tl], [B, Tl]
   Tensor logits_, losses_, lse_;            // [B, T, V], [B, T], [B, T] (V: this rank's vocabulary rows)
   Tensor row_max_, target_logit_;           // [B, T], [B, T]: the vocabulary-parallel loss's statistics
-  Tensor dresid_;                           // [B, T, C] gradient of the residual stream
+  Tensor dresid_;                           // [B, Tl, C] gradient of the residual stream
   std::unique_ptr<BlockScratch> scratch_;   // shared gradient workspace for block backward
 };
 

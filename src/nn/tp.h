@@ -30,6 +30,7 @@ struct LocalDims {
   int64_t V = 0;          // vocabulary rows held, padding included (the padded vocabulary / tp)
   int64_t vocab_begin = 0, vocab_valid = 0;  // first global vocabulary row held, and how many are real
   int64_t kv_sharers = 1; // ranks that hold each key/value head (tp / n_kv_head when that is > 1)
+  int64_t seq_split = 1;  // sequence parallelism: the residual stream holds T / seq_split positions
   int64_t qkv() const { return (NH + 2 * NKV) * D; }
   int64_t attn() const { return NH * D; }  // the attention output's width before the projection
 };
@@ -57,6 +58,16 @@ class TpMappings {
   // Key/value heads held by several ranks (tp a multiple of n_kv_head): sums the gradient
   // g of this rank's key/value weights over the `sharers` consecutive ranks holding the same head.
   virtual void sum_over_kv_sharers(const Tensor& g, int sharers) { (void)g, (void)sharers; }
+
+  // Sequence parallelism: between the split layers each rank keeps its T / tp positions of
+  // every sequence ([B, T / tp, C], positions [rank T / tp, (rank + 1) T / tp)).
+  virtual bool sequence_parallel() const { return false; }
+  // gather: full[B, T, C] = every rank's local[B, T / tp, C] along T (forward: before a
+  // column-parallel layer; backward: before a row-parallel layer's backward).
+  virtual void gather_sequence(const Tensor& full, const Tensor& local) { (void)full, (void)local; }
+  // reduce-scatter: local[B, T / tp, C] = this rank's positions of full summed over tp
+  // (forward: after a row-parallel layer; backward: on a column-parallel layer's input gradient).
+  virtual void reduce_scatter_sequence(const Tensor& local, const Tensor& full) { (void)local, (void)full; }
 };
 
 }  // namespace mt

@@ -106,26 +106,32 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
   if (N == 0) return;
   if (io) gemm(true, false, I, O, N, x.f32(), I, dy.f32(), O, 1.0f, dw.f32(), O);
   else gemm(true, false, O, I, N, dy.f32(), O, x.f32(), I, 1.0f, dw.f32(), I);
-  if (db) {
-    // Column sums, parallel over blocks of columns: each db element is summed by one
-    // thread over the rows in order, so the result does not depend on the thread count.
-    const float* dyp = dy.f32();
-    float* dbp = db->f32();
-    constexpr int64_t CB = 64;
-    const int64_t nblk = (O + CB - 1) / CB;
-#pragma omp parallel for schedule(static)
-    for (int64_t blk = 0; blk < nblk; ++blk) {
-      const int64_t c0 = blk * CB, nc = std::min(CB, O - c0);
-      float acc[CB] = {};
-      for (int64_t n = 0; n < N; ++n) {
-        const float* row = dyp + n * O + c0;
-        for (int64_t c = 0; c < nc; ++c) acc[c] += row[c];
-      }
-      for (int64_t c = 0; c < nc; ++c) dbp[c0 + c] += acc[c];
-    }
-  }
+  if (db) bias_backward(*db, dy);
 }
 
 }  // namespace
+
+// db[O] += sum over rows of dy[N, O]: parallel over blocks of columns, each db element
+// summed by one thread over the rows in order, so the result does not depend on the thread count.
+void bias_backward(const Tensor& db, const Tensor& dy) {
+  check_f32(db, "bias_backward: db");
+  check_f32(dy, "bias_backward: dy");
+  const int64_t O = db.numel();
+  const int64_t N = rows_of(dy, O, "bias_backward: dy (last dim must equal db's size)");
+  const float* dyp = dy.f32();
+  float* dbp = db.f32();
+  constexpr int64_t CB = 64;
+  const int64_t nblk = (O + CB - 1) / CB;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int64_t c0 = blk * CB, nc = std::min(CB, O - c0);
+    float acc[CB] = {};
+    for (int64_t n = 0; n < N; ++n) {
+      const float* row = dyp + n * O + c0;
+      for (int64_t c = 0; c < nc; ++c) acc[c] += row[c];
+    }
+    for (int64_t c = 0; c < nc; ++c) dbp[c0 + c] += acc[c];
+  }
+}
 
 }  // namespace mt

@@ -19,5 +19,7 @@ void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy
 void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b);
 void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate);
 void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x);
+// db[O] += sum over rows of dy[N, O] (a bias's gradient alone).
+void bias_backward(const Tensor& db, const Tensor& dy);
 
 }  // namespace mt

@@ -7,6 +7,7 @@ namespace mt {
 struct ParallelConfig {
   int dp = 0;  // data-parallel ranks; 0: all ranks not used by tp and pp
   int tp = 1;  // tensor-parallel ranks
+  bool sequence_parallel = false;  // with tp: norms and residual adds on seq_len / tp positions per rank
   int pp = 1;  // pipeline stages
   double bucket_mb = 25;               // DDP gradient bucket size (MiB of float32 gradients)
   std::string grad_comm_dtype = "fp32";  // fp32 | bf16 | fp16: dtype of the gradient reduction

@@ -20,7 +20,57 @@ Tensor gather_all(Communicator& tp, const Tensor& x, Tensor& workspace) {
   return all;
 }
 
+// A workspace of at least n floats, kept between calls.
+Tensor workspace(Tensor& w, int64_t n) {
+  if (!w.defined() || w.numel() < n) {
+    static CpuAllocator alloc;
+    w = Tensor::empty({n}, DType::f32, alloc, MemTag::comm);
+  }
+  return w.view(0, {n});
+}
+
+// [B, T, C] <-> [size, B, T / size, C]: rank r's positions of every sequence, together.
+void to_ranked(const float* full, float* ranked, int64_t B, int64_t T, int64_t C, int size) {
+  const int64_t Tl = T / size;
+  for (int r = 0; r < size; ++r)
+    for (int64_t b = 0; b < B; ++b)
+      std::copy_n(full + (b * T + r * Tl) * C, Tl * C, ranked + ((r * B + b) * Tl) * C);
+}
+void from_ranked(const float* ranked, float* full, int64_t B, int64_t T, int64_t C, int size) {
+  const int64_t Tl = T / size;
+  for (int r = 0; r < size; ++r)
+    for (int64_t b = 0; b < B; ++b)
+      std::copy_n(ranked + ((r * B + b) * Tl) * C, Tl * C, full + (b * T + r * Tl) * C);
+}
+
+void check_sequence_shapes(const Tensor& full, const Tensor& local, int size) {
+  MT_CHECK(full.ndim() == 3 && local.ndim() == 3 && full.dim(0) == local.dim(0) && full.dim(2) == local.dim(2) &&
+               full.dim(1) == local.dim(1) * size,
+           "internal: sequence-parallel shapes " << shape_str(full.shape()) << " and " << shape_str(local.shape())
+                                                 << " at tp " << size);
+}
+
 }  // namespace
+
+void TensorParallel::gather_sequence(const Tensor& full, const Tensor& local) {
+  const int n = tp_.size();
+  check_sequence_shapes(full, local, n);
+  const int64_t B = full.dim(0), T = full.dim(1), C = full.dim(2);
+  if (B == 1) return tp_.allgather(local, full.reshape({full.numel()}));  // already rank by rank
+  const Tensor ranked = workspace(ranked_, full.numel());
+  tp_.allgather(local.reshape({local.numel()}), ranked);
+  from_ranked(ranked.f32(), full.f32(), B, T, C, n);
+}
+
+void TensorParallel::reduce_scatter_sequence(const Tensor& local, const Tensor& full) {
+  const int n = tp_.size();
+  check_sequence_shapes(full, local, n);
+  const int64_t B = full.dim(0), T = full.dim(1), C = full.dim(2);
+  if (B == 1) return tp_.reduce_scatter(full.reshape({full.numel()}), local.reshape({local.numel()}));
+  const Tensor ranked = workspace(ranked_, full.numel());
+  to_ranked(full.f32(), ranked.f32(), B, T, C, n);
+  tp_.reduce_scatter(ranked, local.reshape({local.numel()}));
+}
 
 void TensorParallel::max(const Tensor& x) {
   MT_CHECK(x.dtype() == DType::f32, "internal: tp max of " << dtype_name(x.dtype()));
@@ -51,7 +101,7 @@ void TensorParallel::sum_over_kv_sharers(const Tensor& g, int sharers) {
 }
 
 double tp_bytes_per_micro_batch(const ModelConfig& cfg, const LocalDims& d, int tp, int64_t B, int64_t T,
-                                bool recompute) {
+                                bool recompute, bool sequence_parallel) {
   if (tp == 1) return 0;
   const double N = tp;
   auto allreduce = [&](double floats) { return 2 * (N - 1) / N * 4 * floats; };
@@ -62,6 +112,12 @@ double tp_bytes_per_micro_batch(const ModelConfig& cfg, const LocalDims& d, int 
   bytes += allreduce(act) * (1 + 2 * L);                               // head and column-parallel inputs (backward)
   bytes += allgather(rows) + 2 * allreduce(rows);                      // loss: max, sum of exponentials, target
   if (d.kv_sharers > 1) bytes += L * allgather(2.0 * d.NKV * d.D * d.C);
+  if (sequence_parallel) {
+    const double C = d.C;
+    bytes += L * allreduce(6 * C) + allreduce(2 * C);    // the norms' and row-parallel biases' gradients
+    bytes += 2 * L * allgather(act / N);                 // norm outputs gathered again in backward
+    if (!cfg.is_llama()) bytes += allgather(T / N * C);  // the position embedding's gradient rows
+  }
   return bytes;
 }
 

@@ -6,8 +6,9 @@
 //   mapping   forward                  backward
 //   copy      identity                 all-reduce (sum) of the input gradient
 //   reduce    all-reduce (sum)         identity
-//   gather    all-gather along dim 0   reduce-scatter along dim 0
-//   scatter   split along dim 0        all-gather along dim 0
+//   gather    all-gather along T       reduce-scatter along T    (sequence parallel)
+//   reduce-   reduce-scatter along T   all-gather along T        (sequence parallel)
+//   scatter
 //
 // Every sum adds the ranks' terms in rank order (comm/communicator.h), so a tp run is
 // deterministic; it differs from one rank only in how the split sums are rounded.
@@ -19,7 +20,10 @@ namespace mt {
 
 class TensorParallel final : public TpMappings {
  public:
-  explicit TensorParallel(Communicator& tp) : tp_(tp) {}
+  // sequence_parallel: the mappings around the split layers become gather (all-gather along
+  // the sequence / reduce-scatter) and reduce-scatter (reduce-scatter along the sequence /
+  // all-gather), which move the same bytes as the all-reduces they replace.
+  explicit TensorParallel(Communicator& tp, bool sequence_parallel = false) : tp_(tp), sp_(sequence_parallel) {}
 
   TpShard shard() const override { return {tp_.size(), tp_.rank()}; }
   void copy_backward(const Tensor& dx) override { tp_.allreduce(dx); }
@@ -27,20 +31,32 @@ class TensorParallel final : public TpMappings {
   void sum(const Tensor& x) override { tp_.allreduce(x); }
   void max(const Tensor& x) override;
   void sum_over_kv_sharers(const Tensor& g, int sharers) override;
+  bool sequence_parallel() const override { return sp_ && tp_.size() > 1; }
+  void gather_sequence(const Tensor& full, const Tensor& local) override;
+  void reduce_scatter_sequence(const Tensor& local, const Tensor& full) override;
 
   Communicator& group() { return tp_; }
 
  private:
   Communicator& tp_;
+  bool sp_;
   Tensor gathered_;  // [size, n] workspace of max and sum_over_kv_sharers
+  Tensor ranked_;    // [size, B, T / size, C]: the sequence pieces rank by rank
 };
 
 // Bytes one tp rank sends in the forward and backward of one micro-batch of B x T tokens,
 // counted as Communicator::bytes_sent counts them (an all-reduce of n bytes 2 (N - 1) / N n,
-// an all-gather (N - 1) n): per block two reductions of [B, T, C] forward (and again when
-// recomputing) and two backward; the embedding's reduction and the head's input gradient;
-// the loss's row statistics; key/value weight gradients summed over the ranks sharing a head.
+// a reduce-scatter of n bytes (N - 1) / N n, an all-gather of n bytes per rank (N - 1) n):
+// per block two reductions of [B, T, C] forward (and again when recomputing) and two
+// backward; the embedding's reduction and the head's input gradient; the loss's row
+// statistics; key/value weight gradients summed over the ranks sharing a head. With
+// sequence parallelism the same bytes move as all-gathers and reduce-scatters (each half an
+// all-reduce: a block's two column-parallel inputs are gathered and its two row-parallel
+// outputs reduce-scattered forward, the reverse backward; the embedding's output is
+// reduce-scattered and the head's input gathered), plus the sums of the norms' and the
+// row-parallel biases' gradients and the position embedding's gradient rows, and the
+// gathers of each block's two norm outputs again in backward (kept as [B, T / tp, C]).
 double tp_bytes_per_micro_batch(const ModelConfig& cfg, const LocalDims& d, int tp, int64_t B, int64_t T,
-                                bool recompute);
+                                bool recompute, bool sequence_parallel);
 
 }  // namespace mt

@@ -133,6 +133,7 @@ const std::vector<Key>& keys() {
 
     v.push_back(int_key("parallel.dp", &C::parallel, &ParallelConfig::dp));
     v.push_back(int_key("parallel.tp", &C::parallel, &ParallelConfig::tp));
+    v.push_back(bool_key("parallel.sequence_parallel", &C::parallel, &ParallelConfig::sequence_parallel));
     v.push_back(int_key("parallel.pp", &C::parallel, &ParallelConfig::pp));
     v.push_back(num_key("parallel.bucket_mb", &C::parallel, &ParallelConfig::bucket_mb));
     v.push_back(str_key("parallel.grad_comm_dtype", &C::parallel, &ParallelConfig::grad_comm_dtype, {"fp32", "bf16", "fp16"}));
@@ -268,6 +269,10 @@ void Config::validate() const {
   MT_CHECK(logging.every >= 1, "logging.every must be at least 1");
   MT_CHECK(parallel.dp >= 0, "parallel.dp = " << parallel.dp << " must not be negative (0: all remaining ranks)");
   validate_tp(model, parallel.tp);  // heads, key/value heads and d_ff must split tp ways
+  MT_CHECK(!parallel.sequence_parallel || model.seq_len % parallel.tp == 0,
+           "model.seq_len = " << model.seq_len << " does not split over parallel.tp = " << parallel.tp
+                              << " ranks for parallel.sequence_parallel=true; use a seq_len that tp divides "
+                              << "(e.g. " << (model.seq_len / parallel.tp + 1) * parallel.tp << ")");
   MT_CHECK(parallel.pp == 1, "parallel.pp = " << parallel.pp << ": pipeline parallelism is not available yet; use parallel.pp=1");
   MT_CHECK(parallel.bucket_mb > 0, "parallel.bucket_mb = " << parallel.bucket_mb << " must be positive");
   MT_CHECK(parallel.timeout_s >= 0, "parallel.timeout_s must not be negative (0: no watchdog)");

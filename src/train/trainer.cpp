@@ -316,7 +316,7 @@ double tp_bytes_per_step(const Run& run) {
   const Config& c = run.c;
   const int64_t M = c.training.micro_batch, n_micro = c.training.global_batch / (int64_t{run.dp.size()} * M);
   return n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, c.model.seq_len,
-                                            c.training.recompute);
+                                            c.training.recompute, c.parallel.sequence_parallel);
 }
 
 void log_header(const Run& run, const std::string& resumed_from, int64_t start) {
@@ -583,7 +583,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   const std::optional<double> baseline = unigram_baseline(train_data.tokens(), data.val, c.model.vocab_size);
 
   // Each rank materialises only the parameters it keeps.
-  TensorParallel tp(mesh.tp());
+  TensorParallel tp(mesh.tp(), c.parallel.sequence_parallel);
   Model model(c.model, alloc, static_cast<int>(c.training.micro_batch), c.training.recompute,
               /*allocate_state=*/c.parallel.zero == 0, &tp);
   const std::string resumed_from = resume_point(c, world, log);
