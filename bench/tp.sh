@@ -4,8 +4,9 @@
 # each tp rank sends per step against the predicted figure (tp_bytes_per_micro_batch: per
 # block two reductions of B x T x C forward, two backward), model-state memory per rank
 # against the formula (16 bytes per parameter held: the split layers divided by tp, norms
-# and row-parallel biases whole), and the activation peak. Debian's PyTorch 1.13 has no
-# tensor-parallel API to compare with, so there is no peer column here; tp 1 is the reference.
+# and row-parallel biases whole), and the activation peak against activation_bytes.
+# Debian's PyTorch 1.13 has no tensor-parallel API to compare with, so there is no peer
+# column here; tp 1 is the reference.
 #
 #   bash bench/tp.sh [--steps K]
 source "$(dirname "$0")/dp_common.sh"
@@ -27,11 +28,12 @@ for tp, name in ((1, "tp1"), (2, "tp2"), ("2 sp", "tp2sp")):
     summary = [l for l in lines if l.get("event") == "summary"][0]
     rows.append((tp, statistics.median(s["step_ms"] for s in steps),
                  statistics.median(s.get("comm_bytes_tp", 0) for s in steps), steps[0].get("comm_bytes_tp_predicted", 0),
-                 summary["mem_model_state"], summary["mem_model_state_predicted"], summary.get("mem_activations", 0)))
+                 summary["mem_model_state"], summary["mem_model_state_predicted"], summary["mem_activations"],
+                 summary["mem_activations_predicted"]))
 print(f"{'tp':>5} {'step ms':>9} {'vs tp 1':>8} {'tp MB/step':>11} {'predicted':>10} {'model state MB':>15} "
-      f"{'formula MB':>11} {'activations MB':>15}")
-for tp, ms, b, pred, mem, formula, act in rows:
+      f"{'formula MB':>11} {'activations MB':>15} {'formula MB':>11}")
+for tp, ms, b, pred, mem, formula, act, act_formula in rows:
     print(f"{tp:>5} {ms:>9.1f} {ms / rows[0][1]:>8.2f} {b / 1e6:>11.1f} {pred / 1e6:>10.1f} {mem / 2**20:>15.1f} "
-          f"{formula / 2**20:>11.1f} {act / 2**20:>15.1f}")
+          f"{formula / 2**20:>11.1f} {act / 2**20:>15.1f} {act_formula / 2**20:>11.1f}")
 print("PyTorch: no tensor-parallel API in Debian's PyTorch 1.13 to compare with.")
 PY

@@ -84,9 +84,10 @@ std::unique_ptr<Communicator> tp_group(int tp) {
   return w.split(w.rank() / tp, w.rank(), "tp");
 }
 
-void check_case(const Case& k, int tp, bool sp) {
-  SCOPED_TRACE(std::string(k.name) + " at tp " + std::to_string(tp) + (sp ? " with sequence parallelism" : ""));
-  const int B = 2, T = k.model.seq_len;
+void check_case(const Case& k, int tp, bool sp, int B) {
+  SCOPED_TRACE(std::string(k.name) + " at tp " + std::to_string(tp) + (sp ? " with sequence parallelism" : "") +
+               ", batch " + std::to_string(B));
+  const int T = k.model.seq_len;
   CpuAllocator alloc;
   auto group = tp_group(tp);
   TensorParallel mappings(*group, sp);
@@ -146,9 +147,12 @@ TEST(TensorParallel, ModelMatchesOneRank) {
   const int n = g_world->size();
   for (bool sp : {false, true})
     for (const Case& k : cases()) {
-      check_case(k, n, sp);
-      if (n == 4) check_case(k, 2, sp);  // two tp-2 groups side by side
+      check_case(k, n, sp, 2);
+      if (n == 4) check_case(k, 2, sp, 2);  // two tp-2 groups side by side
     }
+  // one sequence: the sequence pieces need no reordering around the collectives
+  check_case(cases()[0], n, true, 1);
+  check_case(cases()[2], n, true, 1);
 }
 
 // The tp collectives run on the tp group only: a 2 x 2 split of 4 ranks leaves the other

@@ -62,7 +62,7 @@ TEST(OpsTp, LinearStoredInOut) {
     }
 }
 
-TEST(OpsTp, AddBias) {
+TEST(OpsTp, AddBiasAndItsBackward) {
   std::mt19937 g(22);
   const int N = 7, O = 13;
   VecF y = randv(N * O, g), b = randv(O, g);
@@ -71,6 +71,13 @@ TEST(OpsTp, AddBias) {
     for (int o = 0; o < O; ++o) want[n * O + o] = double(y[n * O + o]) + b[o];
   add_bias(tf(y, {N, O}), tf(b, {O}));
   expect_close(y, want, "y + b");
+  // its backward alone: db += column sums of dy
+  VecF dy = randv(N * O, g), db(O, 0.5f);
+  bias_backward(tf(db, {O}), tf(dy, {N, O}));
+  VecD want_db(O);
+  for (int o = 0; o < O; ++o)
+    for (int n = 0; n < N; ++n) want_db[o] += dy[n * O + o];
+  expect_close(db, want_db, "db", {}, 0.5);
 }
 
 // The vocabulary split into `parts` shards of ceil(V / parts) rows (padded): the sum over

@@ -231,6 +231,28 @@ LocalDims local_dims(const ModelConfig& cfg, TpShard tp) {
   return d;
 }
 
+int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute) {
+  const int64_t T = cfg.seq_len, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH, L = cfg.n_layer;
+  const int64_t up = cfg.is_llama() ? 2 * F : F;  // the up projection's outputs (llama: gate and up)
+  const bool fused = cfg.fused_attention();
+  // One layer, in floats (Korthikanti et al.'s per-layer count, in fp32 and without dropout):
+  // residual-stream tensors (norm outputs, the residual after attention; sequence-sharded
+  // with sequence parallelism) and the norms' statistics, then what the split layers keep
+  // (divided by tp through LocalDims): q|k|v, the attention output, the MLP's two tensors,
+  // and the attention's softmax state (fused: a log-sum-exp per row, instead of NH T^2).
+  const int64_t layer = B * Tl * 3 * C + B * Tl * 4 + B * T * (d.qkv() + d.attn() + up + F) +
+                        (fused ? B * NH * T : B * NH * T * T);
+  // One layer's backward workspace, shared by all layers.
+  int64_t scratch = B * T * (C + d.qkv() + d.attn() + up + F) + (fused ? 0 : B * NH * T * T);
+  if (d.kv_sharers > 1) scratch += d.qkv() * C;
+  if (d.seq_split > 1) scratch += B * T * C + B * Tl * C + 6 * C;
+  // The model's own: the residual stream (L + 1 tensors) and its gradient, the final norm
+  // (gathered output, statistics), logits over this rank's vocabulary rows, the loss's
+  // rows (losses, lse, row max, target logit), and the token and target ids.
+  const int64_t model = (L + 2) * B * Tl * C + B * T * C + 2 * B * Tl + B * T * d.V + 4 * B * T + 2 * B * T;
+  return 4 * ((recompute ? 1 : L) * layer + scratch + model);
+}
+
 // Initialisation scheme (GPT-2's): linear and embedding weights N(0, 0.02); the two
 // projections that write into the residual stream (attention output, MLP output) use
 // 0.02 / sqrt(2 n_layer) so the residual's variance does not grow with depth; learned

@@ -90,6 +90,11 @@ class UnitHooks {
 // them (the TP plan: model.cpp), without allocating anything.
 std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp = {});
 
+// The bytes of activations (and backward workspace) a Model holds for micro-batches of B
+// sequences of seq_len tokens on a rank with share d: the formula the run's summary compares
+// with the measured peak (tagged activations).
+int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute);
+
 struct BlockEnv;      // what a block computes with (block.h)
 struct BlockActs;     // activations one block keeps for its backward (block.h)
 struct BlockScratch;  // workspace for a block's backward (block.h)

@@ -466,6 +466,11 @@ void report_stop(const Run& run, const Progress& p) {
   run.log.write(j);
 }
 
+double predicted_activations(const Run& run) {
+  return static_cast<double>(activation_bytes(run.c.model, run.model.dims(), run.c.training.micro_batch,
+                                              run.c.training.recompute));
+}
+
 nlohmann::json or_null(const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); }
 
 // The printed end of a finished run.
@@ -504,6 +509,12 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
                 format_bytes(model_state_bytes(mem)).c_str(), format_bytes(static_cast<size_t>(run.predicted)).c_str(),
                 formula.c_str());
   run.log.message(buf);
+  std::snprintf(buf, sizeof buf, "activations: %s measured, %s by the formula (activation_bytes: tp %d%s%s)",
+                format_bytes(mem.peak[int(MemTag::activations)]).c_str(),
+                format_bytes(static_cast<size_t>(predicted_activations(run))).c_str(), run.tp.size(),
+                c.parallel.sequence_parallel && run.tp.size() > 1 ? ", sequence parallel" : "",
+                c.training.recompute ? ", recompute" : "");
+  run.log.message(buf);
   if (!c.checkpoint.dir.empty()) run.log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
 }
 
@@ -534,6 +545,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
   js.update(memory_json(mem));
   js["mem_model_state"] = model_state_bytes(mem);
   js["mem_model_state_predicted"] = run.predicted;
+  js["mem_activations_predicted"] = predicted_activations(run);
   run.log.write(js);
   print_summary(run, sum, mem, p.timed_steps);
 
