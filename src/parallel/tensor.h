@@ -1,14 +1,18 @@
 // Tensor parallelism's conjugate mappings over the tp group (Megatron's f and g, and the
-// gather/scatter pair sequence parallelism uses), as named functions that each say what they
-// do forward and backward. The model calls them through TpMappings (nn/tp.h); the TP plan
-// (which parameter is split how) is data in nn/model.cpp.
+// pair sequence parallelism uses), as named functions that each say what they do forward
+// and backward. The model calls them through TpMappings (nn/tp.h); the TP plan (which
+// parameter is split how) is data in nn/model.cpp.
 //
-//   mapping   forward                  backward
-//   copy      identity                 all-reduce (sum) of the input gradient
-//   reduce    all-reduce (sum)         identity
-//   gather    all-gather along T       reduce-scatter along T    (sequence parallel)
-//   reduce-   reduce-scatter along T   all-gather along T        (sequence parallel)
-//   scatter
+//   mapping          forward                  backward                  model calls
+//   copy             identity                 all-reduce of the grad    copy_backward
+//   reduce           all-reduce               identity                  reduce_forward
+//   gather           all-gather along T       reduce-scatter along T    gather_sequence, then
+//                                                                       reduce_scatter_sequence on the grad
+//   reduce-scatter   reduce-scatter along T   all-gather along T        the same two, the other way round
+//
+// (Megatron also has scatter, split forward / all-gather backward, to enter the
+// sequence-parallel region from a replicated tensor; here the only such entry is the
+// vocabulary-parallel embedding, whose partial sums are reduce-scattered instead.)
 //
 // Every sum adds the ranks' terms in rank order (comm/communicator.h), so a tp run is
 // deterministic; it differs from one rank only in how the split sums are rounded.
