@@ -33,9 +33,10 @@ int64_t ParamSpec::global_index(int64_t i) const {
   return -1;
 }
 
-std::vector<UnitPiece> Unit::pieces() const {
+std::vector<UnitPiece> Unit::pieces(bool primary_only) const {
   std::vector<UnitPiece> out;
   for (const ParamSpec& p : params) {
+    if (primary_only && !p.tp_primary) continue;
     const int64_t rn = p.row_numel();
     int64_t local = p.offset;
     for (const RowRange& r : p.rows) {

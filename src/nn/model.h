@@ -71,7 +71,9 @@ struct Unit {
   std::vector<ParamSpec> params;
   int64_t numel = 0;
   int64_t global_numel = 0;  // of the whole unit (tp = 1)
-  std::vector<UnitPiece> pieces() const;  // this rank's elements of the whole unit, in local order
+  // This rank's elements of the whole unit, in local order (padding left out); primary_only:
+  // without the parameters another tp rank also holds and is first to hold.
+  std::vector<UnitPiece> pieces(bool primary_only = false) const;
   Tensor w;  // [numel] parameters
   Tensor g;  // [numel] gradients (accumulated by backward)
   Tensor param(const std::string& suffix) const;  // view of the parameter whose name ends with suffix

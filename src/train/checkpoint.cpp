@@ -227,28 +227,14 @@ std::vector<CheckpointSlice> checkpoint_param_slices(const std::vector<Unit>& un
 std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin, int64_t end,
                                                     const std::vector<std::pair<std::string, float*>>& tensors,
                                                     bool primary_only) {
-  MT_CHECK(!tensors.empty(), "internal: a checkpoint slice without tensors");
   std::vector<CheckpointSlice> r;
-  for (const ParamSpec& p : u.params) {
-    if (primary_only && !p.tp_primary) continue;
-    const int64_t rn = p.row_numel();
-    int64_t local = p.offset;
-    for (const RowRange& rows : p.rows) {
-      const int64_t n = (rows.end - rows.begin) * rn, global = p.global_offset + rows.begin * rn;
-      const int64_t lo = std::max(begin, local), hi = std::min(end, local + n);
-      if (lo < hi) {
-        const int64_t g0 = global + (lo - local), g1 = g0 + (hi - lo), shift = lo - begin;
-        if (!r.empty() && r.back().end == g0 &&
-            r.back().tensors[0].second + (r.back().end - r.back().begin) == tensors[0].second + shift) {
-          r.back().end = g1;  // continues the previous stretch, locally and globally
-        } else {
-          CheckpointSlice slice{u.name, g0, g1, tensors};
-          for (auto& t : slice.tensors) t.second += shift;
-          r.push_back(std::move(slice));
-        }
-      }
-      local += n;
-    }
+  for (const UnitPiece& piece : u.pieces(primary_only)) {
+    const int64_t lo = std::max(begin, piece.local), hi = std::min(end, piece.local + piece.n);
+    if (lo >= hi) continue;
+    const int64_t g0 = piece.global + (lo - piece.local);
+    CheckpointSlice slice{u.name, g0, g0 + (hi - lo), tensors};
+    for (auto& t : slice.tensors) t.second += lo - begin;
+    r.push_back(std::move(slice));
   }
   return r;
 }
