@@ -112,6 +112,11 @@ declare -A how=(
   ["./build/meshtrain launch -n 4 train --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 2 train --parallel.tp=2"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 4 train --parallel.tp=2 --parallel.zero=1 --parallel.sequence_parallel=true"]='run "$cmd $few"'
+  ["./build/meshtrain schedule --pp 4 --microbatches 8 --schedule zb-h1"]='run "$cmd"'
+  ["./build/meshtrain schedule --pp 4 --microbatches 8 --compare --svg schedules.svg"]='run "$cmd"
+    [ -s schedules.svg ] || fail "no picture from: $cmd"'
+  ["./build/meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b --csv my.csv"]='run "$cmd"'
+  ["./build/meshtrain schedule --schedule file:my.csv --json"]='run "$cmd"'
 )
 
 for cmd in "${commands[@]}"; do

@@ -1,9 +1,14 @@
 // The subcommands of meshtrain, one function each (main.cpp dispatches).
 #pragma once
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "comm/communicator.h"
+
+namespace CLI {
+class App;
+}
 
 namespace mt {
 
@@ -15,5 +20,18 @@ int cmd_launch(const std::vector<std::string>& args, const char* self);
 // meshtrain bench comm [--min-bytes B] [--max-bytes B] [--iters K] [--dtype f32|bf16]:
 // nccl-tests-style time / algorithm bandwidth / bus bandwidth per collective and size.
 int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world);
+
+// meshtrain schedule [--schedule NAME|file:PATH] [--pp P] [--chunks V] [--microbatches M]
+// [--compare] [--json] [--svg FILE] [--csv FILE] [--costs F=1,B=2,...]: builds (or reads),
+// checks and simulates a pipeline schedule; prints each rank's timeline, the bubble and the
+// activations held (schedule_cmd.cpp).
+struct ScheduleOptions {
+  std::string schedule = "1f1b";
+  std::optional<int> pp, chunks, micro;  // unset: 4 ranks, the schedule's own chunks, 8 micro-batches (or the file's)
+  bool compare = false, json = false;
+  std::string svg, csv, costs;
+};
+void schedule_options_add(CLI::App* cmd, ScheduleOptions* o);
+int cmd_schedule(const ScheduleOptions& o);
 
 }  // namespace mt

@@ -6,6 +6,7 @@
 //   meshtrain export --checkpoint DIR --out model.safetensors        Hugging Face weights
 //   meshtrain sample --checkpoint DIR [--prompt TEXT] [...]          generate text
 //   meshtrain bench comm [...]                                       collective bandwidth
+//   meshtrain schedule --pp 4 --microbatches 8 --schedule zb-h1      pipeline schedule: bubble, picture
 //
 // Started by mpirun or srun (or `meshtrain launch`), train and bench run as ranks of one
 // job: rank 0 prints, the others speak only to report errors.
@@ -19,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "cli/commands.h"                     // cmd_launch, cmd_bench_comm
+#include "cli/commands.h"                     // cmd_launch, cmd_bench_comm, cmd_schedule
 #include "comm/mpi_comm.h"                    // MpiRuntime, mpi_launched
 #include "core/error.h"                       // mt::Error: every user-facing failure
 #include "data/token_file.h"                  // token_file_write
@@ -166,6 +167,10 @@ int main(int argc, char** argv) {
     smp->add_option("--seed", so.seed)->capture_default_str();
     smp->add_option("--tokenizer", so.tokenizer, "byte or a .model file (default: the checkpoint's)");
 
+    auto* sched = app.add_subcommand("schedule", "simulate a pipeline schedule: timeline, bubble, activations held");
+    mt::ScheduleOptions sched_opts;
+    mt::schedule_options_add(sched, &sched_opts);
+
     CLI11_PARSE(app, argc, argv);
 
     if (prep->parsed()) {
@@ -216,6 +221,8 @@ int main(int argc, char** argv) {
       std::printf("exported %s to %s\n", dir.c_str(), exp_out.c_str());
     } else if (smp->parsed()) {
       std::printf("%s\n", mt::sample_text(so).c_str());
+    } else if (sched->parsed()) {
+      return mt::cmd_schedule(sched_opts);
     }
     return 0;
   } catch (const mt::Error& e) {
