@@ -21,8 +21,6 @@ using namespace mt::test;
 
 namespace {
 
-const float kNaN = std::numeric_limits<float>::quiet_NaN();
-
 // w[O, I] (the reference's layout) from w_io[I, O].
 VecD transpose(const VecF& w_io, int I, int O) {
   VecD w(O * I);

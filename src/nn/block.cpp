@@ -1,5 +1,6 @@
 #include "nn/block.h"
 
+#include <optional>
 #include <string>
 
 #include "core/error.h"
@@ -176,6 +177,24 @@ void norm_backward(const BlockEnv& env, const Tensor& dx, const Tensor& dw, cons
   else layernorm_backward(dx, dw, db, d, x, w, mean, rstd);
 }
 
+PositionShardGrads::PositionShardGrads(const Tensor& workspace, std::initializer_list<Tensor*> grads) {
+  int64_t used = 0;
+  for (Tensor* g : grads) {
+    if (!g->defined()) continue;
+    const Tensor slot = workspace.view(used, g->shape());
+    pairs_.emplace_back(*g, slot);
+    *g = slot;
+    used += slot.numel();
+  }
+  used_ = workspace.view(0, {used});
+  used_.zero_();
+}
+
+void PositionShardGrads::finish(TpMappings& tp) {
+  tp.sum(used_);
+  for (const auto& [grad, slot] : pairs_) add_inplace(grad, slot);
+}
+
 void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& out, int B,
                    int T) {
   const ModelConfig& cfg = env.cfg;
@@ -218,15 +237,12 @@ void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, c
   const BlockActs a = acts.at(cfg, d, B, T);
   const BlockScratch s = env.scratch.at(cfg, d, B, T);
   // Under sequence parallelism the norms and the row-parallel biases see this rank's
-  // positions only: their gradients are gathered in s.rep, summed over tp at the end.
+  // positions only: g points their gradients at workspace slots, summed over tp at the end.
   BlockParams g = p;
-  if (sequence_parallel(env)) {
-    s.rep.zero_();
-    const int64_t C = d.C;
-    Tensor* reps[] = {&g.g_ln1_w, &g.g_ln1_b, &g.g_bo, &g.g_ln2_w, &g.g_ln2_b, &g.g_bproj};
-    for (int k = 0; k < 6; ++k)
-      if (reps[k]->defined()) *reps[k] = s.rep.view(k * C, {C});
-  }
+  std::optional<PositionShardGrads> shard_grads;
+  if (sequence_parallel(env))
+    shard_grads.emplace(s.rep, std::initializer_list<Tensor*>{&g.g_ln1_w, &g.g_ln1_b, &g.g_bo, &g.g_ln2_w,
+                                                              &g.g_ln2_b, &g.g_bproj});
 
   // MLP branch: out = mid + proj(act); dresid is d(out) = d(mid) through the skip.
   row_parallel_backward(env, p.g_wproj, opt(g.g_bproj), s.dact, dresid, a.act, p.wproj, s.seq);
@@ -263,12 +279,7 @@ void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, c
   linear_backward_input(s.dln, s.dqkv, p.wqkv, false);
   norm_backward(env, dresid, g.g_ln1_w, g.g_ln1_b, s.dln, x, p.ln1_w, a.ln1_mean, a.ln1_rstd, s.local);
 
-  if (sequence_parallel(env)) {
-    env.tp.sum(s.rep);
-    Tensor* reps[] = {&p.g_ln1_w, &p.g_ln1_b, &p.g_bo, &p.g_ln2_w, &p.g_ln2_b, &p.g_bproj};
-    for (int k = 0; k < 6; ++k)
-      if (reps[k]->defined()) add_inplace(*reps[k], s.rep.view(k * d.C, {d.C}));
-  }
+  if (shard_grads) shard_grads->finish(env.tp);
 }
 
 }  // namespace mt

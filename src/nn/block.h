@@ -9,6 +9,10 @@
 // dimension here is this rank's share (LocalDims: its heads, its F / tp hidden units), and
 // the block calls the tp mappings around the split layers (nn/tp.h).
 #pragma once
+#include <initializer_list>
+#include <utility>
+#include <vector>
+
 #include "core/tensor.h"
 #include "nn/model.h"
 
@@ -47,7 +51,8 @@ struct BlockActs {
   template <class Fn> void each(const ModelConfig& cfg, const LocalDims& d, int64_t B, int64_t T, Fn fn);
 };
 
-// Workspace for one block's backward, shared by all blocks.
+// Workspace shared by all blocks: one block's backward, and with sequence parallelism the
+// forward's gathered norm outputs and partial sums (also used by the embedding and final norm).
 struct BlockScratch {
   Tensor dln;    // [B, T, C] (forward, with sequence parallelism: a gathered norm output)
   Tensor dqkv;   // [B, T, QKV]
@@ -59,7 +64,7 @@ struct BlockScratch {
   // sequence parallelism only:
   Tensor seq;    // [B, T, C] a row-parallel layer's partial output, or a gathered gradient
   Tensor local;  // [B, T / tp, C] a norm's input gradient after the reduce-scatter
-  Tensor rep;    // [6 C] this micro-batch's gradients of the norms and row-parallel biases, before the sum over tp
+  Tensor rep;    // [6 C] slots for this micro-batch's gradients of the norms and row-parallel biases (PositionShardGrads)
   BlockScratch(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc);
   BlockScratch at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const;
 
@@ -77,6 +82,20 @@ void norm_forward(const BlockEnv& env, const Tensor& out, const Tensor& mean, co
 // tp, or reduce-scattered into `local` under sequence parallelism); dx += d(x), dw/db +=.
 void norm_backward(const BlockEnv& env, const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dln,
                    const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd, const Tensor& local);
+
+// Gradients of replicated parameters that see only this rank's positions (norms and
+// row-parallel biases under sequence parallelism): each defined gradient in `grads` is
+// pointed at a zeroed slot of `workspace` for this micro-batch; finish() sums the used
+// slots over tp once and adds them to the gradients (so accumulation never repeats a sum).
+class PositionShardGrads {
+ public:
+  PositionShardGrads(const Tensor& workspace, std::initializer_list<Tensor*> grads);
+  void finish(TpMappings& tp);
+
+ private:
+  Tensor used_;                                   // the slots in use, back to back
+  std::vector<std::pair<Tensor, Tensor>> pairs_;  // (the real gradient, its slot)
+};
 
 // out[B, Tl, C] = block(x[B, Tl, C]); fills a.
 void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& out, int B,

@@ -27,6 +27,13 @@ std::string shape_hint(const ParamSpec& p) {
   return "model.d_model and model.n_head";
 }
 
+// The file holds whole parameters: a tensor-parallel share of a unit has no place for them.
+void check_whole(const std::vector<Unit>& units) {
+  for (const Unit& u : units)
+    MT_CHECK(u.numel == u.global_numel, "internal: unit " << u.name << " is a tensor-parallel share; Hugging Face "
+                                                          << "files are read and written from whole units");
+}
+
 // Buffers Hugging Face checkpoints carry that are not parameters.
 bool is_hf_buffer(const std::string& name) {
   auto ends = [&](const char* s) {
@@ -47,6 +54,7 @@ struct HfImporter::Impl {
 
 HfImporter::HfImporter(const ModelConfig& cfg, const std::vector<Unit>& layout, const std::string& path)
     : impl_(std::make_unique<Impl>(cfg, layout, path)) {
+  check_whole(layout);
   const SafetensorsReader& r = impl_->r;
   std::set<std::string> used;
   for (const Unit& u : layout) {
@@ -102,16 +110,19 @@ void HfImporter::unit(int u, float* dst_unit) const {
 }
 
 void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::string& path) {
+  check_whole(units);
   HfImporter imp(cfg, units, path);
   for (size_t u = 0; u < units.size(); ++u) imp.unit(static_cast<int>(u), units[u].w.f32());
 }
 
 void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path) {
+  check_whole(units);
   hf_export(cfg, units, [&](int u) { return static_cast<const float*>(units[u].w.f32()); }, path);
 }
 
 void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units,
                const std::function<const float*(int unit)>& fetch, const std::string& path) {
+  check_whole(units);
   std::vector<std::pair<std::string, Shape>> list;
   for (const Unit& u : units)
     for (const ParamSpec& p : u.params) list.emplace_back(p.name, hf_shape(p));

@@ -104,11 +104,10 @@ const SplitRule& split_rule(const ModelConfig& cfg, const std::string& name) {
 }
 
 // Which global rows of a parameter with R rows (stored shape) rank tp.rank holds, how many
-// local rows it has (padding included) and how many ranks hold each row.
+// local rows it has (padding included) and whether it is the first rank to hold them.
 struct RowShare {
   std::vector<RowRange> rows;
   int64_t local_rows = 0;
-  int holders = 1;
   bool primary = true;
 };
 
@@ -118,7 +117,6 @@ RowShare row_share(const ModelConfig& cfg, const SplitRule& rule, int64_t R, TpS
   switch (rule.split) {
     case Split::replicate:
       s.rows = {{0, R}};
-      s.holders = n;
       s.primary = r == 0;
       break;
     case Split::column:
@@ -135,7 +133,6 @@ RowShare row_share(const ModelConfig& cfg, const SplitRule& rule, int64_t R, TpS
         const int sharers = n / static_cast<int>(heads);
         const int64_t h = r / sharers;
         s.rows = {{h * D, (h + 1) * D}};
-        s.holders = sharers;
         s.primary = r % sharers == 0;
       }
       break;
@@ -162,7 +159,6 @@ void add_param(Unit& u, const ModelConfig& cfg, TpShard tp, std::string name, Sh
   p.global_offset = u.global_numel;
   RowShare share = row_share(cfg, split_rule(cfg, p.name), shape[0], tp);
   p.rows = std::move(share.rows);
-  p.tp_holders = share.holders;
   p.tp_primary = share.primary;
   p.shape = shape;
   p.shape[0] = share.local_rows;
@@ -177,60 +173,6 @@ void add_param(Unit& u, const ModelConfig& cfg, TpShard tp, std::string name, Sh
 }
 
 }  // namespace
-
-namespace {
-
-// The tp sizes up to 64 for which ok(tp) holds, as "1, 2, 4 or 8".
-std::string tp_sizes(const std::function<bool(int)>& ok) {
-  std::vector<int> v;
-  for (int t = 1; t <= 64; ++t)
-    if (ok(t)) v.push_back(t);
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i)
-    out += (i == 0 ? "" : i + 1 == v.size() ? " or " : ", ") + std::to_string(v[i]);
-  return out;
-}
-
-}  // namespace
-
-void validate_tp(const ModelConfig& cfg, int tp) {
-  MT_CHECK(tp >= 1, "parallel.tp = " << tp << " must be at least 1");
-  if (tp == 1) return;
-  const int kv = cfg.kv_heads(), ff = cfg.ff_dim();
-  auto heads_ok = [&](int t) { return cfg.n_head % t == 0; };
-  auto kv_ok = [&](int t) { return kv % t == 0 || t % kv == 0; };
-  auto ff_ok = [&](int t) { return ff % t == 0; };
-  auto all_ok = [&](int t) { return heads_ok(t) && kv_ok(t) && ff_ok(t) && t <= cfg.vocab_size; };
-  const std::string works = "; parallel.tp can be " + tp_sizes(all_ok) + " for this model";
-  MT_CHECK(heads_ok(tp), "model.n_head = " << cfg.n_head << " does not split over parallel.tp = " << tp
-                                           << " ranks (each rank holds whole heads)" << works);
-  MT_CHECK(kv_ok(tp), "model.n_kv_head = " << kv << " and parallel.tp = " << tp
-                                           << ": one must divide the other (key/value heads are split, or each is "
-                                              "held by tp / n_kv_head ranks)"
-                                           << works);
-  MT_CHECK(ff_ok(tp), "model.d_ff = " << ff << " does not split over parallel.tp = " << tp << " ranks" << works);
-  MT_CHECK(cfg.vocab_size >= tp, "model.vocab_size = " << cfg.vocab_size << " is smaller than parallel.tp = " << tp);
-}
-
-int64_t padded_vocab(const ModelConfig& cfg, int tp) {
-  return (int64_t{cfg.vocab_size} + tp - 1) / tp * tp;
-}
-
-LocalDims local_dims(const ModelConfig& cfg, TpShard tp) {
-  validate_tp(cfg, tp.size);
-  LocalDims d;
-  const int kv = cfg.kv_heads();
-  d.C = cfg.d_model;
-  d.D = cfg.head_dim();
-  d.NH = cfg.n_head / tp.size;
-  d.NKV = kv % tp.size == 0 ? kv / tp.size : 1;
-  d.kv_sharers = kv % tp.size == 0 ? 1 : tp.size / kv;
-  d.F = cfg.ff_dim() / tp.size;
-  d.V = padded_vocab(cfg, tp.size) / tp.size;
-  d.vocab_begin = std::min<int64_t>(cfg.vocab_size, tp.rank * d.V);
-  d.vocab_valid = std::min<int64_t>(cfg.vocab_size, (tp.rank + 1) * d.V) - d.vocab_begin;
-  return d;
-}
 
 int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute) {
   const int64_t T = cfg.seq_len, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH, L = cfg.n_layer;
@@ -435,9 +377,28 @@ void Model::zero_grad() {
 
 Tensor Model::logits() const { return logits_.view(0, {B_, T_, dims_.V}); }
 
+void Model::predictions(int32_t* out) {
+  const int64_t n = int64_t{B_} * T_, V = dims_.V;
+  const Tensor m = row_max_.view(0, {n}), first = target_logit_.view(0, {n});  // workspaces here
+  cross_entropy_row_max(m, logits(), dims_.vocab_valid);
+  tp_.max(m);
+  // Each rank's first column holding the maximum, as -(global id) (-inf where it holds
+  // none): the maximum over tp is the lowest such id. Ids are exact in float below 2^24.
+  const float* lp = logits_.f32();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = lp + i * V;
+    const int64_t at = std::find(row, row + dims_.vocab_valid, m.f32()[i]) - row;
+    first.f32()[i] = at < dims_.vocab_valid ? -static_cast<float>(dims_.vocab_begin + at) : -INFINITY;
+  }
+  tp_.max(first);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(-first.f32()[i]);
+}
+
 double Model::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
   MT_CHECK(B >= 1 && B <= micro_batch_, "internal: batch " << B << " exceeds micro_batch " << micro_batch_);
   MT_CHECK(T >= 1 && T <= cfg_.seq_len, "sequence of " << T << " tokens exceeds model.seq_len = " << cfg_.seq_len);
+  MT_CHECK(T % dims_.seq_split == 0, "a sequence of " << T << " tokens does not split over the " << dims_.seq_split
+                                                      << " ranks of parallel.tp with parallel.sequence_parallel=true");
   B_ = B, T_ = T;
   has_targets_ = targets != nullptr;
   const int64_t n = int64_t{B} * T;
@@ -627,13 +588,10 @@ void Model::final_backward(float scale) {
   // Under sequence parallelism the norm sees this rank's positions: its weight (and bias)
   // gradients are summed over tp, from a workspace so that accumulation does not repeat it.
   if (dims_.seq_split == 1) return norm_backward(env(), dresid, dw, db, dln, x, w, mean, rstd, Tensor());
-  const Tensor rep = scratch_->rep.view(0, {2 * C});
-  rep.zero_();
-  const Tensor rw = rep.view(0, {C}), rb = db.defined() ? rep.view(C, {C}) : Tensor();
-  norm_backward(env(), dresid, rw, rb, dln, x, w, mean, rstd, scratch_->local.view(0, x.shape()));
-  tp_.sum(rep);
-  add_inplace(dw, rw);
-  if (db.defined()) add_inplace(db, rb);
+  Tensor gw = dw, gb = db;
+  PositionShardGrads shard_grads(scratch_->rep, {&gw, &gb});
+  norm_backward(env(), dresid, gw, gb, dln, x, w, mean, rstd, scratch_->local.view(0, x.shape()));
+  shard_grads.finish(tp_);
 }
 
 }  // namespace mt

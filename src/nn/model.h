@@ -48,10 +48,11 @@ struct ParamSpec {
   Shape global_shape;          // the whole parameter
   int64_t global_offset = 0;   // elements into the whole unit's flat buffer (the tp = 1 layout)
   std::vector<RowRange> rows;  // global rows held, in local order
-  int tp_holders = 1;          // tp ranks that hold each of its elements (all of tp: replicated)
-  bool tp_primary = true;      // this rank is the first of them (counts it once in norms, saves it)
+  bool tp_primary = true;      // this rank is the first tp rank to hold it (counts it in norms, saves it);
+                               // false for replicas (norms on tp ranks > 0, a shared key/value head)
   bool decay = false; // weight decay applies (parameters of two or more dims)
-  bool hf_transposed = false;  // stored on disk as shape reversed (GPT-2 Conv1D)
+  bool hf_transposed = false;  // stored on disk with the dims swapped (GPT-2's column-parallel Conv1D
+                               // weights, Llama's row-parallel ones)
   Init init = Init::normal;
   float init_std = 0.02f;
   int64_t numel() const { return shape_numel(shape); }
@@ -99,7 +100,7 @@ int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, 
 
 struct BlockEnv;      // what a block computes with (block.h)
 struct BlockActs;     // activations one block keeps for its backward (block.h)
-struct BlockScratch;  // workspace for a block's backward (block.h)
+struct BlockScratch;  // workspace of the blocks, the embedding and the final norm (block.h)
 
 class Model {
  public:
@@ -115,10 +116,9 @@ class Model {
 
   const ModelConfig& config() const { return cfg_; }
   const LocalDims& dims() const { return dims_; }
-  TpShard tp_shard() const { return tp_.shard(); }
   std::vector<Unit>& units() { return units_; }
   const std::vector<Unit>& units() const { return units_; }
-  int64_t num_params() const;
+  int64_t num_params() const;  // elements this rank holds (tp = 1: the model's parameters)
   const ParamSpec* find_param(const std::string& name, int* unit = nullptr) const;
   std::vector<int> units_used(int unit) const;
   Tensor param(const std::string& name) const;  // a view of one parameter
@@ -140,6 +140,9 @@ class Model {
   // Logits [B, T, V] of the last forward (valid until backward, which overwrites them);
   // under tensor parallelism this rank's vocabulary rows, padding included.
   Tensor logits() const;
+  // The most likely next token at each of the last forward's B x T positions (the first
+  // of equal logits), over the whole vocabulary whatever the tp layout. Collective over tp.
+  void predictions(int32_t* out);
 
  private:
   double loss_forward();
@@ -172,7 +175,7 @@ class Model {
   Tensor logits_, losses_, lse_;            // [B, T, V], [B, T], [B, T] (V: this rank's vocabulary rows)
   Tensor row_max_, target_logit_;           // [B, T], [B, T]: the vocabulary-parallel loss's statistics
   Tensor dresid_;                           // [B, Tl, C] gradient of the residual stream
-  std::unique_ptr<BlockScratch> scratch_;   // shared gradient workspace for block backward
+  std::unique_ptr<BlockScratch> scratch_;   // workspace shared by the blocks (forward and backward), embedding, final norm
 };
 
 }  // namespace mt

@@ -8,27 +8,6 @@ namespace mt {
 
 namespace {
 
-// gathered[size, n] from every rank's x[n] (a workspace kept between calls).
-Tensor gather_all(Communicator& tp, const Tensor& x, Tensor& workspace) {
-  const int64_t n = x.numel(), total = n * tp.size();
-  if (!workspace.defined() || workspace.numel() < total) {
-    static CpuAllocator alloc;  // small: [B, T] statistics or one key/value head's weights
-    workspace = Tensor::empty({total}, DType::f32, alloc, MemTag::comm);
-  }
-  Tensor all = workspace.view(0, {total});
-  tp.allgather(x.reshape({n}), all);
-  return all;
-}
-
-// A workspace of at least n floats, kept between calls.
-Tensor workspace(Tensor& w, int64_t n) {
-  if (!w.defined() || w.numel() < n) {
-    static CpuAllocator alloc;
-    w = Tensor::empty({n}, DType::f32, alloc, MemTag::comm);
-  }
-  return w.view(0, {n});
-}
-
 // [B, T, C] <-> [size, B, T / size, C]: rank r's positions of every sequence, together.
 void to_ranked(const float* full, float* ranked, int64_t B, int64_t T, int64_t C, int size) {
   const int64_t Tl = T / size;
@@ -52,6 +31,21 @@ void check_sequence_shapes(const Tensor& full, const Tensor& local, int size) {
 
 }  // namespace
 
+Tensor TensorParallel::workspace(Tensor& w, int64_t n) {
+  if (!w.defined() || w.numel() < n) {
+    w = Tensor();  // free the old one first
+    w = Tensor::empty({n}, DType::f32, alloc_, MemTag::comm);
+  }
+  return w.view(0, {n});
+}
+
+Tensor TensorParallel::gather_all(const Tensor& x) {
+  const int64_t n = x.numel();
+  const Tensor all = workspace(gathered_, n * tp_.size());
+  tp_.allgather(x.reshape({n}), all);
+  return all;
+}
+
 void TensorParallel::gather_sequence(const Tensor& full, const Tensor& local) {
   const int n = tp_.size();
   check_sequence_shapes(full, local, n);
@@ -74,7 +68,7 @@ void TensorParallel::reduce_scatter_sequence(const Tensor& local, const Tensor& 
 
 void TensorParallel::max(const Tensor& x) {
   MT_CHECK(x.dtype() == DType::f32, "internal: tp max of " << dtype_name(x.dtype()));
-  const Tensor all = gather_all(tp_, x, gathered_);
+  const Tensor all = gather_all(x);
   const int64_t n = x.numel();
   float* out = x.f32();
   const float* a = all.f32();
@@ -88,7 +82,7 @@ void TensorParallel::max(const Tensor& x) {
 void TensorParallel::sum_over_kv_sharers(const Tensor& g, int sharers) {
   MT_CHECK(sharers >= 1 && tp_.size() % sharers == 0, "internal: " << sharers << " sharers in tp " << tp_.size());
   if (sharers == 1) return;
-  const Tensor all = gather_all(tp_, g, gathered_);
+  const Tensor all = gather_all(g);
   const int64_t n = g.numel();
   const int first = tp_.rank() / sharers * sharers;  // the sharers are consecutive ranks
   float* out = g.f32();
@@ -114,7 +108,8 @@ double tp_bytes_per_micro_batch(const ModelConfig& cfg, const LocalDims& d, int 
   if (d.kv_sharers > 1) bytes += L * allgather(2.0 * d.NKV * d.D * d.C);
   if (sequence_parallel) {
     const double C = d.C;
-    bytes += L * allreduce(6 * C) + allreduce(2 * C);    // the norms' and row-parallel biases' gradients
+    const double block_reps = cfg.is_llama() ? 2 : 6, final_reps = cfg.is_llama() ? 1 : 2;  // weights (and biases)
+    bytes += L * allreduce(block_reps * C) + allreduce(final_reps * C);  // norms' and row-parallel biases' gradients
     bytes += 2 * L * allgather(act / N);                 // norm outputs gathered again in backward
     if (!cfg.is_llama()) bytes += allgather(T / N * C);  // the position embedding's gradient rows
   }

@@ -27,7 +27,10 @@ class TensorParallel final : public TpMappings {
   // sequence_parallel: the mappings around the split layers become gather (all-gather along
   // the sequence / reduce-scatter) and reduce-scatter (reduce-scatter along the sequence /
   // all-gather), which move the same bytes as the all-reduces they replace.
-  explicit TensorParallel(Communicator& tp, bool sequence_parallel = false) : tp_(tp), sp_(sequence_parallel) {}
+  // Workspaces (the sequence pieces rank by rank, gathered row statistics) are counted in
+  // alloc as communication buffers.
+  TensorParallel(Communicator& tp, Allocator& alloc, bool sequence_parallel = false)
+      : tp_(tp), alloc_(alloc), sp_(sequence_parallel) {}
 
   TpShard shard() const override { return {tp_.size(), tp_.rank()}; }
   void copy_backward(const Tensor& dx) override { tp_.allreduce(dx); }
@@ -39,12 +42,16 @@ class TensorParallel final : public TpMappings {
   void gather_sequence(const Tensor& full, const Tensor& local) override;
   void reduce_scatter_sequence(const Tensor& local, const Tensor& full) override;
 
-  Communicator& group() { return tp_; }
-
  private:
+  // A workspace of at least n floats, kept and grown between calls.
+  Tensor workspace(Tensor& w, int64_t n);
+  // gathered[size, n] from every rank's x[n].
+  Tensor gather_all(const Tensor& x);
+
   Communicator& tp_;
+  Allocator& alloc_;
   bool sp_;
-  Tensor gathered_;  // [size, n] workspace of max and sum_over_kv_sharers
+  Tensor gathered_;  // [size, n]: every rank's row statistics or key/value gradients
   Tensor ranked_;    // [size, B, T / size, C]: the sequence pieces rank by rank
 };
 

@@ -220,7 +220,10 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
 
 std::vector<CheckpointSlice> checkpoint_param_slices(const std::vector<Unit>& units) {
   std::vector<CheckpointSlice> r;
-  for (const Unit& u : units) r.push_back({u.name, 0, u.numel, {{"params", u.w.f32()}}});
+  for (const Unit& u : units) {
+    MT_CHECK(u.numel == u.global_numel, "internal: unit " << u.name << " is a tensor-parallel share, not whole");
+    r.push_back({u.name, 0, u.numel, {{"params", u.w.f32()}}});
+  }
   return r;
 }
 

@@ -131,7 +131,7 @@ struct ValResult {
 ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool builtin, Communicator& dp) {
   const int M = static_cast<int>(c.training.micro_batch), T = c.model.seq_len, V = c.model.vocab_size;
   const int64_t R = dp.size(), per_rank = c.training.val_batches * c.training.global_batch / R;
-  std::vector<int32_t> in(M * T), tg(M * T);
+  std::vector<int32_t> in(M * T), tg(M * T), best(M * T);
   std::vector<uint8_t> mask(T);
   // [loss sum, correct answers, answers, answers per target character...]
   std::vector<double> tally(3 + V, 0.0);
@@ -139,14 +139,12 @@ ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool b
     val.fill(dp.rank() + R * i, M, in.data(), tg.data(), R);
     tally[0] += model.forward(in.data(), tg.data(), M, T);
     if (!builtin) continue;
-    const float* logits = model.logits().f32();
+    model.predictions(best.data());  // greedy, over the whole vocabulary (collective over tp)
     for (int s = 0; s < M; ++s) {
       tasks_answer_mask(&in[s * T], &tg[s * T], T, mask.data());
       for (int t = 0; t < T; ++t) {
         if (!mask[t]) continue;
-        const float* row = logits + (int64_t(s) * T + t) * V;
-        int best = static_cast<int>(std::max_element(row, row + V) - row);
-        tally[1] += best == tg[s * T + t];
+        tally[1] += best[s * T + t] == tg[s * T + t];
         tally[2] += 1;
         tally[3 + tg[s * T + t]] += 1;
       }
@@ -343,10 +341,10 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
     const LocalDims& d = run.model.dims();
     std::snprintf(head, sizeof head,
                   "tp: %d ranks, each %lld of %d heads, %lld of %d key/value heads, %lld of %d MLP units, %lld "
-                  "vocabulary rows; %.2f MB sent per step by each tp rank",
+                  "rows of the vocabulary padded to %lld; %.2f MB sent per step by each tp rank",
                   run.tp.size(), static_cast<long long>(d.NH), c.model.n_head, static_cast<long long>(d.NKV),
                   c.model.kv_heads(), static_cast<long long>(d.F), c.model.ff_dim(), static_cast<long long>(d.V),
-                  tp_bytes_per_step(run) / 1e6);
+                  static_cast<long long>(padded_vocab(c.model, run.tp.size())), tp_bytes_per_step(run) / 1e6);
     run.log.message(head);
   }
   if (!resumed_from.empty()) run.log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
@@ -595,7 +593,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   const std::optional<double> baseline = unigram_baseline(train_data.tokens(), data.val, c.model.vocab_size);
 
   // Each rank materialises only the parameters it keeps.
-  TensorParallel tp(mesh.tp(), c.parallel.sequence_parallel);
+  TensorParallel tp(mesh.tp(), alloc, c.parallel.sequence_parallel);
   Model model(c.model, alloc, static_cast<int>(c.training.micro_batch), c.training.recompute,
               /*allocate_state=*/c.parallel.zero == 0, &tp);
   const std::string resumed_from = resume_point(c, world, log);
