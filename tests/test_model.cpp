@@ -40,6 +40,14 @@ std::vector<float> all_grads(const Model& m) {
   return g;
 }
 
+// Gradients b agree with a to float rounding: within 1e-5 of a's largest magnitude.
+void expect_grads_close(const std::vector<float>& a, const std::vector<float>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  float gmax = 0;
+  for (float x : a) gmax = std::max(gmax, std::fabs(x));
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5f * gmax) << i;
+}
+
 class ModelFamily : public ::testing::TestWithParam<std::string> {};
 
 // The tests whose numbers go through attention run with both attention paths.
@@ -128,10 +136,7 @@ TEST_P(ModelCompute, AccumulationEqualsOneBigBatch) {
   l2 += small.forward(tok.data() + 14, tgt.data() + 14, 2, 7);
   small.backward(1.0f / 28);
   EXPECT_NEAR(l1, l2, 1e-5 * std::fabs(l1));
-  auto g1 = all_grads(big), g2 = all_grads(small);
-  float gmax = 0;
-  for (float x : g1) gmax = std::max(gmax, std::fabs(x));
-  for (size_t i = 0; i < g1.size(); ++i) ASSERT_NEAR(g1[i], g2[i], 1e-5f * gmax) << i;
+  expect_grads_close(all_grads(big), all_grads(small));
 }
 
 // Initialisation is a function of (seed, parameter name, element index) only.
@@ -202,10 +207,7 @@ TEST(Model, FusedAttentionHoldsNoTimeSquaredTensor) {
     f.backward(0.1f);
     m.backward(0.1f);
     EXPECT_NEAR(lf, lm, 1e-5 * std::fabs(lm));
-    auto gf = all_grads(f), gm = all_grads(m);
-    float gmax = 0;
-    for (float x : gm) gmax = std::max(gmax, std::fabs(x));
-    for (size_t i = 0; i < gf.size(); ++i) ASSERT_NEAR(gf[i], gm[i], 1e-5f * gmax) << i;
+    expect_grads_close(all_grads(m), all_grads(f));
   }
 }
 

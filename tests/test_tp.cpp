@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <tuple>
 
-#include "core/safetensors.h"
 #include "nn/hf.h"
 #include "train_runs.h"
 
@@ -117,26 +116,7 @@ TEST(Tp, CheckpointResumesAtAnotherTp) {
       EXPECT_NEAR(r.loss[s], straight.loss[s + 3], 1e-6 * straight.loss[s + 3]) << name << " step " << s + 3;
     expect_equivalent(last3, r, "resumed at " + name);
   }
-  std::string out;
-  ASSERT_EQ(run_command(std::string(MESHTRAIN_BIN) + " export --checkpoint " + d / "straight" + " --out " +
-                            d / "export.safetensors",
-                        &out),
-            0)
-      << out;
-  SafetensorsReader file(d / "export.safetensors");
-  std::vector<Unit> whole = model_layout(straight.model);
-  for (size_t u = 0; u < whole.size(); ++u)
-    for (const ParamSpec& p : whole[u].params) {
-      std::vector<float> got(p.numel());
-      file.read_f32(p.name, got.data(), p.numel());
-      if (p.hf_transposed) {  // stored [a, b] here, [b, a] in the file
-        std::vector<float> t(got.size());
-        for (int64_t i = 0; i < p.shape[0]; ++i)
-          for (int64_t j = 0; j < p.shape[1]; ++j) t[i * p.shape[1] + j] = got[j * p.shape[0] + i];
-        got = t;
-      }
-      EXPECT_TRUE(std::equal(got.begin(), got.end(), straight.units[u].begin() + p.offset)) << p.name;
-    }
+  expect_export_holds(d, d / "straight", straight);
 }
 
 // Starting from a Hugging Face file, each tp rank takes its rows of every parameter: the

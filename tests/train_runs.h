@@ -3,9 +3,11 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "core/safetensors.h"
 #include "nn/model.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
@@ -138,6 +140,29 @@ inline void expect_equivalent(const RunResult& a, const RunResult& b, const std:
       }
     }
   }
+}
+
+// `meshtrain export` of the checkpoint `dir` holds exactly r's final parameters (each
+// transposed back where the file stores it the other way round).
+inline void expect_export_holds(const test::TempDir& d, const std::string& dir, const RunResult& r) {
+  std::string out;
+  const std::string file = d / "export.safetensors";
+  ASSERT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " export --checkpoint " + dir + " --out " + file, &out), 0)
+      << out;
+  SafetensorsReader reader(file);
+  std::vector<Unit> layout = model_layout(r.model);
+  for (size_t u = 0; u < layout.size(); ++u)
+    for (const ParamSpec& p : layout[u].params) {
+      std::vector<float> got(p.numel());
+      reader.read_f32(p.name, got.data(), p.numel());
+      if (p.hf_transposed) {  // stored [a, b] here, [b, a] in the file
+        std::vector<float> t(got.size());
+        for (int64_t i = 0; i < p.shape[0]; ++i)
+          for (int64_t j = 0; j < p.shape[1]; ++j) t[i * p.shape[1] + j] = got[j * p.shape[0] + i];
+        got = t;
+      }
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), r.units[u].begin() + p.offset)) << p.name;
+    }
 }
 
 inline void expect_bit_identical(const RunResult& a, const RunResult& b, const std::string& what) {

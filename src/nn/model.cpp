@@ -52,6 +52,15 @@ std::vector<UnitPiece> Unit::pieces(bool primary_only) const {
   return out;
 }
 
+std::vector<UnitPiece> Unit::pieces_within(int64_t begin, int64_t end, bool primary_only) const {
+  std::vector<UnitPiece> out;
+  for (const UnitPiece& p : pieces(primary_only)) {
+    const int64_t lo = std::max(begin, p.local), hi = std::min(end, p.local + p.n);
+    if (lo < hi) out.push_back({lo, p.global + (lo - p.local), hi - lo});
+  }
+  return out;
+}
+
 namespace {
 
 // The TP plan: how each parameter is split over the tp ranks, by the end of its name. Every

@@ -75,6 +75,8 @@ struct Unit {
   // This rank's elements of the whole unit, in local order (padding left out); primary_only:
   // without the parameters another tp rank also holds and is first to hold.
   std::vector<UnitPiece> pieces(bool primary_only = false) const;
+  // The same, clipped to local elements [begin, end).
+  std::vector<UnitPiece> pieces_within(int64_t begin, int64_t end, bool primary_only = false) const;
   Tensor w;  // [numel] parameters
   Tensor g;  // [numel] gradients (accumulated by backward)
   Tensor param(const std::string& suffix) const;  // view of the parameter whose name ends with suffix

@@ -14,6 +14,17 @@ namespace mt {
 using namespace detail;
 
 namespace {
+
+// Sum of exp(row[i] - m) over n elements, in kLanes partial sums added in a fixed order.
+float exp_sum(const float* row, int64_t n, float m) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += exp_f32(row[i + j] - m);
+  for (int j = 0; j < kLanes && i < n; ++i, ++j) acc[j] += exp_f32(row[i] - m);
+  return reduce_lanes(acc);
+}
+
 void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, int64_t& N, int64_t& V,
               const char* op) {
   check_f32(logits, op);
@@ -52,14 +63,8 @@ double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tens
   for (int64_t n = 0; n < N; ++n) {
     const float* row = lp + n * V;
     const float m = max_f32(row, V);
-    // Sum of exp(x - max) in kLanes partial sums; the row (V floats) stays in L2 between
-    // the max pass and this one.
-    float acc[kLanes] = {};
-    int64_t i = 0;
-    for (; i + kLanes <= V; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) acc[j] += exp_f32(row[i + j] - m);
-    for (int j = 0; j < kLanes && i < V; ++i, ++j) acc[j] += exp_f32(row[i] - m);
-    const float l = m + std::log(reduce_lanes(acc));
+    // the row (V floats) stays in L2 between the max pass and this one
+    const float l = m + std::log(exp_sum(row, V, m));
     lsep[n] = l;
     lossp[n] = tp[n] < 0 ? 0.0f : l - row[tp[n]];
   }
@@ -118,13 +123,7 @@ void cross_entropy_row_stats(const Tensor& sum_exp, const Tensor& target_logit, 
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const float* row = lp + n * V;
-    const float m = mp[n];
-    float acc[kLanes] = {};
-    int64_t i = 0;
-    for (; i + kLanes <= valid; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) acc[j] += exp_f32(row[i + j] - m);
-    for (int j = 0; j < kLanes && i < valid; ++i, ++j) acc[j] += exp_f32(row[i] - m);
-    sp[n] = reduce_lanes(acc);
+    sp[n] = exp_sum(row, valid, mp[n]);
     const int64_t t = int64_t{tp[n]} - begin;
     tl[n] = tp[n] >= 0 && t >= 0 && t < valid ? row[t] : 0.0f;
   }

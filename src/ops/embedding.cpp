@@ -34,6 +34,40 @@ void check_tokens(const Tensor& tokens, const Tensor& out, int64_t V, int64_t& B
   MT_CHECK(bad < 0, op << ": token id " << tp[bad] << " at position " << bad << " is outside the vocabulary [0, "
                        << V << "); check the tokenizer / model.vocab_size");
 }
+// dwte[id - begin] += g[bt] for the rows bt whose id is in [begin, begin + valid). Each
+// thread owns a contiguous range of columns (whole cache lines) of every dwte row and adds
+// the (b, t) rows in order: two equal tokens never race, and each element's sum order is
+// the row order whatever the thread count or the split.
+void scatter_rows(float* dwte, const float* g, const int32_t* ids, int64_t BT, int64_t C, int64_t begin,
+                  int64_t valid) {
+  constexpr int64_t CB = 16;
+  const int64_t ncb = (C + CB - 1) / CB;
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t c0 = std::min(C, (ncb * tid / nt) * CB), c1 = std::min(C, (ncb * (tid + 1) / nt) * CB);
+    for (int64_t bt = 0; bt < BT && c1 > c0; ++bt) {
+      const int64_t row = ids[bt] - begin;
+      if (row < 0 || row >= valid) continue;
+      float* d = dwte + row * C;
+      const float* gr = g + bt * C;
+      for (int64_t c = c0; c < c1; ++c) d[c] += gr[c];
+    }
+  }
+}
+
+// dwpe[t] += sum over b of g[b, t], in b order; rows t are independent.
+void add_positions(float* dwpe, const float* g, int64_t B, int64_t T, int64_t C) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float* d = dwpe + t * C;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* gr = g + (b * T + t) * C;
+      for (int64_t c = 0; c < C; ++c) d[c] += gr[c];
+    }
+  }
+}
+
 }  // namespace
 
 // out[B, T, C] = wte[tokens[b, t]] (+ wpe[t])
@@ -84,39 +118,8 @@ void embedding_backward(const Tensor& dwte, const Tensor* dwpe, const Tensor& do
     MT_CHECK(dwpe->ndim() == 2 && dwpe->dim(1) == C && dwpe->dim(0) >= T,
              "embedding_backward: dwpe must be [maxT >= " << T << ", " << C << "], got " << shape_str(dwpe->shape()));
   }
-  const int32_t* tp = tokens.i32();
-  const float* dop = dout.f32();
-  float* dwtep = dwte.f32();
-  float* dwpep = dwpe ? dwpe->f32() : nullptr;
-  // Each thread owns a contiguous range of columns (whole cache lines) of every dwte row
-  // and adds the (b, t) rows in order: two equal tokens never race, and each element's
-  // sum order is the row order whatever the thread count or the split.
-  constexpr int64_t CB = 16;
-  const int64_t ncb = (C + CB - 1) / CB;
-  const int64_t BT = B * T;
-#pragma omp parallel
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t c0 = std::min(C, (ncb * tid / nt) * CB), c1 = std::min(C, (ncb * (tid + 1) / nt) * CB);
-    if (c1 > c0) {
-      for (int64_t bt = 0; bt < BT; ++bt) {
-        float* d = dwtep + (int64_t)tp[bt] * C;
-        const float* g = dop + bt * C;
-        for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
-      }
-    }
-    if (dwpep) {
-      // dwpe[t] += sum over b, in b order; rows t are independent.
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) {
-        float* d = dwpep + t * C;
-        for (int64_t b = 0; b < B; ++b) {
-          const float* g = dop + (b * T + t) * C;
-          for (int64_t c = 0; c < C; ++c) d[c] += g[c];
-        }
-      }
-    }
-  }
+  scatter_rows(dwte.f32(), dout.f32(), tokens.i32(), B * T, C, 0, V);
+  if (dwpe) add_positions(dwpe->f32(), dout.f32(), B, T, C);
 }
 
 // The vocabulary-parallel lookup: out[b, t] = wte[id - begin] for ids in [begin, begin + valid), else 0.
@@ -153,23 +156,7 @@ void embedding_shard_backward(const Tensor& dwte, const Tensor& dout, const Tens
   int64_t B, T;
   check_tokens(tokens, dout, vocab, B, T, "embedding_shard_backward: tokens");
   check_numel(dout, B * T * C, "embedding_shard_backward: dout ([B, T, C])");
-  const int32_t* tp = tokens.i32();
-  const float* dop = dout.f32();
-  float* dwtep = dwte.f32();
-  constexpr int64_t CB = 16;  // as embedding_backward: each thread owns whole column blocks
-  const int64_t ncb = (C + CB - 1) / CB, BT = B * T;
-#pragma omp parallel
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t c0 = std::min(C, (ncb * tid / nt) * CB), c1 = std::min(C, (ncb * (tid + 1) / nt) * CB);
-    for (int64_t bt = 0; bt < BT && c1 > c0; ++bt) {
-      const int64_t row = tp[bt] - begin;
-      if (row < 0 || row >= valid) continue;
-      float* d = dwtep + row * C;
-      const float* g = dop + bt * C;
-      for (int64_t c = c0; c < c1; ++c) d[c] += g[c];
-    }
-  }
+  scatter_rows(dwte.f32(), dout.f32(), tokens.i32(), B * T, C, begin, valid);
 }
 
 // out[b, t] += wpe[t]
@@ -197,16 +184,7 @@ void position_backward(const Tensor& dwpe, const Tensor& dout) {
   MT_CHECK(dout.ndim() == 3 && dwpe.ndim() == 2 && dwpe.dim(1) == dout.dim(2) && dwpe.dim(0) >= dout.dim(1),
            "position_backward: dout [B, T, C] and dwpe [maxT >= T, C]");
   const int64_t B = dout.dim(0), T = dout.dim(1), C = dout.dim(2);
-  const float* dop = dout.f32();
-  float* dp = dwpe.f32();
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    float* d = dp + t * C;
-    for (int64_t b = 0; b < B; ++b) {
-      const float* g = dop + (b * T + t) * C;
-      for (int64_t c = 0; c < C; ++c) d[c] += g[c];
-    }
-  }
+  add_positions(dwpe.f32(), dout.f32(), B, T, C);
 }
 
 }  // namespace mt

@@ -231,12 +231,9 @@ std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin
                                                     const std::vector<std::pair<std::string, float*>>& tensors,
                                                     bool primary_only) {
   std::vector<CheckpointSlice> r;
-  for (const UnitPiece& piece : u.pieces(primary_only)) {
-    const int64_t lo = std::max(begin, piece.local), hi = std::min(end, piece.local + piece.n);
-    if (lo >= hi) continue;
-    const int64_t g0 = piece.global + (lo - piece.local);
-    CheckpointSlice slice{u.name, g0, g0 + (hi - lo), tensors};
-    for (auto& t : slice.tensors) t.second += lo - begin;
+  for (const UnitPiece& piece : u.pieces_within(begin, end, primary_only)) {
+    CheckpointSlice slice{u.name, piece.global, piece.global + piece.n, tensors};
+    for (auto& t : slice.tensors) t.second += piece.local - begin;
     r.push_back(std::move(slice));
   }
   return r;

@@ -295,10 +295,8 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
       std::vector<float> whole(whole_layout[r.unit].global_numel);  // one unit at a time
       hf->unit(r.unit, whole.data());
       std::fill(r.params, r.params + (r.end - r.begin), 0.0f);
-      for (const UnitPiece& piece : model.units()[r.unit].pieces()) {  // this rank's share of it
-        const int64_t lo = std::max(r.begin, piece.local), hi = std::min(r.end, piece.local + piece.n);
-        if (lo < hi) std::copy_n(whole.data() + piece.global + (lo - piece.local), hi - lo, r.params + (lo - r.begin));
-      }
+      for (const UnitPiece& piece : model.units()[r.unit].pieces_within(r.begin, r.end))  // this rank's share
+        std::copy_n(whole.data() + piece.global, piece.n, r.params + (piece.local - r.begin));
     }
   };
   if (c.parallel.zero > 0) return std::make_unique<ZeRO>(model, dp, alloc, c.parallel, fill);
