@@ -91,6 +91,12 @@ void BlockScratch::each(const ModelConfig& cfg, const LocalDims& d, int64_t B, i
   if (d.seq_split > 1) fn(seq, {B, T, C}), fn(local, {B, T / d.seq_split, C}), fn(rep, {6 * C});
 }
 
+template <class Fn>
+void BlockWeightInputs::each(const ModelConfig& cfg, const LocalDims& d, int64_t B, int64_t T, Fn fn) {
+  fn(dproj, {B, T, d.C}), fn(dfc, {B, T, cfg.is_llama() ? 2 * d.F : d.F});
+  fn(dwo, {B, T, d.C}), fn(dqkv, {B, T, d.qkv()});
+}
+
 BlockActs::BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
   each(cfg, d, B, cfg.seq_len,
        [&](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); });
@@ -109,6 +115,17 @@ BlockScratch::BlockScratch(const ModelConfig& cfg, const LocalDims& d, int B, Al
 
 BlockScratch BlockScratch::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
   BlockScratch v = *this;
+  v.each(cfg, d, B, T, [](Tensor& t, const Shape& s) { t = t.view(0, s); });
+  return v;
+}
+
+BlockWeightInputs::BlockWeightInputs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
+  each(cfg, d, B, cfg.seq_len,
+       [&](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); });
+}
+
+BlockWeightInputs BlockWeightInputs::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
+  BlockWeightInputs v = *this;
   v.each(cfg, d, B, T, [](Tensor& t, const Shape& s) { t = t.view(0, s); });
   return v;
 }
@@ -133,19 +150,59 @@ void row_parallel_forward(const BlockEnv& env, const Tensor& y, const Tensor& x,
   if (b) add_bias(y, *b);
 }
 
-// Its backward from dy (this rank's positions under sequence parallelism, gathered into
-// `full` first): dw += x^T dy, db += column sums of dy, dx = dy w^T.
-void row_parallel_backward(const BlockEnv& env, const Tensor& dw, const Tensor* db, const Tensor& dx,
-                           const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& full) {
+// Its backward but the weight gradient, from dy (this rank's positions under sequence
+// parallelism, gathered into `full` first): dx = dy w^T, and under sequence parallelism
+// db += column sums of this rank's dy (the bias's gradient, summed over tp later; on
+// whole sequences it rides with the weight's instead). Returns dy over all positions (dy
+// itself, or full), the layer's output gradient for its weight gradient.
+Tensor row_parallel_backward_input(const BlockEnv& env, const Tensor* db, const Tensor& dx, const Tensor& dy,
+                                   const Tensor& w, const Tensor& full) {
   Tensor dyf = dy;
   if (sequence_parallel(env)) {
     env.tp.gather_sequence(full, dy);
     dyf = full;
     if (db) bias_backward(*db, dy);
-    db = nullptr;
   }
-  linear_io_backward_weight(dw, db, dyf, x);
   linear_io_backward_input(dx, dyf, w, false);
+  return dyf;
+}
+
+// A column-parallel layer's input [B, T, C] for its weight gradient: the norm output kept
+// for backward, or under sequence parallelism (which kept this rank's [B, T / tp, C]) every
+// rank's positions gathered again into s.seq.
+Tensor column_input(const BlockEnv& env, const BlockScratch& s, const Tensor& saved) {
+  if (!sequence_parallel(env)) return saved;
+  env.tp.gather_sequence(s.seq, saved);
+  return s.seq;
+}
+
+// The block's four linear layers, in backward order.
+enum class Layer { proj, fc, wo, qkv };
+
+// One layer's weight gradient from its output gradient dy ([B, T, out], all T positions)
+// and the kept activations: dw += (the layer's input)^T dy, and db += column sums of dy for
+// the biases that ride with it (all of them except the row-parallel ones under sequence
+// parallelism: see row_parallel_backward_input). The one piece of code both the whole
+// backward and its weight half (block_backward_weight) run.
+void weight_grad(const BlockEnv& env, const BlockParams& p, const BlockActs& a, const BlockScratch& s, Layer layer,
+                 const Tensor& dy) {
+  const bool sp = sequence_parallel(env);
+  switch (layer) {
+    case Layer::proj: return linear_io_backward_weight(p.g_wproj, sp ? nullptr : opt(p.g_bproj), dy, a.act);
+    case Layer::fc: return linear_backward_weight(p.g_wfc, opt(p.g_bfc), dy, column_input(env, s, a.ln2));
+    case Layer::wo: return linear_io_backward_weight(p.g_wo, sp ? nullptr : opt(p.g_bo), dy, a.atty);
+    case Layer::qkv: break;
+  }
+  const Tensor ln1 = column_input(env, s, a.ln1);
+  if (env.d.kv_sharers == 1) return linear_backward_weight(p.g_wqkv, opt(p.g_bqkv), dy, ln1);
+  // This rank's key/value head is also held by other ranks, each with its own query
+  // heads: this micro-batch's key/value gradient is the sum of theirs (Llama: no bias).
+  s.dwqkv.zero_();
+  linear_backward_weight(s.dwqkv, nullptr, dy, ln1);
+  const int64_t q = env.d.attn() * env.d.C;
+  env.tp.sum_over_kv_sharers(s.dwqkv.reshape({s.dwqkv.numel()}).view(q, {s.dwqkv.numel() - q}),
+                             static_cast<int>(env.d.kv_sharers));
+  add_inplace(p.g_wqkv, s.dwqkv);
 }
 
 }  // namespace
@@ -228,7 +285,7 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
 }
 
 void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& dresid,
-                    int B, int T) {
+                    int B, int T, const BlockWeightInputs* defer) {
   const ModelConfig& cfg = env.cfg;
   const LocalDims& d = env.d;
   const int NH = static_cast<int>(d.NH), NKV = static_cast<int>(d.NKV);
@@ -243,43 +300,51 @@ void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, c
   if (sequence_parallel(env))
     shard_grads.emplace(s.rep, std::initializer_list<Tensor*>{&g.g_ln1_w, &g.g_ln1_b, &g.g_bo, &g.g_ln2_w,
                                                               &g.g_ln2_b, &g.g_bproj});
+  // Where the four layers' output gradients go: without defer the workspace, each layer's
+  // weight gradient running as soon as its output gradient is known; with defer, its
+  // tensors, kept for the weight half (copied there when the gradient is dresid, which the
+  // norms' backward overwrites; else computed or gathered there in the first place).
+  Tensor dproj = s.seq, dfc = s.dfc, dwo = s.seq, dqkv = s.dqkv;  // s.seq: sequence parallelism only
+  if (defer) {
+    const BlockWeightInputs k = defer->at(cfg, d, B, T);
+    dproj = k.dproj, dfc = k.dfc, dwo = k.dwo, dqkv = k.dqkv;
+  }
+  auto weight_or_keep = [&](Layer layer, const Tensor& dy, const Tensor& kept) {
+    if (!defer) weight_grad(env, p, a, s, layer, dy);
+    else if (dy.raw() != kept.raw()) kept.copy_from(dy);
+  };
 
   // MLP branch: out = mid + proj(act); dresid is d(out) = d(mid) through the skip.
-  row_parallel_backward(env, p.g_wproj, opt(g.g_bproj), s.dact, dresid, a.act, p.wproj, s.seq);
-  if (llama) swiglu_backward(s.dfc, a.fc, s.dact);
-  else gelu_backward(s.dfc, a.fc, s.dact);
-  // a column-parallel layer's weight gradient needs its whole input: gathered again
-  auto input = [&](const Tensor& saved) {
-    if (!sequence_parallel(env)) return saved;
-    env.tp.gather_sequence(s.seq, saved);
-    return s.seq;
-  };
-  linear_backward_weight(p.g_wfc, opt(p.g_bfc), s.dfc, input(a.ln2));
-  linear_backward_input(s.dln, s.dfc, p.wfc, false);
+  weight_or_keep(Layer::proj, row_parallel_backward_input(env, opt(g.g_bproj), s.dact, dresid, p.wproj, dproj), dproj);
+  if (llama) swiglu_backward(dfc, a.fc, s.dact);
+  else gelu_backward(dfc, a.fc, s.dact);
+  weight_or_keep(Layer::fc, dfc, dfc);
+  linear_backward_input(s.dln, dfc, p.wfc, false);
   // the norm's backward adds into dresid, which then holds d(mid)
   norm_backward(env, dresid, g.g_ln2_w, g.g_ln2_b, s.dln, a.mid, p.ln2_w, a.ln2_mean, a.ln2_rstd, s.local);
 
   // attention branch: mid = x + proj(atty)
-  row_parallel_backward(env, p.g_wo, opt(g.g_bo), s.datty, dresid, a.atty, p.wo, s.seq);
-  if (cfg.fused_attention()) attention_fused_backward(s.dqkv, s.datty, a.qkv, a.atty, a.lse, NH, NKV);
-  else attention_backward(s.dqkv, s.datt, s.datty, a.qkv, a.att, NH, NKV);
-  if (llama) rope_backward(s.dqkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta);
-  if (d.kv_sharers == 1) {
-    linear_backward_weight(p.g_wqkv, opt(p.g_bqkv), s.dqkv, input(a.ln1));
-  } else {
-    // This rank's key/value head is also held by other ranks, each with its own query
-    // heads: this micro-batch's key/value gradient is the sum of theirs (Llama: no bias).
-    s.dwqkv.zero_();
-    linear_backward_weight(s.dwqkv, nullptr, s.dqkv, input(a.ln1));
-    const int64_t q = d.attn() * d.C;
-    env.tp.sum_over_kv_sharers(s.dwqkv.reshape({s.dwqkv.numel()}).view(q, {s.dwqkv.numel() - q}),
-                               static_cast<int>(d.kv_sharers));
-    add_inplace(p.g_wqkv, s.dwqkv);
-  }
-  linear_backward_input(s.dln, s.dqkv, p.wqkv, false);
+  weight_or_keep(Layer::wo, row_parallel_backward_input(env, opt(g.g_bo), s.datty, dresid, p.wo, dwo), dwo);
+  if (cfg.fused_attention()) attention_fused_backward(dqkv, s.datty, a.qkv, a.atty, a.lse, NH, NKV);
+  else attention_backward(dqkv, s.datt, s.datty, a.qkv, a.att, NH, NKV);
+  if (llama) rope_backward(dqkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta);
+  weight_or_keep(Layer::qkv, dqkv, dqkv);
+  linear_backward_input(s.dln, dqkv, p.wqkv, false);
   norm_backward(env, dresid, g.g_ln1_w, g.g_ln1_b, s.dln, x, p.ln1_w, a.ln1_mean, a.ln1_rstd, s.local);
 
   if (shard_grads) shard_grads->finish(env.tp);
+}
+
+void block_backward_weight(const BlockEnv& env, const Unit& u, const BlockActs& acts, const BlockWeightInputs& w,
+                           int B, int T) {
+  const BlockParams p = block_params(env.cfg, env.d, u);
+  const BlockActs a = acts.at(env.cfg, env.d, B, T);
+  const BlockScratch s = env.scratch.at(env.cfg, env.d, B, T);
+  const BlockWeightInputs k = w.at(env.cfg, env.d, B, T);
+  weight_grad(env, p, a, s, Layer::proj, k.dproj);
+  weight_grad(env, p, a, s, Layer::fc, k.dfc);
+  weight_grad(env, p, a, s, Layer::wo, k.dwo);
+  weight_grad(env, p, a, s, Layer::qkv, k.dqkv);
 }
 
 }  // namespace mt

@@ -51,6 +51,24 @@ struct BlockActs {
   template <class Fn> void each(const ModelConfig& cfg, const LocalDims& d, int64_t B, int64_t T, Fn fn);
 };
 
+// What a block's weight half of backward (block_backward_weight) needs beyond the kept
+// activations: the output gradients of its four linear layers for one micro-batch, left
+// here by block_backward's input half. Allocated for [B, T] = [micro_batch, seq_len] (all
+// T positions: under sequence parallelism the row-parallel layers' gradients as gathered
+// over tp); at(B, T) gives views of a smaller current batch (at offset 0).
+struct BlockWeightInputs {
+  Tensor dproj;  // [B, T, C] d(MLP down projection's output)
+  Tensor dfc;    // [B, T, F] d(MLP up projection's output, before gelu); llama [B, T, 2F] d(gate|up)
+  Tensor dwo;    // [B, T, C] d(attention output projection's output)
+  Tensor dqkv;   // [B, T, QKV] d(q|k|v) (after rope's backward for llama)
+  BlockWeightInputs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc);
+  BlockWeightInputs at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const;
+
+ private:
+  BlockWeightInputs() = default;  // for at()
+  template <class Fn> void each(const ModelConfig& cfg, const LocalDims& d, int64_t B, int64_t T, Fn fn);
+};
+
 // Workspace shared by all blocks: one block's backward, and with sequence parallelism the
 // forward's gathered norm outputs and partial sums (also used by the embedding and final norm).
 struct BlockScratch {
@@ -101,7 +119,21 @@ class PositionShardGrads {
 void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& out, int B,
                    int T);
 // dresid holds d(out) on entry and d(x) on return; parameter gradients accumulate in u.g.
+// With defer (zero-bubble pipelines) only the input half runs: everything but the four
+// linear layers' weight gradients (and the biases that ride with them: all four without
+// sequence parallelism, the column-parallel two with it), whose output gradients are left
+// in *defer (allocated for the micro-batch, like acts) for block_backward_weight. Norm
+// gradients and, under sequence parallelism, the row-parallel biases' stay here. Without
+// defer the same operations run in one pass.
 void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& dresid,
-                    int B, int T);
+                    int B, int T, const BlockWeightInputs* defer = nullptr);
+// The weight half: accumulates into u.g the four weight gradients (and their biases, as
+// above) of the micro-batch whose input half filled w, from w and the activations that
+// micro-batch's forward kept in acts (which must still hold them). Under sequence
+// parallelism the norm outputs are gathered over tp again, and with key/value heads held
+// by several tp ranks their gradient is summed over those ranks: collective over tp.
+// The split pair gives u.g bit-identical to block_backward without defer.
+void block_backward_weight(const BlockEnv& env, const Unit& u, const BlockActs& acts, const BlockWeightInputs& w,
+                           int B, int T);
 
 }  // namespace mt

@@ -1,0 +1,162 @@
+// The split backward of one transformer block (block_backward with defer, then
+// block_backward_weight) against the whole one, for test_block_split.cpp (one rank) and
+// mpi_test_block_split.cpp (tensor parallelism, with and without sequence parallelism):
+// the input gradient and every gradient element bit-identical, for one micro-batch and for
+// two (BI0 BI1 BW0 BW1 against B0 B1), at the allocated batch and at a smaller one.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "nn/block.h"
+#include "nn/model.h"
+
+namespace mt::test {
+
+inline ModelConfig split_config(const std::string& family, const std::string& attention, int n_kv_head) {
+  ModelConfig m;
+  m.family = family;
+  m.attention = attention;
+  m.n_layer = 1, m.n_head = 4, m.n_kv_head = n_kv_head;
+  m.d_model = 16;
+  m.d_ff = family == "llama" ? 24 : 0;
+  m.vocab_size = 23;
+  m.seq_len = 8;
+  return m;
+}
+
+// A value of element `index` of stream `name`: a pure function, the same on every rank.
+inline float split_value(const std::string& name, int64_t index, float scale) {
+  return static_cast<float>(Philox{17}.normal(stream_id(name.c_str()), static_cast<uint64_t>(index)) * scale);
+}
+
+// Block 0 of cfg as tp rank `shard` holds it (units from model_layout), with everything a
+// block's forward and backward need for two micro-batches of up to B sequences.
+class SplitRig {
+ public:
+  SplitRig(const ModelConfig& cfg, TpShard shard, bool sequence_parallel, TpMappings& tp, int B)
+      : cfg_(cfg), d_(local_dims(cfg, shard)), shard_(shard), tp_(tp) {
+    if (sequence_parallel) d_.seq_split = shard.size;
+    u_ = model_layout(cfg, shard)[1];
+    u_.w = Tensor::empty({u_.numel}, DType::f32, alloc_, MemTag::params);
+    u_.g = Tensor::empty({u_.numel}, DType::f32, alloc_, MemTag::grads);
+    g0_.resize(u_.numel);
+    // parameters by global index (ranks sharing a key/value head hold the same values);
+    // norm weights near 1; the starting gradients nonzero, so accumulation shows
+    for (const ParamSpec& p : u_.params)
+      for (int64_t i = 0; i < p.numel(); ++i) {
+        const int64_t gi = p.global_index(i);
+        u_.w.f32()[p.offset + i] = (p.init == Init::ones ? 1.0f : 0.0f) + split_value(p.name, gi, 0.2f);
+        g0_[p.offset + i] = split_value(p.name + ".grad", gi, 0.01f);
+      }
+    scratch_ = std::make_unique<BlockScratch>(cfg, d_, B, alloc_);
+    for (int m = 0; m < 2; ++m) {
+      acts_.push_back(std::make_unique<BlockActs>(cfg, d_, B, alloc_));
+      defer_.push_back(std::make_unique<BlockWeightInputs>(cfg, d_, B, alloc_));
+    }
+  }
+
+  const Unit& unit() const { return u_; }
+  std::vector<float> grads() const { return {u_.g.f32(), u_.g.f32() + u_.numel}; }
+  void reset_grads() { std::memcpy(u_.g.f32(), g0_.data(), g0_.size() * sizeof(float)); }
+
+  // This rank's positions of a [b, t, C] tensor of stream `name` (all of them without
+  // sequence parallelism): the block's input x or d(out) of micro-batch m.
+  std::vector<float> resid(const std::string& name, int m, int b, int t) const {
+    const int64_t C = d_.C, tl = t / d_.seq_split, first = shard_.rank * tl * (d_.seq_split > 1);
+    std::vector<float> v(b * tl * C);
+    for (int64_t i = 0; i < b; ++i)
+      for (int64_t j = 0; j < tl; ++j)
+        for (int64_t c = 0; c < C; ++c)
+          v[(i * tl + j) * C + c] = split_value(name + std::to_string(m), (i * t + first + j) * C + c, 1.0f);
+    return v;
+  }
+
+  // Forward of micro-batch m over [b, t] into its activations (again before each backward:
+  // the forward is deterministic, and the comparisons then start from the same state).
+  void forward(int m, int b, int t) {
+    x_[m] = resid("x", m, b, t);
+    std::vector<float> out(x_[m].size());
+    block_forward(env(), u_, *acts_[m], wrap(x_[m], b, t), wrap(out, b, t), b, t);
+  }
+  // Backward of micro-batch m: returns d(x); with split, only the input half runs.
+  std::vector<float> backward(int m, int b, int t, bool split) {
+    std::vector<float> dresid = resid("dout", m, b, t);
+    const BlockWeightInputs* defer = split ? defer_[m].get() : nullptr;
+    block_backward(env(), u_, *acts_[m], wrap(x_[m], b, t), wrap(dresid, b, t), b, t, defer);
+    return dresid;
+  }
+  void backward_weight(int m, int b, int t) { block_backward_weight(env(), u_, *acts_[m], *defer_[m], b, t); }
+
+ private:
+  BlockEnv env() const { return BlockEnv{cfg_, d_, tp_, *scratch_}; }
+  Tensor wrap(std::vector<float>& v, int b, int t) const {
+    return Tensor::wrap(v.data(), {b, t / d_.seq_split, d_.C}, DType::f32);
+  }
+
+  ModelConfig cfg_;
+  LocalDims d_;
+  TpShard shard_;
+  TpMappings& tp_;
+  CpuAllocator alloc_;
+  Unit u_;
+  std::vector<float> g0_;
+  std::unique_ptr<BlockScratch> scratch_;
+  std::vector<std::unique_ptr<BlockActs>> acts_;
+  std::vector<std::unique_ptr<BlockWeightInputs>> defer_;
+  std::vector<float> x_[2];
+};
+
+inline void expect_bits(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i)
+    ASSERT_EQ(0, std::memcmp(&a[i], &b[i], sizeof(float)))
+        << what << " element " << i << ": " << a[i] << " vs " << b[i];
+}
+
+// The split backward against the whole one on rig r, over batches [b, t] (within what r
+// was allocated for).
+inline void check_split(SplitRig& r, int b, int t) {
+  SCOPED_TRACE("batch " + std::to_string(b) + " x " + std::to_string(t));
+  // the whole backward: B0, then B1
+  r.reset_grads();
+  r.forward(0, b, t), r.forward(1, b, t);
+  const std::vector<float> dx0 = r.backward(0, b, t, false), g_one = r.grads();
+  const std::vector<float> dx1 = r.backward(1, b, t, false), g_two = r.grads();
+  r.reset_grads();
+  const std::vector<float> g_start = r.grads();
+  for (const ParamSpec& p : r.unit().params) {  // every parameter's gradient carries signal
+    bool changed = false;
+    for (int64_t i = 0; i < p.numel() && !changed; ++i) changed = g_one[p.offset + i] != g_start[p.offset + i];
+    EXPECT_TRUE(changed) << p.name << ": no gradient from the whole backward";
+  }
+
+  // one micro-batch: BI0 leaves the four weight matrices' gradients alone, BW0 adds them
+  r.reset_grads();
+  r.forward(0, b, t);
+  const std::vector<float> before = r.grads();
+  expect_bits(r.backward(0, b, t, true), dx0, "d(x) of the input half");
+  const std::vector<float> after_bi = r.grads();
+  for (const ParamSpec& p : r.unit().params) {
+    if (p.shape.size() != 2) continue;
+    for (int64_t i = 0; i < p.numel(); ++i)
+      ASSERT_EQ(after_bi[p.offset + i], before[p.offset + i]) << p.name << " changed by the input half";
+  }
+  r.backward_weight(0, b, t);
+  expect_bits(r.grads(), g_one, "gradients of BI0 BW0 against B0");
+
+  // two micro-batches, both input halves first: BI0 BI1 BW0 BW1 against B0 B1
+  r.reset_grads();
+  r.forward(0, b, t), r.forward(1, b, t);
+  expect_bits(r.backward(0, b, t, true), dx0, "d(x) of BI0");
+  expect_bits(r.backward(1, b, t, true), dx1, "d(x) of BI1");
+  r.backward_weight(0, b, t);
+  r.backward_weight(1, b, t);
+  expect_bits(r.grads(), g_two, "gradients of BI0 BI1 BW0 BW1 against B0 B1");
+}
+
+}  // namespace mt::test
