@@ -27,10 +27,11 @@ double action_cost(const ActionCosts& c, const PipeLayout& L, int rank, const Ac
 
 // Peak activations held on one rank, following its list: F takes a (micro-batch, chunk)'s
 // activations; B frees them; BI frees them for the in-flight count, BW for the other.
-void peaks_count(const std::vector<Action>& list, int* in_flight, int* until_weight) {
+void peaks_count(const std::vector<TimedAction>& line, int* in_flight, int* until_weight) {
   int held = 0, held_for_w = 0;
   *in_flight = *until_weight = 0;
-  for (const Action& a : list) {
+  for (const TimedAction& t : line) {
+    const Action& a = t.action;
     if (a.kind == Action::F) ++held, ++held_for_w;
     if (a.kind == Action::B || a.kind == Action::BI) --held;
     if (a.kind == Action::B || a.kind == Action::BW) --held_for_w;
@@ -66,15 +67,22 @@ Simulation schedule_simulate(const Schedule& s, const ActionCosts& costs) {
     const double d = action_cost(costs, L, at.rank, a);
     line.push_back({a, start, start + d});
     if (a.is_compute()) busy[at.rank] += d;
-    sim.step_time = std::max(sim.step_time, start + d);
   });
+  simulation_summarise(sim, busy);
+  return sim;
+}
+
+void simulation_summarise(Simulation& sim, const std::vector<double>& busy) {
+  const int P = sim.layout.pp;
   double busy_all = 0;
   for (double b : busy) busy_all += b;
-  sim.bubble = 1 - busy_all / (L.pp * sim.step_time);  // step_time > 0: compute costs are positive
-  sim.peak_in_flight.resize(L.pp);
-  sim.peak_until_weight.resize(L.pp);
-  for (int r = 0; r < L.pp; ++r) peaks_count(s.ranks[r], &sim.peak_in_flight[r], &sim.peak_until_weight[r]);
-  return sim;
+  sim.step_time = 0;
+  for (const std::vector<TimedAction>& line : sim.ranks)
+    for (const TimedAction& t : line) sim.step_time = std::max(sim.step_time, t.end);
+  sim.bubble = sim.step_time > 0 ? 1 - busy_all / (P * sim.step_time) : 0;
+  sim.peak_in_flight.assign(P, 0);
+  sim.peak_until_weight.assign(P, 0);
+  for (int r = 0; r < P; ++r) peaks_count(sim.ranks[r], &sim.peak_in_flight[r], &sim.peak_until_weight[r]);
 }
 
 }  // namespace mt

@@ -48,4 +48,11 @@ struct Simulation {
 // ends, a receive no earlier than its send ends.
 Simulation schedule_simulate(const Schedule& s, const ActionCosts& costs = {});
 
+// Fills a simulation's summary from its timelines (ranks, layout) and each rank's compute
+// time busy[r] (the time in F, B, BI and BW: the simulator sums the costs it charged, a
+// measurement its actions' durations): step_time (the latest end; the timelines start at
+// 0), bubble (0 for a step of no time) and the peaks, counted along each rank's list. The
+// simulator and measured timelines (pipeline_trace.h) share it.
+void simulation_summarise(Simulation& sim, const std::vector<double>& busy);
+
 }  // namespace mt
