@@ -451,6 +451,19 @@ WorkPtr Communicator::recv_async(const Tensor& t, int peer) {
   return submit(rec, [this, t, peer] { exchange({}, {{t.raw(), t.nbytes(), peer}}, kUserTag); });
 }
 
+std::unique_ptr<Communicator::Transfer> Communicator::post_send(const Tensor& t, int peer, int tag) {
+  MT_CHECK(peer >= 0 && peer < size_ && peer != rank_ && tag >= 0 && tag <= kMaxPostTag,
+           "internal: posted send to rank " << peer << " of group '" << name_ << "' with tag " << tag);
+  bytes_sent_ += t.nbytes();
+  return start({{t.raw(), t.nbytes(), peer}}, {}, kPostedTag + tag);
+}
+
+std::unique_ptr<Communicator::Transfer> Communicator::post_recv(const Tensor& t, int peer, int tag) {
+  MT_CHECK(peer >= 0 && peer < size_ && peer != rank_ && tag >= 0 && tag <= kMaxPostTag,
+           "internal: posted receive from rank " << peer << " of group '" << name_ << "' with tag " << tag);
+  return start({}, {{t.raw(), t.nbytes(), peer}}, kPostedTag + tag);
+}
+
 void Communicator::barrier() { barrier_with(1); }
 void Communicator::barrier_slow(double slack) { barrier_with(slack); }
 

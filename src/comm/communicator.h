@@ -125,6 +125,20 @@ class Communicator {
   WorkPtr send_async(const Tensor& t, int peer);
   WorkPtr recv_async(const Tensor& t, int peer);
 
+  // Point-to-point messages posted at once from the calling thread, outside the group's
+  // queue, for pipelines: a schedule's sends must not wait for one another or for
+  // receives (parallel/schedule.h). Messages of one tag between two ranks arrive in order;
+  // tags from 0 to kMaxPostTag. The caller polls test() until it is true, keeping the
+  // tensor alive until then.
+  class Transfer {
+   public:
+    virtual ~Transfer() = default;
+    virtual bool test() = 0;  // true once every message has completed; throws on failure
+  };
+  static constexpr int kMaxPostTag = 32000;
+  std::unique_ptr<Transfer> post_send(const Tensor& t, int peer, int tag);
+  std::unique_ptr<Transfer> post_recv(const Tensor& t, int peer, int tag);
+
   void allreduce(const Tensor& t) { allreduce_async(t)->wait(); }
   void reduce_scatter(const Tensor& in, const Tensor& out) { reduce_scatter_async(in, out)->wait(); }
   void allgather(const Tensor& in, const Tensor& out) { allgather_async(in, out)->wait(); }
@@ -162,12 +176,8 @@ class Communicator {
     size_t bytes;
     int peer;
   };
-  class Transfer {
-   public:
-    virtual ~Transfer() = default;
-    virtual bool test() = 0;  // true once every message has completed; throws on failure
-  };
-  static constexpr int kUserTag = 0, kCollectiveTag = 1;  // send/recv vs the collectives' own
+  // send/recv, the collectives' own, and the first of the posted messages' tags
+  static constexpr int kUserTag = 0, kCollectiveTag = 1, kPostedTag = 2;
   virtual std::unique_ptr<Transfer> start(const std::vector<Message>& sends, const std::vector<Message>& recvs,
                                           int tag) = 0;
 

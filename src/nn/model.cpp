@@ -183,8 +183,18 @@ void add_param(Unit& u, const ModelConfig& cfg, TpShard tp, std::string name, Sh
 
 }  // namespace
 
-int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute) {
-  const int64_t T = cfg.seq_len, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH, L = cfg.n_layer;
+namespace {
+
+// The whole model as one chunk when no share is given.
+std::vector<ChunkSpec> chunks_of(const ModelConfig& cfg, const ModelShare& share) {
+  if (!share.chunks.empty()) return share.chunks;
+  return {ChunkSpec{0, cfg.n_layer, true, true, 1}};
+}
+
+}  // namespace
+
+int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute, const ModelShare& share) {
+  const int64_t T = cfg.seq_len, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH;
   const int64_t up = cfg.is_llama() ? 2 * F : F;  // the up projection's outputs (llama: gate and up)
   const bool fused = cfg.fused_attention();
   // One layer, in floats (Korthikanti et al.'s per-layer count, in fp32 and without dropout):
@@ -194,15 +204,24 @@ int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, 
   // and the attention's softmax state (fused: a log-sum-exp per row, instead of NH T^2).
   const int64_t layer = B * Tl * 3 * C + B * Tl * 4 + B * T * (d.qkv() + d.attn() + up + F) +
                         (fused ? B * NH * T : B * NH * T * T);
+  // A split backward keeps each layer's linear output gradients from BI to BW.
+  const int64_t pending = share.split_backward ? B * T * (2 * C + up + d.qkv()) : 0;
   // One layer's backward workspace, shared by all layers.
   int64_t scratch = B * T * (C + d.qkv() + d.attn() + up + F) + (fused ? 0 : B * NH * T * T);
   if (d.kv_sharers > 1) scratch += d.qkv() * C;
   if (d.seq_split > 1) scratch += B * T * C + B * Tl * C + 6 * C;
-  // The model's own: the residual stream (L + 1 tensors) and its gradient, the final norm
-  // (gathered output, statistics), logits over this rank's vocabulary rows, the loss's
-  // rows (losses, lse, row max, target logit), and the token and target ids.
-  const int64_t model = (L + 2) * B * Tl * C + B * T * C + 2 * B * Tl + B * T * d.V + 4 * B * T + 2 * B * T;
-  return 4 * ((recompute ? 1 : L) * layer + scratch + model);
+  // Each slot of a chunk of n layers: its layers' activations, the residual stream (n + 1
+  // tensors) and its gradient, the token and target ids; the head's chunk also the final
+  // norm (gathered output, statistics), logits over this rank's vocabulary rows and the
+  // loss's rows (losses, lse, row max, target logit).
+  int64_t slots = 0;
+  for (const ChunkSpec& ch : chunks_of(cfg, share)) {
+    const int64_t n = ch.end_layer - ch.first_layer;
+    int64_t one = (recompute ? 0 : n * layer) + n * pending + (n + 2) * B * Tl * C + 2 * B * T;
+    if (ch.head) one += B * T * C + 2 * B * Tl + B * T * d.V + 4 * B * T;
+    slots += ch.slots * one;
+  }
+  return 4 * ((recompute ? layer : 0) + scratch + slots);
 }
 
 // Initialisation scheme (GPT-2's): linear and embedding weights N(0, 0.02); the two
@@ -276,15 +295,37 @@ std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp) {
   return units;
 }
 
+// What one slot of a chunk keeps for a micro-batch in flight.
+struct Model::Slot {
+  int B = 0, T = 0;
+  bool has_targets = false;
+  Tensor tokens, targets;  // [B, T] i32
+  // The residual stream holds Tl = T / tp positions with sequence parallelism, else T.
+  std::vector<Tensor> resid;  // [n + 1] x [B, Tl, C]: input of the chunk's block i; [n] its output
+  std::vector<std::unique_ptr<BlockActs>> acts;             // [n] (none when recomputing)
+  std::vector<std::unique_ptr<BlockWeightInputs>> pending;  // [n] split backward only
+  Tensor dresid;  // [B, Tl, C] gradient of the residual stream
+  // the head's chunk only:
+  Tensor lnf, lnf_mean, lnf_rstd;  // [B, T, C] (the head's input), [B, Tl], [B, Tl]
+  Tensor logits, losses, lse;      // [B, T, V], [B, T], [B, T] (V: this rank's vocabulary rows)
+  Tensor row_max, target_logit;    // [B, T], [B, T]: the vocabulary-parallel loss's statistics
+};
+
+struct Model::Chunk {
+  ChunkSpec spec;
+  std::vector<Slot> slots;
+};
+
 Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute, bool allocate_state,
-             TpMappings* tp)
+             TpMappings* tp, const ModelShare& share)
     : cfg_(cfg),
       tp_(tp ? *tp : no_tp_),
       dims_(local_dims(cfg, tp_.shard())),
       alloc_(alloc),
       micro_batch_(micro_batch),
       recompute_(recompute),
-      units_(model_layout(cfg, tp_.shard())) {
+      units_(model_layout(cfg, tp_.shard())),
+      share_(share) {
   MT_CHECK(micro_batch >= 1, "training.micro_batch = " << micro_batch << " must be at least 1");
   if (tp_.sequence_parallel()) {
     dims_.seq_split = tp_.shard().size;
@@ -292,6 +333,25 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
                                                      << dims_.seq_split << " ranks for parallel.sequence_parallel; "
                                                      << "use a seq_len that tp divides, or sequence_parallel=false");
   }
+  MT_CHECK(!(recompute && share.split_backward),
+           "training.recompute cannot run with a split backward (parallel.pp_schedule zb-h1 or zbv): the weight half "
+           "would need the activations again; use parallel.pp_schedule=1f1b or interleaved, or recompute=false");
+  share_.chunks = chunks_of(cfg, share);
+  // Units this rank does not hold keep their names and no parameters.
+  std::vector<bool> held(units_.size(), false);
+  for (const ChunkSpec& ch : share_.chunks) {
+    MT_CHECK(ch.first_layer >= 0 && ch.first_layer <= ch.end_layer && ch.end_layer <= cfg.n_layer && ch.slots >= 1,
+             "internal: chunk of layers [" << ch.first_layer << ", " << ch.end_layer << ") with " << ch.slots << " slots");
+    for (int l = ch.first_layer; l < ch.end_layer; ++l) held[l + 1] = true;
+    if (ch.embed) held[0] = true;
+    if (ch.head) held[cfg.n_layer + 1] = true;
+    if (ch.head && cfg.tied()) held[0] = true;  // the head's weight
+  }
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (!held[u]) {
+      units_[u].params.clear();
+      units_[u].numel = 0;
+    }
   if (allocate_state) {
     // All gradients in one buffer, units in backward order (final unit first), so that a
     // data-parallel bucket of consecutive units is one contiguous range, reduced in place.
@@ -306,22 +366,33 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
     }
   }
   const int64_t B = micro_batch, T = cfg.seq_len, C = cfg.d_model, V = dims_.V;
-  auto make = [&](const Shape& s, DType t = DType::f32) { return Tensor::empty(s, t, alloc, MemTag::activations); };
-  tokens_ = make({B, T}, DType::i32);
-  targets_ = make({B, T}, DType::i32);
-  for (int l = 0; l < (recompute ? 1 : cfg.n_layer); ++l)
-    acts_.push_back(std::make_unique<BlockActs>(cfg, dims_, B, alloc));
   const int64_t Tl = T / dims_.seq_split;  // positions of the residual stream on this rank
-  for (int l = 0; l <= cfg.n_layer; ++l) block_in_.push_back(make({B, Tl, C}));
-  lnf_ = make({B, T, C});
-  lnf_mean_ = make({B, Tl});
-  lnf_rstd_ = make({B, Tl});
-  logits_ = make({B, T, V});
-  losses_ = make({B, T});
-  lse_ = make({B, T});
-  row_max_ = make({B, T});
-  target_logit_ = make({B, T});
-  dresid_ = make({B, Tl, C});
+  auto make = [&](const Shape& s, DType t = DType::f32) { return Tensor::empty(s, t, alloc, MemTag::activations); };
+  if (recompute) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc);
+  for (const ChunkSpec& spec : share_.chunks) {
+    Chunk& ch = chunks_.emplace_back();
+    ch.spec = spec;
+    ch.slots.resize(spec.slots);
+    const int n = spec.end_layer - spec.first_layer;
+    for (Slot& sl : ch.slots) {
+      sl.tokens = make({B, T}, DType::i32);
+      sl.targets = make({B, T}, DType::i32);
+      for (int i = 0; i < n && !recompute; ++i) sl.acts.push_back(std::make_unique<BlockActs>(cfg, dims_, B, alloc));
+      for (int i = 0; i < n && share.split_backward; ++i)
+        sl.pending.push_back(std::make_unique<BlockWeightInputs>(cfg, dims_, B, alloc));
+      for (int i = 0; i <= n; ++i) sl.resid.push_back(make({B, Tl, C}));
+      sl.dresid = make({B, Tl, C});
+      if (!spec.head) continue;
+      sl.lnf = make({B, T, C});
+      sl.lnf_mean = make({B, Tl});
+      sl.lnf_rstd = make({B, Tl});
+      sl.logits = make({B, T, V});
+      sl.losses = make({B, T});
+      sl.lse = make({B, T});
+      sl.row_max = make({B, T});
+      sl.target_logit = make({B, T});
+    }
+  }
   scratch_ = std::make_unique<BlockScratch>(cfg, dims_, B, alloc);
 }
 
@@ -384,16 +455,53 @@ void Model::zero_grad() {
   for (Unit& u : units_) u.g.zero_();
 }
 
-Tensor Model::logits() const { return logits_.view(0, {B_, T_, dims_.V}); }
+bool Model::holds(int unit) const { return units_[unit].numel > 0; }
 
-void Model::predictions(int32_t* out) {
-  const int64_t n = int64_t{B_} * T_, V = dims_.V;
-  const Tensor m = row_max_.view(0, {n}), first = target_logit_.view(0, {n});  // workspaces here
-  cross_entropy_row_max(m, logits(), dims_.vocab_valid);
+Model::Slot& Model::slot(int chunk, int slot) {
+  MT_CHECK(chunk >= 0 && chunk < static_cast<int>(chunks_.size()) && slot >= 0 &&
+               slot < static_cast<int>(chunks_[chunk].slots.size()),
+           "internal: no slot " << slot << " of chunk " << chunk);
+  return chunks_[chunk].slots[slot];
+}
+
+const Model::Slot& Model::slot(int chunk, int slot) const { return const_cast<Model*>(this)->slot(chunk, slot); }
+
+bool Model::holds_embedding() const {
+  return std::any_of(chunks_.begin(), chunks_.end(), [](const Chunk& c) { return c.spec.embed; });
+}
+
+int Model::head_chunk() const {
+  for (size_t c = 0; c < chunks_.size(); ++c)
+    if (chunks_[c].spec.head) return static_cast<int>(c);
+  MT_FAIL("internal: this rank holds no head");
+}
+
+Tensor Model::chunk_input(int chunk, int s, int B, int T) const {
+  return slot(chunk, s).resid.front().view(0, {B, T / dims_.seq_split, cfg_.d_model});
+}
+
+Tensor Model::chunk_output(int chunk, int s, int B, int T) const {
+  return slot(chunk, s).resid.back().view(0, {B, T / dims_.seq_split, cfg_.d_model});
+}
+
+Tensor Model::chunk_grad(int chunk, int s, int B, int T) const {
+  return slot(chunk, s).dresid.view(0, {B, T / dims_.seq_split, cfg_.d_model});
+}
+
+Tensor Model::logits(int s) const {
+  const Slot& sl = slot(head_chunk(), s);
+  return sl.logits.view(0, {sl.B, sl.T, dims_.V});
+}
+
+void Model::predictions(int32_t* out, int s) {
+  Slot& sl = slot(head_chunk(), s);
+  const int64_t n = int64_t{sl.B} * sl.T, V = dims_.V;
+  const Tensor m = sl.row_max.view(0, {n}), first = sl.target_logit.view(0, {n});  // workspaces here
+  cross_entropy_row_max(m, logits(s), dims_.vocab_valid);
   tp_.max(m);
   // Each rank's first column holding the maximum, as -(global id) (-inf where it holds
   // none): the maximum over tp is the lowest such id. Ids are exact in float below 2^24.
-  const float* lp = logits_.f32();
+  const float* lp = sl.logits.f32();
   for (int64_t i = 0; i < n; ++i) {
     const float* row = lp + i * V;
     const int64_t at = std::find(row, row + dims_.vocab_valid, m.f32()[i]) - row;
@@ -403,80 +511,108 @@ void Model::predictions(int32_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(-first.f32()[i]);
 }
 
-double Model::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+namespace {
+
+// Ids in [lowest, vocab) into dst (targets may be -1: no loss at that position).
+void copy_ids(const Tensor& dst, const int32_t* src, int64_t n, int lowest, int vocab, const char* what) {
+  for (int64_t i = 0; i < n; ++i) {
+    MT_CHECK(src[i] >= lowest && src[i] < vocab,
+             what << " id " << src[i] << " is outside the vocabulary [0, " << vocab
+                  << "); set model.vocab_size above the largest token id in the data");
+    dst.i32()[i] = src[i];
+  }
+}
+
+}  // namespace
+
+double Model::forward(int chunk, int s, const int32_t* tokens, const int32_t* targets, int B, int T) {
   MT_CHECK(B >= 1 && B <= micro_batch_, "internal: batch " << B << " exceeds micro_batch " << micro_batch_);
   MT_CHECK(T >= 1 && T <= cfg_.seq_len, "sequence of " << T << " tokens exceeds model.seq_len = " << cfg_.seq_len);
   MT_CHECK(T % dims_.seq_split == 0, "a sequence of " << T << " tokens does not split over the " << dims_.seq_split
                                                       << " ranks of parallel.tp with parallel.sequence_parallel=true");
-  B_ = B, T_ = T;
-  has_targets_ = targets != nullptr;
-  const int64_t n = int64_t{B} * T;
-  for (int64_t i = 0; i < n; ++i) {
-    MT_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab_size,
-             "token id " << tokens[i] << " is outside the vocabulary [0, " << cfg_.vocab_size
-                         << "); set model.vocab_size above the largest token id in the data");
-    tokens_.i32()[i] = tokens[i];
-    if (targets) {
-      MT_CHECK(targets[i] >= -1 && targets[i] < cfg_.vocab_size,
-               "target id " << targets[i] << " is outside the vocabulary [0, " << cfg_.vocab_size
-                            << "); set model.vocab_size above the largest token id in the data");
-      targets_.i32()[i] = targets[i];
-    }
-  }
+  const ChunkSpec& spec = chunks_[chunk].spec;
+  Slot& sl = slot(chunk, s);
+  B_ = sl.B = B, T_ = sl.T = T;
+  sl.has_targets = targets != nullptr;
+  if (spec.embed) copy_ids(sl.tokens, tokens, int64_t{B} * T, 0, cfg_.vocab_size, "token");
+  if (spec.head && targets) copy_ids(sl.targets, targets, int64_t{B} * T, -1, cfg_.vocab_size, "target");
   UnitHooks& h = hooks_ ? *hooks_ : no_hooks_;
-  h.before_forward(0);
-  embed_forward();
-  h.after_forward(0);
-  for (int l = 0; l < cfg_.n_layer; ++l) {
+  if (spec.embed) {
+    h.before_forward(0);
+    embed_forward(sl);
+    h.after_forward(0);
+  }
+  for (int l = spec.first_layer; l < spec.end_layer; ++l) {
+    const int i = l - spec.first_layer;
     h.before_forward(l + 1);
-    const Tensor x = resid(block_in_[l]), out = resid(block_in_[l + 1]);
-    block_forward(env(), units_[l + 1], *acts_[recompute_ ? 0 : l], x, out, B, T);
+    block_forward(env(), units_[l + 1], recompute_ ? *shared_acts_ : *sl.acts[i], resid(sl.resid[i]),
+                  resid(sl.resid[i + 1]), B, T);
     h.after_forward(l + 1);
   }
+  if (!spec.head) return 0.0;
   h.before_forward(cfg_.n_layer + 1);
-  final_forward();
+  final_forward(sl);
   h.after_forward(cfg_.n_layer + 1);
-  if (!targets) return 0.0;
-  return loss_forward();
+  return targets ? loss_forward(sl) : 0.0;
 }
 
 // The loss over the vocabulary; under tensor parallelism over this rank's columns, with the
 // row statistics (max, sum of exponentials, target logit) reduced over tp, so that no rank
 // holds the logits of the whole vocabulary.
-double Model::loss_forward() {
-  const Tensor losses = losses_.view(0, {B_, T_}), lse = lse_.view(0, {B_, T_}), tg = targets_.view(0, {B_, T_});
-  if (tp_.shard().size == 1) return cross_entropy_forward(losses, lse, logits(), tg);
-  const Tensor m = row_max_.view(0, {B_, T_}), t = target_logit_.view(0, {B_, T_});
+double Model::loss_forward(Slot& sl) {
+  const int B = sl.B, T = sl.T;
+  const Tensor losses = sl.losses.view(0, {B, T}), lse = sl.lse.view(0, {B, T}), tg = sl.targets.view(0, {B, T});
+  const Tensor logits = sl.logits.view(0, {B, T, dims_.V});
+  if (tp_.shard().size == 1) return cross_entropy_forward(losses, lse, logits, tg);
+  const Tensor m = sl.row_max.view(0, {B, T}), t = sl.target_logit.view(0, {B, T});
   const Tensor sum_exp = lse;  // lse holds the sum of exponentials until cross_entropy_finish
-  cross_entropy_row_max(m, logits(), dims_.vocab_valid);
+  cross_entropy_row_max(m, logits, dims_.vocab_valid);
   tp_.max(m);
-  cross_entropy_row_stats(sum_exp, t, logits(), tg, dims_.vocab_begin, dims_.vocab_valid, m);
+  cross_entropy_row_stats(sum_exp, t, logits, tg, dims_.vocab_begin, dims_.vocab_valid, m);
   tp_.sum(sum_exp);
   tp_.sum(t);
   return cross_entropy_finish(losses, lse, m, sum_exp, t, tg);
 }
 
-void Model::backward(float scale) {
-  MT_CHECK(has_targets_, "internal: backward needs a forward with targets");
-  const int B = B_, T = T_, L = cfg_.n_layer;
+void Model::backward(int chunk, int s, float scale, Backward part) {
+  const ChunkSpec& spec = chunks_[chunk].spec;
+  Slot& sl = slot(chunk, s);
+  MT_CHECK(!spec.head || sl.has_targets, "internal: backward needs a forward with targets");
+  MT_CHECK(part == Backward::whole || share_.split_backward, "internal: a split backward on a model made without it");
+  B_ = sl.B, T_ = sl.T;
+  const int L = cfg_.n_layer;
+  if (spec.head) backward_unit(L + 1, sl, -1, scale, part);
+  for (int l = spec.end_layer - 1; l >= spec.first_layer; --l) backward_unit(l + 1, sl, l - spec.first_layer, scale, part);
+  if (spec.embed) backward_unit(0, sl, -1, scale, part);
+}
+
+// One unit's part of a backward, inside its hooks. The head's weight gradient, each block's
+// four matrix products' and the embedding's are the weight half; the rest is the input half.
+void Model::backward_unit(int unit, Slot& sl, int i, float scale, Backward part) {
   UnitHooks& h = hooks_ ? *hooks_ : no_hooks_;
-  h.before_backward(L + 1);
-  final_backward(scale);
-  h.after_backward(L + 1);
-  const Tensor dresid = resid(dresid_);
-  for (int l = L - 1; l >= 0; --l) {
-    h.before_backward(l + 1);
-    const Tensor x = resid(block_in_[l]);
-    BlockActs& a = *acts_[recompute_ ? 0 : l];
-    // Recomputation rewrites the block's output into block_in_[l + 1], bit-identical to
-    // what the forward wrote, and no longer needed: the block above is done.
-    if (recompute_) block_forward(env(), units_[l + 1], a, x, resid(block_in_[l + 1]), B, T);
-    block_backward(env(), units_[l + 1], a, x, dresid, B, T);
-    h.after_backward(l + 1);
+  const int L = cfg_.n_layer;
+  const bool input = part != Backward::weight, weight = part != Backward::input, split = part != Backward::whole;
+  h.before_backward(unit);
+  if (unit == L + 1) {
+    if (input) final_backward(sl, scale, !split);
+    if (weight && split) head_backward_weight(sl);
+  } else if (unit == 0) {
+    if (weight) embed_backward(sl);
+  } else {
+    const Tensor x = resid(sl.resid[i]);
+    BlockActs& a = recompute_ ? *shared_acts_ : *sl.acts[i];
+    if (input) {
+      // Recomputation rewrites the block's output into resid[i + 1], bit-identical to what
+      // the forward wrote, and no longer needed: the block above is done.
+      if (recompute_) block_forward(env(), units_[unit], a, x, resid(sl.resid[i + 1]), B_, T_);
+      block_backward(env(), units_[unit], a, x, resid(sl.dresid), B_, T_, split ? sl.pending[i].get() : nullptr);
+    }
+    if (weight && split) block_backward_weight(env(), units_[unit], a, *sl.pending[i], B_, T_);
   }
-  h.before_backward(0);
-  embed_backward();
-  h.after_backward(0);
+  if (!weight) return;
+  h.after_backward(unit);
+  // A tied head on a last stage without the embedding: the copy's gradient is complete too.
+  if (unit == L + 1 && cfg_.tied() && !holds_embedding()) h.after_backward(0);
 }
 
 BlockEnv Model::env() const { return BlockEnv{cfg_, dims_, tp_, *scratch_}; }
@@ -488,10 +624,10 @@ int64_t Model::first_position() const {
   return dims_.seq_split > 1 ? int64_t{tp_.shard().rank} * (T_ / dims_.seq_split) : 0;
 }
 
-void Model::embed_forward() {
+void Model::embed_forward(Slot& sl) {
   const Unit& u = units_[0];
-  const Tensor out = resid(block_in_[0]);
-  const Tensor tok = tokens_.view(0, {B_, T_});
+  const Tensor out = resid(sl.resid.front());
+  const Tensor tok = sl.tokens.view(0, {B_, T_});
   const Tensor wte = u.param(cfg_.is_llama() ? "embed_tokens.weight" : "wte.weight");
   if (tp_.shard().size == 1) {
     Tensor wpe;
@@ -515,10 +651,10 @@ void Model::embed_forward() {
   }
 }
 
-void Model::embed_backward() {
+void Model::embed_backward(Slot& sl) {
   const Unit& u = units_[0];
-  const Tensor dout = resid(dresid_);
-  const Tensor tok = tokens_.view(0, {B_, T_});
+  const Tensor dout = resid(sl.dresid);
+  const Tensor tok = sl.tokens.view(0, {B_, T_});
   auto grad = [&](const char* name) {
     const ParamSpec* p = find_param(name);
     return u.g.view(p->offset, p->shape);
@@ -557,33 +693,42 @@ static const ParamSpec& head_spec(const Model& m, int* unit) {
   return *p;
 }
 
-void Model::final_forward() {
+void Model::final_forward(Slot& sl) {
   const Unit& u = units_.back();
-  const Tensor x = resid(block_in_[cfg_.n_layer]);
-  const Tensor lnf = lnf_.view(0, {B_, T_, cfg_.d_model});
-  const Tensor mean = lnf_mean_.view(0, {B_, x.dim(1)}), rstd = lnf_rstd_.view(0, {B_, x.dim(1)});
+  const Tensor x = resid(sl.resid.back());
+  const Tensor lnf = sl.lnf.view(0, {B_, T_, cfg_.d_model});
+  const Tensor mean = sl.lnf_mean.view(0, {B_, x.dim(1)}), rstd = sl.lnf_rstd.view(0, {B_, x.dim(1)});
   const Tensor local = dims_.seq_split > 1 ? scratch_->local.view(0, x.shape()) : Tensor();
   if (!cfg_.is_llama()) norm_forward(env(), lnf, mean, rstd, x, u.param("ln_f.weight"), u.param("ln_f.bias"), local);
   else norm_forward(env(), lnf, mean, rstd, x, u.param("model.norm.weight"), Tensor(), local);
   int hu = 0;
   const ParamSpec& hp = head_spec(*this, &hu);
-  linear_forward(logits(), lnf, units_[hu].w.view(hp.offset, hp.shape), nullptr);
+  linear_forward(sl.logits.view(0, {B_, T_, dims_.V}), lnf, units_[hu].w.view(hp.offset, hp.shape), nullptr);
 }
 
-void Model::final_backward(float scale) {
+// The head's weight gradient from the loss gradient (the logits' buffer) and the head's input.
+void Model::head_backward_weight(Slot& sl) {
+  int hu = 0;
+  const ParamSpec& hp = head_spec(*this, &hu);
+  linear_backward_weight(units_[hu].g.view(hp.offset, hp.shape), nullptr, sl.logits.view(0, {B_, T_, dims_.V}),
+                         sl.lnf.view(0, {B_, T_, cfg_.d_model}));
+}
+
+// The loss's and the final norm's backward (and the head's weight gradient with_weight):
+// d(the last block's output) into the slot's dresid.
+void Model::final_backward(Slot& sl, float scale, bool with_weight) {
   Unit& u = units_.back();
   const int B = B_, T = T_, C = cfg_.d_model;
-  const Tensor x = resid(block_in_[cfg_.n_layer]);
-  const Tensor lnf = lnf_.view(0, {B, T, C});
-  const Tensor dlogits = logits();  // the gradient overwrites the logits in place
-  cross_entropy_backward_shard(dlogits, logits(), lse_.view(0, {B, T}), targets_.view(0, {B, T}), scale,
+  const Tensor x = resid(sl.resid.back());
+  const Tensor dlogits = sl.logits.view(0, {B, T, dims_.V});  // the gradient overwrites the logits in place
+  cross_entropy_backward_shard(dlogits, dlogits, sl.lse.view(0, {B, T}), sl.targets.view(0, {B, T}), scale,
                                dims_.vocab_begin, dims_.vocab_valid);
   int hu = 0;
   const ParamSpec& hp = head_spec(*this, &hu);
-  linear_backward_weight(units_[hu].g.view(hp.offset, hp.shape), nullptr, dlogits, lnf);
+  if (with_weight) head_backward_weight(sl);
   const Tensor dln = scratch_->dln.view(0, {B, T, C});
   linear_backward_input(dln, dlogits, units_[hu].w.view(hp.offset, hp.shape), false);
-  const Tensor dresid = resid(dresid_);
+  const Tensor dresid = resid(sl.dresid);
   dresid.zero_();
   auto grad = [&](const char* name) {
     const ParamSpec* p = find_param(name);
@@ -592,7 +737,7 @@ void Model::final_backward(float scale) {
   Tensor dw = grad(cfg_.is_llama() ? "model.norm.weight" : "transformer.ln_f.weight"), db;
   if (!cfg_.is_llama()) db = grad("transformer.ln_f.bias");
   const Tensor w = u.param(cfg_.is_llama() ? "model.norm.weight" : "ln_f.weight");
-  const Tensor mean = lnf_mean_.view(0, {B, x.dim(1)}), rstd = lnf_rstd_.view(0, {B, x.dim(1)});
+  const Tensor mean = sl.lnf_mean.view(0, {B, x.dim(1)}), rstd = sl.lnf_rstd.view(0, {B, x.dim(1)});
   // The head is column-parallel over the vocabulary: its input gradient is summed over tp.
   // Under sequence parallelism the norm sees this rank's positions: its weight (and bias)
   // gradients are summed over tp, from a workspace so that accumulation does not repeat it.

@@ -11,12 +11,27 @@
 //   double loss_sum = model.forward(tokens, targets);   // [B, T] each
 //   model.backward(1.0f / n_tokens);                    // grads += d(loss_sum * scale)
 //
+// Under pipeline parallelism a rank holds one or more chunks of consecutive blocks
+// (ModelShare: the first chunk of the pipeline also holds the embedding, the last the final
+// norm, head and loss), and keeps several micro-batches' activations at once, each in a slot
+// of its chunk. The pipeline executor (parallel/pipeline.h) drives them action by action:
+//
+//   model.forward(chunk, slot, tokens, targets, B, T);   // input: chunk_input(...) unless the chunk embeds
+//   model.backward(chunk, slot, scale, Backward::input); // chunk_grad(...) holds d(output), then d(input)
+//   model.backward(chunk, slot, scale, Backward::weight);
+//
+// Units this rank does not hold stay in units() (so unit indices are the same on every
+// rank) with no parameters and zero elements. A tied head on a last stage that does not
+// hold the embedding holds a copy of the embedding unit; the trainer sums the two copies'
+// gradients.
+//
 // Strategies never reach into the model: they attach UnitHooks, called around each unit's
 // forward and backward (where a bucket may launch, or a sharded unit be gathered and
 // freed). A strategy may swap a unit's w and g tensors between calls; the model reads
 // them only inside the hooks' brackets. units_used(u) lists the units whose parameters
 // and gradients unit u's forward and backward touch (the final unit also uses the
-// embedding when the head is tied).
+// embedding when the head is tied). A split backward calls before_backward for its input
+// half and before_backward and after_backward for its weight half.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -82,6 +97,21 @@ struct Unit {
   Tensor param(const std::string& suffix) const;  // view of the parameter whose name ends with suffix
 };
 
+// One chunk of a pipeline rank's share: blocks [first_layer, end_layer), with the embedding
+// when it is the pipeline's first stage and the final norm, head and loss when it is the last.
+struct ChunkSpec {
+  int first_layer = 0, end_layer = 0;
+  bool embed = true, head = true;
+  int slots = 1;  // micro-batches whose activations the chunk keeps at once
+};
+
+// What a pipeline rank holds (parallel/pipeline.h makes it); empty chunks: the whole model,
+// one slot.
+struct ModelShare {
+  std::vector<ChunkSpec> chunks;
+  bool split_backward = false;  // backward in two halves: keeps the blocks' linear output gradients from BI to BW
+};
+
 class UnitHooks {
  public:
   virtual ~UnitHooks() = default;
@@ -98,11 +128,13 @@ std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp = {});
 // The bytes of activations (and backward workspace) a Model holds for micro-batches of B
 // sequences of seq_len tokens on a rank with share d: the formula the run's summary compares
 // with the measured peak (tagged activations).
-int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute);
+int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute,
+                         const ModelShare& share = {});
 
 struct BlockEnv;      // what a block computes with (block.h)
 struct BlockActs;     // activations one block keeps for its backward (block.h)
 struct BlockScratch;  // workspace of the blocks, the embedding and the final norm (block.h)
+struct BlockWeightInputs;  // a block's linear output gradients kept from BI to BW (block.h)
 
 class Model {
  public:
@@ -110,14 +142,17 @@ class Model {
   // (ZeRO keeps only shards).
   // tp: the tensor-parallel mappings this rank's share of the model runs with (null: the
   // whole model on one rank).
+  // share: this pipeline rank's chunks (default: the whole model).
   Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute = false, bool allocate_state = true,
-        TpMappings* tp = nullptr);
+        TpMappings* tp = nullptr, const ModelShare& share = {});
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   const LocalDims& dims() const { return dims_; }
+  const ModelShare& share() const { return share_; }
+  bool holds(int unit) const;  // this rank holds the unit's parameters (all units without a pipeline)
   std::vector<Unit>& units() { return units_; }
   const std::vector<Unit>& units() const { return units_; }
   int64_t num_params() const;  // elements this rank holds (tp = 1: the model's parameters)
@@ -134,27 +169,55 @@ class Model {
   void set_hooks(UnitHooks* hooks) { hooks_ = hooks; }
   void zero_grad();
 
-  // tokens, targets: [B, T] with B <= micro_batch, T <= seq_len (targets may be null:
-  // logits only). Returns the sum of per-token losses over targets that are not -1.
-  double forward(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // The whole model (one chunk), slot 0. tokens, targets: [B, T] with B <= micro_batch,
+  // T <= seq_len (targets may be null: logits only). Returns the sum of per-token losses
+  // over targets that are not -1.
+  double forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+    return forward(0, 0, tokens, targets, B, T);
+  }
   // Accumulates into every unit's g the gradient of (forward's loss sum) * scale.
-  void backward(float scale);
-  // Logits [B, T, V] of the last forward (valid until backward, which overwrites them);
-  // under tensor parallelism this rank's vocabulary rows, padding included.
-  Tensor logits() const;
-  // The most likely next token at each of the last forward's B x T positions (the first
-  // of equal logits), over the whole vocabulary whatever the tp layout. Collective over tp.
-  void predictions(int32_t* out);
+  void backward(float scale) { backward(0, 0, scale); }
+
+  // One chunk for the micro-batch in `slot`: tokens are read when the chunk embeds (else its
+  // input is chunk_input), targets when it holds the head (which returns the loss sum).
+  double forward(int chunk, int slot, const int32_t* tokens, const int32_t* targets, int B, int T);
+  enum class Backward { whole, input, weight };
+  // Backward of one chunk from d(output) in chunk_grad (or from the loss): whole, or its input
+  // half (chunk_grad then holds d(input); parameter gradients of norms and, with sequence
+  // parallelism, biases) and later its weight half (the matrix products' weight gradients
+  // and the embedding's). Gradients accumulate into the units' g.
+  void backward(int chunk, int slot, float scale, Backward part = Backward::whole);
+  // [B, Tl, C] residual-stream tensors of a slot (Tl = T / tp with sequence parallelism):
+  // the chunk's input, its output, and the gradient (of the output before a backward, of
+  // the input after its input half).
+  Tensor chunk_input(int chunk, int slot, int B, int T) const;
+  Tensor chunk_output(int chunk, int slot, int B, int T) const;
+  Tensor chunk_grad(int chunk, int slot, int B, int T) const;
+
+  // Logits [B, T, V] of the last forward of the head chunk's slot (valid until its backward,
+  // which overwrites them); under tensor parallelism this rank's vocabulary rows, padding included.
+  Tensor logits(int slot = 0) const;
+  // The most likely next token at each of that forward's B x T positions (the first of
+  // equal logits), over the whole vocabulary whatever the tp layout. Collective over tp.
+  void predictions(int32_t* out, int slot = 0);
 
  private:
-  double loss_forward();
+  struct Slot;
+  struct Chunk;
+  Slot& slot(int chunk, int slot);
+  const Slot& slot(int chunk, int slot) const;
+  int head_chunk() const;
+  bool holds_embedding() const;  // a chunk of this rank is the pipeline's first stage
+  void backward_unit(int unit, Slot& s, int local_layer, float scale, Backward part);
+  double loss_forward(Slot& s);
   BlockEnv env() const;
   Tensor resid(const Tensor& buf) const;  // [B, T, C] of the residual stream (T / tp positions with sequence parallelism)
   int64_t first_position() const;
-  void embed_forward();
-  void embed_backward();
-  void final_forward();
-  void final_backward(float scale);
+  void embed_forward(Slot& s);
+  void embed_backward(Slot& s);
+  void final_forward(Slot& s);
+  void final_backward(Slot& s, float scale, bool with_weight);
+  void head_backward_weight(Slot& s);
 
   ModelConfig cfg_;
   TpMappings no_tp_;
@@ -167,16 +230,10 @@ class Model {
   UnitHooks* hooks_ = nullptr;
   UnitHooks no_hooks_;
 
-  int B_ = 0, T_ = 0;
-  bool has_targets_ = false;
-  Tensor tokens_, targets_;                 // [B, T] i32
-  std::vector<std::unique_ptr<BlockActs>> acts_;  // per block (one shared set when recomputing)
-  // The residual stream holds Tl = T / tp positions with sequence parallelism, else T.
-  std::vector<Tensor> block_in_;            // [L + 1] x [B, Tl, C]: input of block l; [L] = output
-  Tensor lnf_, lnf_mean_, lnf_rstd_;        // [B, T, C] (the head's input), [B, Tl], [B, Tl]
-  Tensor logits_, losses_, lse_;            // [B, T, V], [B, T], [B, T] (V: this rank's vocabulary rows)
-  Tensor row_max_, target_logit_;           // [B, T], [B, T]: the vocabulary-parallel loss's statistics
-  Tensor dresid_;                           // [B, Tl, C] gradient of the residual stream
+  ModelShare share_;
+  int B_ = 0, T_ = 0;  // the batch of the slot being computed
+  std::vector<Chunk> chunks_;
+  std::unique_ptr<BlockActs> shared_acts_;  // recomputation: one set for every block
   std::unique_ptr<BlockScratch> scratch_;   // workspace shared by the blocks (forward and backward), embedding, final norm
 };
 

@@ -116,11 +116,12 @@ double lr_at(const OptimConfig& cfg, int64_t step, int64_t total) {
   return lr;
 }
 
-double grad_sumsq(const std::vector<OptimSegment>& segments) {
+std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments) {
   // Fixed chunks summed in order: the result does not depend on the thread count.
   constexpr int64_t kChunk = 1 << 14;
-  double total = 0.0;
+  std::vector<double> each;
   for (const OptimSegment& s : segments) {
+    double& total = each.emplace_back(0.0);
     const float* g = s.g.f32();
     const int64_t n = s.g.numel(), nchunks = (n + kChunk - 1) / kChunk;
     std::vector<double> part(nchunks, 0.0);
@@ -143,6 +144,12 @@ double grad_sumsq(const std::vector<OptimSegment>& segments) {
     }
     for (double x : part) total += x;
   }
+  return each;
+}
+
+double grad_sumsq(const std::vector<OptimSegment>& segments) {
+  double total = 0.0;
+  for (double x : grad_sumsq_each(segments)) total += x;
   return total;
 }
 

@@ -59,7 +59,9 @@ class Optimizer {
 // The learning rate at optimizer step `step` (0-based) of `total` steps.
 double lr_at(const OptimConfig& cfg, int64_t step, int64_t total);
 
-// Sum of squares of the gradients of all segments (double accumulation, fixed order).
+// Sum of squares of each segment's gradients (double accumulation, fixed order), and of
+// all of them (the segments' sums added in order).
+std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments);
 double grad_sumsq(const std::vector<OptimSegment>& segments);
 // Scales every gradient by max_norm / (norm + 1e-6) when that is below 1 (clip_grad_norm_).
 void grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm);

@@ -27,8 +27,9 @@ class DataParallel : public UnitHooks {
   virtual void zero_grad() = 0;
   // The segments this rank's optimizer updates (one per unit, in unit order).
   virtual std::vector<OptimSegment> optim_segments() = 0;
-  // Sum of squares of the whole model's gradient (the same on every rank).
-  virtual double grad_sumsq(const std::vector<OptimSegment>& segments) = 0;
+  // Per segment (unit), the sum of squares of its whole gradient over the strategy's ranks
+  // (the same on every rank of the group; a tp or pp rank adds its own units' or shares').
+  virtual std::vector<double> grad_sumsq(const std::vector<OptimSegment>& segments) = 0;
   // After the optimizer step: make the parameters every rank needs current again.
   virtual void after_step() {}
   // Fails unless every rank holds identical parameters.

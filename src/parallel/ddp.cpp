@@ -35,6 +35,7 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
   const int64_t cap = static_cast<int64_t>(cfg.bucket_mb * 1024 * 1024 / 4);  // float32 elements
   bucket_of_.assign(units.size(), -1);
   for (int u = static_cast<int>(units.size()) - 1; u >= 0; --u) {
+    if (!model.holds(u)) continue;  // another pipeline stage's
     if (buckets_.empty() || buckets_.back().numel >= cap) buckets_.emplace_back();
     Bucket& b = buckets_.back();
     b.units.push_back(u);

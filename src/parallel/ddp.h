@@ -42,7 +42,9 @@ class DDP final : public DataParallel {
   void finish() override;
   void zero_grad() override { model_.zero_grad(); }
   std::vector<OptimSegment> optim_segments() override;  // whole units
-  double grad_sumsq(const std::vector<OptimSegment>& segments) override { return mt::grad_sumsq(segments); }
+  std::vector<double> grad_sumsq(const std::vector<OptimSegment>& segments) override {
+    return grad_sumsq_each(segments);
+  }
   void check_same_parameters() override;
   std::vector<ParamSlice> owned() override;  // whole units
   bool writes_checkpoint() const override { return dp_.rank() == 0; }  // replicas are identical

@@ -8,7 +8,10 @@ struct ParallelConfig {
   int dp = 0;  // data-parallel ranks; 0: all ranks not used by tp and pp
   int tp = 1;  // tensor-parallel ranks
   bool sequence_parallel = false;  // with tp: norms and residual adds on seq_len / tp positions per rank
-  int pp = 1;  // pipeline stages
+  int pp = 1;  // pipeline ranks (parallel/pipeline.h)
+  int pp_chunks = 0;                // model chunks per pipeline rank; 0: the schedule's default (2 for interleaved and zbv, else 1)
+  std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved | zb-h1 | zbv | file:PATH (parallel/schedule.h)
+  std::string pp_layers = "auto";    // blocks per stage: auto (balanced by cost) or a list such as "3,4,4,3"
   double bucket_mb = 25;               // DDP gradient bucket size (MiB of float32 gradients)
   std::string grad_comm_dtype = "fp32";  // fp32 | bf16 | fp16: dtype of the gradient reduction
   bool overlap = true;                 // reduce buckets during backward where that pays (ddp.h)

@@ -8,7 +8,7 @@
 namespace mt {
 
 ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg, const Fill& fill)
-    : model_(model), dp_(dp), alloc_(alloc), cfg_(cfg), stage_(cfg.zero), S_(cfg.shard_group) {
+    : model_(model), dp_(dp), alloc_(alloc), cfg_(cfg), stage_(cfg.zero), S_(cfg.shard_group), pipelined_(cfg.pp > 1) {
   MT_CHECK(stage_ >= 1 && stage_ <= 3, "internal: ZeRO stage " << stage_);
   MT_CHECK(S_ >= 1 && dp.size() % S_ == 0, "parallel.shard_group = " << S_ << " does not divide dp = " << dp.size());
   const int d = dp.rank();
@@ -88,11 +88,11 @@ void ZeRO::release_params(int u) {
 void ZeRO::before_forward(int unit) {
   if (stage_ < 3) return;
   for (int d : model_.units_used(unit)) ensure_gathered(d);
-  if (cfg_.prefetch && unit + 1 < static_cast<int>(st_.size())) start_gather(unit + 1);
+  if (cfg_.prefetch && unit + 1 < static_cast<int>(st_.size()) && model_.holds(unit + 1)) start_gather(unit + 1);
 }
 
 void ZeRO::after_forward(int unit) {
-  if (stage_ < 3 || !cfg_.reshard_after_forward) return;
+  if (stage_ < 3 || !cfg_.reshard_after_forward || pipelined_) return;
   for (int d : model_.units_used(unit)) release_params(d);
 }
 
@@ -100,6 +100,7 @@ void ZeRO::after_forward(int unit) {
 
 void ZeRO::ensure_grad(int u) {
   UnitState& s = st_[u];
+  if (s.reduce) complete_reduce(s);  // a split backward's input half may follow the last weight half's reduction
   if (s.full_g.defined()) return;
   // The unit's whole gradient lives only through its backward: a communication buffer.
   s.full_g = Tensor::zeros({s.chunk * S_}, DType::f32, alloc_, MemTag::comm);
@@ -110,7 +111,7 @@ void ZeRO::before_backward(int unit) {
   if (unit == static_cast<int>(st_.size()) - 1) drain(true);  // the previous micro-step's reductions
   if (stage_ == 3) {
     for (int d : model_.units_used(unit)) ensure_gathered(d);
-    if (cfg_.prefetch && unit > 0) start_gather(unit - 1);
+    if (cfg_.prefetch && unit > 0 && model_.holds(unit - 1)) start_gather(unit - 1);
   }
   if (stage_ >= 2)
     for (int d : model_.units_used(unit)) ensure_grad(d);
@@ -133,22 +134,24 @@ void ZeRO::after_backward(int unit) {
     return;
   }
   launch_reduce(unit);  // stages 2-3 reduce every micro-step: no full gradient is kept
-  if (stage_ == 3) release_params(unit);
+  if (stage_ == 3 && !pipelined_) release_params(unit);
   drain(false);
 }
 
 void ZeRO::drain(bool wait_all) {
   if (stage_ == 1) return;
-  for (UnitState& s : st_) {
-    if (!s.reduce || (!wait_all && !s.reduce->done())) continue;
-    s.reduce->wait();
-    s.reduce.reset();
-    float* g = s.shard_g.f32();
-    const float* r = s.reduced.f32();
-    for (int64_t i = 0; i < s.chunk; ++i) g[i] += r[i];
-    s.reduced = Tensor();
-    s.full_g = Tensor();
-  }
+  for (UnitState& s : st_)
+    if (s.reduce && (wait_all || s.reduce->done())) complete_reduce(s);
+}
+
+void ZeRO::complete_reduce(UnitState& s) {
+  s.reduce->wait();
+  s.reduce.reset();
+  float* g = s.shard_g.f32();
+  const float* r = s.reduced.f32();
+  for (int64_t i = 0; i < s.chunk; ++i) g[i] += r[i];
+  s.reduced = Tensor();
+  s.full_g = Tensor();
 }
 
 void ZeRO::finish() {
@@ -161,11 +164,13 @@ void ZeRO::finish() {
   } else {
     drain(true);
   }
+  if (stage_ == 3 && pipelined_)  // gathered once for the step's micro-batches
+    for (size_t u = 0; u < st_.size(); ++u) release_params(static_cast<int>(u));
   if (replicate_->size() == 1) return;
   // HYBRID_SHARD: the same shard's gradients from the other groups.
   std::vector<WorkPtr> works;
   for (UnitState& s : st_)
-    works.push_back(replicate_->allreduce_async(stage_ == 1 ? s.full_g.view(k_ * s.chunk, {s.chunk}) : s.shard_g));
+    if (s.n > 0) works.push_back(replicate_->allreduce_async(stage_ == 1 ? s.full_g.view(k_ * s.chunk, {s.chunk}) : s.shard_g));
   for (WorkPtr& w : works) w->wait();
 }
 
@@ -193,14 +198,15 @@ std::vector<OptimSegment> ZeRO::optim_segments() {
   return segs;
 }
 
-double ZeRO::grad_sumsq(const std::vector<OptimSegment>& segments) {
-  return sum_doubles(*shard_, mt::grad_sumsq(segments));
+std::vector<double> ZeRO::grad_sumsq(const std::vector<OptimSegment>& segments) {
+  return sum_doubles(*shard_, grad_sumsq_each(segments));
 }
 
 void ZeRO::after_step() {
   if (stage_ == 3) return;  // parameters stay sharded until the next forward gathers them
   std::vector<WorkPtr> works;
-  for (UnitState& s : st_) works.push_back(shard_->allgather_async(s.full_w.view(k_ * s.chunk, {s.chunk}), s.full_w));
+  for (UnitState& s : st_)
+    if (s.n > 0) works.push_back(shard_->allgather_async(s.full_w.view(k_ * s.chunk, {s.chunk}), s.full_w));
   for (WorkPtr& w : works) w->wait();
 }
 
@@ -230,8 +236,10 @@ std::string ZeRO::describe() const {
   char buf[256];
   std::snprintf(buf, sizeof buf, "zero: stage %d (%s sharded) over %d rank%s%s%s", stage_, names[stage_], S_,
                 S_ > 1 ? "s" : "", replicate_->size() > 1 ? (", replicated x" + std::to_string(replicate_->size())).c_str() : "",
-                stage_ == 3 ? (std::string(cfg_.reshard_after_forward ? ", reshard after forward" : "") +
-                               (cfg_.prefetch ? ", prefetch" : "")).c_str() : "");
+                stage_ != 3   ? ""
+                : pipelined_ ? ", each unit gathered once per step (pipeline)"
+                              : (std::string(cfg_.reshard_after_forward ? ", reshard after forward" : "") +
+                                 (cfg_.prefetch ? ", prefetch" : "")).c_str());
   return buf;
 }
 

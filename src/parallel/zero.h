@@ -17,6 +17,10 @@
 //            plus the gathered units (communication buffers: the units in use and the
 //            one prefetched)
 //
+// Under pipeline parallelism each rank shards the units of its own stages, and stage 3
+// gathers a unit on its first use in a step and frees it in finish(): once per step, not
+// once per micro-batch (the schedule interleaves micro-batches' forwards and backwards).
+//
 // HYBRID_SHARD shards within groups of shard_group ranks and, after the reduce-scatter,
 // sums the gradient shards over the ranks that hold the same shard in other groups.
 // Communication per step: stages 1-2 move what DDP moves (reduce-scatter + all-gather =
@@ -50,7 +54,7 @@ class ZeRO final : public DataParallel {
   void finish() override;
   void zero_grad() override;
   std::vector<OptimSegment> optim_segments() override;
-  double grad_sumsq(const std::vector<OptimSegment>& segments) override;
+  std::vector<double> grad_sumsq(const std::vector<OptimSegment>& segments) override;
   void after_step() override;
   void check_same_parameters() override;
   std::vector<ParamSlice> owned() override;  // chunk k of every unit
@@ -80,12 +84,14 @@ class ZeRO final : public DataParallel {
   void ensure_grad(int u);
   void launch_reduce(int u);
   void drain(bool wait_all);  // completes reduce-scatters: accumulates into shards, frees buffers
+  void complete_reduce(UnitState& s);
 
   Model& model_;
   Communicator& dp_;
   Allocator& alloc_;
   ParallelConfig cfg_;
   int stage_, S_, k_;
+  bool pipelined_;  // pipeline parallelism: stage 3 gathers each unit once per step, freed in finish()
   std::unique_ptr<Communicator> shard_, replicate_;
   std::vector<UnitState> st_;
   bool sync_ = true;

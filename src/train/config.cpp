@@ -1,5 +1,9 @@
 #include "train/config.h"
 
+#include "parallel/pipeline.h"
+#include "parallel/schedule.h"
+
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -8,6 +12,9 @@
 
 #include "core/error.h"
 #include "nn/tp.h"
+#include "parallel/pipeline.h"
+#include "parallel/pipeline.h"
+#include "parallel/schedule.h"
 
 namespace mt {
 
@@ -135,6 +142,9 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("parallel.tp", &C::parallel, &ParallelConfig::tp));
     v.push_back(bool_key("parallel.sequence_parallel", &C::parallel, &ParallelConfig::sequence_parallel));
     v.push_back(int_key("parallel.pp", &C::parallel, &ParallelConfig::pp));
+    v.push_back(int_key("parallel.pp_chunks", &C::parallel, &ParallelConfig::pp_chunks));
+    v.push_back(str_key("parallel.pp_schedule", &C::parallel, &ParallelConfig::pp_schedule));
+    v.push_back(str_key("parallel.pp_layers", &C::parallel, &ParallelConfig::pp_layers));
     v.push_back(num_key("parallel.bucket_mb", &C::parallel, &ParallelConfig::bucket_mb));
     v.push_back(str_key("parallel.grad_comm_dtype", &C::parallel, &ParallelConfig::grad_comm_dtype, {"fp32", "bf16", "fp16"}));
     v.push_back(bool_key("parallel.overlap", &C::parallel, &ParallelConfig::overlap));
@@ -157,6 +167,7 @@ const std::vector<Key>& keys() {
     v.push_back(str_key("logging.plot", &C::logging, &LoggingConfig::plot));
     v.push_back(int_key("logging.every", &C::logging, &LoggingConfig::every));
     v.push_back(str_key("logging.progress", &C::logging, &LoggingConfig::progress, {"auto", "on", "off"}));
+    v.push_back(str_key("logging.trace", &C::logging, &LoggingConfig::trace));
     return v;
   }();
   return k;
@@ -273,7 +284,20 @@ void Config::validate() const {
            "model.seq_len = " << model.seq_len << " does not split over parallel.tp = " << parallel.tp
                               << " ranks for parallel.sequence_parallel=true; use a seq_len that tp divides "
                               << "(e.g. " << (model.seq_len / parallel.tp + 1) * parallel.tp << ")");
-  MT_CHECK(parallel.pp == 1, "parallel.pp = " << parallel.pp << ": pipeline parallelism is not available yet; use parallel.pp=1");
+  MT_CHECK(parallel.pp >= 1, "parallel.pp = " << parallel.pp << " must be at least 1");
+  MT_CHECK(parallel.pp_chunks >= 0, "parallel.pp_chunks = " << parallel.pp_chunks
+                                                            << " must not be negative (0: the schedule's default)");
+  const std::string& sched = parallel.pp_schedule;
+  if (sched.rfind("file:", 0) != 0) {
+    const auto& names = schedule_names();
+    std::string all;
+    for (const std::string& n : names) all += (all.empty() ? "" : ", ") + n;
+    MT_CHECK(std::find(names.begin(), names.end(), sched) != names.end(),
+             "parallel.pp_schedule = \"" << sched << "\" is not a schedule; use " << all << " or file:PATH");
+  }
+  MT_CHECK(!(training.recompute && (sched == "zb-h1" || sched == "zbv")),
+           "training.recompute=true cannot run with parallel.pp_schedule = " << sched << ": its split backward "
+           "runs the weight half after the activations are gone; use 1f1b or interleaved, or recompute=false");
   MT_CHECK(parallel.bucket_mb > 0, "parallel.bucket_mb = " << parallel.bucket_mb << " must be positive");
   MT_CHECK(parallel.timeout_s >= 0, "parallel.timeout_s must not be negative (0: no watchdog)");
   MT_CHECK(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero = " << parallel.zero << " must be 0, 1, 2 or 3");
@@ -303,7 +327,18 @@ void Config::resolve_layout(int world_size) {
     MT_CHECK(training.global_batch % parallel.dp == 0, "training.global_batch = " << training.global_batch
                                                                                  << " is not divisible by parallel.dp = "
                                                                                  << parallel.dp);
-    training.micro_batch = training.global_batch / parallel.dp;
+    const int64_t per_rank = training.global_batch / parallel.dp;
+    training.micro_batch = per_rank;
+    // A pipeline needs micro-batches to overlap: the largest micro-batch giving at least
+    // 2 pp of them (a multiple of pp, as interleaving needs), else 1.
+    if (parallel.pp > 1) {
+      training.micro_batch = 1;
+      for (int64_t b = per_rank; b >= 1; --b)
+        if (per_rank % b == 0 && per_rank / b >= 2 * parallel.pp && (per_rank / b) % parallel.pp == 0) {
+          training.micro_batch = b;
+          break;
+        }
+    }
   }
   const int64_t per_step = int64_t{parallel.dp} * training.micro_batch;
   // ZeRO: the FSDP name decides the stage; the shard group defaults to all of dp.
@@ -323,6 +358,31 @@ void Config::resolve_layout(int world_size) {
            "training.global_batch = " << training.global_batch << " is not divisible by parallel.dp x training.micro_batch = "
                                       << parallel.dp << " x " << training.micro_batch << " = " << per_step
                                       << "; make global_batch a multiple of " << per_step);
+  // The pipeline schedule must take this many chunks and micro-batches per step.
+  if (parallel.pp_schedule.rfind("file:", 0) == 0) return check_pipeline();  // against the file
+  if (parallel.pp_chunks == 0) parallel.pp_chunks = schedule_default_chunks(parallel.pp_schedule);
+  const int m = static_cast<int>(training.global_batch / per_step);
+  if (auto issue = schedule_layout_issue(parallel.pp_schedule, parallel.pp, parallel.pp_chunks, m)) {
+    if (issue->knob == LayoutIssue::chunks)
+      MT_FAIL("parallel.pp_schedule = " << parallel.pp_schedule << " cannot run parallel.pp_chunks = "
+                                        << parallel.pp_chunks << ": " << issue->why << "; set parallel.pp_chunks="
+                                        << issue->use);
+    MT_FAIL("parallel.pp_schedule = " << parallel.pp_schedule << " cannot run " << m << " micro-batches per step "
+                                      << "(training.global_batch / (parallel.dp x training.micro_batch) = "
+                                      << training.global_batch << " / " << per_step << "): " << issue->why
+                                      << "; set training.global_batch=" << int64_t{issue->use} * per_step
+                                      << " for " << issue->use << " micro-batches");
+  }
+  MT_CHECK(model.n_layer >= parallel.pp * parallel.pp_chunks,
+           "model.n_layer = " << model.n_layer << " is fewer than parallel.pp x parallel.pp_chunks = " << parallel.pp
+                              << " x " << parallel.pp_chunks
+                              << " stages: every stage needs a block; lower parallel.pp_chunks or parallel.pp");
+  check_pipeline();
+}
+
+void Config::check_pipeline() const {
+  const int m = static_cast<int>(training.global_batch / (int64_t{parallel.dp} * training.micro_batch));
+  pipeline_schedule(parallel, model, m, training.recompute);  // throws what cannot run
 }
 
 nlohmann::json config_to_json(const Config& c) {

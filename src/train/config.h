@@ -25,7 +25,8 @@ struct DataConfig {
 struct TrainingConfig {
   int64_t steps = 500;
   int64_t global_batch = 16;  // sequences per optimizer step, whole mesh
-  int64_t micro_batch = 0;    // sequences per forward/backward per rank; 0: global_batch / dp
+  int64_t micro_batch = 0;    // sequences per forward/backward per rank; 0: global_batch / dp (with pp > 1 the
+                              // largest giving at least 2 pp micro-batches per step, a multiple of pp, else 1)
   uint64_t seed = 1337;
   bool recompute = false;     // recompute each block's activations in backward
   // training.attention (fused | materialized) lives in ModelConfig::attention
@@ -46,6 +47,7 @@ struct LoggingConfig {
   std::string plot = "auto";    // SVG loss curve; auto: beside the metrics file (.svg); empty: none
   int64_t every = 10;           // plain log line every N steps (when not on a terminal)
   std::string progress = "auto";  // auto | on | off: the live progress line
+  std::string trace;            // Chrome/Perfetto trace of every step's pipeline actions (and FILE.svg); empty: none
 };
 
 struct Config {
@@ -59,8 +61,12 @@ struct Config {
 
   void validate() const;  // cross-key checks that do not depend on the number of ranks
   // Fills parallel.dp from the world size when 0 and checks the layout: world size =
-  // dp x pp x tp, global_batch divisible by dp x micro_batch. Same verdict on every rank.
+  // dp x pp x tp, global_batch divisible by dp x micro_batch, and a pipeline schedule that
+  // runs this many chunks and micro-batches (pipeline_schedule). Same verdict on every rank.
   void resolve_layout(int world_size);
+
+ private:
+  void check_pipeline() const;
 };
 
 // Applies a TOML file (if non-empty) then the overrides ("section.key=value", no dashes).

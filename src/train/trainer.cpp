@@ -22,11 +22,13 @@
 #include "parallel/data_parallel.h"
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
+#include "parallel/pipeline.h"
 #include "parallel/tensor.h"
 #include "parallel/zero.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/plot.h"
+#include "train/step_trace.h"
 #include "train/stop.h"
 
 namespace mt {
@@ -87,7 +89,6 @@ std::optional<double> unigram_baseline(const std::vector<int32_t>& train, const 
   return loss / val.size();
 }
 
-
 // What the ranks agree on after every step, through one all-gather over the world: the
 // peak bytes per memory tag of the busiest rank, and whether a rank was asked to stop
 // (train/stop.h). Every rank gets the same answer, so all stop after the same step even
@@ -127,19 +128,23 @@ struct ValResult {
 // Mean loss over the first val_batches global batches of the validation tokens, read the
 // way training reads a step (rank r takes positions r, r + R, ...), so every layout
 // evaluates the same sequences; for the built-in tasks also the greedy accuracy on answer
-// characters.
-ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool builtin, Communicator& dp) {
+// characters. The micro-batches go through the pipeline forward only; the ranks holding
+// the head count them.
+ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const Config& c, bool builtin,
+                   Communicator& dp, Communicator& pp) {
   const int M = static_cast<int>(c.training.micro_batch), T = c.model.seq_len, V = c.model.vocab_size;
   const int64_t R = dp.size(), per_rank = c.training.val_batches * c.training.global_batch / R;
   std::vector<int32_t> in(M * T), tg(M * T), best(M * T);
   std::vector<uint8_t> mask(T);
+  auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
+    val.fill(dp.rank() + R * int64_t{micro} * M, M, tokens, targets, R);
+  };
   // [loss sum, correct answers, answers, answers per target character...]
   std::vector<double> tally(3 + V, 0.0);
-  for (int64_t i = 0; i < per_rank; i += M) {
-    val.fill(dp.rank() + R * i, M, in.data(), tg.data(), R);
-    tally[0] += model.forward(in.data(), tg.data(), M, T);
-    if (!builtin) continue;
-    model.predictions(best.data());  // greedy, over the whole vocabulary (collective over tp)
+  auto count_answers = [&](int micro, int slot, double) {
+    if (!builtin) return;
+    feed(micro, in.data(), tg.data());
+    model.predictions(best.data(), slot);  // greedy, over the whole vocabulary (collective over tp)
     for (int s = 0; s < M; ++s) {
       tasks_answer_mask(&in[s * T], &tg[s * T], T, mask.data());
       for (int t = 0; t < T; ++t) {
@@ -149,8 +154,9 @@ ValResult validate(Model& model, const TokenLoader& val, const Config& c, bool b
         tally[3 + tg[s * T + t]] += 1;
       }
     }
-  }
-  tally = sum_doubles(dp, tally);
+  };
+  tally[0] = pipe.evaluate(static_cast<int>((per_rank + M - 1) / M), feed, count_answers);
+  tally = sum_doubles(dp, sum_doubles(pp, tally));
   ValResult r;
   r.loss = tally[0] / (double(c.training.val_batches) * c.training.global_batch * T);
   if (tally[2] > 0) {
@@ -218,13 +224,24 @@ double predicted_model_state(const std::vector<Unit>& units, int stage, int N, c
   }
 }
 
+// The largest x over the ranks of `group` (the busiest rank's prediction, as the summary
+// compares it with the busiest rank's measured peak).
+double max_over(Communicator& group, double x) {
+  std::vector<double> all(group.size());
+  group.allgather(Tensor::wrap(&x, {1}, DType::f64), Tensor::wrap(all.data(), {group.size()}, DType::f64));
+  return *std::max_element(all.begin(), all.end());
+}
+
 // The pieces of a set-up run that the steps and the reports use.
 struct Run {
   const Config& c;
   Communicator& world;
   Communicator& dp;
   Communicator& tp;
+  Communicator& pp;
+  Communicator* tie;  // the first and last pipeline stage of a tied model on different ranks; else null
   Model& model;
+  Pipeline& pipe;
   DataParallel& strategy;
   Optimizer& opt;
   CpuAllocator& alloc;
@@ -232,7 +249,10 @@ struct Run {
   const TokenLoader& train_data;
   const TokenLoader* val_data;  // null without validation data
   bool builtin;                 // the built-in tasks: answer accuracy is measured too
-  double predicted;             // model-state bytes per rank by the ZeRO formula
+  double predicted;             // model-state bytes of the busiest rank by the ZeRO formula
+  double predicted_activations;  // activation bytes of the busiest rank by activation_bytes
+  StepTrace* trace;              // logging.trace; null without
+  double t0;                     // now_seconds() when the run began
 };
 
 // What the steps of this process did.
@@ -288,6 +308,7 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
       return;
     }
     for (const ParamSlice& r : ranges) {
+      if (r.begin == r.end) continue;  // a unit another pipeline stage holds
       if (!hf) {
         model.init_range(r.unit, r.begin, r.end, r.params, c.training.seed);
         continue;
@@ -307,12 +328,14 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
   return std::make_unique<DDP>(model, dp, alloc, c.parallel);
 }
 
-// The bytes a tp rank sends per optimizer step, by tp_bytes_per_micro_batch.
+// The bytes a tp rank sends per optimizer step: the mappings' (tp_bytes_per_micro_batch)
 double tp_bytes_per_step(const Run& run) {
   const Config& c = run.c;
   const int64_t M = c.training.micro_batch, n_micro = c.training.global_batch / (int64_t{run.dp.size()} * M);
-  return n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, c.model.seq_len,
-                                            c.training.recompute, c.parallel.sequence_parallel);
+  // and the gradient norm's per-unit sums of squares, gathered from every tp rank
+  const double norm = 8.0 * run.model.units().size() * (run.tp.size() - 1);
+  return norm + n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, c.model.seq_len,
+                                                   c.training.recompute, c.parallel.sequence_parallel);
 }
 
 void log_header(const Run& run, const std::string& resumed_from, int64_t start) {
@@ -323,9 +346,9 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
   int64_t whole = 0;
   for (const Unit& u : run.model.units()) whole += u.global_numel;
   std::snprintf(head, sizeof head,
-                "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d, tp %d), %d threads each",
+                "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d, tp %d, pp %d), %d threads each",
                 c.model.family.c_str(), c.model.n_layer, c.model.d_model, whole / 1e6, run.world.size(),
-                run.world.size() > 1 ? "s" : "", R, run.tp.size(), omp_get_max_threads());
+                run.world.size() > 1 ? "s" : "", R, run.tp.size(), run.pp.size(), omp_get_max_threads());
   run.log.message(head);
   run.log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
                   " threads, fixed tile grid");
@@ -345,6 +368,20 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
                   static_cast<long long>(padded_vocab(c.model, run.tp.size())), tp_bytes_per_step(run) / 1e6);
     run.log.message(head);
   }
+  if (run.pp.size() > 1) {
+    const Schedule& sc = run.pipe.schedule();
+    const ModelShare& share = run.model.share();
+    std::string mine;
+    for (const ChunkSpec& ch : share.chunks)
+      mine += (mine.empty() ? "" : ", ") + std::to_string(ch.first_layer) + "-" + std::to_string(ch.end_layer - 1);
+    const Simulation sim = schedule_simulate(sc);
+    std::snprintf(head, sizeof head,
+                  "pipeline: %s, %d rank%s x %d chunk%s, %d micro-batches per step; this rank's blocks %s; "
+                  "bubble %.1f%% with equal action costs",
+                  sc.name.c_str(), sc.layout.pp, sc.layout.pp > 1 ? "s" : "", sc.layout.chunks,
+                  sc.layout.chunks > 1 ? "s" : "", sc.layout.micro, mine.c_str(), 100 * sim.bubble);
+    run.log.message(head);
+  }
   if (!resumed_from.empty()) run.log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
   else if (c.checkpoint.resume) run.log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
 }
@@ -354,25 +391,27 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
 // Returns the step's metrics so far (the loss is the one before the update).
 nlohmann::json step_run(Run& run, int64_t s) {
   const Config& c = run.c;
-  const int T = c.model.seq_len, M = static_cast<int>(c.training.micro_batch), R = run.dp.size();
-  const int64_t G = c.training.global_batch, n_micro = G / (int64_t{R} * M);
-  const double tokens_per_step = double(G) * T;
-  std::vector<int32_t> in(M * T), tg(M * T);
+  const int M = static_cast<int>(c.training.micro_batch), R = run.dp.size();
+  const int64_t G = c.training.global_batch;
+  const double tokens_per_step = double(G) * c.model.seq_len;
   inject_fault(c.parallel.test_fault, s, run.world, run.dp);
   run.strategy.zero_grad();
-  double loss_sum = 0;
-  for (int64_t m = 0; m < n_micro; ++m) {
-    run.train_data.fill(s * G + run.dp.rank() + int64_t{R} * m * M, M, in.data(), tg.data(), R);
-    run.strategy.set_sync(m == n_micro - 1);
-    loss_sum += run.model.forward(in.data(), tg.data(), M, T);
-    run.model.backward(static_cast<float>(1.0 / tokens_per_step));
-  }
+  auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
+    run.train_data.fill(s * G + run.dp.rank() + int64_t{R} * micro * M, M, tokens, targets, R);
+  };
+  const double loss_sum = run.pipe.train(feed, static_cast<float>(1.0 / tokens_per_step), run.strategy);
   run.strategy.finish();
-  const double loss = sum_doubles(run.dp, loss_sum) / tokens_per_step;
+  // A tied embedding's two copies (first and last stage) take the sum of their gradients.
+  if (run.tie) run.tie->allreduce(run.opt.segments()[0].g);
+  const double loss = sum_doubles(run.dp, sum_doubles(run.pp, loss_sum)) / tokens_per_step;
   MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
                                                    << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
-  // Each element once: a tp rank counts its shards and the replicas it is first to hold.
-  const double norm = std::sqrt(sum_doubles(run.tp, run.strategy.grad_sumsq(run.opt.segments())));
+  // Each element once: a tp rank counts its shards and the replicas it is first to hold, a
+  // pipeline rank its stages (the tied copy on the last stage counts as a replica). Units'
+  // sums are added in unit order, so a unit held whole by one rank counts as on one rank.
+  double sumsq = 0;
+  for (double x : sum_doubles(run.pp, sum_doubles(run.tp, run.strategy.grad_sumsq(run.opt.segments())))) sumsq += x;
+  const double norm = std::sqrt(sumsq);
   grad_clip(run.opt.segments(), norm, c.optim.grad_clip);
   const double lr = lr_at(c.optim, s, c.training.steps);
   run.opt.step(lr);
@@ -383,7 +422,8 @@ nlohmann::json step_run(Run& run, int64_t s) {
 // A collective over the world: each writing rank saves its own ranges (one copy of each:
 // replicas do not write).
 std::string checkpoint_write(Run& run, int64_t step) {
-  const std::vector<ParamSlice> mine = run.strategy.writes_checkpoint() ? run.strategy.owned() : std::vector<ParamSlice>{};
+  std::vector<ParamSlice> mine = run.strategy.writes_checkpoint() ? run.strategy.owned() : std::vector<ParamSlice>{};
+  if (run.tie && run.pp.rank() > 0) std::erase_if(mine, [](const ParamSlice& p) { return p.unit == 0; });  // the first stage saves it
   return checkpoint_save(run.c.checkpoint.dir, step, run.c, model_layout(run.c.model),
                          state_slices(mine, run.opt, run.model.units(), true), run.opt.steps_taken(), run.world,
                          run.c.checkpoint.keep);
@@ -397,8 +437,11 @@ void run_steps(Run& run, Progress& p) {
   for (int64_t s = p.steps_done; s < c.training.steps; ++s) {
     const auto t0 = Clock::now();
     const uint64_t bytes_before = run.strategy.bytes_sent(), tp_before = run.tp.bytes_sent();
+    if (run.trace) run.pp.barrier();  // the pipeline ranks' timelines start together
+    const double started = now_seconds() - run.t0;
     nlohmann::json j = step_run(run, s);
     const double dt = seconds_since(t0), loss = j["loss"], lr = j["lr"];
+    if (run.trace) run.trace->add(s, started, run.pipe.timeline());
     p.train_seconds += dt;
     ++p.timed_steps;
     // The step boundary: this all-gather runs every step anyway, the stop flag rides along.
@@ -423,7 +466,7 @@ void run_steps(Run& run, Progress& p) {
     // A signal during the last step changes nothing: the run ends normally.
     const bool last = s + 1 == c.training.steps, stop = a.stop_signal != 0 && !last;
     if (run.val_data && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last && !stop) {
-      ValResult v = validate(run.model, *run.val_data, c, run.builtin, run.dp);
+      ValResult v = validate(run.model, run.pipe, *run.val_data, c, run.builtin, run.dp, run.pp);
       run.log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
       p.val_curve.emplace_back(s + 1, v.loss);
       char buf[128];
@@ -437,6 +480,22 @@ void run_steps(Run& run, Progress& p) {
       return;
     }
   }
+}
+
+// The trace's files and what its timelines say: into the summary line and printed.
+void report_trace(const Run& run, nlohmann::json& js) {
+  const std::optional<PipelineMeasure> m = run.trace->finish();
+  if (!m) return;
+  js["pp_step_ms"] = m->step_s * 1e3;
+  js["pp_bubble"] = m->bubble;
+  js["pp_simulated_ms"] = m->simulated_s * 1e3;
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "pipeline trace: %s and %s.svg (%d steps): %.1f ms per step's pipeline, bubble %.1f%%; the simulator "
+                "with the measured action costs: %.1f ms",
+                run.trace->path().c_str(), run.trace->path().c_str(), m->steps, m->step_s * 1e3, 100 * m->bubble,
+                m->simulated_s * 1e3);
+  run.log.message(buf);
 }
 
 // The end of a run stopped by a signal: one metrics line, and how to resume.
@@ -459,12 +518,8 @@ void report_stop(const Run& run, const Progress& p) {
     run.log.message("to resume, run the same command with --checkpoint.resume=true (checkpoint.dir " +
                     c.checkpoint.dir + ")");
   }
+  if (run.trace) report_trace(run, j);
   run.log.write(j);
-}
-
-double predicted_activations(const Run& run) {
-  return static_cast<double>(activation_bytes(run.c.model, run.model.dims(), run.c.training.micro_batch,
-                                              run.c.training.recompute));
 }
 
 nlohmann::json or_null(const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); }
@@ -507,7 +562,7 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
   run.log.message(buf);
   std::snprintf(buf, sizeof buf, "activations: %s measured, %s by the formula (activation_bytes: tp %d%s%s)",
                 format_bytes(mem.peak[int(MemTag::activations)]).c_str(),
-                format_bytes(static_cast<size_t>(predicted_activations(run))).c_str(), run.tp.size(),
+                format_bytes(static_cast<size_t>(run.predicted_activations)).c_str(), run.tp.size(),
                 c.parallel.sequence_parallel && run.tp.size() > 1 ? ", sequence parallel" : "",
                 c.training.recompute ? ", recompute" : "");
   run.log.message(buf);
@@ -525,7 +580,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
   sum.baseline_loss = baseline;
   if (p.timed_steps) sum.tokens_per_s = p.timed_steps * double(c.training.global_batch) * c.model.seq_len / p.train_seconds;
   if (run.val_data) {
-    ValResult v = validate(run.model, *run.val_data, c, run.builtin, run.dp);
+    ValResult v = validate(run.model, run.pipe, *run.val_data, c, run.builtin, run.dp, run.pp);
     sum.val_loss = v.loss;
     sum.answer_accuracy = v.accuracy;
     sum.baseline_accuracy = v.baseline_accuracy;
@@ -538,10 +593,11 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
                        {"baseline_accuracy", or_null(sum.baseline_accuracy)},
                        {"tokens_per_s", or_null(sum.tokens_per_s)}, {"seconds", sum.seconds},
                        {"ranks", run.world.size()}};
+  if (run.trace) report_trace(run, js);
   js.update(memory_json(mem));
   js["mem_model_state"] = model_state_bytes(mem);
   js["mem_model_state_predicted"] = run.predicted;
-  js["mem_activations_predicted"] = predicted_activations(run);
+  js["mem_activations_predicted"] = run.predicted_activations;
   run.log.write(js);
   print_summary(run, sum, mem, p.timed_steps);
 
@@ -590,15 +646,36 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (!data.val.empty()) val_data.emplace(data.val, c.model.seq_len, false, c.training.seed);
   const std::optional<double> baseline = unigram_baseline(train_data.tokens(), data.val, c.model.vocab_size);
 
-  // Each rank materialises only the parameters it keeps.
+  // Each rank materialises only the parameters it keeps: its pipeline stages' units, its
+  // tensor-parallel share of them, and its ZeRO shard.
+  Communicator& pp = mesh.pp();
+  const int M = static_cast<int>(c.training.micro_batch);
+  const Schedule schedule = pipeline_schedule(c.parallel, c.model, static_cast<int>(c.training.global_batch / (int64_t{dp.size()} * M)),
+                                              c.training.recompute);
+  const std::vector<int> layers = pipeline_layers(c.model, schedule.layout.stages(), c.parallel.pp_layers);
   TensorParallel tp(mesh.tp(), alloc, c.parallel.sequence_parallel);
-  Model model(c.model, alloc, static_cast<int>(c.training.micro_batch), c.training.recompute,
-              /*allocate_state=*/c.parallel.zero == 0, &tp);
+  Model model(c.model, alloc, M, c.training.recompute, /*allocate_state=*/c.parallel.zero == 0, &tp,
+              pipeline_share(c.model, schedule, layers, pp.rank()));
+  Pipeline pipe(model, pp, schedule, M, c.model.seq_len, c.parallel.timeout_s, alloc);
+  std::optional<StepTrace> trace;
+  if (!c.logging.trace.empty()) trace.emplace(c.logging.trace, pipe.schedule(), pp, world.rank() == 0);
+  // A tied head on a last stage that another rank's first stage embeds with: the pair sums
+  // the copies' gradients, and the last stage's copy is a replica (not counted or saved twice).
+  std::unique_ptr<Communicator> tie;
+  const PipeLayout& lay = schedule.layout;
+  const int first = lay.rank_of(0), last = lay.rank_of(lay.stages() - 1);
+  if (c.model.tied() && first != last) {
+    const bool member = pp.rank() == first || pp.rank() == last;
+    tie = pp.split(member ? 0 : 1, pp.rank(), "tie");
+    if (!member) tie.reset();
+  }
   const std::string resumed_from = resume_point(c, world, log);
   Progress p;
   std::unique_ptr<DataParallel> strategy = strategy_make(c, model, dp, alloc, resumed_from, &p.steps_done);
   model.set_hooks(strategy.get());
-  Optimizer opt(c.optim, strategy->optim_segments(), alloc);
+  std::vector<OptimSegment> segments = strategy->optim_segments();
+  if (tie && pp.rank() == last) segments[0].replica_ranges = {{0, segments[0].w.numel()}};
+  Optimizer opt(c.optim, std::move(segments), alloc);
   if (!resumed_from.empty()) {
     int64_t optimizer_steps = 0;
     checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false), &optimizer_steps);
@@ -606,8 +683,11 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   }
   world.barrier_slow();  // ranks load at different speeds
   if (dp.size() > 1) strategy->check_same_parameters();
-  Run run{c, world, dp, mesh.tp(), model, *strategy, opt, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
-          predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name)};
+  Run run{c, world, dp, mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
+          max_over(world, predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name)),
+          max_over(world, static_cast<double>(activation_bytes(c.model, model.dims(), M, c.training.recompute,
+                                                               model.share()))),
+          trace ? &*trace : nullptr, now_seconds()};
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
 
   log_header(run, resumed_from, p.steps_done);

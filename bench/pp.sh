@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The pipeline benchmark: the core benchmark's GPT-2 (6 x 384) at pp 2, one thread per
+# rank, micro-batches of one sequence of 256 tokens, m = 2, 4, 8 and 16 per step, every
+# schedule. For each: the step time, the pipeline's measured time per step (first action
+# to last, from logging.trace) against the simulator fed with the action costs measured in
+# the same run (goal: within 5%), and the measured bubble; then zb-h1's bubble against
+# 1f1b's (goal: at most 0.4x). Debian's PyTorch 1.13 has no pipeline schedules to compare
+# with (torch.distributed.pipelining came later), so there is no peer column; pp 1 (plain
+# accumulation) is the reference.
+#
+#   bash bench/pp.sh [--steps K]
+source "$(dirname "$0")/dp_common.sh"
+opts=("${dp_opts[@]}" --training.micro_batch=1)
+echo "pipeline parallelism, GPT-2 6 x 384 (13.9M parameters), micro-batches of 1 x 256 tokens, pp 2, 1 thread per rank"
+blas_info
+for m in 2 4 8 16; do
+  ./build/meshtrain train "${opts[@]}" --training.global_batch=$m --logging.metrics="$work/pp1_m$m.jsonl" > /dev/null
+  for s in gpipe 1f1b interleaved zb-h1 zbv; do
+    ./build/meshtrain launch -n 2 train "${opts[@]}" --training.global_batch=$m --parallel.pp=2 \
+      --parallel.pp_schedule=$s --logging.trace="$work/${s}_m$m.trace" --logging.metrics="$work/${s}_m$m.jsonl" \
+      > "$work/${s}_m$m.out" 2>&1 || { cat "$work/${s}_m$m.out"; exit 1; }
+  done
+done
+grep -h '^pipeline:' "$work"/*_m8.out | head -1 || true
+/usr/bin/python3 - "$work" <<'PY'
+import json, statistics, sys
+work = sys.argv[1]
+def load(name):
+    lines = [json.loads(l) for l in open(f"{work}/{name}.jsonl")]
+    steps = [l for l in lines if "event" not in l][2:]
+    return statistics.median(s["step_ms"] for s in steps), [l for l in lines if l.get("event") == "summary"][0]
+print(f"{'schedule':>12} {'m':>3} {'step ms':>8} {'vs pp 1':>8} {'pipeline ms':>12} {'simulated ms':>13} "
+      f"{'sim/meas':>9} {'bubble':>7} {'activations MB':>15}")
+bubbles, worst = {}, 0.0
+for m in (2, 4, 8, 16):
+    ref, _ = load(f"pp1_m{m}")
+    print(f"{'pp 1':>12} {m:>3} {ref:>8.1f} {1:>8.2f}")
+    for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"):
+        ms, summ = load(f"{s}_m{m}")
+        meas, sim = summ["pp_step_ms"], summ["pp_simulated_ms"]
+        bubbles[(s, m)] = summ["pp_bubble"]
+        worst = max(worst, abs(sim / meas - 1))
+        print(f"{s:>12} {m:>3} {ms:>8.1f} {ms / ref:>8.2f} {meas:>12.1f} {sim:>13.1f} {sim / meas:>9.3f} "
+              f"{summ['pp_bubble']:>7.3f} {summ['mem_activations'] / 2**20:>15.1f}")
+print(f"simulator against measurement: largest difference {100 * worst:.1f}% (goal: within 5%)")
+for m in (2, 4, 8, 16):
+    print(f"m {m:>2}: zb-h1 bubble / 1f1b bubble = {bubbles[('zb-h1', m)] / bubbles[('1f1b', m)]:.2f} (goal: at most 0.4)")
+print("PyTorch: no pipeline schedules in Debian's PyTorch 1.13 to compare with.")
+PY
