@@ -24,14 +24,20 @@ ModelConfig model(int layers, int vocab) {
   return m;
 }
 
+PipeLayout ranks(int pp, int chunks = 1, Placement placement = Placement::loop) {
+  PipeLayout l;
+  l.pp = pp, l.chunks = chunks, l.placement = placement;
+  return l;
+}
+
 TEST(PipelineStages, AutoBalancesBlocksAgainstTheHeadAndEmbedding) {
   // A small vocabulary: the head costs a fraction of a block, so blocks split evenly.
-  EXPECT_EQ(pipeline_layers(model(8, 37), 4, "auto"), (std::vector<int>{2, 2, 2, 2}));
-  EXPECT_EQ(pipeline_layers(model(7, 37), 7, "auto"), std::vector<int>(7, 1));
+  EXPECT_EQ(pipeline_layers(model(8, 37), ranks(4), "auto"), (std::vector<int>{2, 2, 2, 2}));
+  EXPECT_EQ(pipeline_layers(model(7, 37), ranks(7), "auto"), std::vector<int>(7, 1));
   // A vocabulary whose head costs about three blocks: the last stage takes fewer blocks, and
   // the costliest stage is the cheapest any split allows.
   const ModelConfig big = model(12, 2400);
-  const std::vector<int> layers = pipeline_layers(big, 4, "auto");
+  const std::vector<int> layers = pipeline_layers(big, ranks(4), "auto");
   EXPECT_LT(layers.back(), layers.front());
   const std::vector<double> cost = pipeline_stage_costs(big, layers);
   const double worst = *std::max_element(cost.begin(), cost.end());
@@ -39,13 +45,27 @@ TEST(PipelineStages, AutoBalancesBlocksAgainstTheHeadAndEmbedding) {
     const std::vector<double> c = pipeline_stage_costs(big, other);
     EXPECT_LE(worst, *std::max_element(c.begin(), c.end()));
   }
-  EXPECT_EQ(pipeline_layers(big, 4, "3,4,4,1"), (std::vector<int>{3, 4, 4, 1}));
+  EXPECT_EQ(pipeline_layers(big, ranks(4), "3,4,4,1"), (std::vector<int>{3, 4, 4, 1}));
+  // With chunks, what balances is each rank's total over its stages: with a head of about
+  // two blocks (vocabulary 750 at d_model 32), interleaving over 2 ranks puts the rank
+  // holding the head (stages 1 and 3) on fewer blocks, and zbv's rank 0 (first and last
+  // stage) likewise.
+  const ModelConfig two = model(6, 750);
+  const std::vector<int> loop = pipeline_layers(two, ranks(2, 2), "auto");
+  EXPECT_EQ(loop, (std::vector<int>{2, 1, 2, 1}));
+  EXPECT_EQ(pipeline_layers(two, ranks(2, 2, Placement::vee), "auto"), (std::vector<int>{1, 2, 2, 1}));
+  // With 10 blocks and that head, every placement balances exactly: 6 + 4 at v = 1, and
+  // 3, 3, 3, 1 at v = 2 (the head's stage takes one block) in both placements.
+  const ModelConfig ten = model(10, 750);
+  EXPECT_EQ(pipeline_layers(ten, ranks(2), "auto"), (std::vector<int>{6, 4}));
+  EXPECT_EQ(pipeline_layers(ten, ranks(2, 2), "auto"), (std::vector<int>{3, 3, 3, 1}));
+  EXPECT_EQ(pipeline_layers(ten, ranks(2, 2, Placement::vee), "auto"), (std::vector<int>{3, 3, 3, 1}));
 }
 
 TEST(PipelineStages, BadListsAreRefusedByName) {
   auto refuses = [](const std::string& spec, int stages, const std::string& want) {
     try {
-      pipeline_layers(model(8, 37), stages, spec);
+      pipeline_layers(model(8, 37), ranks(stages), spec);
       ADD_FAILURE() << spec << " was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();

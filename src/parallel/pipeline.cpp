@@ -35,42 +35,43 @@ std::vector<double> pipeline_stage_costs(const ModelConfig& cfg, const std::vect
 
 namespace {
 
-// The split of L blocks into S stages (each at least one) whose costliest stage is cheapest;
-// among equal ones, the first found with the earliest stages longest.
-std::vector<int> balance_layers(const ModelConfig& cfg, int S) {
-  const int L = cfg.n_layer;
-  auto cost_of = [&](int stage, int a, int b) {  // stage `stage` holding blocks [a, b)
-    std::vector<int> layers(S, 0);
-    layers[stage] = b - a;
-    return pipeline_stage_costs(cfg, layers)[stage];
-  };
-  const double inf = std::numeric_limits<double>::infinity();
-  // best[k][b]: the least maximum cost of stages 0..k-1 holding blocks [0, b); from[k][b]: where stage k-1 starts
-  std::vector<std::vector<double>> best(S + 1, std::vector<double>(L + 1, inf));
-  std::vector<std::vector<int>> from(S + 1, std::vector<int>(L + 1, -1));
-  best[0][0] = 0;
-  for (int k = 1; k <= S; ++k)
-    for (int b = k; b <= L - (S - k); ++b)
-      for (int a = b - 1; a >= k - 1; --a) {
-        const double c = std::max(best[k - 1][a], cost_of(k - 1, a, b));
-        if (c < best[k][b]) best[k][b] = c, from[k][b] = a;
-      }
-  std::vector<int> layers(S);
-  for (int k = S, b = L; k >= 1; --k) {
-    layers[k - 1] = b - from[k][b];
-    b = from[k][b];
+// Blocks per stage balancing the ranks, then each rank's stages: a rank runs all its chunks
+// for every micro-batch, so its total (its blocks, plus the embedding and the head where it
+// holds them) is what the pipeline waits for; within the rank, even stages keep the
+// micro-batches flowing. All blocks cost the same, so adding blocks one at a time to the
+// least loaded rank (the lowest on a tie), from one block per chunk, minimises the largest
+// total; a rank's blocks then go one at a time to its cheapest stage (the earliest on a tie).
+std::vector<int> balance_layers(const ModelConfig& cfg, const PipeLayout& lay) {
+  const int S = lay.stages(), P = lay.pp, v = lay.chunks;
+  std::vector<int> blocks(P, v), layers(S, 1);
+  std::vector<double> stage = pipeline_stage_costs(cfg, std::vector<int>(S, 0));  // the embedding and head alone
+  const double block = pipeline_stage_costs(cfg, std::vector<int>(S, 1))[S / 2] - stage[S / 2];
+  std::vector<double> total(P, v * block);
+  for (int s = 0; s < S; ++s) total[lay.rank_of(s)] += stage[s], stage[s] += block;
+  for (int left = cfg.n_layer - P * v; left > 0; --left) {
+    const int r = static_cast<int>(std::min_element(total.begin(), total.end()) - total.begin());
+    ++blocks[r];
+    total[r] += block;
   }
+  for (int r = 0; r < P; ++r)
+    for (int left = blocks[r] - v; left > 0; --left) {
+      int cheapest = lay.stage(r, 0);
+      for (int c = 1; c < v; ++c)
+        if (stage[lay.stage(r, c)] < stage[cheapest]) cheapest = lay.stage(r, c);
+      ++layers[cheapest];
+      stage[cheapest] += block;
+    }
   return layers;
 }
 
 }  // namespace
 
-std::vector<int> pipeline_layers(const ModelConfig& cfg, int S, const std::string& spec) {
-  const int L = cfg.n_layer;
+std::vector<int> pipeline_layers(const ModelConfig& cfg, const PipeLayout& layout, const std::string& spec) {
+  const int L = cfg.n_layer, S = layout.stages();
   MT_CHECK(L >= S, "model.n_layer = " << L << " is fewer than the " << S << " pipeline stages (parallel.pp x "
                                        << "parallel.pp_chunks): every stage needs a block; lower parallel.pp_chunks "
                                        << "or parallel.pp");
-  if (spec.empty() || spec == "auto") return balance_layers(cfg, S);
+  if (spec.empty() || spec == "auto") return balance_layers(cfg, layout);
   std::vector<int> layers;
   std::stringstream in(spec);
   std::string item;
@@ -192,7 +193,7 @@ Schedule pipeline_schedule(const ParallelConfig& par, const ModelConfig& model, 
   MT_CHECK(model.n_layer >= l.stages(), "model.n_layer = " << model.n_layer << " is fewer than the " << l.stages()
                                                            << " stages of parallel.pp_schedule = " << name
                                                            << ": every stage needs a block");
-  pipeline_layers(model, l.stages(), par.pp_layers);  // a list that fits
+  const std::vector<int> layers = pipeline_layers(model, l, par.pp_layers);  // a list that fits
   const std::vector<std::string> problems = schedule_check(s);
   if (!problems.empty()) {
     std::string all;
@@ -202,7 +203,7 @@ Schedule pipeline_schedule(const ParallelConfig& par, const ModelConfig& model, 
   MT_CHECK(2 * int64_t{l.micro} * l.stages() <= Communicator::kMaxPostTag,
            l.micro << " micro-batches over " << l.stages() << " pipeline stages are more than the transfers can tell "
                    << "apart; use fewer micro-batches per step (a larger training.micro_batch)");
-  const bool split = pipeline_share(model, s, pipeline_layers(model, l.stages(), par.pp_layers), 0).split_backward;
+  const bool split = pipeline_share(model, s, layers, 0).split_backward;
   MT_CHECK(!(recompute && split), "training.recompute=true cannot run with parallel.pp_schedule = "
                                       << name << ": its split backward runs the weight half after the activations "
                                       << "are gone; use 1f1b or interleaved, or recompute=false");

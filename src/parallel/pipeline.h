@@ -32,12 +32,13 @@
 
 namespace mt {
 
-// Blocks per virtual stage (S entries, each at least 1, summing to n_layer). spec "auto"
-// balances the stages' cost per token: a block's matrix products and attention, plus the
-// embedding on the first stage and the head and loss on the last (pipeline_stage_costs);
+// Blocks per virtual stage (S = P·v entries, each at least 1, summing to n_layer). spec
+// "auto" balances the ranks' cost per token (a rank runs all its chunks): a block's matrix
+// products and attention, plus the embedding on the first stage and the head and loss on
+// the last (pipeline_stage_costs), then splits each rank's blocks evenly over its chunks;
 // otherwise a comma-separated list such as "3,4,4,3". Throws mt::Error naming
 // parallel.pp_layers when the list does not fit.
-std::vector<int> pipeline_layers(const ModelConfig& cfg, int stages, const std::string& spec);
+std::vector<int> pipeline_layers(const ModelConfig& cfg, const PipeLayout& layout, const std::string& spec);
 // The cost per token (forward FLOPs) of each stage for a layer split: what "auto" balances.
 std::vector<double> pipeline_stage_costs(const ModelConfig& cfg, const std::vector<int>& layers);
 

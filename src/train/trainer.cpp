@@ -652,7 +652,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   const int M = static_cast<int>(c.training.micro_batch);
   const Schedule schedule = pipeline_schedule(c.parallel, c.model, static_cast<int>(c.training.global_batch / (int64_t{dp.size()} * M)),
                                               c.training.recompute);
-  const std::vector<int> layers = pipeline_layers(c.model, schedule.layout.stages(), c.parallel.pp_layers);
+  const std::vector<int> layers = pipeline_layers(c.model, schedule.layout, c.parallel.pp_layers);
   TensorParallel tp(mesh.tp(), alloc, c.parallel.sequence_parallel);
   Model model(c.model, alloc, M, c.training.recompute, /*allocate_state=*/c.parallel.zero == 0, &tp,
               pipeline_share(c.model, schedule, layers, pp.rank()));
