@@ -107,8 +107,7 @@ std::string pp_options(const std::string& family, int global, int micro, const s
 }
 
 void expect_memory_as_predicted(const RunResult& r, const std::string& name) {
-  ASSERT_TRUE(r.summary.contains("mem_activations_predicted")) << name;
-  EXPECT_EQ(r.summary["mem_activations"].get<double>(), r.summary["mem_activations_predicted"].get<double>()) << name;
+  expect_activations_as_predicted(r, name);
   EXPECT_EQ(r.summary["mem_model_state"].get<double>(), r.summary["mem_model_state_predicted"].get<double>()) << name;
 }
 
@@ -189,30 +188,8 @@ TEST(Pipeline, CheckpointResumesAtAnotherPipeline) {
   TempDir d;
   const std::string o = options("gpt2", 8, 1) + " --model.n_layer=8 --optim.schedule=constant --data.path=" +
                         write_tokens(d, "t.bin", 3000, 37);
-  const std::string saved_layout = " --parallel.pp=2 --parallel.zero=1";
-  RunResult straight = train_run(d, "straight", 4, o + saved_layout);
-  const RunResult last3{{straight.loss.begin() + 3, straight.loss.end()},
-                        {straight.grad_norm.begin() + 3, straight.grad_norm.end()},
-                        {},
-                        straight.units,
-                        straight.model,
-                        straight.adam_v,
-                        straight.config};
-  for (const auto& [ranks, layout] : std::vector<std::pair<int, std::string>>{
-           {1, ""}, {4, " --parallel.pp=4 --parallel.pp_schedule=interleaved"}, {4, saved_layout}}) {
-    const std::string name = "resume" + std::to_string(ranks) + (layout == saved_layout ? "same" : "");
-    train_run(d, name, 4, o + saved_layout + " --training.steps=3");
-    std::filesystem::remove(d / (name + ".jsonl"));
-    RunResult r = train_run(d, name, ranks, o + layout + " --checkpoint.resume=true");
-    ASSERT_EQ(r.loss.size(), 3u) << name;
-    if (layout == saved_layout) {
-      EXPECT_EQ(r.loss, last3.loss) << name;
-      EXPECT_EQ(r.units, straight.units) << name;
-      continue;
-    }
-    expect_equivalent(last3, r, "resumed at " + name);
-  }
-  expect_export_holds(d, d / "straight", straight);
+  expect_resumes_at_other_layouts(d, o, " --parallel.pp=2 --parallel.zero=1",
+                                  {{1, ""}, {4, " --parallel.pp=4 --parallel.pp_schedule=interleaved"}});
 }
 
 // A schedule written as a file (here 1f1b's own lists) runs and trains bit-identically to

@@ -4,10 +4,8 @@
 // checkpoint written at tp 2 x dp 2 resumes at tp 1 and tp 4; layouts the model cannot
 // split are refused before any work. The model-level checks (parameters by global index,
 // gradients of every plan entry) are in mpi_test_tp.cpp.
-#include <filesystem>
 #include <tuple>
 
-#include "nn/hf.h"
 #include "train_runs.h"
 
 using namespace mt;
@@ -31,12 +29,6 @@ void expect_tp_bytes_as_predicted(const TempDir& d, const std::string& name) {
     EXPECT_NEAR(got, want, 1e-6 * want + 64) << name;  // per-collective byte counts are whole numbers
   }
   EXPECT_GT(steps, 0) << name;
-}
-
-// The activation peak is activation_bytes (nn/model.h), the formula the summary prints.
-void expect_activations_as_predicted(const RunResult& r, const std::string& name) {
-  ASSERT_TRUE(r.summary.contains("mem_activations_predicted")) << name;
-  EXPECT_EQ(r.summary["mem_activations"].get<double>(), r.summary["mem_activations_predicted"].get<double>()) << name;
 }
 
 // The tolerances are expect_equivalent's (train_runs.h): tp changes only the order of sums
@@ -91,45 +83,14 @@ TEST(Tp, CheckpointResumesAtAnotherTp) {
   TempDir d;
   const std::string o = options("llama", 8, 0) + " --optim.schedule=constant --data.path=" +
                         write_tokens(d, "t.bin", 3000, 37);
-  const std::string saved_layout = " --parallel.tp=2 --parallel.zero=1";
-  RunResult straight = train_run(d, "straight", 4, o + saved_layout);
-  const RunResult last3{{straight.loss.begin() + 3, straight.loss.end()},
-                        {straight.grad_norm.begin() + 3, straight.grad_norm.end()},
-                        {},
-                        straight.units,
-                        straight.model,
-                        straight.adam_v,
-                        straight.config};
-  for (const auto& [ranks, layout] : std::vector<std::pair<int, std::string>>{
-           {1, ""}, {4, " --parallel.tp=4"}, {4, saved_layout}}) {
-    const std::string name = "resume" + std::to_string(ranks) + (layout == saved_layout ? "same" : "");
-    train_run(d, name, 4, o + saved_layout + " --training.steps=3");
-    std::filesystem::remove(d / (name + ".jsonl"));
-    RunResult r = train_run(d, name, ranks, o + layout + " --checkpoint.resume=true");
-    ASSERT_EQ(r.loss.size(), 3u) << name;
-    if (layout == saved_layout) {
-      EXPECT_EQ(r.loss, last3.loss) << name;
-      EXPECT_EQ(r.units, straight.units) << name;
-      continue;
-    }
-    for (size_t s = 0; s < 3; ++s)
-      EXPECT_NEAR(r.loss[s], straight.loss[s + 3], 1e-6 * straight.loss[s + 3]) << name << " step " << s + 3;
-    expect_equivalent(last3, r, "resumed at " + name);
-  }
-  expect_export_holds(d, d / "straight", straight);
+  expect_resumes_at_other_layouts(d, o, " --parallel.tp=2 --parallel.zero=1", {{1, ""}, {4, " --parallel.tp=4"}});
 }
 
 // Starting from a Hugging Face file, each tp rank takes its rows of every parameter: the
 // run trains what one process trains from the same file.
 TEST(Tp, InitFromHuggingFaceFile) {
   TempDir d;
-  ModelConfig m;
-  m.family = "llama", m.n_layer = 2, m.n_head = 4, m.n_kv_head = 2, m.d_model = 32, m.vocab_size = 37, m.seq_len = 16;
-  CpuAllocator alloc;
-  Model src(m, alloc, 1);
-  src.init(4242);
-  hf_export(m, src.units(), d / "init.safetensors");
-  const std::string o = options("llama", 8, 0) + " --model.init_from=" + d / "init.safetensors" +
+  const std::string o = options("llama", 8, 0) + " --model.init_from=" + write_hf_init(d) +
                         " --data.path=" + write_tokens(d, "t.bin", 3000, 37);
   RunResult one = train_run(d, "one", 1, o);
   expect_equivalent(one, train_run(d, "tp2dp2z3", 4, o + " --parallel.tp=2 --parallel.zero=3"), "init_from at tp 2 x dp 2");

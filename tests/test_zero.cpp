@@ -3,7 +3,6 @@
 // formulas, and sharded checkpoints that load into another stage and dp.
 #include <filesystem>
 
-#include "nn/hf.h"
 #include "train_runs.h"
 
 using namespace mt;
@@ -111,13 +110,7 @@ TEST(Zero, ResumeIsBitExactAndExportAssemblesShards) {
 // Starting from a Hugging Face file, each stage-3 rank reads only its own chunks.
 TEST(Zero, InitFromHuggingFaceFileShardByShard) {
   TempDir d;
-  ModelConfig m;
-  m.family = "llama", m.n_layer = 2, m.n_head = 4, m.n_kv_head = 2, m.d_model = 32, m.vocab_size = 37, m.seq_len = 16;
-  CpuAllocator alloc;
-  Model src(m, alloc, 1);
-  src.init(4242);
-  hf_export(m, src.units(), d / "init.safetensors");
-  const std::string o = options("llama", 8, 0) + " --model.init_from=" + d / "init.safetensors" +
+  const std::string o = options("llama", 8, 0) + " --model.init_from=" + write_hf_init(d) +
                         " --data.path=" + write_tokens(d, "t.bin", 3000, 37);
   RunResult one = train_run(d, "one", 1, o);
   expect_equivalent(one, train_run(d, "z3", 4, o + " --parallel.zero=3"), "stage 3 from init_from");

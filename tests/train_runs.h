@@ -5,9 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <utility>
+#include <vector>
 #include <nlohmann/json.hpp>
 
 #include "core/safetensors.h"
+#include "nn/hf.h"
 #include "nn/model.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
@@ -169,6 +173,56 @@ inline void expect_bit_identical(const RunResult& a, const RunResult& b, const s
   EXPECT_EQ(a.loss, b.loss) << what;
   EXPECT_EQ(a.grad_norm, b.grad_norm) << what;
   EXPECT_EQ(a.units, b.units) << what;
+}
+
+// The activation peak is activation_bytes (nn/model.h), the formula the summary prints.
+inline void expect_activations_as_predicted(const RunResult& r, const std::string& name) {
+  ASSERT_TRUE(r.summary.contains("mem_activations_predicted")) << name;
+  EXPECT_EQ(r.summary["mem_activations"].get<double>(), r.summary["mem_activations_predicted"].get<double>()) << name;
+}
+
+// Checkpoints hold whole units: a run of `opts` (6 steps) at layout `saved` on 4 ranks,
+// stopped after 3 steps and resumed at each (ranks, layout) of `others`, continues the
+// uninterrupted run to rounding (expect_equivalent), and at `saved` itself bit-exactly; the
+// export of the uninterrupted run's checkpoint holds its parameters.
+inline void expect_resumes_at_other_layouts(const TempDir& d, const std::string& opts, const std::string& saved,
+                                            const std::vector<std::pair<int, std::string>>& others) {
+  RunResult straight = train_run(d, "straight", 4, opts + saved);
+  const RunResult last3{{straight.loss.begin() + 3, straight.loss.end()},
+                        {straight.grad_norm.begin() + 3, straight.grad_norm.end()},
+                        {},
+                        straight.units,
+                        straight.model,
+                        straight.adam_v,
+                        straight.config};
+  std::vector<std::pair<int, std::string>> layouts = others;
+  layouts.emplace_back(4, saved);
+  for (const auto& [ranks, layout] : layouts) {
+    const std::string name = "resume" + std::to_string(ranks) + (layout == saved ? "same" : "");
+    train_run(d, name, 4, opts + saved + " --training.steps=3");
+    std::filesystem::remove(d / (name + ".jsonl"));
+    RunResult r = train_run(d, name, ranks, opts + layout + " --checkpoint.resume=true");
+    ASSERT_EQ(r.loss.size(), 3u) << name;
+    if (layout == saved) {
+      EXPECT_EQ(r.loss, last3.loss) << name;
+      EXPECT_EQ(r.units, straight.units) << name;
+      continue;
+    }
+    expect_equivalent(last3, r, "resumed at " + name);  // losses within 1e-6 of the uninterrupted run's
+  }
+  expect_export_holds(d, d / "straight", straight);
+}
+
+// A Hugging Face file of a tiny Llama (2 layers, d_model 32, vocabulary 37) initialised from
+// seed 4242, for runs that start from model.init_from; returns its path.
+inline std::string write_hf_init(const TempDir& d) {
+  ModelConfig m;
+  m.family = "llama", m.n_layer = 2, m.n_head = 4, m.n_kv_head = 2, m.d_model = 32, m.vocab_size = 37, m.seq_len = 16;
+  CpuAllocator alloc;
+  Model src(m, alloc, 1);
+  src.init(4242);
+  hf_export(m, src.units(), d / "init.safetensors");
+  return d / "init.safetensors";
 }
 
 }  // namespace mt::test

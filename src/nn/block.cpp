@@ -97,36 +97,44 @@ void BlockWeightInputs::each(const ModelConfig& cfg, const LocalDims& d, int64_t
   fn(dwo, {B, T, d.C}), fn(dqkv, {B, T, d.qkv()});
 }
 
+namespace {
+
+// What the per-tensor lists (each) of BlockActs, BlockScratch and BlockWeightInputs do:
+// allocate every tensor for [micro_batch, seq_len], or view a smaller batch at offset 0.
+auto allocate_in(Allocator& alloc) {
+  return [&alloc](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); };
+}
+void view_at_start(Tensor& t, const Shape& s) { t = t.view(0, s); }
+
+}  // namespace
+
 BlockActs::BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
-  each(cfg, d, B, cfg.seq_len,
-       [&](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); });
+  each(cfg, d, B, cfg.seq_len, allocate_in(alloc));
 }
 
 BlockActs BlockActs::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
   BlockActs v = *this;
-  v.each(cfg, d, B, T, [](Tensor& t, const Shape& s) { t = t.view(0, s); });
+  v.each(cfg, d, B, T, view_at_start);
   return v;
 }
 
 BlockScratch::BlockScratch(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
-  each(cfg, d, B, cfg.seq_len,
-       [&](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); });
+  each(cfg, d, B, cfg.seq_len, allocate_in(alloc));
 }
 
 BlockScratch BlockScratch::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
   BlockScratch v = *this;
-  v.each(cfg, d, B, T, [](Tensor& t, const Shape& s) { t = t.view(0, s); });
+  v.each(cfg, d, B, T, view_at_start);
   return v;
 }
 
 BlockWeightInputs::BlockWeightInputs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
-  each(cfg, d, B, cfg.seq_len,
-       [&](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); });
+  each(cfg, d, B, cfg.seq_len, allocate_in(alloc));
 }
 
 BlockWeightInputs BlockWeightInputs::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
   BlockWeightInputs v = *this;
-  v.each(cfg, d, B, T, [](Tensor& t, const Shape& s) { t = t.view(0, s); });
+  v.each(cfg, d, B, T, view_at_start);
   return v;
 }
 

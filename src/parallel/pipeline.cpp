@@ -123,6 +123,23 @@ std::map<Key, int> last_uses(const PipeLayout& lay, int rank, const std::vector<
   return last;
 }
 
+// The index of each chunk's last weight-gradient action (B or BW) in a rank's list: where
+// data parallelism reduces the chunk's units.
+std::vector<int> last_weight_actions(const std::vector<Action>& list, int chunks) {
+  std::vector<int> last(chunks, -1);
+  for (int i = 0; i < static_cast<int>(list.size()); ++i)
+    if (list[i].kind == Action::B || list[i].kind == Action::BW) last[list[i].chunk] = i;
+  return last;
+}
+
+// Whether a schedule splits backward into input and weight halves (the zero-bubble ones).
+bool splits_backward(const Schedule& s) {
+  for (const std::vector<Action>& list : s.ranks)
+    for (const Action& a : list)
+      if (a.kind == Action::BI) return true;
+  return false;
+}
+
 }  // namespace
 
 std::vector<int> schedule_slots(const Schedule& s, int rank) {
@@ -155,23 +172,9 @@ ModelShare pipeline_share(const ModelConfig& cfg, const Schedule& s, const std::
     const int st = lay.stage(rank, c);
     share.chunks.push_back({begin[st], begin[st + 1], st == 0, st == lay.stages() - 1, slots[c]});
   }
-  for (const std::vector<Action>& list : s.ranks)
-    for (const Action& a : list) share.split_backward = share.split_backward || a.kind == Action::BI;
+  share.split_backward = splits_backward(s);
   return share;
 }
-
-namespace {
-
-// The index of each chunk's last weight-gradient action (B or BW) in a rank's list: where
-// data parallelism reduces the chunk's units.
-std::vector<int> last_weight_actions(const std::vector<Action>& list, int chunks) {
-  std::vector<int> last(chunks, -1);
-  for (int i = 0; i < static_cast<int>(list.size()); ++i)
-    if (list[i].kind == Action::B || list[i].kind == Action::BW) last[list[i].chunk] = i;
-  return last;
-}
-
-}  // namespace
 
 Schedule pipeline_schedule(const ParallelConfig& par, const ModelConfig& model, int m, bool recompute) {
   Schedule s;
@@ -193,7 +196,7 @@ Schedule pipeline_schedule(const ParallelConfig& par, const ModelConfig& model, 
   MT_CHECK(model.n_layer >= l.stages(), "model.n_layer = " << model.n_layer << " is fewer than the " << l.stages()
                                                            << " stages of parallel.pp_schedule = " << name
                                                            << ": every stage needs a block");
-  const std::vector<int> layers = pipeline_layers(model, l, par.pp_layers);  // a list that fits
+  pipeline_layers(model, l, par.pp_layers);  // a list that fits
   const std::vector<std::string> problems = schedule_check(s);
   if (!problems.empty()) {
     std::string all;
@@ -203,8 +206,7 @@ Schedule pipeline_schedule(const ParallelConfig& par, const ModelConfig& model, 
   MT_CHECK(2 * int64_t{l.micro} * l.stages() <= Communicator::kMaxPostTag,
            l.micro << " micro-batches over " << l.stages() << " pipeline stages are more than the transfers can tell "
                    << "apart; use fewer micro-batches per step (a larger training.micro_batch)");
-  const bool split = pipeline_share(model, s, layers, 0).split_backward;
-  MT_CHECK(!(recompute && split), "training.recompute=true cannot run with parallel.pp_schedule = "
+  MT_CHECK(!(recompute && splits_backward(s)), "training.recompute=true cannot run with parallel.pp_schedule = "
                                       << name << ": its split backward runs the weight half after the activations "
                                       << "are gone; use 1f1b or interleaved, or recompute=false");
   const int first = l.rank_of(0), last = l.rank_of(l.stages() - 1);
