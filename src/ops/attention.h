@@ -12,8 +12,13 @@
 //   recomputes the probabilities block by block from q, k and lse. Nothing T x T outlives
 //   a block: each thread keeps a workspace of about 2 T D + 2 x 64 x 256 floats (0.6 MiB
 //   at T = 1024, D = 64). The default in the model (training.attention = fused).
+// - Parts (attention_part_forward / attention_part_backward): the fused kernel between a
+//   block of query rows and a block of key/value rows (for context parallelism, where a
+//   rank's queries meet the key/value blocks of the other ranks in turn); causality by
+//   global sequence positions, the parts of a row merged through their log-sum-exp. The
+//   fused variant is the part of all rows against all rows, at position 0.
 //
-// Both are bit-identical for any number of OpenMP threads.
+// All are bit-identical for any number of OpenMP threads.
 #pragma once
 #include <cstdint>
 
@@ -42,5 +47,41 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
 // qkv, out and lse.
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, int n_head, int n_kv_head);
+
+// Rows [first, first + count) of a [B, T, ...] buffer (every batch entry alike), row `first`
+// at sequence position `position` (>= 0), the next at position + 1, ...
+struct AttentionRows {
+  int64_t first, count, position;
+};
+
+// Causal attention of the query rows q of qkv_q [B, Tq, (NH + 2 NKV) D] over the key/value
+// rows k of qkv_kv [B, Tk, (NH + 2 NKV) D] (the same B and width; the buffers may be the
+// same tensor): the key at position pk is visible to the query at pq iff pk <= pq. Writes
+// rows q of out [B, Tq, NH D] and lse [B, NH, Tq] and nothing else:
+//   merge = false: this part alone; a row that sees no key gets out 0 and lse -inf.
+//   merge = true:  combined with what rows q hold (earlier parts of the same queries):
+//                  lse' = log(e^lse + e^lse_part),
+//                  out' = out e^(lse - lse') + out_part e^(lse_part - lse');
+//                  a row with lse = -inf takes the part as it is (whatever out holds:
+//                  lse = -inf alone marks a row empty), a row that sees no key of this
+//                  part is left as it is.
+// A part where no query sees any key costs nothing (merge = true) or only the fill.
+// Per-thread workspace as in the fused kernel with T = Tk_vis, the keys some query sees
+// (at most k.count): about 2 Tk_vis D + 2 x 64 x 256 floats (5 Tk_vis D in backward when
+// D is not a multiple of the vector width), kept between calls. Nothing T x T. The float
+// operations depend only on the shapes, q.count, k.count and q.position - k.position, not
+// on where the rows lie in their buffers (or on the thread count).
+void attention_part_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
+                            const Tensor& qkv_kv, AttentionRows k, int n_head, int n_kv_head, bool merge);
+// Backward of one part, given dout [B, Tq, NH D] and the FINAL (all parts merged) out
+// [B, Tq, NH D] and lse [B, NH, Tq] of the query rows: adds (+=) the part's gradient into
+// the query columns of rows q of dqkv_q [B, Tq, W] and into the key and value columns of
+// rows k of dqkv_kv [B, Tk, W]; no other element of either is touched, so dqkv_q and
+// dqkv_kv may be the same tensor. Summed over all parts of every query row, starting from
+// zeros, this is the gradient of the whole attention (each part's softmax backward uses
+// delta = dout . out, exact per part because out and lse are final).
+void attention_part_backward(const Tensor& dqkv_q, const Tensor& dqkv_kv, const Tensor& dout, const Tensor& qkv_q,
+                             const Tensor& out, const Tensor& lse, AttentionRows q, const Tensor& qkv_kv,
+                             AttentionRows k, int n_head, int n_kv_head);
 
 }  // namespace mt

@@ -1,29 +1,40 @@
 // Fused causal grouped-query attention: an online softmax over key blocks in forward, only
-// the row log-sum-exp kept, the probabilities recomputed block by block in backward.
+// the row log-sum-exp kept, the probabilities recomputed block by block in backward. One
+// kernel serves the whole sequence (attention_fused_*) and parts of it (attention_part_*).
 //
 // Layout as in attention.cpp: for batch b, query head h is the strided matrix Q[T, D] at
 // qkv + b T W + h D (row stride W); its kv head k = h / G has K at column (NH + k) D and V
 // at column (NH + NKV + k) D.
 //
-// Blocks: query rows in blocks of kQ, keys in blocks of kK. kK is a multiple of kQ, so a
-// key block that starts before a query block's end also starts at or before its first
-// row: every row sees at least one key of every block it visits (the running max is
-// finite after the first block), and only a block holding the diagonal needs a mask.
-// Key blocks that start at or after the query block's end are fully masked and skipped.
+// A part: Tq query rows against Tk key rows, in their buffers from rows q.first and
+// k.first. Query row i (i = 0 .. Tq-1 of the part) sees key row j when j <= i + off, off =
+// q.position - k.position: each row sees a prefix of the keys, off = 0 is the diagonal
+// (the whole sequence: q = k = all rows), off >= Tk sees all keys, off <= -Tq none. Keys
+// that no query sees (j >= Tq + off) are left out from the start (Tk counts only the rest).
+//
+// Blocks: query rows in blocks of kQ, keys in blocks of kK from key 0. A query block
+// [r0, r1) visits the key blocks that start before key_end = min(Tk, r1 + off); a row that
+// sees no key of a block it visits (possible only where off is not 0) sees none of the
+// later ones either, and is left out of the running softmax there. On the diagonal (off =
+// 0) kK is a multiple of kQ, so a key block that starts before a query block's end also
+// starts at or before its first row: every row sees a key of every block it visits.
 //
 // Forward, one task per (b, h); for each query block i (rows [r0, r1)):
-//   for each key block j (keys [c0, c1), c0 < r1):
+//   for each key block j (keys [c0, c1), c0 < key_end):
 //     S = scale Q_i K_j^T  (keys s > t set to -inf)                        [kQ, kK]
 //     m' = max(m, rowmax S); a = exp(m - m'); P = exp(S - m'); l = a l + rowsum P
 //     O_i = a O_i + P V_j
-//   O_i /= l; lse_i = m + log l
+//   O_i /= l; lse_i = m + log l  (out 0, lse -inf where l = 0: no key seen), then, for a part
+//   merged into earlier parts: lse' = log(e^lse + e^lse_i), out' = out e^(lse - lse') + ...
 // Backward, one task per (b, kv head); for each of its G query heads in order, each
 // query block i, each key block j:
 //   P = exp(scale Q_i K_j^T - lse_i); dP = dO_i V_j^T; dS = scale P (dP - delta_i)
 //   dV_j += P^T dO_i; dQ_i += dS K_j; dK_j += dS^T Q_i
 // where delta_i = rowsum(dO_i * O_i). The softmax backward needs rowsum(P * dP) per row,
 // and sum_s P_ts dP_ts = dO_t . sum_s P_ts V_s = dO_t . O_t, so no row has to be complete
-// before its dS can be formed.
+// before its dS can be formed; with the final (merged) O and lse the same holds across
+// parts, so each part's backward runs alone. The whole sequence overwrites dQ, dK, dV; a
+// part adds into them.
 //
 // Matrix products: the block products are small (64 x 256 x 64), where a library GEMM
 // spends much of its time packing its operands. Here one register-tiled kernel
@@ -33,7 +44,7 @@
 // V^T once per head, key columns padded to whole vectors. The [T, D] operands (Q, K, V,
 // dO) and results (dQ, dK, dV) are used in place when D is a whole number of vectors,
 // else through workspace rows padded to one. Tiles the causal mask zeroes are skipped
-// (Causal). Workspaces are per thread, about 2 T D + 2 kQ kK floats (5 T D when copies
+// (Causal). Workspaces are per thread, about 2 Tk D + 2 kQ kK floats (5 Tk D when copies
 // are needed), kept between calls.
 //
 // Determinism: block sizes are constants, so the sequence of float operations depends
@@ -44,6 +55,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -125,7 +137,7 @@ constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kMR>{});
 
 // Which terms of a product inside a (query block, key block) pair are known to be zero
 // or unused, from the causal mask: query row i sees key column k when k <= i + off,
-// off = (first query row) - (first key).
+// off = (first query row) - (first key) + (the part's off).
 struct Causal {
   enum Kind {
     c_scores,   // C is [query, key]: tiles wholly above the diagonal are not computed
@@ -148,7 +160,7 @@ void gemm_rows(int64_t M, int64_t N, int64_t K, const float* A, int64_t ars, int
       const int64_t nv = std::min<int64_t>(kNV, (N - j) / kVL);
       int64_t k0 = 0, k1 = K;
       if (causal.kind == Causal::c_scores && j > i + mr - 1 + causal.off) break;  // and all tiles to the right
-      if (causal.kind == Causal::a_scores) k1 = std::min(K, i + mr + causal.off);
+      if (causal.kind == Causal::a_scores) k1 = std::clamp<int64_t>(i + mr + causal.off, 0, K);
       if (causal.kind == Causal::at_scores) k0 = std::min(K, std::max<int64_t>(0, i - causal.off));
       kTiles[mr - 1][nv - 1](k1 - k0, A + i * ars + k0 * aks, ars, aks, B + k0 * ldb + j, ldb, C + i * ldc + j, ldc,
                              acc);
@@ -202,10 +214,11 @@ inline float exp_shift_sum(float* row, int64_t n, float m) {
   return reduce_lanes(acc);
 }
 
-// Sizes shared by forward and backward.
+// Sizes shared by forward and backward: Tq query rows, Tk key rows, query row i sees key
+// row j when j <= i + off.
 struct Dims {
-  int64_t T, D, W;
-  int64_t Tp, Sp;  // row strides (row_stride) of workspace rows of T and of kK columns
+  int64_t Tq, Tk, off, D, W;
+  int64_t Tp, Sp;  // row strides (row_stride) of workspace rows of Tk and of kK columns
   int64_t Dp;      // D rounded up to whole vectors: the row stride of [*, D] workspaces
   // [*, D] operands are used in place when their rows are whole vectors, else copied
   // into workspace rows padded to Dp.
@@ -215,10 +228,20 @@ struct Dims {
     pack_rows(buf.data(), src, n, D, Dp, ld);
     return {buf.data(), Dp};
   }
-  Out rows_out(float* dst, int64_t ld, std::vector<float>& buf) const {
-    return in_place() ? Out{dst, ld} : Out{buf.data(), Dp};
+  // The products' output rows at dst [n, D]: dst itself, or workspace rows (copied back
+  // with rows_copy_out) that hold dst's values when `load` (to add to them).
+  Out rows_out(float* dst, int64_t ld, int64_t n, bool load, std::vector<float>& buf) const {
+    if (in_place()) return {dst, ld};
+    if (load) pack_rows(buf.data(), dst, n, D, Dp, ld);
+    return {buf.data(), Dp};
   }
+  // Keys [0, key_end) are seen by some row of a query block that ends at r1 (none if <= 0).
+  int64_t key_end(int64_t r1) const { return std::min(Tk, r1 + off); }
 };
+
+Dims make_dims(const AttentionShape& s, int64_t Tq, int64_t Tk, int64_t off) {
+  return {Tq, Tk, off, s.D, s.W, row_stride(Tk), row_stride(kK), round_up(s.D, kVL)};
+}
 
 // dst[n, D] (row stride ld) = o's rows, unless o is dst itself.
 void rows_copy_out(const Dims& z, const Out& o, float* dst, int64_t ld, int64_t n) {
@@ -227,11 +250,12 @@ void rows_copy_out(const Dims& z, const Out& o, float* dst, int64_t ld, int64_t 
 }
 
 // One (query block, key block) pair: rows [r0, r1), keys [c0, c0 + wp) (whole vectors;
-// c1 - c0 of them real). Row i sees keys k < visible(i), the rest of its wp are masked.
+// c1 - c0 of them real), the part's off. Row i sees keys k < visible(i) (possibly none),
+// the rest of its wp are masked.
 struct Pair {
-  int64_t r0, r1, c0, c1, wp;
-  int64_t visible(int64_t i) const { return std::min(wp, r0 + i + 1 - c0); }
-  Causal causal(Causal::Kind kind) const { return {kind, r0 - c0}; }
+  int64_t r0, r1, c0, c1, wp, off;
+  int64_t visible(int64_t i) const { return std::clamp<int64_t>(r0 + i + 1 + off - c0, 0, c1 - c0); }
+  Causal causal(Causal::Kind kind) const { return {kind, r0 + off - c0}; }
 };
 
 // S[n, wp] (row stride Sp) = Q[r0:r1] Kt[:, c0:c0+wp] (Kt pre-scaled). Tiles wholly past
@@ -258,31 +282,58 @@ inline void grow(std::vector<float>& v, int64_t n) {
   if ((int64_t)v.size() < n) v.resize(n);
 }
 
-// The forward's: Kt [D, Tp] (scaled), S [kQ, Sp], O [kQ, Dp], m, l [kQ]; V [T, Dp] when
+// The forward's: Kt [D, Tp] (scaled), S [kQ, Sp], O [kQ, Dp], m, l [kQ]; V [Tk, Dp] when
 // not in place.
 struct ForwardWork {
   std::vector<float> Kt, V, S, O, m, l;
   void fit(const Dims& z) {
     grow(Kt, z.D * z.Tp), grow(S, kQ * z.Sp), grow(O, kQ * z.Dp), grow(m, kQ), grow(l, kQ);
-    if (!z.in_place()) grow(V, z.T * z.Dp);
+    if (!z.in_place()) grow(V, z.Tk * z.Dp);
   }
 };
 
-// One head: out[T, D] (row stride ldo), lse[T], from Q [T, D] (row stride W), V and the
-// packed Kt (scaled) in w.
-void forward_head(const Dims& z, const float* Q, const In& V, ForwardWork& w, float* out, int64_t ldo, float* lse) {
+// A query row's result from its running O [Dp], max m and sum l: out [D] and *lse, this
+// part alone (merge = false) or merged into what they hold. l = 0: the row saw no key.
+void finish_row(const float* O, float m, float l, int64_t D, float* out, float* lse, bool merge) {
+  if (l == 0.0f) {  // no key seen: the empty part (out 0, lse -inf), which merges as nothing
+    if (!merge) std::fill_n(out, D, 0.0f), *lse = -INFINITY;
+    return;
+  }
+  const float inv = 1.0f / l, lp = m + std::log(l);
+  if (!merge || *lse == -INFINITY) {  // the part alone
+    for (int64_t d = 0; d < D; ++d) out[d] = O[d] * inv;
+    *lse = lp;
+    return;
+  }
+  // lse' = log(e^lse + e^lp) = hi + log(1 + e^(lo - hi)): no overflow, exact when one side
+  // dominates.
+  const float hi = std::max(*lse, lp), lo = std::min(*lse, lp);
+  const float merged = hi + std::log1p(std::exp(lo - hi));
+  const float a = std::exp(*lse - merged), b = std::exp(lp - merged) * inv;
+  for (int64_t d = 0; d < D; ++d) out[d] = out[d] * a + O[d] * b;
+  *lse = merged;
+}
+
+// One head: out[Tq, D] (row stride ldo), lse[Tq], from Q [Tq, D] (row stride W), V [Tk, D]
+// and the packed Kt (scaled) in w; alone or merged (finish_row).
+void forward_head(const Dims& z, const float* Q, const In& V, ForwardWork& w, float* out, int64_t ldo, float* lse,
+                  bool merge) {
   const int64_t Dp = z.Dp;
-  for (int64_t r0 = 0; r0 < z.T; r0 += kQ) {
-    const int64_t r1 = std::min(r0 + kQ, z.T), n = r1 - r0;
+  for (int64_t r0 = 0; r0 < z.Tq; r0 += kQ) {
+    const int64_t r1 = std::min(r0 + kQ, z.Tq), n = r1 - r0, key_end = z.key_end(r1);
     std::fill(w.m.begin(), w.m.begin() + n, -INFINITY);
     std::fill(w.l.begin(), w.l.begin() + n, 0.0f);
-    for (int64_t c0 = 0; c0 < r1; c0 += kK) {
-      const int64_t c1 = std::min(c0 + kK, r1);
-      const Pair pr{r0, r1, c0, c1, round_up(c1 - c0, kVL)};
+    for (int64_t c0 = 0; c0 < key_end; c0 += kK) {
+      const int64_t c1 = std::min(c0 + kK, key_end);
+      const Pair pr{r0, r1, c0, c1, round_up(c1 - c0, kVL), z.off};
       scores(z, Q, w.Kt.data(), pr, w.S.data());
       for (int64_t i = 0; i < n; ++i) {
         float* row = w.S.data() + i * z.Sp;
         const int64_t v = pr.visible(i);
+        if (v == 0) {  // sees no key here (nor in later blocks): m, l, O stay
+          std::fill(row, row + pr.wp, 0.0f);
+          continue;
+        }
         const float mi = std::max(w.m[i], max_f32(row, v));
         const float a = exp_f32(w.m[i] - mi);  // rescales what earlier blocks summed (0 on the first)
         w.l[i] = a * w.l[i] + exp_row(row, v, pr.wp, mi);
@@ -293,11 +344,8 @@ void forward_head(const Dims& z, const float* Q, const In& V, ForwardWork& w, fl
       gemm_rows(n, Dp, c1 - c0, w.S.data(), z.Sp, 1, V.p + c0 * V.ld, V.ld, w.O.data(), Dp, c0 > 0,
                 pr.causal(Causal::a_scores));
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const float inv = 1.0f / w.l[i];
-      for (int64_t d = 0; d < z.D; ++d) out[(r0 + i) * ldo + d] = w.O[i * Dp + d] * inv;
-      lse[r0 + i] = w.m[i] + std::log(w.l[i]);
-    }
+    for (int64_t i = 0; i < n; ++i)
+      finish_row(w.O.data() + i * Dp, w.m[i], w.l[i], z.D, out + (r0 + i) * ldo, lse + r0 + i, merge);
   }
 }
 
@@ -310,26 +358,31 @@ struct BackwardWork {
     for (auto* v : {&P, &dS}) grow(*v, kQ * z.Sp);
     grow(delta, kQ);
     if (z.in_place()) return;
-    for (auto* v : {&K, &dK, &dV}) grow(*v, z.T * z.Dp);
+    for (auto* v : {&K, &dK, &dV}) grow(*v, z.Tk * z.Dp);
     for (auto* v : {&Q, &dO, &dQ}) grow(*v, kQ * z.Dp);
   }
 };
 
-// One query head's contribution: writes dQ [T, D] (row stride W), adds into dK and dV.
-// Q [T, D] (row stride W); dO, O [T, D] (row stride ldo); lse [T].
+// One query head's contribution: writes (acc: adds into) dQ [Tq, D] (row stride W), adds
+// into dK and dV [Tk, D]. Q [Tq, D] (row stride W); dO, O [Tq, D] (row stride ldo); lse [Tq].
 void backward_head(const Dims& z, float scale, const float* Q, const float* dO, const float* O, int64_t ldo,
-                   const float* lse, const In& K, float* dQ, const Out& dK, const Out& dV, BackwardWork& w) {
+                   const float* lse, const In& K, float* dQ, bool acc, const Out& dK, const Out& dV,
+                   BackwardWork& w) {
   const int64_t Tp = z.Tp, Sp = z.Sp;
   float* P = w.P.data();
   float* dS = w.dS.data();
-  for (int64_t r0 = 0; r0 < z.T; r0 += kQ) {
-    const int64_t r1 = std::min(r0 + kQ, z.T), n = r1 - r0;
+  for (int64_t r0 = 0; r0 < z.Tq; r0 += kQ) {
+    const int64_t r1 = std::min(r0 + kQ, z.Tq), n = r1 - r0, key_end = z.key_end(r1);
+    if (key_end <= 0) {  // these rows see no key: their dQ gets nothing
+      for (int64_t i = 0; i < n && !acc; ++i) std::fill_n(dQ + (r0 + i) * z.W, z.D, 0.0f);
+      continue;
+    }
     const In Qi = z.rows_in(Q + r0 * z.W, z.W, n, w.Q), dOi = z.rows_in(dO + r0 * ldo, ldo, n, w.dO);
-    const Out dQi = z.rows_out(dQ + r0 * z.W, z.W, w.dQ);
+    const Out dQi = z.rows_out(dQ + r0 * z.W, z.W, n, acc, w.dQ);
     for (int64_t i = 0; i < n; ++i) w.delta[i] = dot_f32(dOi.p + i * dOi.ld, O + (r0 + i) * ldo, z.D);
-    for (int64_t c0 = 0; c0 < r1; c0 += kK) {
-      const int64_t c1 = std::min(c0 + kK, r1);
-      const Pair pr{r0, r1, c0, c1, round_up(c1 - c0, kVL)};
+    for (int64_t c0 = 0; c0 < key_end; c0 += kK) {
+      const int64_t c1 = std::min(c0 + kK, key_end);
+      const Pair pr{r0, r1, c0, c1, round_up(c1 - c0, kVL), z.off};
       scores(z, Q, w.Kt.data(), pr, P);
       for (int64_t i = 0; i < n; ++i) exp_row(P + i * Sp, pr.visible(i), pr.wp, lse[r0 + i]);  // P
       gemm_rows(n, pr.wp, z.D, dOi.p, dOi.ld, 1, w.Vt.data() + c0, Tp, dS, Sp, false,
@@ -344,7 +397,7 @@ void backward_head(const Dims& z, float scale, const float* Q, const float* dO, 
         for (int64_t k = 0; k < v; ++k) d[k] = p[k] * (d[k] - di) * scale;
         std::fill(d + v, d + pr.wp, 0.0f);
       }
-      gemm_rows(n, z.Dp, c1 - c0, dS, Sp, 1, K.p + c0 * K.ld, K.ld, dQi.p, dQi.ld, c0 > 0,
+      gemm_rows(n, z.Dp, c1 - c0, dS, Sp, 1, K.p + c0 * K.ld, K.ld, dQi.p, dQi.ld, acc || c0 > 0,
                 pr.causal(Causal::a_scores));  // dQ (+)= dS K
       gemm_rows(c1 - c0, z.Dp, n, dS, 1, Sp, Qi.p, Qi.ld, dK.p + c0 * dK.ld, dK.ld, true,
                 pr.causal(Causal::at_scores));  // dK += dS^T Q
@@ -353,21 +406,27 @@ void backward_head(const Dims& z, float scale, const float* Q, const float* dO, 
   }
 }
 
-}  // namespace
+// One part (rows q of qkv_q against rows k of qkv_kv, both [B, T*, W]; checked) into
+// out [B, Tq, NH D] and lse [B, NH, Tq]; the whole sequence is q = k = all rows at 0.
+struct PartArgs {
+  AttentionShape s;  // qkv_q's (T: its rows)
+  int64_t Tk;        // qkv_kv's rows
+  AttentionRows q, k;
+  Dims dims() const {
+    const int64_t off = q.position - k.position;
+    return make_dims(s, q.count, std::clamp<int64_t>(q.count + off, 0, k.count), off);
+  }
+  // The first query / key row of batch b in a buffer whose rows are `width` wide.
+  int64_t q_at(int64_t b, int64_t width) const { return (b * s.T + q.first) * width; }
+  int64_t k_at(int64_t b, int64_t width) const { return (b * Tk + k.first) * width; }
+};
 
-// out[B, T, NH D]; lse[B, NH, T]
-void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head) {
-  const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_fused_forward");
-  check_f32(out, "attention_fused_forward: out");
-  check_f32(lse, "attention_fused_forward: lse");
-  check_numel(out, s.B * s.T * s.NH * s.D, "attention_fused_forward: out ([B, T, NH * D])");
-  check_numel(lse, s.B * s.NH * s.T, "attention_fused_forward: lse ([B, NH, T])");
-  const Dims z{s.T, s.D, s.W, row_stride(s.T), row_stride(kK), round_up(s.D, kVL)};
-  const int64_t T = s.T, D = s.D, W = s.W, NH = s.NH, OW = s.NH * s.D;
+void part_forward(const PartArgs& a, float* out, float* lse, const float* qkv_q, const float* qkv_kv, bool merge) {
+  const Dims z = a.dims();
+  if (z.Tq == 0 || (z.Tk == 0 && merge)) return;  // no query, or none sees a key: nothing to merge
+  const AttentionShape& s = a.s;
+  const int64_t D = s.D, W = s.W, NH = s.NH, OW = s.NH * s.D;
   const float scale = 1.0f / std::sqrt((float)D);
-  const float* qkvp = qkv.f32();
-  float* op = out.f32();
-  float* lsep = lse.f32();
 #pragma omp parallel
   {
     static thread_local ForwardWork w;
@@ -375,12 +434,83 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < s.B * NH; ++bh) {
       const int64_t b = bh / NH, h = bh % NH, kh = h / s.G;
-      const float* base = qkvp + b * T * W;
-      pack_transposed(w.Kt.data(), base + (NH + kh) * D, T, z.Tp, D, W, scale);
-      const In V = z.rows_in(base + (NH + s.NKV + kh) * D, W, T, w.V);
-      forward_head(z, base + h * D, V, w, op + b * T * OW + h * D, OW, lsep + bh * T);
+      const float* kv = qkv_kv + a.k_at(b, W);
+      pack_transposed(w.Kt.data(), kv + (NH + kh) * D, z.Tk, z.Tp, D, W, scale);
+      const In V = z.rows_in(kv + (NH + s.NKV + kh) * D, W, z.Tk, w.V);
+      forward_head(z, qkv_q + a.q_at(b, W) + h * D, V, w, out + a.q_at(b, OW) + h * D, OW,
+                   lse + bh * s.T + a.q.first, merge);
     }
   }
+}
+
+// acc = false: dqkv_q's query columns and dqkv_kv's key and value columns of the rows are
+// overwritten (only for a part whose rows all see a key and all keys, the whole sequence).
+void part_backward(const PartArgs& a, float* dqkv_q, float* dqkv_kv, const float* dout, const float* qkv_q,
+                   const float* out, const float* lse, const float* qkv_kv, bool acc) {
+  const Dims z = a.dims();
+  if (z.Tq == 0 || (z.Tk == 0 && acc)) return;  // no query, or none sees a key: nothing to add
+  const AttentionShape& s = a.s;
+  const int64_t D = s.D, W = s.W, NH = s.NH, NKV = s.NKV, OW = s.NH * s.D;
+  const float scale = 1.0f / std::sqrt((float)D);
+#pragma omp parallel
+  {
+    static thread_local BackwardWork w;
+    w.fit(z);
+#pragma omp for schedule(static)
+    for (int64_t bk = 0; bk < s.B * NKV; ++bk) {
+      const int64_t b = bk / NKV, kh = bk % NKV;
+      const float* kv = qkv_kv + a.k_at(b, W);
+      pack_transposed(w.Kt.data(), kv + (NH + kh) * D, z.Tk, z.Tp, D, W, scale);
+      pack_transposed(w.Vt.data(), kv + (NH + NKV + kh) * D, z.Tk, z.Tp, D, W, 1.0f);
+      const In K = z.rows_in(kv + (NH + kh) * D, W, z.Tk, w.K);
+      float* dKp = dqkv_kv + a.k_at(b, W) + (NH + kh) * D;
+      float* dVp = dqkv_kv + a.k_at(b, W) + (NH + NKV + kh) * D;
+      const Out dK = z.rows_out(dKp, W, z.Tk, acc, w.dK), dV = z.rows_out(dVp, W, z.Tk, acc, w.dV);
+      for (int64_t t = 0; t < z.Tk && !acc; ++t) {  // dK and dV sum over the group's query heads
+        std::fill_n(dK.p + t * dK.ld, z.Dp, 0.0f);
+        std::fill_n(dV.p + t * dV.ld, z.Dp, 0.0f);
+      }
+      for (int64_t g = 0; g < s.G; ++g) {
+        const int64_t h = kh * s.G + g;
+        backward_head(z, scale, qkv_q + a.q_at(b, W) + h * D, dout + a.q_at(b, OW) + h * D,
+                      out + a.q_at(b, OW) + h * D, OW, lse + (b * NH + h) * s.T + a.q.first, K,
+                      dqkv_q + a.q_at(b, W) + h * D, acc, dK, dV, w);
+      }
+      rows_copy_out(z, dK, dKp, W, z.Tk);
+      rows_copy_out(z, dV, dVp, W, z.Tk);
+    }
+  }
+}
+
+// A part call's arguments, checked: rows inside their buffers, qkv_kv [B, Tk, W] like qkv_q.
+PartArgs part_args(const Tensor& qkv_q, AttentionRows q, const Tensor& qkv_kv, AttentionRows k, int n_head,
+                   int n_kv_head, const char* op) {
+  PartArgs a{attention_shape(qkv_q, n_head, n_kv_head, op), 0, q, k};
+  check_f32(qkv_kv, op);
+  MT_CHECK(qkv_kv.ndim() == 3 && qkv_kv.dim(0) == a.s.B && qkv_kv.dim(2) == a.s.W,
+           op << ": qkv_kv has shape " << shape_str(qkv_kv.shape()) << ", expected [B, Tk, W] = [" << a.s.B
+              << ", Tk, " << a.s.W << "] like qkv_q " << shape_str(qkv_q.shape()));
+  a.Tk = qkv_kv.dim(1);
+  for (auto [r, T, name] : {std::tuple{q, a.s.T, "q"}, {k, a.Tk, "k"}}) {
+    MT_CHECK(r.first >= 0 && r.count >= 0 && r.first <= T - r.count,
+             op << ": " << name << " rows [" << r.first << ", " << r.first + r.count << ") are not inside the "
+                << T << " rows of qkv_" << (name[0] == 'q' ? "q" : "kv") << " (first >= 0, count >= 0)");
+    MT_CHECK(r.position >= 0, op << ": " << name << " rows at position " << r.position << ", expected >= 0");
+  }
+  return a;
+}
+
+}  // namespace
+
+// out[B, T, NH D]; lse[B, NH, T]: the part of all rows against all rows.
+void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head) {
+  const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_fused_forward");
+  check_f32(out, "attention_fused_forward: out");
+  check_f32(lse, "attention_fused_forward: lse");
+  check_numel(out, s.B * s.T * s.NH * s.D, "attention_fused_forward: out ([B, T, NH * D])");
+  check_numel(lse, s.B * s.NH * s.T, "attention_fused_forward: lse ([B, NH, T])");
+  const AttentionRows all{0, s.T, 0};
+  part_forward({s, s.T, all, all}, out.f32(), lse.f32(), qkv.f32(), qkv.f32(), false);
 }
 
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
@@ -394,42 +524,38 @@ void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tens
   check_numel(dout, s.B * s.T * s.NH * s.D, "attention_fused_backward: dout ([B, T, NH * D])");
   check_numel(out, s.B * s.T * s.NH * s.D, "attention_fused_backward: out ([B, T, NH * D])");
   check_numel(lse, s.B * s.NH * s.T, "attention_fused_backward: lse ([B, NH, T])");
-  const Dims z{s.T, s.D, s.W, row_stride(s.T), row_stride(kK), round_up(s.D, kVL)};
-  const int64_t T = s.T, D = s.D, W = s.W, NH = s.NH, NKV = s.NKV, OW = s.NH * s.D;
-  const float scale = 1.0f / std::sqrt((float)D);
-  const float* qkvp = qkv.f32();
-  const float* dop = dout.f32();
-  const float* outp = out.f32();
-  const float* lsep = lse.f32();
-  float* dqkvp = dqkv.f32();
-#pragma omp parallel
-  {
-    static thread_local BackwardWork w;
-    w.fit(z);
-#pragma omp for schedule(static)
-    for (int64_t bk = 0; bk < s.B * NKV; ++bk) {
-      const int64_t b = bk / NKV, kh = bk % NKV;
-      const float* base = qkvp + b * T * W;
-      float* dbase = dqkvp + b * T * W;
-      pack_transposed(w.Kt.data(), base + (NH + kh) * D, T, z.Tp, D, W, scale);
-      pack_transposed(w.Vt.data(), base + (NH + NKV + kh) * D, T, z.Tp, D, W, 1.0f);
-      const In K = z.rows_in(base + (NH + kh) * D, W, T, w.K);
-      float* dKp = dbase + (NH + kh) * D;
-      float* dVp = dbase + (NH + NKV + kh) * D;
-      const Out dK = z.rows_out(dKp, W, w.dK), dV = z.rows_out(dVp, W, w.dV);
-      for (int64_t t = 0; t < T; ++t) {  // dK and dV sum over the group's query heads
-        std::fill_n(dK.p + t * dK.ld, z.Dp, 0.0f);
-        std::fill_n(dV.p + t * dV.ld, z.Dp, 0.0f);
-      }
-      for (int64_t g = 0; g < s.G; ++g) {
-        const int64_t h = kh * s.G + g;
-        backward_head(z, scale, base + h * D, dop + b * T * OW + h * D, outp + b * T * OW + h * D, OW,
-                      lsep + (b * NH + h) * T, K, dbase + h * D, dK, dV, w);
-      }
-      rows_copy_out(z, dK, dKp, W, T);
-      rows_copy_out(z, dV, dVp, W, T);
-    }
-  }
+  const AttentionRows all{0, s.T, 0};
+  part_backward({s, s.T, all, all}, dqkv.f32(), dqkv.f32(), dout.f32(), qkv.f32(), out.f32(), lse.f32(), qkv.f32(),
+                false);
+}
+
+void attention_part_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
+                            const Tensor& qkv_kv, AttentionRows k, int n_head, int n_kv_head, bool merge) {
+  const PartArgs a = part_args(qkv_q, q, qkv_kv, k, n_head, n_kv_head, "attention_part_forward");
+  const AttentionShape& s = a.s;
+  check_f32(out, "attention_part_forward: out");
+  check_f32(lse, "attention_part_forward: lse");
+  check_numel(out, s.B * s.T * s.NH * s.D, "attention_part_forward: out ([B, Tq, NH * D], Tq = qkv_q's rows)");
+  check_numel(lse, s.B * s.NH * s.T, "attention_part_forward: lse ([B, NH, Tq])");
+  part_forward(a, out.f32(), lse.f32(), qkv_q.f32(), qkv_kv.f32(), merge);
+}
+
+void attention_part_backward(const Tensor& dqkv_q, const Tensor& dqkv_kv, const Tensor& dout, const Tensor& qkv_q,
+                             const Tensor& out, const Tensor& lse, AttentionRows q, const Tensor& qkv_kv,
+                             AttentionRows k, int n_head, int n_kv_head) {
+  const PartArgs a = part_args(qkv_q, q, qkv_kv, k, n_head, n_kv_head, "attention_part_backward");
+  const AttentionShape& s = a.s;
+  check_f32(dqkv_q, "attention_part_backward: dqkv_q");
+  check_f32(dqkv_kv, "attention_part_backward: dqkv_kv");
+  check_f32(dout, "attention_part_backward: dout");
+  check_f32(out, "attention_part_backward: out");
+  check_f32(lse, "attention_part_backward: lse");
+  check_numel(dqkv_q, qkv_q.numel(), "attention_part_backward: dqkv_q (must match qkv_q)");
+  check_numel(dqkv_kv, qkv_kv.numel(), "attention_part_backward: dqkv_kv (must match qkv_kv)");
+  check_numel(dout, s.B * s.T * s.NH * s.D, "attention_part_backward: dout ([B, Tq, NH * D])");
+  check_numel(out, s.B * s.T * s.NH * s.D, "attention_part_backward: out ([B, Tq, NH * D])");
+  check_numel(lse, s.B * s.NH * s.T, "attention_part_backward: lse ([B, NH, Tq])");
+  part_backward(a, dqkv_q.f32(), dqkv_kv.f32(), dout.f32(), qkv_q.f32(), out.f32(), lse.f32(), qkv_kv.f32(), true);
 }
 
 }  // namespace mt
