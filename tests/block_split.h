@@ -93,7 +93,7 @@ class SplitRig {
   void backward_weight(int m, int b, int t) { block_backward_weight(env(), u_, *acts_[m], *defer_[m], b, t); }
 
  private:
-  BlockEnv env() const { return BlockEnv{cfg_, d_, tp_, *scratch_}; }
+  BlockEnv env() const { return BlockEnv{cfg_, d_, tp_, *scratch_, cp_, nullptr}; }
   Tensor wrap(std::vector<float>& v, int b, int t) const {
     return Tensor::wrap(v.data(), {b, t / d_.seq_split, d_.C}, DType::f32);
   }
@@ -102,6 +102,7 @@ class SplitRig {
   LocalDims d_;
   TpShard shard_;
   TpMappings& tp_;
+  mutable CpMappings cp_;  // whole sequences
   CpuAllocator alloc_;
   Unit u_;
   std::vector<float> g0_;

@@ -75,7 +75,7 @@ TEST_F(Faults, MismatchedCollectiveIsNamedInDebugMode) {
 TEST_F(Faults, BadLayoutIsRejectedOnceBeforeAnyWork) {
   Outcome o = run_job(d, "--parallel.dp=2", 3);
   EXPECT_EQ(o.rc, 1) << o.out;
-  const std::string msg = "the job has 3 ranks but parallel.dp x parallel.pp x parallel.tp = 2 x 1 x 1";
+  const std::string msg = "the job has 3 ranks but parallel.dp x parallel.pp x parallel.cp x parallel.tp = 2 x 1 x 1 x 1";
   size_t first = o.out.find(msg);
   ASSERT_NE(first, std::string::npos) << o.out;
   EXPECT_EQ(o.out.find(msg, first + 1), std::string::npos) << "printed more than once:\n" << o.out;

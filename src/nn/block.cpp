@@ -100,7 +100,7 @@ void BlockWeightInputs::each(const ModelConfig& cfg, const LocalDims& d, int64_t
 namespace {
 
 // What the per-tensor lists (each) of BlockActs, BlockScratch and BlockWeightInputs do:
-// allocate every tensor for [micro_batch, seq_len], or view a smaller batch at offset 0.
+// allocate every tensor for [micro_batch, d.T], or view a smaller batch at offset 0.
 auto allocate_in(Allocator& alloc) {
   return [&alloc](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); };
 }
@@ -109,7 +109,7 @@ void view_at_start(Tensor& t, const Shape& s) { t = t.view(0, s); }
 }  // namespace
 
 BlockActs::BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
-  each(cfg, d, B, cfg.seq_len, allocate_in(alloc));
+  each(cfg, d, B, d.T, allocate_in(alloc));
 }
 
 BlockActs BlockActs::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
@@ -119,7 +119,7 @@ BlockActs BlockActs::at(const ModelConfig& cfg, const LocalDims& d, int B, int T
 }
 
 BlockScratch::BlockScratch(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
-  each(cfg, d, B, cfg.seq_len, allocate_in(alloc));
+  each(cfg, d, B, d.T, allocate_in(alloc));
 }
 
 BlockScratch BlockScratch::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
@@ -129,7 +129,7 @@ BlockScratch BlockScratch::at(const ModelConfig& cfg, const LocalDims& d, int B,
 }
 
 BlockWeightInputs::BlockWeightInputs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
-  each(cfg, d, B, cfg.seq_len, allocate_in(alloc));
+  each(cfg, d, B, d.T, allocate_in(alloc));
 }
 
 BlockWeightInputs BlockWeightInputs::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
@@ -276,8 +276,8 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   const Tensor ln1 = sp ? s.dln : a.ln1;  // [B, T, C]: the column-parallel layer's input
   norm_forward(env, ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b, a.ln1);
   linear_forward(a.qkv, ln1, p.wqkv, opt(p.bqkv));
-  if (llama) rope_forward(a.qkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta);
-  if (cfg.fused_attention()) attention_fused_forward(a.atty, a.lse, a.qkv, NH, NKV);
+  if (llama) rope_forward(a.qkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
+  if (cfg.fused_attention()) env.cp.attention_forward(a.atty, a.lse, a.qkv, NH, NKV);
   else attention_forward(a.atty, a.att, a.qkv, NH, NKV);
   row_parallel_forward(env, a.mid, a.atty, p.wo, opt(p.bo), s.seq);
   add_inplace(a.mid, x);  // mid = x + attn
@@ -333,9 +333,9 @@ void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, c
 
   // attention branch: mid = x + proj(atty)
   weight_or_keep(Layer::wo, row_parallel_backward_input(env, opt(g.g_bo), s.datty, dresid, p.wo, dwo), dwo);
-  if (cfg.fused_attention()) attention_fused_backward(dqkv, s.datty, a.qkv, a.atty, a.lse, NH, NKV);
+  if (cfg.fused_attention()) env.cp.attention_backward(dqkv, s.datty, a.qkv, a.atty, a.lse, NH, NKV);
   else attention_backward(dqkv, s.datt, s.datty, a.qkv, a.att, NH, NKV);
-  if (llama) rope_backward(dqkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta);
+  if (llama) rope_backward(dqkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
   weight_or_keep(Layer::qkv, dqkv, dqkv);
   linear_backward_input(s.dln, dqkv, p.wqkv, false);
   norm_backward(env, dresid, g.g_ln1_w, g.g_ln1_b, s.dln, x, p.ln1_w, a.ln1_mean, a.ln1_rstd, s.local);

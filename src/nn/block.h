@@ -26,9 +26,11 @@ struct BlockEnv {
   const LocalDims& d;
   TpMappings& tp;
   const BlockScratch& scratch;  // workspace shared by all blocks
+  CpMappings& cp;               // attention over the sequence's other parts (context parallelism)
+  const int32_t* positions;     // [d.T] sequence positions of the local rows (rope); null: 0..T-1
 };
 
-// Activations kept for backward, allocated for [B, T] = [micro_batch, seq_len] (with
+// Activations kept for backward, allocated for [B, T] = [micro_batch, d.T] (with
 // sequence parallelism the residual stream's are [B, T / tp]);
 // at(B, T) gives views of a smaller current batch (at offset 0). Attention keeps lse with
 // the fused path (cfg.fused_attention()) and att with the materialized one; the other
@@ -53,7 +55,7 @@ struct BlockActs {
 
 // What a block's weight half of backward (block_backward_weight) needs beyond the kept
 // activations: the output gradients of its four linear layers for one micro-batch, left
-// here by block_backward's input half. Allocated for [B, T] = [micro_batch, seq_len] (all
+// here by block_backward's input half. Allocated for [B, T] = [micro_batch, d.T] (all
 // T positions: under sequence parallelism the row-parallel layers' gradients as gathered
 // over tp); at(B, T) gives views of a smaller current batch (at offset 0).
 struct BlockWeightInputs {

@@ -194,7 +194,7 @@ std::vector<ChunkSpec> chunks_of(const ModelConfig& cfg, const ModelShare& share
 }  // namespace
 
 int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute, const ModelShare& share) {
-  const int64_t T = cfg.seq_len, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH;
+  const int64_t T = d.T, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH;
   const int64_t up = cfg.is_llama() ? 2 * F : F;  // the up projection's outputs (llama: gate and up)
   const bool fused = cfg.fused_attention();
   // One layer, in floats (Korthikanti et al.'s per-layer count, in fp32 and without dropout):
@@ -317,9 +317,11 @@ struct Model::Chunk {
 };
 
 Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute, bool allocate_state,
-             TpMappings* tp, const ModelShare& share)
+             TpMappings* tp, const ModelShare& share, CpMappings* cp)
     : cfg_(cfg),
       tp_(tp ? *tp : no_tp_),
+      cp_(cp ? *cp : no_cp_),
+      positions_(cp_positions(cfg.seq_len, cp_.shard())),
       dims_(local_dims(cfg, tp_.shard())),
       alloc_(alloc),
       micro_batch_(micro_batch),
@@ -327,11 +329,13 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
       units_(model_layout(cfg, tp_.shard())),
       share_(share) {
   MT_CHECK(micro_batch >= 1, "training.micro_batch = " << micro_batch << " must be at least 1");
+  dims_.T = static_cast<int64_t>(positions_.size());
   if (tp_.sequence_parallel()) {
     dims_.seq_split = tp_.shard().size;
-    MT_CHECK(cfg.seq_len % dims_.seq_split == 0, "model.seq_len = " << cfg.seq_len << " does not split over parallel.tp = "
-                                                     << dims_.seq_split << " ranks for parallel.sequence_parallel; "
-                                                     << "use a seq_len that tp divides, or sequence_parallel=false");
+    MT_CHECK(dims_.T % dims_.seq_split == 0, "model.seq_len = " << cfg.seq_len << " (" << dims_.T << " positions per "
+                                                 << "parallel.cp rank) does not split over parallel.tp = "
+                                                 << dims_.seq_split << " ranks for parallel.sequence_parallel; "
+                                                 << "use a seq_len that tp x cp divides, or sequence_parallel=false");
   }
   MT_CHECK(!(recompute && share.split_backward),
            "training.recompute cannot run with a split backward (parallel.pp_schedule zb-h1 or zbv): the weight half "
@@ -365,7 +369,7 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
       u.g = grads.view(off, {u.numel});
     }
   }
-  const int64_t B = micro_batch, T = cfg.seq_len, C = cfg.d_model, V = dims_.V;
+  const int64_t B = micro_batch, T = dims_.T, C = cfg.d_model, V = dims_.V;
   const int64_t Tl = T / dims_.seq_split;  // positions of the residual stream on this rank
   auto make = [&](const Shape& s, DType t = DType::f32) { return Tensor::empty(s, t, alloc, MemTag::activations); };
   if (recompute) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc);
@@ -528,6 +532,8 @@ void copy_ids(const Tensor& dst, const int32_t* src, int64_t n, int lowest, int 
 double Model::forward(int chunk, int s, const int32_t* tokens, const int32_t* targets, int B, int T) {
   MT_CHECK(B >= 1 && B <= micro_batch_, "internal: batch " << B << " exceeds micro_batch " << micro_batch_);
   MT_CHECK(T >= 1 && T <= cfg_.seq_len, "sequence of " << T << " tokens exceeds model.seq_len = " << cfg_.seq_len);
+  MT_CHECK(cp_.shard().size == 1 || T == dims_.T, "internal: context parallelism takes this rank's " << dims_.T
+                                                      << " positions of whole sequences, not " << T);
   MT_CHECK(T % dims_.seq_split == 0, "a sequence of " << T << " tokens does not split over the " << dims_.seq_split
                                                       << " ranks of parallel.tp with parallel.sequence_parallel=true");
   const ChunkSpec& spec = chunks_[chunk].spec;
@@ -615,12 +621,14 @@ void Model::backward_unit(int unit, Slot& sl, int i, float scale, Backward part)
   if (unit == L + 1 && cfg_.tied() && !holds_embedding()) h.after_backward(0);
 }
 
-BlockEnv Model::env() const { return BlockEnv{cfg_, dims_, tp_, *scratch_}; }
+BlockEnv Model::env() const {
+  return BlockEnv{cfg_, dims_, tp_, *scratch_, cp_, cp_.shard().size > 1 ? positions_.data() : nullptr};
+}
 
 Tensor Model::resid(const Tensor& buf) const { return buf.view(0, {B_, T_ / dims_.seq_split, cfg_.d_model}); }
 
-// The first position of this rank's part of the sequence (sequence parallelism), else 0.
-int64_t Model::first_position() const {
+// The first local row of this rank's part of the residual stream (sequence parallelism), else 0.
+int64_t Model::first_row() const {
   return dims_.seq_split > 1 ? int64_t{tp_.shard().rank} * (T_ / dims_.seq_split) : 0;
 }
 
@@ -629,10 +637,12 @@ void Model::embed_forward(Slot& sl) {
   const Tensor out = resid(sl.resid.front());
   const Tensor tok = sl.tokens.view(0, {B_, T_});
   const Tensor wte = u.param(cfg_.is_llama() ? "embed_tokens.weight" : "wte.weight");
+  const bool cp = cp_.shard().size > 1;  // learned positions looked up by position, not row
   if (tp_.shard().size == 1) {
     Tensor wpe;
     if (!cfg_.is_llama()) wpe = u.param("wpe.weight");
-    embedding_forward(out, tok, wte, wpe.defined() ? &wpe : nullptr);
+    embedding_forward(out, tok, wte, wpe.defined() && !cp ? &wpe : nullptr);
+    if (wpe.defined() && cp) position_forward(out, wpe, positions_.data());
     return;
   }
   // vocabulary-parallel: each rank looks up the ids it holds (0 for the others), then the
@@ -646,8 +656,7 @@ void Model::embed_forward(Slot& sl) {
     tp_.reduce_forward(out);
   }
   if (!cfg_.is_llama()) {
-    const Tensor wpe = u.param("wpe.weight");
-    position_forward(out, wpe.view(first_position() * cfg_.d_model, {out.dim(1), cfg_.d_model}));
+    position_forward(out, u.param("wpe.weight"), positions_.data() + first_row());
   }
 }
 
@@ -662,13 +671,15 @@ void Model::embed_backward(Slot& sl) {
   const Tensor dwte = grad(cfg_.is_llama() ? "model.embed_tokens.weight" : "transformer.wte.weight");
   Tensor dwpe;
   if (!cfg_.is_llama()) dwpe = grad("transformer.wpe.weight");
+  const int32_t* pos = positions_.data();
   if (tp_.shard().size == 1) {
-    embedding_backward(dwte, dwpe.defined() ? &dwpe : nullptr, dout, tok);
+    embedding_backward(dwte, dwpe.defined() && cp_.shard().size == 1 ? &dwpe : nullptr, dout, tok);
+    if (dwpe.defined() && cp_.shard().size > 1) position_backward(dwpe, dout, pos);
     return;
   }
   if (dims_.seq_split == 1) {
     embedding_shard_backward(dwte, dout, tok, dims_.vocab_begin, dims_.vocab_valid, cfg_.vocab_size);
-    if (dwpe.defined()) position_backward(dwpe, dout);
+    if (dwpe.defined()) position_backward(dwpe, dout, pos);
     return;
   }
   // sequence parallel: the reduce-scatter's backward gathers every rank's positions
@@ -682,7 +693,7 @@ void Model::embed_backward(Slot& sl) {
   mine.zero_();
   position_backward(mine.reshape({Tl, C}), dout);
   tp_.gather_sequence(rows, mine);
-  add_inplace(dwpe.view(0, {T_, C}), rows.reshape({T_, C}));
+  position_backward(dwpe, rows, pos);
 }
 
 // The output head's weight: lm_head.weight, or the token embedding when tied.

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "nn/cp.h"
 #include "nn/model_config.h"
 #include "nn/tp.h"
 
@@ -143,8 +144,10 @@ class Model {
   // tp: the tensor-parallel mappings this rank's share of the model runs with (null: the
   // whole model on one rank).
   // share: this pipeline rank's chunks (default: the whole model).
+  // cp: the context-parallel attention this rank's part of each sequence runs with (null:
+  // whole sequences); forward then takes this rank's dims().T = seq_len / cp tokens of each.
   Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute = false, bool allocate_state = true,
-        TpMappings* tp = nullptr, const ModelShare& share = {});
+        TpMappings* tp = nullptr, const ModelShare& share = {}, CpMappings* cp = nullptr);
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
@@ -212,7 +215,7 @@ class Model {
   double loss_forward(Slot& s);
   BlockEnv env() const;
   Tensor resid(const Tensor& buf) const;  // [B, T, C] of the residual stream (T / tp positions with sequence parallelism)
-  int64_t first_position() const;
+  int64_t first_row() const;  // the residual stream's first local row on this tp rank
   void embed_forward(Slot& s);
   void embed_backward(Slot& s);
   void final_forward(Slot& s);
@@ -222,6 +225,9 @@ class Model {
   ModelConfig cfg_;
   TpMappings no_tp_;
   TpMappings& tp_;
+  CpMappings no_cp_;
+  CpMappings& cp_;
+  std::vector<int32_t> positions_;  // [dims_.T] the sequence position of each local row (cp_positions)
   LocalDims dims_;
   Allocator& alloc_;
   int micro_batch_;

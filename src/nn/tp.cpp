@@ -61,6 +61,7 @@ LocalDims local_dims(const ModelConfig& cfg, TpShard tp) {
   d.V = padded_vocab(cfg, tp.size) / tp.size;
   d.vocab_begin = std::min<int64_t>(cfg.vocab_size, tp.rank * d.V);
   d.vocab_valid = std::min<int64_t>(cfg.vocab_size, (tp.rank + 1) * d.V) - d.vocab_begin;
+  d.T = cfg.seq_len;  // the Model divides it by cp
   return d;
 }
 

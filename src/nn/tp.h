@@ -31,6 +31,7 @@ struct LocalDims {
   int64_t vocab_begin = 0, vocab_valid = 0;  // first global vocabulary row held, and how many are real
   int64_t kv_sharers = 1; // ranks that hold each key/value head (tp / n_kv_head when that is > 1)
   int64_t seq_split = 1;  // sequence parallelism: the residual stream holds T / seq_split positions
+  int64_t T = 0;          // positions of each sequence this rank computes (seq_len / cp: context parallelism)
   int64_t qkv() const { return (NH + 2 * NKV) * D; }
   int64_t attn() const { return NH * D; }  // the attention output's width before the projection
 };

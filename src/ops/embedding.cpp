@@ -57,10 +57,10 @@ void scatter_rows(float* dwte, const float* g, const int32_t* ids, int64_t BT, i
 }
 
 // dwpe[t] += sum over b of g[b, t], in b order; rows t are independent.
-void add_positions(float* dwpe, const float* g, int64_t B, int64_t T, int64_t C) {
+void add_positions(float* dwpe, const float* g, int64_t B, int64_t T, int64_t C, const int32_t* pos = nullptr) {
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
-    float* d = dwpe + t * C;
+    float* d = dwpe + (pos ? pos[t] : t) * C;  // distinct rows: positions do not repeat
     for (int64_t b = 0; b < B; ++b) {
       const float* gr = g + (b * T + t) * C;
       for (int64_t c = 0; c < C; ++c) d[c] += gr[c];
@@ -160,31 +160,39 @@ void embedding_shard_backward(const Tensor& dwte, const Tensor& dout, const Tens
 }
 
 // out[b, t] += wpe[t]
-void position_forward(const Tensor& out, const Tensor& wpe) {
+// Positions pos[0..T) (null: 0..T) must lie in [0, maxT) and not repeat.
+static void check_positions(const int32_t* pos, int64_t T, int64_t maxT, const char* op) {
+  for (int64_t t = 0; pos && t < T; ++t)
+    MT_CHECK(pos[t] >= 0 && pos[t] < maxT, op << ": position " << pos[t] << " outside [0, " << maxT << ")");
+}
+
+void position_forward(const Tensor& out, const Tensor& wpe, const int32_t* pos) {
   check_f32(out, "position_forward: out");
   check_f32(wpe, "position_forward: wpe");
   MT_CHECK(out.ndim() == 3 && wpe.ndim() == 2 && wpe.dim(1) == out.dim(2) && wpe.dim(0) >= out.dim(1),
            "position_forward: out [B, T, C] and wpe [maxT >= T, C], got " << shape_str(out.shape()) << " and "
                                                                           << shape_str(wpe.shape()));
   const int64_t B = out.dim(0), T = out.dim(1), C = out.dim(2);
+  check_positions(pos, T, wpe.dim(0), "position_forward");
   float* op = out.f32();
   const float* pp = wpe.f32();
 #pragma omp parallel for schedule(static)
   for (int64_t bt = 0; bt < B * T; ++bt) {
-    const float* p = pp + (bt % T) * C;
+    const float* p = pp + (pos ? pos[bt % T] : bt % T) * C;
     float* o = op + bt * C;
     for (int64_t c = 0; c < C; ++c) o[c] += p[c];
   }
 }
 
 // dwpe[t] += sum over b of dout[b, t], in b order
-void position_backward(const Tensor& dwpe, const Tensor& dout) {
+void position_backward(const Tensor& dwpe, const Tensor& dout, const int32_t* pos) {
   check_f32(dwpe, "position_backward: dwpe");
   check_f32(dout, "position_backward: dout");
   MT_CHECK(dout.ndim() == 3 && dwpe.ndim() == 2 && dwpe.dim(1) == dout.dim(2) && dwpe.dim(0) >= dout.dim(1),
            "position_backward: dout [B, T, C] and dwpe [maxT >= T, C]");
   const int64_t B = dout.dim(0), T = dout.dim(1), C = dout.dim(2);
-  add_positions(dwpe.f32(), dout.f32(), B, T, C);
+  check_positions(pos, T, dwpe.dim(0), "position_backward");
+  add_positions(dwpe.f32(), dout.f32(), B, T, C, pos);
 }
 
 }  // namespace mt

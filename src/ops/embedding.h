@@ -1,5 +1,7 @@
 // Token (and learned position) embedding lookup.
 #pragma once
+#include <cstdint>
+
 #include "core/tensor.h"
 
 namespace mt {
@@ -19,8 +21,9 @@ void embedding_shard_forward(const Tensor& out, const Tensor& tokens, const Tens
                              int64_t vocab);
 void embedding_shard_backward(const Tensor& dwte, const Tensor& dout, const Tensor& tokens, int64_t begin,
                               int64_t valid, int64_t vocab);
-// Learned positions added after the reduction: out[B, T, C] += wpe[t]; dwpe[t] += sum over b.
-void position_forward(const Tensor& out, const Tensor& wpe);
-void position_backward(const Tensor& dwpe, const Tensor& dout);
+// Learned positions added after the reduction (or alone): out[B, T, C] += wpe[pos[t]];
+// dwpe[pos[t]] += sum over b. pos: T distinct rows of wpe (null: 0..T-1).
+void position_forward(const Tensor& out, const Tensor& wpe, const int32_t* pos = nullptr);
+void position_backward(const Tensor& dwpe, const Tensor& dout, const int32_t* pos = nullptr);
 
 }  // namespace mt

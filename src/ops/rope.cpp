@@ -17,7 +17,7 @@ using namespace detail;
 namespace {
 
 // sign = +1: forward rotation; sign = -1: the inverse (transpose) rotation.
-void rope_apply(const Tensor& x, int n_rot, float theta, float sign, const char* op) {
+void rope_apply(const Tensor& x, int n_rot, float theta, const int32_t* pos, float sign, const char* op) {
   check_f32(x, op);
   MT_CHECK(x.ndim() == 4, op << ": x must be 4-D [B, T, H, D] (reshape the fused qkv buffer), got "
                              << shape_str(x.shape()));
@@ -35,7 +35,7 @@ void rope_apply(const Tensor& x, int n_rot, float theta, float sign, const char*
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t i = 0; i < half; ++i) {
         const float inv_freq = 1.0f / std::pow(theta, (float)(2 * i) / (float)D);
-        const float ang = (float)t * inv_freq;
+        const float ang = (float)(pos ? pos[t] : t) * inv_freq;
         cs[t * half + i] = std::cos(ang);
         sn[t * half + i] = sign * std::sin(ang);
       }
@@ -61,11 +61,13 @@ void rope_apply(const Tensor& x, int n_rot, float theta, float sign, const char*
 
 }  // namespace
 
-void rope_forward(const Tensor& x, int n_rot, float theta) { rope_apply(x, n_rot, theta, 1.0f, "rope_forward"); }
+void rope_forward(const Tensor& x, int n_rot, float theta, const int32_t* pos) {
+  rope_apply(x, n_rot, theta, pos, 1.0f, "rope_forward");
+}
 
 // The rotation by -angle is the transpose of the rotation by +angle.
-void rope_backward(const Tensor& dx, int n_rot, float theta) {
-  rope_apply(dx, n_rot, theta, -1.0f, "rope_backward");
+void rope_backward(const Tensor& dx, int n_rot, float theta, const int32_t* pos) {
+  rope_apply(dx, n_rot, theta, pos, -1.0f, "rope_backward");
 }
 
 }  // namespace mt

@@ -9,6 +9,7 @@ struct ParallelConfig {
   int tp = 1;  // tensor-parallel ranks
   bool sequence_parallel = false;  // with tp: norms and residual adds on seq_len / tp positions per rank
   int pp = 1;  // pipeline ranks (parallel/pipeline.h)
+  int cp = 1;  // context-parallel ranks: each sequence split over them, attention as a ring (parallel/context.h)
   int pp_chunks = 0;                // model chunks per pipeline rank; 0: the schedule's default (2 for interleaved and zbv, else 1)
   std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved | zb-h1 | zbv | file:PATH (parallel/schedule.h)
   std::string pp_layers = "auto";    // blocks per stage: auto (balanced by cost) or a list such as "3,4,4,3"

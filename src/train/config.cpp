@@ -141,6 +141,7 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("parallel.dp", &C::parallel, &ParallelConfig::dp));
     v.push_back(int_key("parallel.tp", &C::parallel, &ParallelConfig::tp));
     v.push_back(bool_key("parallel.sequence_parallel", &C::parallel, &ParallelConfig::sequence_parallel));
+    v.push_back(int_key("parallel.cp", &C::parallel, &ParallelConfig::cp));
     v.push_back(int_key("parallel.pp", &C::parallel, &ParallelConfig::pp));
     v.push_back(int_key("parallel.pp_chunks", &C::parallel, &ParallelConfig::pp_chunks));
     v.push_back(str_key("parallel.pp_schedule", &C::parallel, &ParallelConfig::pp_schedule));
@@ -285,6 +286,7 @@ void Config::validate() const {
                               << " ranks for parallel.sequence_parallel=true; use a seq_len that tp divides "
                               << "(e.g. " << (model.seq_len / parallel.tp + 1) * parallel.tp << ")");
   MT_CHECK(parallel.pp >= 1, "parallel.pp = " << parallel.pp << " must be at least 1");
+  check_context_parallel();
   MT_CHECK(parallel.pp_chunks >= 0, "parallel.pp_chunks = " << parallel.pp_chunks
                                                             << " must not be negative (0: the schedule's default)");
   const std::string& sched = parallel.pp_schedule;
@@ -311,18 +313,42 @@ void Config::validate() const {
   }
 }
 
+// Context parallelism cuts every sequence into 2 cp chunks (two per rank, one early and one
+// late); under sequence parallelism each rank's T / cp positions split tp ways again.
+void Config::check_context_parallel() const {
+  const int cp = parallel.cp, T = model.seq_len;
+  MT_CHECK(cp >= 1, "parallel.cp = " << cp << " must be at least 1");
+  if (cp == 1) return;
+  auto nearest = [&](int step) {  // the valid seq_len values around T
+    const int below = T / step * step, above = below + step;
+    return below > 0 ? std::to_string(below) + " or " + std::to_string(above) : std::to_string(above);
+  };
+  MT_CHECK(T % (2 * cp) == 0, "model.seq_len = " << T << " does not split into 2 x parallel.cp = " << 2 * cp
+                                                 << " equal chunks (each cp rank holds one early and one late chunk); "
+                                                 << "use seq_len " << nearest(2 * cp) << ", or another parallel.cp");
+  const int step = 2 * cp * parallel.tp;
+  MT_CHECK(!parallel.sequence_parallel || T % step == 0,
+           "model.seq_len = " << T << " does not split over parallel.cp x parallel.tp = " << cp * parallel.tp
+                              << " ranks in two chunks for parallel.sequence_parallel=true; use seq_len "
+                              << nearest(step) << ", or sequence_parallel=false");
+  MT_CHECK(model.fused_attention(), "parallel.cp = " << cp << " needs training.attention = fused (the ring merges "
+                                                     << "attention parts by their log-sum-exp); got " << model.attention);
+}
+
 void Config::resolve_layout(int world_size) {
-  const int tp_pp = parallel.tp * parallel.pp;
+  const int tp_pp = parallel.tp * parallel.pp * parallel.cp;  // every axis but dp
   if (parallel.dp == 0) {
-    MT_CHECK(world_size % tp_pp == 0, "the job has " << world_size << " ranks, not a multiple of parallel.tp x parallel.pp = "
-                                                     << tp_pp << "; launch a multiple of " << tp_pp << " ranks");
+    MT_CHECK(world_size % tp_pp == 0, "the job has " << world_size << " ranks, not a multiple of parallel.tp x parallel.pp"
+                                                     << " x parallel.cp = " << tp_pp << "; launch a multiple of "
+                                                     << tp_pp << " ranks");
     parallel.dp = world_size / tp_pp;
   }
   MT_CHECK(world_size == parallel.dp * tp_pp,
-           "the job has " << world_size << " ranks but parallel.dp x parallel.pp x parallel.tp = " << parallel.dp << " x "
-                          << parallel.pp << " x " << parallel.tp << " = " << parallel.dp * tp_pp << "; launch "
-                          << parallel.dp * tp_pp << " ranks (meshtrain launch -n " << parallel.dp * tp_pp
-                          << ") or set parallel.dp=" << world_size / tp_pp);
+           "the job has " << world_size << " ranks but parallel.dp x parallel.pp x parallel.cp x parallel.tp = "
+                          << parallel.dp << " x " << parallel.pp << " x " << parallel.cp << " x " << parallel.tp
+                          << " = " << parallel.dp * tp_pp << "; launch " << parallel.dp * tp_pp
+                          << " ranks (meshtrain launch -n " << parallel.dp * tp_pp << ") or set parallel.dp="
+                          << std::max(1, world_size / tp_pp));
   if (training.micro_batch == 0) {
     MT_CHECK(training.global_batch % parallel.dp == 0, "training.global_batch = " << training.global_batch
                                                                                  << " is not divisible by parallel.dp = "
@@ -341,19 +367,21 @@ void Config::resolve_layout(int world_size) {
     }
   }
   const int64_t per_step = int64_t{parallel.dp} * training.micro_batch;
-  // ZeRO: the FSDP name decides the stage; the shard group defaults to all of dp.
+  // ZeRO: the FSDP name decides the stage; the shard group defaults to all the ranks that
+  // reduce gradients together (dp x cp: context-parallel ranks hold the same parameters).
   const std::string& sh = parallel.sharding;
+  const int data = parallel.dp * parallel.cp;
+  const char* data_name = parallel.cp > 1 ? "dp x cp" : "dp";
   if (!sh.empty()) parallel.zero = sh == "NO_SHARD" ? 0 : sh == "SHARD_GRAD_OP" ? 2 : 3;
   if (sh == "HYBRID_SHARD") {
-    MT_CHECK(parallel.shard_group > 1 && parallel.shard_group < parallel.dp && parallel.dp % parallel.shard_group == 0,
-             "parallel.sharding = HYBRID_SHARD needs parallel.shard_group between 2 and dp - 1 dividing dp = "
-                 << parallel.dp << " (got " << parallel.shard_group << ")");
+    MT_CHECK(parallel.shard_group > 1 && parallel.shard_group < data && data % parallel.shard_group == 0,
+             "parallel.sharding = HYBRID_SHARD needs parallel.shard_group between 2 and " << data_name << " - 1 dividing "
+                 << data_name << " = " << data << " (got " << parallel.shard_group << ")");
   } else if (parallel.shard_group == 0) {
-    parallel.shard_group = parallel.dp;
+    parallel.shard_group = data;
   }
-  MT_CHECK(parallel.dp % parallel.shard_group == 0, "parallel.shard_group = " << parallel.shard_group
-                                                                              << " does not divide parallel.dp = "
-                                                                              << parallel.dp);
+  MT_CHECK(data % parallel.shard_group == 0, "parallel.shard_group = " << parallel.shard_group << " does not divide "
+                                                                       << data_name << " = " << data);
   MT_CHECK(training.global_batch % per_step == 0,
            "training.global_batch = " << training.global_batch << " is not divisible by parallel.dp x training.micro_batch = "
                                       << parallel.dp << " x " << training.micro_batch << " = " << per_step

@@ -61,12 +61,13 @@ struct Config {
 
   void validate() const;  // cross-key checks that do not depend on the number of ranks
   // Fills parallel.dp from the world size when 0 and checks the layout: world size =
-  // dp x pp x tp, global_batch divisible by dp x micro_batch, and a pipeline schedule that
+  // dp x pp x cp x tp, global_batch divisible by dp x micro_batch, and a pipeline schedule that
   // runs this many chunks and micro-batches (pipeline_schedule). Same verdict on every rank.
   void resolve_layout(int world_size);
 
  private:
   void check_pipeline() const;
+  void check_context_parallel() const;
 };
 
 // Applies a TOML file (if non-empty) then the overrides ("section.key=value", no dashes).

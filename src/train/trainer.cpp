@@ -19,6 +19,7 @@
 #include "nn/hf.h"
 #include "nn/model.h"
 #include "ops/gemm.h"
+#include "parallel/context.h"
 #include "parallel/data_parallel.h"
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
@@ -125,38 +126,55 @@ struct ValResult {
   std::optional<double> accuracy, baseline_accuracy;  // built-in tasks only
 };
 
+// TokenLoader::fill for this rank's positions `pos` of each sequence of T tokens
+// (context parallelism, nn/cp.h): tokens and targets are [M, pos.size()].
+void fill_part(const TokenLoader& data, int64_t first, int M, int32_t* tokens, int32_t* targets, int64_t stride, int T,
+               const std::vector<int32_t>& pos) {
+  const int Tl = static_cast<int>(pos.size());
+  if (Tl == T) return data.fill(first, M, tokens, targets, stride);
+  std::vector<int32_t> in(int64_t{M} * T), tg(int64_t{M} * T);
+  data.fill(first, M, in.data(), tg.data(), stride);
+  for (int s = 0; s < M; ++s)
+    for (int i = 0; i < Tl; ++i) {
+      tokens[s * Tl + i] = in[int64_t{s} * T + pos[i]];
+      targets[s * Tl + i] = tg[int64_t{s} * T + pos[i]];
+    }
+}
+
 // Mean loss over the first val_batches global batches of the validation tokens, read the
 // way training reads a step (rank r takes positions r, r + R, ...), so every layout
 // evaluates the same sequences; for the built-in tasks also the greedy accuracy on answer
 // characters. The micro-batches go through the pipeline forward only; the ranks holding
 // the head count them.
 ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const Config& c, bool builtin,
-                   Communicator& dp, Communicator& pp) {
+                   Communicator& dp, Communicator& data, Communicator& pp, const std::vector<int32_t>& pos) {
   const int M = static_cast<int>(c.training.micro_batch), T = c.model.seq_len, V = c.model.vocab_size;
+  const int Tl = static_cast<int>(pos.size());  // this rank's positions of each sequence (context parallelism)
   const int64_t R = dp.size(), per_rank = c.training.val_batches * c.training.global_batch / R;
-  std::vector<int32_t> in(M * T), tg(M * T), best(M * T);
+  std::vector<int32_t> in(M * T), tg(M * T), best(M * Tl);
   std::vector<uint8_t> mask(T);
   auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
-    val.fill(dp.rank() + R * int64_t{micro} * M, M, tokens, targets, R);
+    fill_part(val, dp.rank() + R * int64_t{micro} * M, M, tokens, targets, R, T, pos);
   };
   // [loss sum, correct answers, answers, answers per target character...]
   std::vector<double> tally(3 + V, 0.0);
   auto count_answers = [&](int micro, int slot, double) {
     if (!builtin) return;
-    feed(micro, in.data(), tg.data());
+    val.fill(dp.rank() + R * int64_t{micro} * M, M, in.data(), tg.data(), R);  // whole sequences: answers need context
     model.predictions(best.data(), slot);  // greedy, over the whole vocabulary (collective over tp)
     for (int s = 0; s < M; ++s) {
       tasks_answer_mask(&in[s * T], &tg[s * T], T, mask.data());
-      for (int t = 0; t < T; ++t) {
+      for (int i = 0; i < Tl; ++i) {
+        const int t = pos[i];
         if (!mask[t]) continue;
-        tally[1] += best[s * T + t] == tg[s * T + t];
+        tally[1] += best[s * Tl + i] == tg[s * T + t];
         tally[2] += 1;
         tally[3 + tg[s * T + t]] += 1;
       }
     }
   };
   tally[0] = pipe.evaluate(static_cast<int>((per_rank + M - 1) / M), feed, count_answers);
-  tally = sum_doubles(dp, sum_doubles(pp, tally));
+  tally = sum_doubles(data, sum_doubles(pp, tally));
   ValResult r;
   r.loss = tally[0] / (double(c.training.val_batches) * c.training.global_batch * T);
   if (tally[2] > 0) {
@@ -236,7 +254,9 @@ double max_over(Communicator& group, double x) {
 struct Run {
   const Config& c;
   Communicator& world;
-  Communicator& dp;
+  const Mesh& mesh;
+  Communicator& dp;    // ranks that read different sequences
+  Communicator& data;  // ranks that reduce gradients together: dp x cp (dp when cp = 1)
   Communicator& tp;
   Communicator& pp;
   Communicator* tie;  // the first and last pipeline stage of a tied model on different ranks; else null
@@ -253,6 +273,7 @@ struct Run {
   double predicted_activations;  // activation bytes of the busiest rank by activation_bytes
   StepTrace* trace;              // logging.trace; null without
   double t0;                     // now_seconds() when the run began
+  std::vector<int32_t> positions;  // this rank's positions of each sequence (context parallelism, nn/cp.h)
 };
 
 // What the steps of this process did.
@@ -334,8 +355,22 @@ double tp_bytes_per_step(const Run& run) {
   const int64_t M = c.training.micro_batch, n_micro = c.training.global_batch / (int64_t{run.dp.size()} * M);
   // and the gradient norm's per-unit sums of squares, gathered from every tp rank
   const double norm = 8.0 * run.model.units().size() * (run.tp.size() - 1);
-  return norm + n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, c.model.seq_len,
+  return norm + n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, run.model.dims().T,
                                                    c.training.recompute, c.parallel.sequence_parallel);
+}
+
+// The bytes a cp rank sends per optimizer step: per block and micro-batch the ring passes
+// this rank's keys/values on cp - 1 times forward (twice with recomputation) and again
+// backward, and their gradient accumulators cp times (parallel/context.h).
+double cp_bytes_per_step(const Run& run) {
+  const Config& c = run.c;
+  const int64_t M = c.training.micro_batch, n_micro = c.training.global_batch / (int64_t{run.dp.size()} * M);
+  const int cp = c.parallel.cp;
+  const LocalDims& d = run.model.dims();
+  int64_t blocks = 0;
+  for (const ChunkSpec& ch : run.model.share().chunks) blocks += ch.end_layer - ch.first_layer;
+  const int sends = (cp - 1) * (c.training.recompute ? 3 : 2) + cp;
+  return double(sends) * M * d.T * 2 * d.NKV * d.D * sizeof(float) * blocks * n_micro;
 }
 
 void log_header(const Run& run, const std::string& resumed_from, int64_t start) {
@@ -346,10 +381,12 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
   int64_t whole = 0;
   for (const Unit& u : run.model.units()) whole += u.global_numel;
   std::snprintf(head, sizeof head,
-                "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d, tp %d, pp %d), %d threads each",
+                "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d, cp %d, tp %d, pp %d), %d "
+                "threads each",
                 c.model.family.c_str(), c.model.n_layer, c.model.d_model, whole / 1e6, run.world.size(),
-                run.world.size() > 1 ? "s" : "", R, run.tp.size(), run.pp.size(), omp_get_max_threads());
+                run.world.size() > 1 ? "s" : "", R, c.parallel.cp, run.tp.size(), run.pp.size(), omp_get_max_threads());
   run.log.message(head);
+  if (run.world.size() > 1) run.log.message(run.mesh.table());
   run.log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
                   " threads, fixed tile grid");
   if (const std::string w = blas_kernel_warning(); !w.empty()) run.log.message("warning: " + w);
@@ -366,6 +403,17 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
                   run.tp.size(), static_cast<long long>(d.NH), c.model.n_head, static_cast<long long>(d.NKV),
                   c.model.kv_heads(), static_cast<long long>(d.F), c.model.ff_dim(), static_cast<long long>(d.V),
                   static_cast<long long>(padded_vocab(c.model, run.tp.size())), tp_bytes_per_step(run) / 1e6);
+    run.log.message(head);
+  }
+  if (c.parallel.cp > 1) {
+    const int64_t half = c.model.seq_len / (2 * c.parallel.cp);
+    const std::vector<int32_t>& pos = run.positions;
+    std::snprintf(head, sizeof head,
+                  "cp: %d ranks, each %lld of %d positions of every sequence (this rank: %d-%d and %d-%d), attention "
+                  "as a ring; %.2f MB of keys and values sent per step by each cp rank",
+                  c.parallel.cp, static_cast<long long>(pos.size()), c.model.seq_len, static_cast<int>(pos.front()),
+                  static_cast<int>(pos[half - 1]), static_cast<int>(pos[half]), static_cast<int>(pos.back()),
+                  cp_bytes_per_step(run) / 1e6);
     run.log.message(head);
   }
   if (run.pp.size() > 1) {
@@ -397,13 +445,14 @@ nlohmann::json step_run(Run& run, int64_t s) {
   inject_fault(c.parallel.test_fault, s, run.world, run.dp);
   run.strategy.zero_grad();
   auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
-    run.train_data.fill(s * G + run.dp.rank() + int64_t{R} * micro * M, M, tokens, targets, R);
+    fill_part(run.train_data, s * G + run.dp.rank() + int64_t{R} * micro * M, M, tokens, targets, R,
+              c.model.seq_len, run.positions);
   };
   const double loss_sum = run.pipe.train(feed, static_cast<float>(1.0 / tokens_per_step), run.strategy);
   run.strategy.finish();
   // A tied embedding's two copies (first and last stage) take the sum of their gradients.
   if (run.tie) run.tie->allreduce(run.opt.segments()[0].g);
-  const double loss = sum_doubles(run.dp, sum_doubles(run.pp, loss_sum)) / tokens_per_step;
+  const double loss = sum_doubles(run.data, sum_doubles(run.pp, loss_sum)) / tokens_per_step;
   MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
                                                    << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
   // Each element once: a tp rank counts its shards and the replicas it is first to hold, a
@@ -437,6 +486,7 @@ void run_steps(Run& run, Progress& p) {
   for (int64_t s = p.steps_done; s < c.training.steps; ++s) {
     const auto t0 = Clock::now();
     const uint64_t bytes_before = run.strategy.bytes_sent(), tp_before = run.tp.bytes_sent();
+    const uint64_t cp_before = run.mesh.cp().bytes_sent();
     if (run.trace) run.pp.barrier();  // the pipeline ranks' timelines start together
     const double started = now_seconds() - run.t0;
     nlohmann::json j = step_run(run, s);
@@ -452,6 +502,10 @@ void run_steps(Run& run, Progress& p) {
     j["mem_model_state"] = model_state_bytes(a.peaks);
     j["mem_model_state_predicted"] = run.predicted;
     j["comm_bytes"] = run.strategy.bytes_sent() - bytes_before;  // this rank's, this step
+    if (c.parallel.cp > 1) {
+      j["comm_bytes_cp"] = run.mesh.cp().bytes_sent() - cp_before;
+      j["comm_bytes_cp_predicted"] = cp_bytes_per_step(run);
+    }
     if (run.tp.size() > 1) {
       j["comm_bytes_tp"] = run.tp.bytes_sent() - tp_before;
       j["comm_bytes_tp_predicted"] = tp_bytes_per_step(run);
@@ -466,7 +520,7 @@ void run_steps(Run& run, Progress& p) {
     // A signal during the last step changes nothing: the run ends normally.
     const bool last = s + 1 == c.training.steps, stop = a.stop_signal != 0 && !last;
     if (run.val_data && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last && !stop) {
-      ValResult v = validate(run.model, run.pipe, *run.val_data, c, run.builtin, run.dp, run.pp);
+      ValResult v = validate(run.model, run.pipe, *run.val_data, c, run.builtin, run.dp, run.data, run.pp, run.positions);
       run.log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
       p.val_curve.emplace_back(s + 1, v.loss);
       char buf[128];
@@ -580,7 +634,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
   sum.baseline_loss = baseline;
   if (p.timed_steps) sum.tokens_per_s = p.timed_steps * double(c.training.global_batch) * c.model.seq_len / p.train_seconds;
   if (run.val_data) {
-    ValResult v = validate(run.model, run.pipe, *run.val_data, c, run.builtin, run.dp, run.pp);
+    ValResult v = validate(run.model, run.pipe, *run.val_data, c, run.builtin, run.dp, run.data, run.pp, run.positions);
     sum.val_loss = v.loss;
     sum.answer_accuracy = v.accuracy;
     sum.baseline_accuracy = v.baseline_accuracy;
@@ -636,7 +690,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (world.size() > 1)  // every rank must run the same configuration (same seed, files, layout)
     check_same_hash(world, std::hash<std::string>{}(config_to_json(c).dump()), "a configuration",
                     "start every rank with the same config file and options");
-  Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp);
+  Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.cp);
   mesh.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
   Communicator& dp = mesh.dp();
 
@@ -654,9 +708,10 @@ TrainSummary train(const Config& cfg, Communicator& world) {
                                               c.training.recompute);
   const std::vector<int> layers = pipeline_layers(c.model, schedule.layout, c.parallel.pp_layers);
   TensorParallel tp(mesh.tp(), alloc, c.parallel.sequence_parallel);
+  ContextParallel cp(mesh.cp(), alloc, c.parallel.timeout_s);
   Model model(c.model, alloc, M, c.training.recompute, /*allocate_state=*/c.parallel.zero == 0, &tp,
-              pipeline_share(c.model, schedule, layers, pp.rank()));
-  Pipeline pipe(model, pp, schedule, M, c.model.seq_len, c.parallel.timeout_s, alloc);
+              pipeline_share(c.model, schedule, layers, pp.rank()), &cp);
+  Pipeline pipe(model, pp, schedule, M, static_cast<int>(model.dims().T), c.parallel.timeout_s, alloc);
   std::optional<StepTrace> trace;
   if (!c.logging.trace.empty()) trace.emplace(c.logging.trace, pipe.schedule(), pp, world.rank() == 0);
   // A tied head on a last stage that another rank's first stage embeds with: the pair sums
@@ -671,7 +726,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   }
   const std::string resumed_from = resume_point(c, world, log);
   Progress p;
-  std::unique_ptr<DataParallel> strategy = strategy_make(c, model, dp, alloc, resumed_from, &p.steps_done);
+  std::unique_ptr<DataParallel> strategy = strategy_make(c, model, mesh.data(), alloc, resumed_from, &p.steps_done);
   model.set_hooks(strategy.get());
   std::vector<OptimSegment> segments = strategy->optim_segments();
   if (tie && pp.rank() == last) segments[0].replica_ranges = {{0, segments[0].w.numel()}};
@@ -682,12 +737,12 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     opt.set_steps_taken(optimizer_steps);
   }
   world.barrier_slow();  // ranks load at different speeds
-  if (dp.size() > 1) strategy->check_same_parameters();
-  Run run{c, world, dp, mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
+  if (mesh.data().size() > 1) strategy->check_same_parameters();
+  Run run{c, world, mesh, dp, mesh.data(), mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
           max_over(world, predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name)),
           max_over(world, static_cast<double>(activation_bytes(c.model, model.dims(), M, c.training.recompute,
                                                                model.share()))),
-          trace ? &*trace : nullptr, now_seconds()};
+          trace ? &*trace : nullptr, now_seconds(), cp_positions(c.model.seq_len, cp.shard())};
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
 
   log_header(run, resumed_from, p.steps_done);
