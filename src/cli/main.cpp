@@ -30,6 +30,7 @@
 #include "train/checkpoint.h"                 // checkpoint_latest, checkpoint_load
 #include "train/config.h"                     // config_load, config_keys
 #include "train/metrics.h"                    // output_parent_create
+#include "train/resume.h"                     // resume_resolve
 #include "train/sample.h"                     // sample_text
 #include "train/stop.h"                       // stop_signals_install, kExitStopped
 #include "train/trainer.h"                    // train
@@ -61,7 +62,10 @@ mt::Config train_config(const std::vector<std::string>& args, int world_size, bo
     else overrides.push_back(body + "=" + value);
   }
   mt::Config cfg = mt::config_load(config_path, overrides);
-  cfg.resolve_layout(world_size);
+  // Layout errors and a resumed checkpoint's mismatched keys, before any work; train()
+  // resolves cfg again and prints what a resumed layout changed.
+  mt::Config probe = cfg;
+  mt::resume_resolve(probe, world_size);
   return cfg;
 }
 
