@@ -26,6 +26,7 @@ struct RunResult {
   ModelConfig model;
   std::vector<std::vector<float>> adam_v;  // final AdamW second moments per unit (AdamW runs)
   Config config;                           // the run's configuration, as its checkpoint stores it
+  std::string output;                      // what the command printed (stdout and stderr)
 };
 
 // Trains with `ranks` ranks (1: a plain process) and reads back metrics and the final checkpoint.
@@ -38,6 +39,7 @@ inline RunResult train_run(const test::TempDir& d, const std::string& name, int 
   int rc = test::run_command(cmd, &out);
   EXPECT_EQ(rc, 0) << cmd << "\n" << out;
   RunResult r;
+  r.output = out;
   for (const std::string& l : test::read_lines(d / (name + ".jsonl"))) {
     auto j = nlohmann::json::parse(l);
     if (j.value("event", "") == "summary") r.summary = j;
@@ -211,6 +213,45 @@ inline void expect_resumes_at_other_layouts(const TempDir& d, const std::string&
     expect_equivalent(last3, r, "resumed at " + name);  // losses within 1e-6 of the uninterrupted run's
   }
   expect_export_holds(d, d / "straight", straight);
+}
+
+// expect_resumes_at_other_layouts for a saved layout on any number of ranks: a run of `opts`
+// (6 steps) at `saved` on `saved_ranks` ranks, stopped after 3 steps and resumed at each
+// (ranks, layout) of `others`, continues the uninterrupted run to rounding
+// (expect_equivalent), and at `saved` itself bit-exactly. Returns the uninterrupted run;
+// `resumed` (when given) receives each resumed run, in the order of `others`.
+inline RunResult expect_resumes_across_layouts(const TempDir& d, const std::string& opts, int saved_ranks,
+                                               const std::string& saved,
+                                               const std::vector<std::pair<int, std::string>>& others,
+                                               std::vector<RunResult>* resumed = nullptr) {
+  RunResult straight = train_run(d, "straight", saved_ranks, opts + saved);
+  RunResult last3 = straight;
+  last3.loss.erase(last3.loss.begin(), last3.loss.begin() + std::min<size_t>(3, last3.loss.size()));
+  last3.grad_norm.erase(last3.grad_norm.begin(), last3.grad_norm.begin() + std::min<size_t>(3, last3.grad_norm.size()));
+  std::vector<std::pair<int, std::string>> layouts = others;
+  layouts.emplace_back(saved_ranks, saved);
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    const auto& [ranks, layout] = layouts[i];
+    const bool same = i + 1 == layouts.size();
+    const std::string name = same ? "resume_same" : "resume" + std::to_string(i);
+    const std::string what = "resumed at " + std::to_string(ranks) + " ranks," + (layout.empty() ? " one layout" : layout);
+    train_run(d, name, saved_ranks, opts + saved + " --training.steps=3");
+    std::filesystem::remove(d / (name + ".jsonl"));
+    RunResult r = train_run(d, name, ranks, opts + layout + " --checkpoint.resume=true");
+    EXPECT_NE(r.output.find("resumed from"), std::string::npos) << what << "\n" << r.output;
+    if (r.loss.size() != 3u) {
+      ADD_FAILURE() << what << ": " << r.loss.size() << " steps after resuming, not 3\n" << r.output;
+      continue;
+    }
+    if (same) {
+      EXPECT_EQ(r.loss, last3.loss) << what;
+      EXPECT_EQ(r.units, straight.units) << what;
+      continue;
+    }
+    expect_equivalent(last3, r, what);  // losses within 1e-6 of the uninterrupted run's
+    if (resumed) resumed->push_back(std::move(r));
+  }
+  return straight;
 }
 
 // A Hugging Face file of a tiny Llama (2 layers, d_model 32, vocabulary 37) initialised from

@@ -34,4 +34,14 @@ struct ScheduleOptions {
 void schedule_options_add(CLI::App* cmd, ScheduleOptions* o);
 int cmd_schedule(const ScheduleOptions& o);
 
+// meshtrain checkpoint info DIR [--json]: what a checkpoint holds (step, layout, model,
+// units, totals per tensor kind, data position) and every file checked against meta.json;
+// exit status 1 naming the damaged file and what to do (checkpoint_cmd.cpp).
+struct CheckpointOptions {
+  std::string dir;
+  bool json = false;
+};
+void checkpoint_options_add(CLI::App* cmd, CheckpointOptions* o);
+int cmd_checkpoint(const CheckpointOptions& o);
+
 }  // namespace mt

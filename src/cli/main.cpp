@@ -7,6 +7,7 @@
 //   meshtrain sample --checkpoint DIR [--prompt TEXT] [...]          generate text
 //   meshtrain bench comm [...]                                       collective bandwidth
 //   meshtrain schedule --pp 4 --microbatches 8 --schedule zb-h1      pipeline schedule: bubble, picture
+//   meshtrain checkpoint info DIR [--json]                          what a checkpoint holds; CRC checks
 //
 // Started by mpirun or srun (or `meshtrain launch`), train and bench run as ranks of one
 // job: rank 0 prints, the others speak only to report errors.
@@ -20,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "cli/commands.h"                     // cmd_launch, cmd_bench_comm, cmd_schedule
+#include "cli/commands.h"                     // cmd_launch, cmd_bench_comm, cmd_schedule, cmd_checkpoint
 #include "comm/mpi_comm.h"                    // MpiRuntime, mpi_launched
 #include "core/error.h"                       // mt::Error: every user-facing failure
 #include "data/token_file.h"                  // token_file_write
@@ -29,6 +30,7 @@
 #include "train/checkpoint.h"                 // checkpoint_latest, checkpoint_load
 #include "train/config.h"                     // config_load, config_keys
 #include "train/metrics.h"                    // output_parent_create
+#include "train/resume.h"                     // resume_resolve
 #include "train/sample.h"                     // sample_text
 #include "train/stop.h"                       // stop_signals_install, kExitStopped
 #include "train/trainer.h"                    // train
@@ -60,7 +62,10 @@ mt::Config train_config(const std::vector<std::string>& args, int world_size, bo
     else overrides.push_back(body + "=" + value);
   }
   mt::Config cfg = mt::config_load(config_path, overrides);
-  cfg.resolve_layout(world_size);
+  // Layout errors and a resumed checkpoint's mismatched keys, before any work; train()
+  // resolves cfg again and prints what a resumed layout changed.
+  mt::Config probe = cfg;
+  mt::resume_resolve(probe, world_size);
   return cfg;
 }
 
@@ -171,6 +176,10 @@ int main(int argc, char** argv) {
     mt::ScheduleOptions sched_opts;
     mt::schedule_options_add(sched, &sched_opts);
 
+    auto* ckpt_cmd = app.add_subcommand("checkpoint", "inspect a checkpoint: meshtrain checkpoint info DIR [--json]");
+    mt::CheckpointOptions ckpt_opts;
+    mt::checkpoint_options_add(ckpt_cmd, &ckpt_opts);
+
     CLI11_PARSE(app, argc, argv);
 
     if (prep->parsed()) {
@@ -223,6 +232,8 @@ int main(int argc, char** argv) {
       std::printf("%s\n", mt::sample_text(so).c_str());
     } else if (sched->parsed()) {
       return mt::cmd_schedule(sched_opts);
+    } else if (ckpt_cmd->parsed()) {
+      return mt::cmd_checkpoint(ckpt_opts);
     }
     return 0;
   } catch (const mt::Error& e) {

@@ -24,7 +24,8 @@ constexpr const char* kFormat = "meshtrain-checkpoint";
 //    and a shard's tensors are named by unit, tensor and first element.
 constexpr int kVersion = 3;
 
-uint32_t crc32_file(const std::string& path) {
+// CRC-32 (IEEE 802.3, zlib's) of n bytes, continuing from crc (0 to start).
+uint32_t crc32_update(uint32_t crc, const char* data, size_t n) {
   static const auto table = [] {
     std::vector<uint32_t> t(256);
     for (uint32_t i = 0; i < 256; ++i) {
@@ -34,15 +35,31 @@ uint32_t crc32_file(const std::string& path) {
     }
     return t;
   }();
+  crc = ~crc;
+  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ static_cast<uint8_t>(data[i])) & 0xFF] ^ (crc >> 8);
+  return ~crc;
+}
+
+uint32_t crc32_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   MT_CHECK(f, "cannot read checkpoint file " << path);
   std::vector<char> buf(1 << 20);
-  uint32_t crc = 0xFFFFFFFFu;
+  uint32_t crc = 0;
   while (f) {
     f.read(buf.data(), buf.size());
-    for (std::streamsize i = 0; i < f.gcount(); ++i) crc = table[(crc ^ static_cast<uint8_t>(buf[i])) & 0xFF] ^ (crc >> 8);
+    crc = crc32_update(crc, buf.data(), static_cast<size_t>(f.gcount()));
   }
-  return crc ^ 0xFFFFFFFFu;
+  return crc;
+}
+
+// meta.json carries the CRC-32 of its own compact text without the "meta_crc32" key: a
+// flipped digit in a recorded CRC, size or optimizer step count would otherwise be read as
+// valid. Parsing and dumping again gives the same text (keys sorted, doubles printed
+// shortest round-trip), so the reader recomputes it from the parsed object.
+uint32_t meta_crc(nlohmann::json meta) {
+  meta.erase("meta_crc32");
+  const std::string text = meta.dump();
+  return crc32_update(0, text.data(), text.size());
 }
 
 std::string step_name(int64_t step) {
@@ -57,26 +74,40 @@ std::string shard_name(int rank) {
   return buf;
 }
 
-nlohmann::json read_json(const std::string& path, const std::string& dir) {
-  std::ifstream f(path);
-  MT_CHECK(f, "checkpoint " << dir << " has no " << fs::path(path).filename().string()
-                            << "; it is incomplete or not a meshtrain checkpoint");
+// meta.json of a checkpoint directory, parsed and checked. problem says what is wrong
+// ("" when nothing); damaged: the file is missing or corrupt (not merely another format).
+struct MetaRead {
+  nlohmann::json j;
+  std::string problem;
+  bool damaged = false;
+};
+
+MetaRead meta_read(const std::string& dir) {
+  std::ifstream f(dir + "/meta.json");
+  if (!f) return {{}, "missing", true};
+  nlohmann::json j;
   try {
-    nlohmann::json j;
     f >> j;
-    return j;
   } catch (const std::exception& e) {
-    MT_FAIL("checkpoint file " << path << " is corrupt (" << e.what() << "); delete " << dir
-                               << " to resume from an earlier checkpoint");
+    return {{}, std::string("corrupt (") + e.what() + ")", true};
   }
+  if (!j.is_object() || !j.contains("format") || j["format"] != kFormat) return {{}, "not a meshtrain checkpoint's meta.json", false};
+  if (!j.contains("version") || j["version"] != kVersion)
+    return {{}, "of checkpoint version " + j.value("version", nlohmann::json()).dump() + "; this meshtrain reads version " +
+                    std::to_string(kVersion),
+            false};
+  // Checkpoints written before meta.json carried its CRC have none to check.
+  if (j.contains("meta_crc32") && j["meta_crc32"] != meta_crc(j))
+    return {{}, "corrupt (its CRC-32 differs from the one it records)", true};
+  return {std::move(j), "", false};
 }
 
 nlohmann::json read_meta(const std::string& dir) {
-  nlohmann::json j = read_json(dir + "/meta.json", dir);
-  MT_CHECK(j.value("format", "") == kFormat, dir << "/meta.json is not a meshtrain checkpoint");
-  MT_CHECK(j.value("version", 0) == kVersion, dir << "/meta.json has checkpoint version " << j.value("version", 0)
-                                                  << "; this meshtrain reads version " << kVersion);
-  return j;
+  MetaRead m = meta_read(dir);
+  MT_CHECK(m.problem.empty(), "checkpoint file " << dir << "/meta.json is " << m.problem
+                                                 << (m.damaged ? "; delete " + dir + " to resume from an earlier checkpoint"
+                                                               : std::string()));
+  return std::move(m.j);
 }
 
 // A shard file's tensor for one range of a unit: "block.3.adam_m@1024" (a rank may hold
@@ -187,6 +218,7 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
       MT_CHECK(covered[u.name] == u.numel, "internal: checkpoint shards cover " << covered[u.name] << " of " << u.numel
                                                                              << " elements of unit " << u.name);
     meta["shards"] = shards;
+    meta["meta_crc32"] = meta_crc(meta);
     {
       std::ofstream f(tmp + "/meta.json");
       f << meta.dump(1) << "\n";
@@ -239,10 +271,9 @@ std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin
   return r;
 }
 
-std::string checkpoint_latest(const std::string& root) {
-  if (fs::exists(root + "/meta.json")) return root;
-  if (!fs::is_directory(root)) return "";
+std::vector<std::string> checkpoint_list(const std::string& root) {
   std::vector<std::string> dirs;
+  if (!fs::is_directory(root)) return dirs;
   for (const auto& e : fs::directory_iterator(root)) {
     std::string name = e.path().filename().string();
     if (!e.is_directory() || name.rfind("step_", 0) != 0 || !fs::exists(e.path() / "meta.json")) continue;
@@ -252,9 +283,14 @@ std::string checkpoint_latest(const std::string& root) {
     if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old))) continue;
     dirs.push_back(e.path().string());
   }
-  if (dirs.empty()) return "";
   std::sort(dirs.begin(), dirs.end());
-  return dirs.back();
+  return dirs;
+}
+
+std::string checkpoint_latest(const std::string& root) {
+  if (fs::exists(root + "/meta.json")) return root;
+  const std::vector<std::string> dirs = checkpoint_list(root);
+  return dirs.empty() ? "" : dirs.back();
 }
 
 std::vector<std::string> checkpoint_remove_incomplete(const std::string& root) {
@@ -266,6 +302,8 @@ std::vector<std::string> checkpoint_remove_incomplete(const std::string& root) {
   for (const std::string& d : removed) fs::remove_all(d);
   return removed;
 }
+
+nlohmann::json checkpoint_meta(const std::string& dir) { return read_meta(dir); }
 
 Config checkpoint_config(const std::string& dir) { return config_from_json(read_meta(dir).at("config")); }
 
@@ -319,6 +357,56 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
   }
   if (optimizer_steps) *optimizer_steps = meta.at("optimizer").at("steps_taken").get<int64_t>();
   return meta.at("step").get<int64_t>();
+}
+
+CheckpointInfo checkpoint_inspect(const std::string& dir) {
+  CheckpointInfo info;
+  info.dir = dir;
+  MetaRead m = meta_read(dir);
+  std::error_code ec;
+  const uint64_t bytes = fs::file_size(dir + "/meta.json", ec);
+  info.files.push_back({"meta.json", -1, ec ? 0 : bytes, m.problem});
+  if (!m.problem.empty()) return info;  // nothing else can be checked without it
+  info.meta = std::move(m.j);
+  // Each shard against the size and CRC-32 that meta.json records for it, then what its
+  // ranges cover: every unit whole, for every tensor kind saved.
+  std::map<std::string, std::map<std::string, int64_t>> covered;  // unit -> kind -> elements
+  for (const auto& sh : info.meta.at("shards")) {
+    CheckpointFile f{sh.at("file").get<std::string>(), sh.at("rank").get<int>(), sh.at("bytes").get<uint64_t>(), ""};
+    const std::string path = dir + "/" + f.name;
+    if (!fs::exists(path)) {
+      f.problem = "missing";
+    } else if (fs::file_size(path) != f.bytes) {
+      f.problem = "corrupt: " + std::to_string(fs::file_size(path)) + " bytes, meta.json records " +
+                  std::to_string(f.bytes);
+    } else if (const uint32_t crc = crc32_file(path); crc != sh.at("crc32").get<uint32_t>()) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "corrupt: CRC-32 %08x, meta.json records %08x", crc, sh.at("crc32").get<uint32_t>());
+      f.problem = buf;
+    }
+    info.files.push_back(f);
+    for (const auto& rg : sh.at("ranges")) {
+      const int64_t n = rg.at("end").get<int64_t>() - rg.at("begin").get<int64_t>();
+      for (const auto& t : rg.at("tensors")) {
+        info.elements[t.get<std::string>()] += n;
+        covered[rg.at("unit").get<std::string>()][t.get<std::string>()] += n;
+      }
+    }
+  }
+  for (const auto& u : info.meta.at("units"))
+    for (const auto& [kind, total] : info.elements) {
+      const int64_t got = covered[u.at("name").get<std::string>()][kind], want = u.at("numel").get<int64_t>();
+      if (got != want)
+        info.coverage_problems.push_back("the shards hold " + std::to_string(got) + " of " + std::to_string(want) +
+                                         " elements of " + kind + " for unit " + u.at("name").get<std::string>());
+    }
+  return info;
+}
+
+bool CheckpointInfo::intact() const {
+  for (const CheckpointFile& f : files)
+    if (!f.problem.empty()) return false;
+  return coverage_problems.empty();
 }
 
 }  // namespace mt

@@ -9,6 +9,10 @@
 //   <dir>/step_00000100/shard_00003.safetensors   "<unit>.params@<begin>", "<unit>.adam_m@<begin>", ...
 //                                                 each over one range [begin, end) of the whole unit
 //
+// Integrity: meta.json records each shard's size and CRC-32 (checked when a shard is read)
+// and its own CRC-32 ("meta_crc32", over its compact text without that key), so a flipped
+// byte anywhere is found; checkpoint_inspect checks them all without loading anything.
+//
 // Writing needs every rank's checkpoint.dir to be the same shared directory.
 //
 // A save that dies half-way (SIGKILL, a node lost) leaves only <dir>/.tmp-step_00000100/:
@@ -19,6 +23,7 @@
 // checkpoint_latest uses while step_N is missing.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,12 +57,16 @@ std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin
                                                     const std::vector<std::pair<std::string, float*>>& tensors,
                                                     bool primary_only);
 
+// The complete checkpoint directories under root (step_* with a meta.json), oldest first.
+std::vector<std::string> checkpoint_list(const std::string& root);
 // The newest complete checkpoint directory under root ("" if none); a step directory
 // itself is accepted too.
 std::string checkpoint_latest(const std::string& root);
 // Removes what interrupted saves left under root (.tmp-step_* directories); returns their
 // paths. Only while no save runs: rank 0 at start-up.
 std::vector<std::string> checkpoint_remove_incomplete(const std::string& root);
+// A checkpoint directory's meta.json, checked (format, version, its CRC-32).
+nlohmann::json checkpoint_meta(const std::string& dir);
 // The configuration stored in a checkpoint directory.
 Config checkpoint_config(const std::string& dir);
 // Fills every slice from whichever shards hold its range. Checks that the model shape
@@ -65,5 +74,25 @@ Config checkpoint_config(const std::string& dir);
 // *optimizer_steps (when given) receives the optimizer's step count.
 int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
                         int64_t* optimizer_steps = nullptr);
+
+// One file of a checkpoint and what checking it found (meshtrain checkpoint info).
+struct CheckpointFile {
+  std::string name;     // "meta.json", "shard_00003.safetensors"
+  int rank = -1;        // the rank that wrote it (-1: meta.json)
+  uint64_t bytes = 0;   // its size (a shard's as meta.json records it)
+  std::string problem;  // empty: intact; else what is wrong ("missing", "corrupt: CRC-32 ...")
+};
+// A checkpoint directory read and checked without loading it: meta.json (format, version
+// and its own CRC-32), then every shard's size and CRC-32 against meta.json, and that the
+// shards' ranges cover every unit whole for every tensor kind they hold.
+struct CheckpointInfo {
+  std::string dir;
+  nlohmann::json meta;                          // meta.json as stored; null when unreadable
+  std::vector<CheckpointFile> files;            // meta.json first, then each shard
+  std::map<std::string, int64_t> elements;      // per tensor kind ("params", "adam_m", ...): elements saved
+  std::vector<std::string> coverage_problems;   // a unit some kind does not cover whole
+  bool intact() const;
+};
+CheckpointInfo checkpoint_inspect(const std::string& dir);
 
 }  // namespace mt

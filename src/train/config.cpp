@@ -163,6 +163,7 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("checkpoint.every", &C::checkpoint, &CheckpointConfig::every));
     v.push_back(bool_key("checkpoint.resume", &C::checkpoint, &CheckpointConfig::resume));
     v.push_back(int_key("checkpoint.keep", &C::checkpoint, &CheckpointConfig::keep));
+    v.push_back(str_key("checkpoint.allow_change", &C::checkpoint, &CheckpointConfig::allow_change));
 
     v.push_back(str_key("logging.metrics", &C::logging, &LoggingConfig::metrics));
     v.push_back(str_key("logging.plot", &C::logging, &LoggingConfig::plot));

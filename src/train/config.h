@@ -40,6 +40,7 @@ struct CheckpointConfig {
   int64_t every = 0;   // save every N steps (and at the end when dir is set); 0: end only
   bool resume = false; // continue from the latest checkpoint in dir
   int keep = 3;        // how many checkpoints to keep (older ones are deleted); 0: all
+  std::string allow_change;  // resuming: keys (comma-separated) that may differ from the checkpoint's (train/resume.h)
 };
 
 struct LoggingConfig {

@@ -29,6 +29,7 @@
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/plot.h"
+#include "train/resume.h"
 #include "train/step_trace.h"
 #include "train/stop.h"
 
@@ -673,7 +674,8 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
 
 TrainSummary train(const Config& cfg, Communicator& world) {
   Config c = cfg;
-  c.resolve_layout(world.size());
+  // The layout for this world size, reconciled with the checkpoint it resumes (train/resume.h).
+  const std::vector<std::string> resume_notes = resume_resolve(c, world.size());
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
   const auto t_start = Clock::now();
   MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every, world.rank() == 0);  // rank 0 prints
@@ -746,6 +748,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
 
   log_header(run, resumed_from, p.steps_done);
+  for (const std::string& note : resume_notes) log.message(note);
   run_steps(run, p);
   if (!p.stop.stop_signal) return report_end(run, p, baseline, seconds_since(t_start));
   report_stop(run, p);

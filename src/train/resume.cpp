@@ -1,0 +1,180 @@
+#include "train/resume.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "core/error.h"
+#include "train/checkpoint.h"
+
+namespace mt {
+
+namespace {
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+// Keys checkpoint.allow_change may name: a new data file, learning rate or seed still
+// continues the saved model and optimizer state. The model's shape, the optimizer's kind
+// (its state tensors) and the global batch (the data position is step x global_batch) may not.
+bool may_change(const std::string& key) {
+  return resume_key_must_match(key) && !starts_with(key, "model.") && key != "optim.name" &&
+         key != "training.global_batch";
+}
+
+std::vector<std::string> allowed_changes(const std::string& list) {
+  std::vector<std::string> keys;
+  const std::vector<std::string> known = config_keys();
+  size_t at = 0;
+  while (at <= list.size()) {
+    size_t comma = list.find(',', at);
+    if (comma == std::string::npos) comma = list.size();
+    std::string k = list.substr(at, comma - at);
+    k.erase(0, k.find_first_not_of(' '));
+    k.erase(k.find_last_not_of(' ') + 1);
+    at = comma + 1;
+    if (k.empty()) continue;
+    MT_CHECK(std::find(known.begin(), known.end(), k) != known.end(),
+             "checkpoint.allow_change names " << k << ", which is not a configuration key");
+    MT_CHECK(may_change(k), "checkpoint.allow_change cannot take " << k << ": "
+                                << (resume_key_must_match(k) ? "a resumed run cannot change it (the model's shape, the "
+                                                               "optimizer's state tensors and the data position depend on it)"
+                                                             : "it is not a key a resumed run must keep, so it may change anyway"));
+    keys.push_back(k);
+  }
+  return keys;
+}
+
+// "8 ranks = dp 2 x tp 2 x pp 2 (1f1b), ZeRO 1, micro-batch 1"
+std::string layout_text(const ParallelConfig& p, int world_size, int64_t micro) {
+  std::string s = std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") + " = dp " + std::to_string(p.dp) +
+                  " x tp " + std::to_string(p.tp) + " x pp " + std::to_string(p.pp);
+  if (p.pp > 1)
+    s += " (" + p.pp_schedule + (p.pp_chunks > 1 ? ", " + std::to_string(p.pp_chunks) + " chunks per rank" : "") + ")";
+  if (p.zero > 0) s += ", ZeRO " + std::to_string(p.zero);
+  return s + ", micro-batch " + std::to_string(micro);
+}
+
+// The keys that must match and differ, as "key = saved (this run: value)", and any key
+// changed with checkpoint.allow_change, as a note.
+std::vector<std::string> compare_keys(const Config& saved, const Config& now, std::vector<std::string>& notes) {
+  const std::vector<std::string> allowed = allowed_changes(now.checkpoint.allow_change);
+  nlohmann::json a = config_to_json(saved), b = config_to_json(now);
+  // data.val_fraction counts where it holds out the tail of data.path (no data.val_path).
+  auto held_out = [](const Config& c) { return c.data.val_path.empty() ? c.data.val_fraction : 0.0; };
+  a["data"]["val_fraction"] = held_out(saved);
+  b["data"]["val_fraction"] = held_out(now);
+  std::vector<std::string> differ;
+  for (const std::string& key : config_keys()) {
+    if (!resume_key_must_match(key)) continue;
+    const std::string sec = key.substr(0, key.find('.')), name = key.substr(key.find('.') + 1);
+    const nlohmann::json &was = a[sec][name], &is = b[sec][name];
+    if (was == is) continue;
+    if (std::find(allowed.begin(), allowed.end(), key) != allowed.end())
+      notes.push_back(key + " = " + is.dump() + " instead of the checkpoint's " + was.dump() +
+                      " (checkpoint.allow_change)");
+    else
+      differ.push_back(key + " = " + was.dump() + " (this run: " + is.dump() + ")");
+  }
+  return differ;
+}
+
+// The micro-batch for this layout (see resume.h): cfg resolved with it, and a note when it
+// is not the one asked for.
+void fit_micro_batch(Config& cfg, int world_size, int64_t saved_micro, std::vector<std::string>& notes) {
+  const int64_t asked = cfg.training.micro_batch;  // 0: the layout's default
+  Config first = cfg;
+  std::optional<Error> error;
+  try {
+    first.resolve_layout(world_size);
+  } catch (const Error& e) {
+    error = e;
+  }
+  const int64_t cap = asked > 0 ? asked : saved_micro;
+  if (!error && first.training.micro_batch <= cap) {
+    cfg = first;
+    return;
+  }
+  for (int64_t b = cap; b >= 1; --b) {
+    Config t = cfg;
+    t.training.micro_batch = b;
+    try {
+      t.resolve_layout(world_size);
+    } catch (const Error&) {
+      continue;
+    }
+    const int64_t per_rank = t.training.global_batch / t.parallel.dp;
+    if (asked > 0)
+      notes.push_back("training.micro_batch = " + std::to_string(asked) + " does not fit this layout (global batch " +
+                      std::to_string(t.training.global_batch) + " over dp " + std::to_string(t.parallel.dp) + ": " +
+                      std::to_string(per_rank) + " per rank" + (t.parallel.pp > 1 ? ", through a pipeline" : "") +
+                      "); using " + std::to_string(b));
+    else
+      notes.push_back("training.micro_batch = " + std::to_string(b) + ": this layout's default (" +
+                      std::to_string(first.training.micro_batch) + ") is larger than the checkpoint's " +
+                      std::to_string(saved_micro) + ", the most the saved run held in one forward");
+    cfg = t;
+    return;
+  }
+  if (error) throw *error;  // no micro-batch fits: the layout itself does not (world size, global batch)
+  cfg = first;
+}
+
+}  // namespace
+
+bool resume_key_must_match(const std::string& key) {
+  if (key == "model.init_from") return false;  // read only at step 0
+  // Validation data and the tokenizer (for sample) do not change what is trained.
+  if (key == "data.val_path" || key == "data.tokenizer") return false;
+  return starts_with(key, "model.") || starts_with(key, "data.") || starts_with(key, "optim.") ||
+         key == "training.global_batch" || key == "training.seed";
+}
+
+std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
+  allowed_changes(cfg.checkpoint.allow_change);  // a typo is an error on any run
+  const std::string dir = cfg.checkpoint.resume ? checkpoint_latest(cfg.checkpoint.dir) : "";
+  if (dir.empty()) {
+    cfg.resolve_layout(world_size);
+    return {};
+  }
+  const nlohmann::json meta = checkpoint_meta(dir);
+  const Config saved = config_from_json(meta.at("config"));
+  std::vector<std::string> notes;
+  const std::vector<std::string> differ = compare_keys(saved, cfg, notes);
+  if (!differ.empty()) {
+    std::string list;
+    bool model = false;
+    for (const std::string& d : differ) {
+      list += (list.empty() ? "" : ", ") + d;
+      model = model || starts_with(d, "model.");
+    }
+    if (model)
+      MT_FAIL("checkpoint " << dir << " was saved with " << list << "; the model's shape cannot change when resuming: "
+                            << "use the checkpoint's model settings or a new checkpoint.dir");
+    MT_FAIL("checkpoint " << dir << " was saved with " << list << ". A resumed run continues the saved one, so its "
+                          << "model, data and optimizer keys, training.global_batch and training.seed must be the "
+                          << "checkpoint's: drop or correct these options (meshtrain checkpoint info " << dir
+                          << " lists the saved values), set checkpoint.allow_change to the keys to change them on "
+                          << "purpose, or use a new checkpoint.dir");
+  }
+  fit_micro_batch(cfg, world_size, saved.training.micro_batch, notes);
+
+  const int saved_world = meta.value("world_size", 1);
+  const std::string was = layout_text(saved.parallel, saved_world, saved.training.micro_batch);
+  const std::string is = layout_text(cfg.parallel, world_size, cfg.training.micro_batch);
+  if (was != is) {
+    const int64_t G = cfg.training.global_batch, M = cfg.training.micro_batch;
+    const int64_t n = G / (int64_t{cfg.parallel.dp} * M), step = meta.at("step").get<int64_t>();
+    notes.insert(notes.begin(), "elastic restart: saved at " + was + "; resumed at " + is + ". The global batch stays " +
+                                    std::to_string(G) + " sequences (now " + std::to_string(n) + " micro-batch" +
+                                    (n == 1 ? "" : "es") + " of " + std::to_string(M) + " per rank), and step " +
+                                    std::to_string(step) + " reads from sequence " + std::to_string(step * G) +
+                                    " on, as it would have");
+  }
+  const bool decays = cfg.optim.schedule == "cosine" || cfg.optim.schedule == "linear";
+  if (decays && cfg.training.steps != saved.training.steps)
+    notes.push_back("training.steps = " + std::to_string(cfg.training.steps) + " (the checkpoint's run had " +
+                    std::to_string(saved.training.steps) + "): the " + cfg.optim.schedule +
+                    " learning-rate schedule now runs to step " + std::to_string(cfg.training.steps));
+  return notes;
+}
+
+}  // namespace mt

@@ -1,0 +1,186 @@
+// meshtrain checkpoint info: every field of a fresh tp 2 x dp 2 checkpoint (JSON and
+// text), a flipped byte in a shard or in meta.json (exit status 1, the file named, and a
+// resume that refuses it too), a missing shard, and a directory that does not exist or
+// holds no checkpoint.
+#include <filesystem>
+#include <fstream>
+
+#include "train_runs.h"
+
+using namespace mt;
+using namespace mt::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+int info(const std::string& args, std::string* out) {
+  return run_command(std::string(MESHTRAIN_BIN) + " checkpoint info " + args, out);
+}
+
+void flip_byte(const std::string& path, std::streamoff at) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(at);
+  const char c = static_cast<char>(f.get());
+  f.seekp(at);
+  f.put(static_cast<char>(c ^ 0x10));
+}
+
+// A tp 2 x dp 2 (ZeRO 1) run of 2 steps; its checkpoint directory.
+std::string saved_run(const TempDir& d) {
+  const std::string o = options("gpt2", 8, 2) + " --training.steps=2 --data.path=" + write_tokens(d, "t.bin", 3000, 37) +
+                        " --parallel.tp=2 --parallel.zero=1";
+  train_run(d, "ck", 4, o);
+  return checkpoint_latest(d / "ck");
+}
+
+TEST(CheckpointInfo, ReportsEveryFieldOfAFreshCheckpoint) {
+  TempDir d;
+  const std::string dir = saved_run(d);
+  ASSERT_FALSE(dir.empty());
+  std::string out;
+  ASSERT_EQ(info(d / "ck --json", &out), 0) << out;
+  const auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["dir"], dir);
+  EXPECT_EQ(j["checkpoints"], nlohmann::json::array({"step_00000002"}));
+  EXPECT_EQ(j["step"], 2);
+  EXPECT_EQ(j["optimizer"]["name"], "adamw");
+  EXPECT_EQ(j["optimizer"]["steps_taken"], 2);
+  const auto& L = j["layout"];
+  EXPECT_EQ(L["world_size"], 4);
+  EXPECT_EQ(L["dp"], 2);
+  EXPECT_EQ(L["tp"], 2);
+  EXPECT_EQ(L["pp"], 1);
+  EXPECT_EQ(L["pp_chunks"], 1);
+  EXPECT_EQ(L["pp_schedule"], "1f1b");
+  EXPECT_EQ(L["zero"], 1);
+  EXPECT_EQ(L["sharding"], "");
+  EXPECT_EQ(L["sequence_parallel"], false);
+  EXPECT_FALSE(L.contains("test_fault"));
+  EXPECT_EQ(j["batch"], nlohmann::json({{"global_batch", 8}, {"micro_batch", 2}, {"micro_batches_per_step", 2},
+                                        {"seq_len", 16}}));
+  // The model and its units, against the layout the model configuration gives.
+  ModelConfig m;
+  m.n_layer = 2, m.n_head = 4, m.d_model = 32, m.vocab_size = 37, m.seq_len = 16;
+  const std::vector<Unit> layout = model_layout(m);
+  int64_t parameters = 0;
+  for (const Unit& u : layout) parameters += u.numel;
+  EXPECT_EQ(j["model"]["family"], "gpt2");
+  EXPECT_EQ(j["model"]["n_layer"], 2);
+  EXPECT_EQ(j["model"]["d_model"], 32);
+  EXPECT_EQ(j["model"]["ff_dim"], 128);
+  EXPECT_EQ(j["model"]["parameters"], parameters);
+  ASSERT_EQ(j["units"].size(), layout.size());
+  for (size_t u = 0; u < layout.size(); ++u) {
+    const auto& ju = j["units"][u];
+    EXPECT_EQ(ju["name"], layout[u].name);
+    EXPECT_EQ(ju["elements"], layout[u].numel);
+    EXPECT_EQ(ju["bytes"], 4 * layout[u].numel);
+    ASSERT_EQ(ju["params"].size(), layout[u].params.size());
+    for (size_t p = 0; p < layout[u].params.size(); ++p) {
+      EXPECT_EQ(ju["params"][p]["name"], layout[u].params[p].name);
+      EXPECT_EQ(ju["params"][p]["shape"], nlohmann::json(layout[u].params[p].shape));
+      EXPECT_EQ(ju["params"][p]["elements"], layout[u].params[p].numel());
+    }
+  }
+  // Every element saved once: the parameters, and AdamW's two moments of each.
+  EXPECT_EQ(j["totals"]["params"]["elements"], parameters);
+  EXPECT_EQ(j["totals"]["params"]["bytes"], 4 * parameters);
+  EXPECT_EQ(j["totals"]["optimizer_state"]["tensors"], nlohmann::json({{"adam_m", parameters}, {"adam_v", parameters}}));
+  EXPECT_EQ(j["totals"]["optimizer_state"]["bytes"], 8 * parameters);
+  // Data: 2 steps of 8 sequences of 16 tokens read, from 3000 / 16 = 187 per epoch.
+  EXPECT_EQ(j["data"]["path"], d / "t.bin");
+  EXPECT_EQ(j["data"]["sequences_read"], 16);
+  EXPECT_EQ(j["data"]["tokens_read"], 256);
+  EXPECT_EQ(j["data"]["sequences_per_epoch"], 187);
+  EXPECT_EQ(j["data"]["epoch"], 0);
+  // meta.json and one shard per rank (each tp x dp rank writes its own ranges), all intact.
+  ASSERT_EQ(j["files"].size(), 5u);
+  EXPECT_EQ(j["files"][0]["name"], "meta.json");
+  for (int r = 0; r < 4; ++r) {
+    const auto& f = j["files"][r + 1];
+    EXPECT_EQ(f["rank"], r);
+    EXPECT_EQ(f["status"], "ok");
+    EXPECT_EQ(f["bytes"], fs::file_size(dir + "/" + f["name"].get<std::string>()));
+  }
+  EXPECT_EQ(j["intact"], true);
+  // The text form says the same, a step directory given directly included.
+  ASSERT_EQ(info(dir, &out), 0) << out;
+  for (const std::string& want : std::vector<std::string>{"step        2; optimizer adamw, 2 steps taken", "4 ranks: dp 2 x tp 2 x pp 1",
+                                  "transformer.h.1.mlp.c_fc.weight", "params " + std::to_string(parameters) + " elements",
+                                  "shard_00003.safetensors", "epoch 0 of 187 sequences"})
+    EXPECT_NE(out.find(want), std::string::npos) << want << "\n" << out;
+  EXPECT_EQ(out.find("corrupt"), std::string::npos) << out;
+}
+
+// A flipped byte in a shard: exit status 1, the file named as corrupt, what to do; the
+// JSON says which. A resumed run refuses the same shard. Then a missing shard.
+TEST(CheckpointInfo, CorruptOrMissingShardIsNamed) {
+  TempDir d;
+  const std::string dir = saved_run(d);
+  const std::string shard = dir + "/shard_00002.safetensors";
+  flip_byte(shard, static_cast<std::streamoff>(fs::file_size(shard) / 2));
+  std::string out;
+  EXPECT_EQ(info(d / "ck", &out), 1) << out;
+  EXPECT_NE(out.find("error: checkpoint " + dir + " is damaged: " + shard + " is corrupt: CRC-32"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("delete " + dir), std::string::npos) << out;
+  EXPECT_EQ(run_command("{ " + std::string(MESHTRAIN_BIN) + " checkpoint info " + d / "ck" + " --json 2>/dev/null; }", &out),
+            1);  // the JSON alone
+  const auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["intact"], false);
+  for (const auto& f : j["files"]) EXPECT_EQ(f["status"], f["name"] == "shard_00002.safetensors" ? "damaged" : "ok") << f;
+  // Training refuses it too, naming the same file.
+  const std::string o = options("gpt2", 8, 2) + " --training.steps=3 --data.path=" + d / "t.bin";
+  EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " train " + o + " --checkpoint.dir=" + d / "ck" +
+                            " --checkpoint.resume=true --logging.progress=off",
+                        &out),
+            0);
+  EXPECT_NE(out.find(shard + " is corrupt"), std::string::npos) << out;
+
+  fs::remove(dir + "/shard_00001.safetensors");
+  EXPECT_EQ(info(d / "ck", &out), 1);
+  EXPECT_NE(out.find(dir + "/shard_00001.safetensors is missing"), std::string::npos) << out;
+}
+
+// meta.json records its own CRC-32: a changed digit (here the optimizer's step count, which
+// would still parse) is found by info and by a resumed run.
+TEST(CheckpointInfo, CorruptMetadataIsNamed) {
+  TempDir d;
+  const std::string dir = saved_run(d);
+  std::string text;
+  {
+    std::ifstream f(dir + "/meta.json");
+    text.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  }
+  const size_t at = text.find("\"steps_taken\": 2");
+  ASSERT_NE(at, std::string::npos) << text.substr(0, 400);
+  flip_byte(dir + "/meta.json", static_cast<std::streamoff>(at + 15));  // '2' -> '"'
+  std::string out;
+  EXPECT_EQ(info(d / "ck", &out), 1) << out;
+  EXPECT_NE(out.find(dir + "/meta.json is corrupt"), std::string::npos) << out;
+  // A digit changed into another digit: still valid JSON, caught by the CRC.
+  flip_byte(dir + "/meta.json", static_cast<std::streamoff>(at + 15));
+  std::fstream(dir + "/meta.json", std::ios::in | std::ios::out).seekp(at + 15).put('3');
+  EXPECT_EQ(info(d / "ck", &out), 1) << out;
+  EXPECT_NE(out.find(dir + "/meta.json is corrupt (its CRC-32 differs from the one it records)"), std::string::npos)
+      << out;
+  const std::string o = options("gpt2", 8, 2) + " --training.steps=3 --data.path=" + d / "t.bin";
+  EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " train " + o + " --checkpoint.dir=" + d / "ck" +
+                            " --checkpoint.resume=true --logging.progress=off",
+                        &out),
+            0);
+  EXPECT_NE(out.find(dir + "/meta.json is corrupt"), std::string::npos) << out;
+}
+
+TEST(CheckpointInfo, MissingDirectoryIsAClearError) {
+  TempDir d;
+  std::string out;
+  EXPECT_EQ(info(d / "nothing", &out), 1);
+  EXPECT_NE(out.find("error: checkpoint info: " + d / "nothing" + " does not exist"), std::string::npos) << out;
+  fs::create_directories(d / "empty/.tmp-step_00000004");  // an interrupted save is no checkpoint
+  EXPECT_EQ(info(d / "empty", &out), 1);
+  EXPECT_NE(out.find(d / "empty" + " holds no checkpoint"), std::string::npos) << out;
+  EXPECT_NE(info("", &out), 0);  // the directory is required
+}
+
+}  // namespace
