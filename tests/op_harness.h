@@ -1,9 +1,12 @@
-// The op harness's shared parts: float64 references, finite differences and the
-// tolerance rule (see tests/test_ops.cpp for what they check and why the tolerances hold).
+// The op harness's shared parts: float64 references, finite differences, the tolerance rule
+// and the thread-count check (see tests/test_ops.cpp for what they check and why the
+// tolerances hold; tests/test_attention.cpp and tests/test_ops_tp.cpp use them too).
 #pragma once
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -77,6 +80,22 @@ inline std::vector<size_t> sample_idx(size_t n, size_t k, std::mt19937& g) {
   std::uniform_int_distribution<size_t> u(0, n - 1);
   for (auto& i : idx) i = u(g);
   return idx;
+}
+
+// Runs fn with 1, 2 and 3 OpenMP threads; all outputs must be bit-identical.
+inline void expect_thread_invariant(const std::function<std::vector<VecF>()>& fn, const char* what) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const auto ref = fn();
+  for (int nt : {2, 3}) {
+    omp_set_num_threads(nt);
+    const auto got = fn();
+    ASSERT_EQ(got.size(), ref.size());
+    for (size_t k = 0; k < ref.size(); ++k)
+      EXPECT_EQ(0, std::memcmp(got[k].data(), ref[k].data(), ref[k].size() * sizeof(float)))
+          << what << ": output " << k << " differs between 1 and " << nt << " threads";
+  }
+  omp_set_num_threads(saved);
 }
 
 // ---- float64 references ---------------------------------------------------------------
