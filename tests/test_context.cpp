@@ -2,7 +2,7 @@
 // each, one early and one late), attention as a ring, trains what one process trains, alone
 // and with every other axis; validation through it; a checkpoint written at cp 2 x dp 2
 // resumes elsewhere; layouts it cannot split are refused; a stuck ring peer is named.
-// The attention parts themselves are checked against a float64 reference in test_ops.cpp.
+// The attention parts themselves are checked against a float64 reference in test_attention.cpp.
 #include <algorithm>
 #include <cmath>
 #include <tuple>

@@ -106,11 +106,6 @@ std::string pp_options(const std::string& family, int global, int micro, const s
   return options(family, global, micro) + " --model.n_layer=4 --optim.grad_clip=0.05" + data;
 }
 
-void expect_memory_as_predicted(const RunResult& r, const std::string& name) {
-  expect_activations_as_predicted(r, name);
-  EXPECT_EQ(r.summary["mem_model_state"].get<double>(), r.summary["mem_model_state_predicted"].get<double>()) << name;
-}
-
 class PipelineFamily : public ::testing::TestWithParam<std::string> {};
 
 // Every schedule trains what one process trains. Tolerances are expect_equivalent's

@@ -15,22 +15,6 @@ namespace {
 
 class TpFamily : public ::testing::TestWithParam<std::string> {};
 
-// Every step's bytes sent over tp are the predicted ones (tp_bytes_per_micro_batch): the
-// mappings run exactly the collectives the design says, no more.
-void expect_tp_bytes_as_predicted(const TempDir& d, const std::string& name) {
-  int steps = 0;
-  for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
-    const auto j = nlohmann::json::parse(l);
-    if (j.contains("event")) continue;
-    ++steps;
-    ASSERT_TRUE(j.contains("comm_bytes_tp")) << name << ": " << l;
-    const double got = j["comm_bytes_tp"], want = j["comm_bytes_tp_predicted"];
-    EXPECT_GT(want, 0) << name;
-    EXPECT_NEAR(got, want, 1e-6 * want + 64) << name;  // per-collective byte counts are whole numbers
-  }
-  EXPECT_GT(steps, 0) << name;
-}
-
 // The tolerances are expect_equivalent's (train_runs.h): tp changes only the order of sums
 // (row-parallel products split over d_model / tp or F / tp inputs and added over ranks, the
 // loss's row statistics over the vocabulary shards), the rounding that derivation covers.

@@ -183,13 +183,37 @@ inline void expect_activations_as_predicted(const RunResult& r, const std::strin
   EXPECT_EQ(r.summary["mem_activations"].get<double>(), r.summary["mem_activations_predicted"].get<double>()) << name;
 }
 
-// Checkpoints hold whole units: a run of `opts` (6 steps) at layout `saved` on 4 ranks,
+// The busiest rank's memory by tag is the formulas' (the summary's): activations as
+// activation_bytes, params + grads + optimizer state as the ZeRO formula of its share.
+inline void expect_memory_as_predicted(const RunResult& r, const std::string& name) {
+  expect_activations_as_predicted(r, name);
+  EXPECT_EQ(r.summary["mem_model_state"].get<double>(), r.summary["mem_model_state_predicted"].get<double>()) << name;
+}
+
+// Every step's bytes sent over tp are the predicted ones (tp_bytes_per_micro_batch): the
+// mappings run exactly the collectives the design says, no more.
+inline void expect_tp_bytes_as_predicted(const TempDir& d, const std::string& name) {
+  int steps = 0;
+  for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
+    const auto j = nlohmann::json::parse(l);
+    if (j.contains("event")) continue;
+    ++steps;
+    ASSERT_TRUE(j.contains("comm_bytes_tp")) << name << ": " << l;
+    const double got = j["comm_bytes_tp"], want = j["comm_bytes_tp_predicted"];
+    EXPECT_GT(want, 0) << name;
+    EXPECT_NEAR(got, want, 1e-6 * want + 64) << name;  // per-collective byte counts are whole numbers
+  }
+  EXPECT_GT(steps, 0) << name;
+}
+
+// Checkpoints hold whole units: a run of `opts` (6 steps) at layout `saved` on `saved_ranks`,
 // stopped after 3 steps and resumed at each (ranks, layout) of `others`, continues the
 // uninterrupted run to rounding (expect_equivalent), and at `saved` itself bit-exactly; the
 // export of the uninterrupted run's checkpoint holds its parameters.
 inline void expect_resumes_at_other_layouts(const TempDir& d, const std::string& opts, const std::string& saved,
-                                            const std::vector<std::pair<int, std::string>>& others) {
-  RunResult straight = train_run(d, "straight", 4, opts + saved);
+                                            const std::vector<std::pair<int, std::string>>& others,
+                                            int saved_ranks = 4) {
+  RunResult straight = train_run(d, "straight", saved_ranks, opts + saved);
   const RunResult last3{{straight.loss.begin() + 3, straight.loss.end()},
                         {straight.grad_norm.begin() + 3, straight.grad_norm.end()},
                         {},
@@ -198,10 +222,10 @@ inline void expect_resumes_at_other_layouts(const TempDir& d, const std::string&
                         straight.adam_v,
                         straight.config};
   std::vector<std::pair<int, std::string>> layouts = others;
-  layouts.emplace_back(4, saved);
+  layouts.emplace_back(saved_ranks, saved);
   for (const auto& [ranks, layout] : layouts) {
     const std::string name = "resume" + std::to_string(ranks) + (layout == saved ? "same" : "");
-    train_run(d, name, 4, opts + saved + " --training.steps=3");
+    train_run(d, name, saved_ranks, opts + saved + " --training.steps=3");
     std::filesystem::remove(d / (name + ".jsonl"));
     RunResult r = train_run(d, name, ranks, opts + layout + " --checkpoint.resume=true");
     ASSERT_EQ(r.loss.size(), 3u) << name;

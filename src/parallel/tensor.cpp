@@ -95,23 +95,25 @@ void TensorParallel::sum_over_kv_sharers(const Tensor& g, int sharers) {
 }
 
 double tp_bytes_per_micro_batch(const ModelConfig& cfg, const LocalDims& d, int tp, int64_t B, int64_t T,
-                                bool recompute, bool sequence_parallel) {
+                                bool recompute, bool sequence_parallel, const ModelShare& share) {
   if (tp == 1) return 0;
   const double N = tp;
   auto allreduce = [&](double floats) { return 2 * (N - 1) / N * 4 * floats; };
   auto allgather = [&](double floats) { return (N - 1) * 4 * floats; };  // floats: each rank's piece
   const double act = double(B) * T * d.C, rows = double(B) * T;
-  const int L = cfg.n_layer;
-  double bytes = allreduce(act) * (1 + 2 * L * (recompute ? 2 : 1));  // embedding, row-parallel outputs
-  bytes += allreduce(act) * (1 + 2 * L);                               // head and column-parallel inputs (backward)
-  bytes += allgather(rows) + 2 * allreduce(rows);                      // loss: max, sum of exponentials, target
+  int L = share.chunks.empty() ? cfg.n_layer : 0;  // this rank's blocks
+  bool embed = share.chunks.empty(), head = share.chunks.empty();
+  for (const ChunkSpec& ch : share.chunks) L += ch.end_layer - ch.first_layer, embed |= ch.embed, head |= ch.head;
+  double bytes = allreduce(act) * (embed + 2 * L * (recompute ? 2 : 1));  // embedding, row-parallel outputs
+  bytes += allreduce(act) * (head + 2 * L);                              // head and column-parallel inputs (backward)
+  if (head) bytes += allgather(rows) + 2 * allreduce(rows);              // loss: max, sum of exponentials, target
   if (d.kv_sharers > 1) bytes += L * allgather(2.0 * d.NKV * d.D * d.C);
   if (sequence_parallel) {
     const double C = d.C;
     const double block_reps = cfg.is_llama() ? 2 : 6, final_reps = cfg.is_llama() ? 1 : 2;  // weights (and biases)
-    bytes += L * allreduce(block_reps * C) + allreduce(final_reps * C);  // norms' and row-parallel biases' gradients
-    bytes += 2 * L * allgather(act / N);                 // norm outputs gathered again in backward
-    if (!cfg.is_llama()) bytes += allgather(T / N * C);  // the position embedding's gradient rows
+    bytes += L * allreduce(block_reps * C) + head * allreduce(final_reps * C);  // norms' and row-parallel biases' gradients
+    bytes += 2 * L * allgather(act / N);                          // norm outputs gathered again in backward
+    if (!cfg.is_llama() && embed) bytes += allgather(T / N * C);  // the position embedding's gradient rows
   }
   return bytes;
 }

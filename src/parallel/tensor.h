@@ -18,6 +18,7 @@
 // deterministic; it differs from one rank only in how the split sums are rounded.
 #pragma once
 #include "comm/communicator.h"
+#include "nn/model.h"
 #include "nn/tp.h"
 
 namespace mt {
@@ -67,7 +68,10 @@ class TensorParallel final : public TpMappings {
 // reduce-scattered and the head's input gathered), plus the sums of the norms' and the
 // row-parallel biases' gradients and the position embedding's gradient rows, and the
 // gathers of each block's two norm outputs again in backward (kept as [B, T / tp, C]).
+// A pipeline rank (share) counts only its chunks' blocks, the embedding's terms where it
+// holds the first stage and the head's, the loss's and the final norm's where it holds the
+// last (default: the whole model).
 double tp_bytes_per_micro_batch(const ModelConfig& cfg, const LocalDims& d, int tp, int64_t B, int64_t T,
-                                bool recompute, bool sequence_parallel);
+                                bool recompute, bool sequence_parallel, const ModelShare& share = {});
 
 }  // namespace mt

@@ -314,6 +314,20 @@ void Config::validate() const {
   }
 }
 
+namespace {
+
+// The n in [lo, hi] for which ok(n) holds, as "2, 3 or 6" ("" if none).
+std::string values_where(int lo, int hi, const std::function<bool(int)>& ok) {
+  std::vector<int> v;
+  for (int n = lo; n <= hi; ++n)
+    if (ok(n)) v.push_back(n);
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i == 0 ? "" : i + 1 == v.size() ? " or " : ", ") + std::to_string(v[i]);
+  return out;
+}
+
+}  // namespace
+
 // Context parallelism cuts every sequence into 2 cp chunks (two per rank, one early and one
 // late); under sequence parallelism each rank's T / cp positions split tp ways again.
 void Config::check_context_parallel() const {
@@ -351,9 +365,11 @@ void Config::resolve_layout(int world_size) {
                           << " ranks (meshtrain launch -n " << parallel.dp * tp_pp << ") or set parallel.dp="
                           << std::max(1, world_size / tp_pp));
   if (training.micro_batch == 0) {
-    MT_CHECK(training.global_batch % parallel.dp == 0, "training.global_batch = " << training.global_batch
-                                                                                 << " is not divisible by parallel.dp = "
-                                                                                 << parallel.dp);
+    const int64_t below = training.global_batch / parallel.dp * parallel.dp;
+    MT_CHECK(training.global_batch % parallel.dp == 0,
+             "training.global_batch = " << training.global_batch << " is not divisible by parallel.dp = " << parallel.dp
+                                        << "; set training.global_batch="
+                                        << (below > 0 ? std::to_string(below) + " or " : "") << below + parallel.dp);
     const int64_t per_rank = training.global_batch / parallel.dp;
     training.micro_batch = per_rank;
     // A pipeline needs micro-batches to overlap: the largest micro-batch giving at least
@@ -375,14 +391,27 @@ void Config::resolve_layout(int world_size) {
   const char* data_name = parallel.cp > 1 ? "dp x cp" : "dp";
   if (!sh.empty()) parallel.zero = sh == "NO_SHARD" ? 0 : sh == "SHARD_GRAD_OP" ? 2 : 3;
   if (sh == "HYBRID_SHARD") {
-    MT_CHECK(parallel.shard_group > 1 && parallel.shard_group < data && data % parallel.shard_group == 0,
+    const int dp = data;  // the ranks that reduce gradients together (dp x cp)
+    auto hybrid = [](int n, int g) { return g > 1 && g < n && n % g == 0; };
+    const std::string groups = values_where(2, dp - 1, [&](int g) { return hybrid(dp, g); });
+    int more = dp + 1;  // the smallest dp with a hybrid shard group
+    while (values_where(2, more - 1, [&](int g) { return hybrid(more, g); }).empty()) ++more;
+    MT_CHECK(hybrid(dp, parallel.shard_group),
              "parallel.sharding = HYBRID_SHARD needs parallel.shard_group between 2 and " << data_name << " - 1 dividing "
-                 << data_name << " = " << data << " (got " << parallel.shard_group << ")");
+                 << data_name << " = " << dp << " (got " << parallel.shard_group << "); "
+                 << (!groups.empty() ? "set parallel.shard_group=" + groups
+                                     : std::string(data_name) + " = " + std::to_string(dp) + " has none: use " +
+                                           "parallel.sharding=FULL_SHARD (one shard group of all its ranks), or " +
+                                           "launch " + std::to_string(more * parallel.tp * parallel.pp) + " ranks for " +
+                                           data_name + " = " + std::to_string(more) + " (ranks / (parallel.tp x " +
+                                           "parallel.pp))"));
   } else if (parallel.shard_group == 0) {
     parallel.shard_group = data;
   }
-  MT_CHECK(data % parallel.shard_group == 0, "parallel.shard_group = " << parallel.shard_group << " does not divide "
-                                                                       << data_name << " = " << data);
+  MT_CHECK(data % parallel.shard_group == 0,
+           "parallel.shard_group = " << parallel.shard_group << " does not divide " << data_name << " = " << data
+                                     << "; parallel.shard_group can be "
+                                     << values_where(1, data, [&](int g) { return data % g == 0; }));
   MT_CHECK(training.global_batch % per_step == 0,
            "training.global_batch = " << training.global_batch << " is not divisible by parallel.dp x training.micro_batch = "
                                       << parallel.dp << " x " << training.micro_batch << " = " << per_step
@@ -402,10 +431,19 @@ void Config::resolve_layout(int world_size) {
                                       << "; set training.global_batch=" << int64_t{issue->use} * per_step
                                       << " for " << issue->use << " micro-batches");
   }
-  MT_CHECK(model.n_layer >= parallel.pp * parallel.pp_chunks,
-           "model.n_layer = " << model.n_layer << " is fewer than parallel.pp x parallel.pp_chunks = " << parallel.pp
-                              << " x " << parallel.pp_chunks
-                              << " stages: every stage needs a block; lower parallel.pp_chunks or parallel.pp");
+  if (model.n_layer < parallel.pp * parallel.pp_chunks) {  // the nearest layouts with a block per stage
+    const int L = model.n_layer, v = L / parallel.pp, p = L / parallel.pp_chunks;
+    auto takes = [&](int pp, int chunks) {
+      const auto issue = schedule_layout_issue(parallel.pp_schedule, pp, chunks, m);
+      return !issue || issue->knob != LayoutIssue::chunks;
+    };
+    std::string fix;
+    if (v >= 1 && takes(parallel.pp, v)) fix += "parallel.pp_chunks=" + std::to_string(v);
+    if (p >= 1 && takes(p, parallel.pp_chunks)) fix += std::string(fix.empty() ? "" : ", ") + "parallel.pp=" + std::to_string(p);
+    MT_FAIL("model.n_layer = " << L << " is fewer than parallel.pp x parallel.pp_chunks = " << parallel.pp << " x "
+                               << parallel.pp_chunks << " stages: every stage needs a block; set " << fix
+                               << (fix.empty() ? "" : " or ") << "model.n_layer=" << parallel.pp * parallel.pp_chunks);
+  }
   check_pipeline();
 }
 

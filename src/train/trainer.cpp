@@ -357,7 +357,7 @@ double tp_bytes_per_step(const Run& run) {
   // and the gradient norm's per-unit sums of squares, gathered from every tp rank
   const double norm = 8.0 * run.model.units().size() * (run.tp.size() - 1);
   return norm + n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, run.model.dims().T,
-                                                   c.training.recompute, c.parallel.sequence_parallel);
+                                                   c.training.recompute, c.parallel.sequence_parallel, run.model.share());
 }
 
 // The bytes a cp rank sends per optimizer step: per block and micro-batch the ring passes
