@@ -142,8 +142,9 @@ void print_text(const nlohmann::json& j) {
                      std::to_string(o.value("steps_taken", int64_t{0})) + " steps taken");
     const auto& L = j["layout"];
     const int world = L["world_size"].get<int>();
-    std::string lay = std::to_string(world) + (world == 1 ? " rank" : " ranks") + ": dp " + L["dp"].dump() + " x tp " +
-                      L["tp"].dump() + " x pp " + L["pp"].dump();
+    std::string lay = std::to_string(world) + (world == 1 ? " rank" : " ranks") + ": dp " + L["dp"].dump();
+    if (L.value("cp", 1) > 1) lay += " x cp " + L["cp"].dump();  // context parallelism, where the configuration has it
+    lay += " x tp " + L["tp"].dump() + " x pp " + L["pp"].dump();
     if (L["pp"].get<int>() > 1) lay += " (" + L["pp_schedule"].get<std::string>() + ", " + L["pp_chunks"].dump() + " chunks per rank)";
     lay += ", ZeRO " + L["zero"].dump();
     if (!L["sharding"].get<std::string>().empty()) lay += " (" + L["sharding"].get<std::string>() + ")";

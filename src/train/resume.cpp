@@ -43,14 +43,18 @@ std::vector<std::string> allowed_changes(const std::string& list) {
   return keys;
 }
 
-// "8 ranks = dp 2 x tp 2 x pp 2 (1f1b), ZeRO 1, micro-batch 1"
-std::string layout_text(const ParallelConfig& p, int world_size, int64_t micro) {
-  std::string s = std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") + " = dp " + std::to_string(p.dp) +
-                  " x tp " + std::to_string(p.tp) + " x pp " + std::to_string(p.pp);
-  if (p.pp > 1)
-    s += " (" + p.pp_schedule + (p.pp_chunks > 1 ? ", " + std::to_string(p.pp_chunks) + " chunks per rank" : "") + ")";
-  if (p.zero > 0) s += ", ZeRO " + std::to_string(p.zero);
-  return s + ", micro-batch " + std::to_string(micro);
+// "8 ranks = dp 2 x tp 2 x pp 2 (1f1b), ZeRO 1, micro-batch 1". Context parallelism is read
+// through the keys (parallel.cp, where the configuration has it) and named when it splits.
+std::string layout_text(const Config& c, int world_size) {
+  const nlohmann::json p = config_to_json(c)["parallel"];
+  std::string s = std::to_string(world_size) + (world_size == 1 ? " rank" : " ranks") + " = dp " + p["dp"].dump();
+  if (p.value("cp", 1) > 1) s += " x cp " + p["cp"].dump();
+  s += " x tp " + p["tp"].dump() + " x pp " + p["pp"].dump();
+  if (c.parallel.pp > 1)
+    s += " (" + c.parallel.pp_schedule +
+         (c.parallel.pp_chunks > 1 ? ", " + std::to_string(c.parallel.pp_chunks) + " chunks per rank" : "") + ")";
+  if (c.parallel.zero > 0) s += ", ZeRO " + std::to_string(c.parallel.zero);
+  return s + ", micro-batch " + std::to_string(c.training.micro_batch);
 }
 
 // The keys that must match and differ, as "key = saved (this run: value)", and any key
@@ -158,8 +162,7 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
   fit_micro_batch(cfg, world_size, saved.training.micro_batch, notes);
 
   const int saved_world = meta.value("world_size", 1);
-  const std::string was = layout_text(saved.parallel, saved_world, saved.training.micro_batch);
-  const std::string is = layout_text(cfg.parallel, world_size, cfg.training.micro_batch);
+  const std::string was = layout_text(saved, saved_world), is = layout_text(cfg, world_size);
   if (was != is) {
     const int64_t G = cfg.training.global_batch, M = cfg.training.micro_batch;
     const int64_t n = G / (int64_t{cfg.parallel.dp} * M), step = meta.at("step").get<int64_t>();
