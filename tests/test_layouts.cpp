@@ -205,7 +205,7 @@ TEST(LayoutsRefused, NamingTheKeysAndTheNearestValues) {
        "set parallel.pp=2 or model.n_layer=8"},
       {8, tp_pp(2, 2, "1f1b") + " --training.global_batch=7",
        "training.global_batch = 7 is not divisible by parallel.dp = 2; set training.global_batch=6 or 8"},
-      {6, tp_pp(2, 2, "1f1b"), "the job has 6 ranks, not a multiple of parallel.tp x parallel.pp = 4; launch a multiple of 4 ranks"},
+      {6, tp_pp(2, 2, "1f1b"), "the job has 6 ranks, not a multiple of parallel.tp x parallel.pp x parallel.cp = 4; launch a multiple of 4 ranks"},
       {8, tp_pp(2, 2, "1f1b") + " --parallel.sharding=HYBRID_SHARD",
        "dp = 2 has none: use parallel.sharding=FULL_SHARD (one shard group of all its ranks), or launch 16 ranks for dp = 4"},
       {8, " --parallel.tp=2 --parallel.sharding=HYBRID_SHARD --parallel.shard_group=4",
