@@ -76,16 +76,7 @@ class CpFamily : public ::testing::TestWithParam<std::string> {};
 // trainer): keys/values cp - 1 times each way (forward twice with recomputation), their
 // gradients cp times, nothing more.
 void expect_cp_bytes_as_predicted(const TempDir& d, const std::string& name) {
-  int steps = 0;
-  for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
-    const auto j = nlohmann::json::parse(l);
-    if (j.contains("event")) continue;
-    ++steps;
-    ASSERT_TRUE(j.contains("comm_bytes_cp")) << name << ": " << l;
-    EXPECT_GT(j["comm_bytes_cp_predicted"].get<double>(), 0) << name;
-    EXPECT_EQ(j["comm_bytes_cp"].get<double>(), j["comm_bytes_cp_predicted"].get<double>()) << name;
-  }
-  EXPECT_GT(steps, 0) << name;
+  expect_comm_bytes_as_predicted(d, name, "cp", 0, 0);  // exactly
 }
 
 // cp alone at 2 and 4 (Llama with grouped-query heads: 4 query heads on 2 key/value heads),
@@ -178,9 +169,7 @@ TEST(ContextParallel, LayoutsThatCannotSplitAreRefused) {
               0)
         << opts;
     EXPECT_NE(out.find(want), std::string::npos) << opts << "\n" << out;
-    size_t errors = 0;  // printed once, not by every rank
-    for (size_t at = out.find("error:"); at != std::string::npos; at = out.find("error:", at + 1)) ++errors;
-    EXPECT_EQ(errors, 1u) << opts << "\n" << out;
+    expect_one_error(out, opts);
   }
 }
 

@@ -221,9 +221,7 @@ TEST(LayoutsRefused, NamingTheKeysAndTheNearestValues) {
                                &out);
     EXPECT_NE(rc, 0) << keys;
     EXPECT_NE(out.find(want), std::string::npos) << keys << "\n" << out;
-    size_t errors = 0;  // printed once, not by every rank
-    for (size_t at = out.find("error:"); at != std::string::npos; at = out.find("error:", at + 1)) ++errors;
-    EXPECT_EQ(errors, 1u) << keys << "\n" << out;
+    expect_one_error(out, keys);
     EXPECT_FALSE(std::filesystem::exists(metrics)) << keys << ": refused after the run had started";
   }
 }

@@ -100,9 +100,7 @@ TEST(Tp, LayoutsThatCannotSplitAreRefused) {
                                &out);
     EXPECT_NE(rc, 0) << opts;
     for (const std::string& want : wants) EXPECT_NE(out.find(want), std::string::npos) << opts << "\n" << out;
-    size_t errors = 0;  // printed once, not by every rank
-    for (size_t at = out.find("error:"); at != std::string::npos; at = out.find("error:", at + 1)) ++errors;
-    EXPECT_EQ(errors, 1u) << opts << "\n" << out;
+    expect_one_error(out, opts);
   }
 }
 

@@ -190,20 +190,35 @@ inline void expect_memory_as_predicted(const RunResult& r, const std::string& na
   EXPECT_EQ(r.summary["mem_model_state"].get<double>(), r.summary["mem_model_state_predicted"].get<double>()) << name;
 }
 
-// Every step's bytes sent over tp are the predicted ones (tp_bytes_per_micro_batch): the
-// mappings run exactly the collectives the design says, no more.
-inline void expect_tp_bytes_as_predicted(const TempDir& d, const std::string& name) {
+// Every step's comm_bytes_<axis> of run `name` is its comm_bytes_<axis>_predicted, within
+// rel x predicted + abs bytes.
+inline void expect_comm_bytes_as_predicted(const TempDir& d, const std::string& name, const std::string& axis,
+                                           double rel, double abs) {
   int steps = 0;
+  const std::string key = "comm_bytes_" + axis;
   for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
     const auto j = nlohmann::json::parse(l);
     if (j.contains("event")) continue;
     ++steps;
-    ASSERT_TRUE(j.contains("comm_bytes_tp")) << name << ": " << l;
-    const double got = j["comm_bytes_tp"], want = j["comm_bytes_tp_predicted"];
+    ASSERT_TRUE(j.contains(key)) << name << ": " << l;
+    const double got = j[key], want = j[key + "_predicted"];
     EXPECT_GT(want, 0) << name;
-    EXPECT_NEAR(got, want, 1e-6 * want + 64) << name;  // per-collective byte counts are whole numbers
+    EXPECT_NEAR(got, want, rel * want + abs) << name;
   }
   EXPECT_GT(steps, 0) << name;
+}
+
+// Every step's bytes sent over tp are the predicted ones (tp_bytes_per_micro_batch): the
+// mappings run exactly the collectives the design says, no more.
+inline void expect_tp_bytes_as_predicted(const TempDir& d, const std::string& name) {
+  expect_comm_bytes_as_predicted(d, name, "tp", 1e-6, 64);  // per-collective byte counts are whole numbers
+}
+
+// A refused run printed its error once, not once per rank.
+inline void expect_one_error(const std::string& out, const std::string& what) {
+  size_t errors = 0;
+  for (size_t at = out.find("error:"); at != std::string::npos; at = out.find("error:", at + 1)) ++errors;
+  EXPECT_EQ(errors, 1u) << what << "\n" << out;
 }
 
 // Checkpoints hold whole units: a run of `opts` (6 steps) at layout `saved` on `saved_ranks`,

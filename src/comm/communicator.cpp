@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "core/error.h"
 #include "core/half.h"
@@ -462,6 +463,22 @@ std::unique_ptr<Communicator::Transfer> Communicator::post_recv(const Tensor& t,
   MT_CHECK(peer >= 0 && peer < size_ && peer != rank_ && tag >= 0 && tag <= kMaxPostTag,
            "internal: posted receive from rank " << peer << " of group '" << name_ << "' with tag " << tag);
   return start({}, {{t.raw(), t.nbytes(), peer}}, kPostedTag + tag);
+}
+
+bool Communicator::Transfer::wait_for(double timeout_s) {
+  const double t0 = now_seconds();
+  int64_t us = 5;
+  while (!test()) {
+    const double waited = now_seconds() - t0;
+    if (timeout_s > 0 && waited > timeout_s) return false;
+    if (waited < 1e-4) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(us));
+    us = std::min<int64_t>(2 * us, 200);
+  }
+  return true;
 }
 
 void Communicator::barrier() { barrier_with(1); }

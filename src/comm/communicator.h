@@ -134,6 +134,11 @@ class Communicator {
    public:
     virtual ~Transfer() = default;
     virtual bool test() = 0;  // true once every message has completed; throws on failure
+    // Polls test() until it is true (returns true) or timeout_s passes (false; 0: never).
+    // Yields the core for the first 100 us (a neighbour's message is usually that close),
+    // then sleeps in naps growing to 200 us, so that a rank waiting through a long bubble
+    // leaves its core to others.
+    bool wait_for(double timeout_s);
   };
   static constexpr int kMaxPostTag = 32000;
   std::unique_ptr<Transfer> post_send(const Tensor& t, int peer, int tag);

@@ -15,10 +15,6 @@ namespace {
 // Tags of the ring's messages: forward keys/values, backward keys/values, their gradients.
 constexpr int kKeys = 0, kKeysAgain = 1, kKeyGrads = 2;
 
-double seconds_now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 }  // namespace
 
 // One ring pass: the geometry of the local sequence and the key/value columns of its rows.
@@ -53,26 +49,14 @@ Tensor ContextParallel::buffer(int i, int64_t n) {
 }
 
 void ContextParallel::wait(Communicator::Transfer& t, const char* what, int peer) {
-  const double t0 = seconds_now();
-  int64_t us = 5;
-  while (!t.test()) {
-    const double waited = seconds_now() - t0;
-    if (timeout_s_ > 0 && waited > timeout_s_) {
-      std::fprintf(stderr,
-                   "meshtrain: rank %d: error: context-parallel rank %d has waited %.0f s for %s rank %d of its cp "
-                   "group (parallel.timeout_s = %g); that rank is stuck or dead\n",
-                   cp_.world_rank(), cp_.rank(), waited, what, peer, timeout_s_);
-      std::fflush(stderr);
-      std::this_thread::sleep_for(std::chrono::seconds(2));  // let the other ranks say what they wait for
-      cp_.abort_job(3);
-    }
-    if (waited < 1e-4) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(us));
-      us = std::min<int64_t>(2 * us, 200);
-    }
-  }
+  if (t.wait_for(timeout_s_)) return;
+  std::fprintf(stderr,
+               "meshtrain: rank %d: error: context-parallel rank %d has waited %.0f s for %s rank %d of its cp group "
+               "(parallel.timeout_s = %g); that rank is stuck or dead\n",
+               cp_.world_rank(), cp_.rank(), timeout_s_, what, peer, timeout_s_);
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // let the other ranks say what they wait for
+  cp_.abort_job(3);
 }
 
 void ContextParallel::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head,

@@ -270,15 +270,6 @@ Pipeline::~Pipeline() {
 
 namespace {
 
-// Waiting for a message: yield the core for the first 100 us (a neighbour's message is
-// usually that close), then sleep in naps growing to 200 us, so that a rank waiting
-// through a long bubble leaves its core to others.
-void nap(double since, int64_t& us) {
-  if (now_seconds() - since < 1e-4) return std::this_thread::yield();
-  std::this_thread::sleep_for(std::chrono::microseconds(us));
-  us = std::min<int64_t>(2 * us, 200);
-}
-
 // Tag of a transfer: its kind, micro-batch and the stage it goes to. Lists that send every
 // hop's micro-batches in order (forward only: validation) leave the micro-batch out: messages
 // of one tag arrive in order, and validation may run more micro-batches than tags allow.
@@ -292,23 +283,16 @@ int transfer_tag(const PipeLayout& lay, int rank, const Action& a, bool in_order
 }  // namespace
 
 void Pipeline::wait(Communicator::Transfer& t, const Action& a, const char* what) {
-  const double t0 = now_seconds();
-  int64_t us = 5;
-  while (!t.test()) {
-    const double waited = now_seconds() - t0;
-    if (timeout_s_ > 0 && waited > timeout_s_) {
-      const int rank = pp_.rank();
-      std::fprintf(stderr,
-                   "meshtrain: rank %d: error: pipeline rank %d (stage %d, chunk %d) has waited %.0f s for %s: %s "
-                   "(parallel.timeout_s = %g); that rank is stuck, dead, or runs another schedule\n",
-                   pp_.world_rank(), rank, schedule_.layout.stage(rank, a.chunk), a.chunk, waited, what,
-                   action_describe(a).c_str(), timeout_s_);
-      std::fflush(stderr);
-      std::this_thread::sleep_for(std::chrono::seconds(2));  // let the other ranks say what they wait for
-      pp_.abort_job(3);
-    }
-    nap(t0, us);
-  }
+  if (t.wait_for(timeout_s_)) return;
+  const int rank = pp_.rank();
+  std::fprintf(stderr,
+               "meshtrain: rank %d: error: pipeline rank %d (stage %d, chunk %d) has waited %.0f s for %s: %s "
+               "(parallel.timeout_s = %g); that rank is stuck, dead, or runs another schedule\n",
+               pp_.world_rank(), rank, schedule_.layout.stage(rank, a.chunk), a.chunk, timeout_s_, what,
+               action_describe(a).c_str(), timeout_s_);
+  std::fflush(stderr);
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // let the other ranks say what they wait for
+  pp_.abort_job(3);
 }
 
 void Pipeline::post_send(const Tensor& t, const Action& a, int tag) {
