@@ -1,0 +1,100 @@
+#include "plan/plan.h"
+
+#include <sstream>
+
+#include "core/error.h"
+
+namespace mt::plan {
+
+Precisions Precisions::of(const std::string& name, bool grad_working) {
+  Precisions p;
+  p.name = name;
+  if (name == "fp32") {
+    MT_CHECK(!grad_working, "precision fp32 keeps gradients in fp32; grad_dtype = bf16 needs precision bf16 or fp16");
+    return p;
+  }
+  MT_CHECK(name == "bf16" || name == "fp16", "precision = " << name << ": use fp32, bf16 or fp16");
+  p.param = 2, p.activation = 2, p.master = 4, p.moment = 4;
+  p.grad = grad_working ? 2 : 4;
+  return p;
+}
+
+std::string Layout::text() const {
+  std::ostringstream s;
+  s << "dp=" << dp << ",tp=" << tp << ",pp=" << pp << ",cp=" << cp << ",v=" << chunks << ",schedule=" << schedule
+    << ",zero=" << zero;
+  if (shard_group > 0) s << ",shard_group=" << shard_group;
+  s << ",sp=" << (sequence_parallel ? 1 : 0) << ",recompute=" << recompute << ",mb=" << micro_batch
+    << ",gb=" << global_batch;
+  return s.str();
+}
+
+namespace {
+
+int64_t parse_int(const std::string& key, const std::string& value, int64_t least) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  MT_CHECK(used == value.size() && !value.empty() && v >= least,
+           "--layout " << key << "=" << value << ": expected a whole number of at least " << least);
+  return v;
+}
+
+}  // namespace
+
+Layout layout_parse(const std::string& text, Layout base) {
+  std::istringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    MT_CHECK(eq != std::string::npos, "--layout: '" << item << "' is not key=value (for example tp=8,pp=4,dp=2)");
+    std::string key = item.substr(0, eq);
+    const std::string value = item.substr(eq + 1);
+    if (key == "chunks" || key == "pp_chunks") key = "v";
+    if (key == "micro_batch") key = "mb";
+    if (key == "global_batch") key = "gb";
+    if (key == "sequence_parallel") key = "sp";
+    if (key == "pp_schedule") key = "schedule";
+    if (key == "dp") base.dp = static_cast<int>(parse_int(key, value, 1));
+    else if (key == "tp") base.tp = static_cast<int>(parse_int(key, value, 1));
+    else if (key == "pp") base.pp = static_cast<int>(parse_int(key, value, 1));
+    else if (key == "cp") base.cp = static_cast<int>(parse_int(key, value, 1));
+    else if (key == "v") base.chunks = static_cast<int>(parse_int(key, value, 1));
+    else if (key == "zero") {
+      base.zero = static_cast<int>(parse_int(key, value, 0));
+      MT_CHECK(base.zero <= 3, "--layout zero=" << value << ": ZeRO stages are 0 (DDP), 1, 2 and 3");
+    } else if (key == "shard_group") base.shard_group = static_cast<int>(parse_int(key, value, 0));
+    else if (key == "mb") base.micro_batch = parse_int(key, value, 1);
+    else if (key == "gb") base.global_batch = parse_int(key, value, 1);
+    else if (key == "sp") {
+      MT_CHECK(value == "0" || value == "1" || value == "true" || value == "false",
+               "--layout sp=" << value << ": use 1 or 0");
+      base.sequence_parallel = value == "1" || value == "true";
+    } else if (key == "recompute") {
+      MT_CHECK(value == "none" || value == "selective" || value == "full",
+               "--layout recompute=" << value << ": use none, selective or full");
+      base.recompute = value;
+    } else if (key == "schedule") {
+      base.schedule = value;
+    } else {
+      MT_FAIL("--layout: unknown key '" << key
+                                        << "'; keys: dp, tp, pp, cp, v, schedule, zero, shard_group, sp, recompute, "
+                                           "mb, gb");
+    }
+    base.named.insert(key);
+  }
+  return base;
+}
+
+double Hardware::flops(const std::string& precision) const {
+  if (precision == "bf16") return flops_bf16;
+  if (precision == "fp16") return flops_fp16;
+  return flops_fp32;
+}
+
+}  // namespace mt::plan
