@@ -192,7 +192,10 @@ PipelineRun pipeline_run(const std::string& schedule, int pp, int chunks, int mi
            "internal: stage costs for " << costs.f.size() << " stages and " << costs.rank_start.size()
                                         << " ranks; the schedule has " << L.stages() << " and " << pp);
   const int n = plan->offset[pp];
-  std::vector<double> start(n), end(n), prev(costs.rank_start);
+  // Reused between calls (a big pipeline's fresh buffers cost more in page faults than the pass).
+  static thread_local std::vector<double> start, end;
+  start.resize(std::max<size_t>(start.size(), n)), end.resize(std::max<size_t>(end.size(), n));
+  std::vector<double> prev(costs.rank_start);
   PipelineRun run;
   run.busy.assign(pp, 0);
   for (const SimPlan::Step& step : plan->order) {
