@@ -4,8 +4,8 @@
 // Every count is one rank's bytes sent, the way Communicator::bytes_sent counts them (an
 // all-reduce of n bytes over N ranks 2 (N - 1) / N n, a reduce-scatter (N - 1) / N n, an
 // all-gather (N - 1) n of its n-byte piece, a point-to-point send its bytes): the
-// nccl-tests bus-bandwidth factors are inside the bytes, so a collective's time is its
-// bytes over the link's bus bandwidth. Ranks differ (a pipeline rank holds its stages, the
+// bus-bandwidth factors are inside the bytes, so a collective's time is its bytes over the
+// link's bus bandwidth. Ranks differ (a pipeline rank holds its stages, the
 // first the embedding, the last the head): comm_bytes_rank counts one pipeline rank,
 // comm_bytes the most any rank sends on each axis.
 //
