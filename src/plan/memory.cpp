@@ -1,0 +1,543 @@
+#include "plan/memory.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "core/error.h"
+#include "nn/model.h"
+#include "nn/tp.h"
+#include "parallel/pipeline.h"
+#include "parallel/schedule.h"
+
+namespace mt::plan {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A staging buffer of n elements of `bytes` each, in bytes: the engine sizes it in whole
+// 4-byte words (Communicator::staging).
+double staging_bytes(double n, double bytes) { return 4 * std::ceil(n * bytes / 4); }
+
+// ---- The pipeline schedule's facts --------------------------------------------------------
+
+// The copies of sent messages rank by rank that are live at once, at the bound where every
+// reader is as late as the schedule allows: a send's copy is free once the sender has heard
+// back from the action that reads it (Pipeline::post_send reuses a completed send's copy;
+// a message is complete once read). Knowledge travels with messages: vector clocks over a
+// replay of the lists, a compute action taking in the clock of the send it reads.
+std::vector<int> send_copies(const Schedule& s) {
+  const PipeLayout& L = s.layout;
+  const int P = L.pp;
+  // The compute action that reads each receive: (gradient?, micro-batch, chunk) -> index.
+  std::vector<std::map<std::tuple<bool, int, int>, int>> reader(P);
+  for (int r = 0; r < P; ++r)
+    for (int i = 0; i < static_cast<int>(s.ranks[r].size()); ++i) {
+      const Action& a = s.ranks[r][i];
+      if (a.kind == Action::F) reader[r][{false, a.micro, a.chunk}] = i;
+      if (a.kind == Action::B || a.kind == Action::BI) reader[r][{true, a.micro, a.chunk}] = i;
+    }
+  std::vector<std::vector<int>> clock(P, std::vector<int>(P, 0));  // [rank][rank q]: q's actions known done
+  std::map<std::pair<int, int>, std::vector<int>> send_clock;      // (rank, index) of a send -> its clock
+  std::vector<std::map<int, std::vector<int>>> arriving(P);        // [rank]: reader index -> sender's clock
+  struct Pending {
+    int peer, read_at;  // the reading action, on rank peer
+  };
+  std::vector<std::vector<Pending>> pending(P);
+  std::vector<int> most(P, 0);
+  schedule_replay(s, [&](ActionRef at, const ActionRef* send) {
+    const Action& a = s.ranks[at.rank][at.index];
+    std::vector<int>& c = clock[at.rank];
+    if (a.is_recv()) {
+      const int reads = reader[at.rank].at({a.kind == Action::RECV_GRAD, a.micro, a.chunk});
+      arriving[at.rank][reads] = send_clock.at({send->rank, send->index});
+    }
+    if (auto it = arriving[at.rank].find(at.index); a.is_compute() && it != arriving[at.rank].end()) {
+      for (int q = 0; q < P; ++q) c[q] = std::max(c[q], it->second[q]);
+      arriving[at.rank].erase(it);
+    }
+    c[at.rank] = at.index + 1;
+    if (!a.is_send()) return;
+    send_clock[{at.rank, at.index}] = c;
+    const int st = L.stage(at.rank, a.chunk), to = a.kind == Action::SEND_ACT ? st + 1 : st - 1;
+    const int peer = L.rank_of(to);
+    const int read_at = reader[peer].at({a.kind == Action::SEND_GRAD, a.micro, L.chunk_of(to)});
+    std::vector<Pending>& live = pending[at.rank];
+    std::erase_if(live, [&](const Pending& p) { return c[p.peer] > p.read_at; });
+    live.push_back({peer, read_at});
+    most[at.rank] = std::max(most[at.rank], static_cast<int>(live.size()));
+  });
+  return most;
+}
+
+// What the schedule of a layout gives every rank, computed once per (schedule, P, v, m).
+struct PipeFacts {
+  Schedule schedule;
+  std::vector<std::vector<int>> slots;  // [rank][chunk]: micro-batches whose activations it keeps at once
+  bool split_backward = false;          // BI and BW (the zero-bubble schedules)
+  std::vector<int> sends;               // [rank]: send copies live at once
+};
+
+std::shared_ptr<const PipeFacts> pipe_facts(const std::string& name, int P, int v, int m) {
+  static std::mutex mu;
+  static std::map<std::tuple<std::string, int, int, int>, std::shared_ptr<const PipeFacts>> cache;
+  const auto key = std::make_tuple(name, P, v, m);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(key); it != cache.end()) return it->second;
+  }
+  auto f = std::make_shared<PipeFacts>();
+  f->schedule = schedule_make(name, P, v, m);
+  for (int r = 0; r < P; ++r) f->slots.push_back(schedule_slots(f->schedule, r));
+  for (const std::vector<Action>& list : f->schedule.ranks)
+    for (const Action& a : list) f->split_backward |= a.kind == Action::BI;
+  f->sends = P > 1 ? send_copies(f->schedule) : std::vector<int>(1, 0);
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() > 4096) cache.clear();  // a search visits many layouts; facts are cheap to redo
+  return cache.emplace(key, std::move(f)).first->second;
+}
+
+// ---- The layout as the engine sets it up --------------------------------------------------
+
+struct Setup {
+  ModelConfig cfg;
+  Layout lay;
+  Precisions prec;
+  MemoryKnobs knobs;
+  double moments = 2;        // optimizer moments per element (adamw m and v; sgd momentum)
+  LocalDims d;               // this tp rank's dimensions; d.T = seq_len / cp, d.seq_split
+  int64_t B = 1;             // micro-batch
+  bool full = false;         // training.recompute
+  bool selective = false;    // attention scores recomputed: no T x T tensor kept
+  int N = 1, R = 1;          // ZeRO's shard group and its replicas (dp x cp = N R)
+  std::vector<Unit> units;   // tp rank 0's units, all held
+  std::vector<int> layers;   // blocks per virtual stage
+  std::shared_ptr<const PipeFacts> pipe;
+  int L() const { return cfg.n_layer; }
+};
+
+Setup setup(const ModelConfig& model, const Layout& lay, const Precisions& prec, const std::string& optim,
+            const MemoryKnobs& knobs) {
+  Setup s;
+  s.cfg = model, s.lay = lay, s.prec = prec, s.knobs = knobs;
+  MT_CHECK(optim == "adamw" || optim == "sgd", "optim.name = \"" << optim << "\" is not an optimizer; use adamw or sgd");
+  s.moments = optim == "adamw" ? 2 : 1;
+  MT_CHECK(lay.dp >= 1 && lay.tp >= 1 && lay.pp >= 1 && lay.cp >= 1 && lay.micro_batch >= 1,
+           "layout " << lay.text() << ": every size must be at least 1");
+  MT_CHECK(lay.global_batch % (int64_t{lay.dp} * lay.micro_batch) == 0,
+           "training.global_batch = " << lay.global_batch << " is not a multiple of dp x micro_batch = "
+                                      << int64_t{lay.dp} * lay.micro_batch);
+  MT_CHECK(lay.recompute == "none" || lay.recompute == "selective" || lay.recompute == "full",
+           "recompute = " << lay.recompute << ": use none, selective or full");
+  s.B = lay.micro_batch;
+  s.full = lay.recompute == "full";
+  s.selective = lay.recompute == "selective";
+  s.units = model_layout(model, TpShard{lay.tp, 0});  // validates the model and the tp split
+  s.d = local_dims(model, TpShard{lay.tp, 0});
+  MT_CHECK(lay.cp == 1 || model.seq_len % (2 * lay.cp) == 0,
+           "model.seq_len = " << model.seq_len << " does not split into 2 x parallel.cp = " << 2 * lay.cp << " chunks");
+  s.d.T = model.seq_len / lay.cp;
+  if (lay.sequence_parallel && lay.tp > 1) {
+    s.d.seq_split = lay.tp;
+    MT_CHECK(s.d.T % lay.tp == 0, "model.seq_len = " << model.seq_len << " (" << s.d.T << " positions per parallel.cp "
+                                                     << "rank) does not split over parallel.tp = " << lay.tp
+                                                     << " ranks for parallel.sequence_parallel");
+  }
+  const int data = lay.dp * lay.cp;  // the ranks that reduce gradients together
+  if (lay.zero > 0) {
+    s.N = lay.shard();
+    MT_CHECK(s.N >= 1 && data % s.N == 0, "parallel.shard_group = " << s.N << " does not divide dp x cp = " << data);
+    s.R = data / s.N;
+  } else {
+    s.R = data;  // DDP: one copy per rank
+  }
+  const int v = lay.chunks <= 1 && !lay.named.count("v") ? schedule_default_chunks(lay.schedule) : lay.chunks;
+  s.pipe = pipe_facts(lay.schedule, lay.pp, v, static_cast<int>(lay.micro_batches()));
+  MT_CHECK(!(s.full && s.pipe->split_backward),
+           "training.recompute=true cannot run with parallel.pp_schedule = "
+               << lay.schedule << ": its split backward runs the weight half after the activations are gone; use "
+               << "1f1b or interleaved, or recompute=false");
+  s.layers = pipeline_layers(model, s.pipe->schedule.layout, knobs.pp_layers);
+  return s;
+}
+
+// What pp rank `rank` holds: its chunks (layers, embedding, head, slots) and, per unit, the
+// elements it keeps (0: another stage's unit), as Model's constructor decides.
+struct RankShare {
+  ModelShare share;
+  std::vector<int64_t> numel;
+  bool embeds = false;  // a chunk is stage 0 (the embedding's own copy)
+};
+
+RankShare rank_share(const Setup& s, int rank) {
+  const PipeLayout& lay = s.pipe->schedule.layout;
+  std::vector<int> begin(lay.stages() + 1, 0);
+  for (int st = 0; st < lay.stages(); ++st) begin[st + 1] = begin[st] + s.layers[st];
+  RankShare r;
+  r.share.split_backward = s.pipe->split_backward;
+  std::vector<bool> held(s.units.size(), false);
+  for (int c = 0; c < lay.chunks; ++c) {
+    const int st = lay.stage(rank, c);
+    const ChunkSpec ch{begin[st], begin[st + 1], st == 0, st == lay.stages() - 1, s.pipe->slots[rank][c]};
+    r.share.chunks.push_back(ch);
+    for (int l = ch.first_layer; l < ch.end_layer; ++l) held[l + 1] = true;
+    held[0] = held[0] || ch.embed || (ch.head && s.cfg.tied());  // a tied head reads the embedding
+    held[s.L() + 1] = held[s.L() + 1] || ch.head;
+    r.embeds = r.embeds || ch.embed;
+  }
+  for (size_t u = 0; u < s.units.size(); ++u) r.numel.push_back(held[u] ? s.units[u].numel : 0);
+  return r;
+}
+
+// ---- Model states -------------------------------------------------------------------------
+
+// Per unit of n elements, ZeRO's chunk c = ceil(n / N): stages 1-2 keep the whole unit
+// padded to N c, stage 3 its chunk; the optimizer updates the chunk (shard rank 0's is whole).
+void model_states(const Setup& s, const RankShare& r, Memory& m) {
+  double kept_w = 0, kept_g = 0, owned = 0;  // elements
+  for (int64_t n : r.numel) {
+    const double c = static_cast<double>(ceil_div(n, s.N)), whole = s.lay.zero == 0 ? n : c * s.N;
+    kept_w += s.lay.zero == 3 ? c : whole;       // [n] or [N c] parameters, or the chunk [c]
+    kept_g += s.lay.zero >= 2 ? c : whole;       // gradients: whole, or the chunk [c]
+    owned += s.lay.zero == 0 ? n : c;            // what this rank's optimizer updates
+  }
+  m.params = kept_w * s.prec.param;
+  m.grads = kept_g * s.prec.grad;
+  m.optim = owned * (s.prec.master + s.moments * s.prec.moment);  // [owned] master copy and moments
+}
+
+// ---- Activations --------------------------------------------------------------------------
+
+// Bytes the model allocates under MemTag::activations (activation_bytes in nn/model.h, term
+// for term) with prec.activation bytes per float; token ids are 4-byte integers.
+double activations(const Setup& s, const ModelShare& share) {
+  const LocalDims& d = s.d;
+  const double B = static_cast<double>(s.B), T = d.T, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH;
+  const double up = s.cfg.is_llama() ? 2 * F : F;  // the up projection's outputs (llama: gate | up)
+  const bool tt = !s.cfg.fused_attention() && !s.selective;  // a [B, NH, T, T] tensor is kept
+  // One block's kept tensors (BlockActs), in floats:
+  const double layer = B * Tl * C * 3           // ln1, mid, ln2 [B, Tl, C] (Tl = T / tp with sp)
+                       + B * Tl * 4             // ln1 and ln2 mean, rstd [B, Tl]
+                       + B * T * d.qkv()        // qkv [B, T, (NH + 2 NKV) D] (this rank's heads)
+                       + B * T * d.attn()       // atty [B, T, NH D]
+                       + B * T * (up + F)       // fc [B, T, F or 2F], act [B, T, F]
+                       + (tt ? B * NH * T * T   // att [B, NH, T, T] softmax probabilities
+                             : B * NH * T);     // lse [B, NH, T] (fused attention)
+  // A split backward's linear output gradients, kept from BI to BW (BlockWeightInputs):
+  // dproj, dwo [B, T, C], dfc [B, T, F or 2F], dqkv [B, T, QKV].
+  const double pending = share.split_backward ? B * T * (2 * C + up + d.qkv()) : 0;
+  // One block's backward workspace, shared by every block (BlockScratch): dln [B, T, C],
+  // dqkv, datty, dfc, dact; datt [B, NH, T, T] when materialized; the kv weight gradient
+  // [QKV, C] when tp ranks share a key/value head; with sp the gathered [B, T, C], the
+  // local [B, Tl, C] and the norms' and biases' gradient slots [6 C].
+  double scratch = B * T * (C + d.qkv() + d.attn() + up + F) + (tt ? B * NH * T * T : 0);
+  if (d.kv_sharers > 1) scratch += d.qkv() * C;
+  if (d.seq_split > 1) scratch += B * T * C + B * Tl * C + 6 * C;
+  double floats = (s.full ? layer : 0) + scratch;  // with recomputation, one block's set rebuilt in backward
+  double ids = 0;
+  for (const ChunkSpec& ch : share.chunks) {
+    const double n = ch.end_layer - ch.first_layer;
+    // Per slot: its blocks' kept tensors (none with recomputation), their pending
+    // gradients, the residual stream (n + 1 tensors [B, Tl, C]) and its gradient.
+    double one = (s.full ? 0 : n * layer) + n * pending + (n + 2) * B * Tl * C;
+    // The head's slot: the final norm's output [B, T, C] and statistics [B, Tl] x 2, the
+    // logits [B, T, V / tp] (V padded) and the loss's rows (losses, lse, row max, target
+    // logit [B, T] each).
+    if (ch.head) one += B * T * C + 2 * B * Tl + B * T * d.V + 4 * B * T;
+    floats += ch.slots * one;
+    ids += ch.slots * 2 * B * T;  // tokens and targets [B, T] int32
+  }
+  return floats * s.prec.activation + ids * 4;
+}
+
+// ---- Communication buffers ----------------------------------------------------------------
+
+// ZeRO 2-3's transient buffers over one step of the rank's list (ZeRO's hooks, replayed):
+// a unit's whole gradient [N c] from its backward until its reduce-scatter is drained, the
+// reduced chunk [c] while it is pending, and at stage 3 the gathered units [N c]. Returns
+// the peak of their sum in bytes.
+//
+// When is a reduce-scatter done? The shard group runs its operations in order on one
+// thread, so waiting for one (a gather a forward or backward needs, a reduction completed
+// before its unit's next backward) proves every earlier one done; a drain frees the
+// reductions known done. The replay assumes nothing else finishes (compute far ahead of
+// communication, as on this machine's small models), so it predicts the most the engine
+// can hold; reductions_in_flight > 0 bounds the pending ones (communication keeping up).
+class ZeroReplay {
+ public:
+  ZeroReplay(const Setup& s, const RankShare& r, int rank)
+      : s_(s), r_(r), rank_(rank), n_(static_cast<int>(r.numel.size())) {
+    for (int64_t numel : r.numel) {
+      const double c = static_cast<double>(ceil_div(numel, s.N));
+      w_.push_back(c * s.N * s.prec.param);  // a gathered unit [N c]
+      g_.push_back(c * s.N * s.prec.grad);   // a unit's whole gradient [N c]
+      c_.push_back(c * s.prec.grad);         // the reduced chunk [c]
+    }
+    gathered_.assign(n_, false), full_g_.assign(n_, false), pending_.assign(n_, false);
+    gather_seq_.assign(n_, 0), reduce_seq_.assign(n_, 0);
+  }
+
+  double peak() {
+    for (const Action& a : s_.pipe->schedule.ranks[rank_]) {
+      if (!a.is_compute()) continue;
+      const ChunkSpec& ch = r_.share.chunks[a.chunk];
+      if (a.kind == Action::F) forward(ch);
+      else backward(ch, a.kind);
+    }
+    finish();
+    return peak_;
+  }
+
+ private:
+  bool pipelined() const { return s_.lay.pp > 1; }
+  bool held(int u) const { return u >= 0 && u < n_ && r_.numel[u] > 0; }
+  std::vector<int> used(int u) const {
+    return u == s_.L() + 1 && s_.cfg.tied() ? std::vector<int>{u, 0} : std::vector<int>{u};
+  }
+  void take(double b) { live_ += b, peak_ = std::max(peak_, live_); }
+  void wait(int64_t seq) { done_ = std::max(done_, seq); }
+  void start_gather(int u) {  // a gathered copy [N c], its all-gather queued
+    if (gathered_[u]) return;
+    gathered_[u] = true, take(w_[u]);
+    gather_seq_[u] = ++seq_;
+  }
+  void gather(int u) {  // ensure_gathered: waits for its all-gather
+    start_gather(u);
+    wait(gather_seq_[u]);
+  }
+  void release(int u) {
+    if (!gathered_[u]) return;
+    wait(gather_seq_[u]);
+    gathered_[u] = false, live_ -= w_[u];
+  }
+  void complete(int u) {  // the reduce-scatter waited for: its buffers freed
+    wait(reduce_seq_[u]);
+    pending_[u] = full_g_[u] = false;
+    live_ -= c_[u] + g_[u];
+    order_.erase(std::find(order_.begin(), order_.end(), u));
+  }
+  void ensure_grad(int u) {
+    if (pending_[u]) complete(u);
+    if (!full_g_[u]) full_g_[u] = true, take(g_[u]);
+  }
+  void drain(bool all) {
+    const int bound = s_.knobs.reductions_in_flight;
+    for (size_t i = 0; i < order_.size();) {
+      const int u = order_[i];
+      if (all || reduce_seq_[u] <= done_) complete(u);  // order_ shrinks
+      else ++i;
+    }
+    while (bound > 0 && static_cast<int>(order_.size()) > bound) complete(order_.front());
+  }
+  // ZeRO's hooks (parallel/zero.cpp).
+  void before_forward(int u) {
+    if (s_.lay.zero < 3) return;
+    for (int x : used(u)) gather(x);
+    if (s_.knobs.prefetch && held(u + 1)) start_gather(u + 1);
+  }
+  void after_forward(int u) {
+    if (s_.lay.zero < 3 || !s_.knobs.reshard_after_forward || pipelined()) return;
+    for (int x : used(u)) release(x);
+  }
+  void before_backward(int u) {
+    if (u == n_ - 1) drain(true);  // the previous micro-step's reductions
+    if (s_.lay.zero == 3) {
+      for (int x : used(u)) gather(x);
+      if (s_.knobs.prefetch && held(u - 1)) start_gather(u - 1);
+    }
+    if (s_.lay.zero >= 2)
+      for (int x : used(u)) ensure_grad(x);
+  }
+  void after_backward(int u) {
+    if (s_.lay.zero < 2) return;  // stage 1 reduces in place
+    take(c_[u]);                  // launch_reduce: the reduced chunk; the whole gradient stays until drained
+    pending_[u] = true, reduce_seq_[u] = ++seq_;
+    order_.push_back(u);
+    if (s_.lay.zero == 3 && !pipelined()) release(u);
+    drain(false);
+  }
+  void finish() {
+    drain(true);
+    if (s_.lay.zero == 3 && pipelined())
+      for (int u = 0; u < n_; ++u) release(u);
+  }
+  // The model's hook calls for one chunk (Model::forward, Model::backward, backward_unit).
+  void forward(const ChunkSpec& ch) {
+    auto unit = [&](int u) { before_forward(u), after_forward(u); };
+    if (ch.embed) unit(0);
+    for (int l = ch.first_layer; l < ch.end_layer; ++l) unit(l + 1);
+    if (ch.head) unit(s_.L() + 1);
+  }
+  void backward(const ChunkSpec& ch, Action::Kind kind) {
+    const bool weight = kind != Action::BI;
+    auto unit = [&](int u) {
+      before_backward(u);
+      if (!weight) return;
+      after_backward(u);
+      if (u == s_.L() + 1 && s_.cfg.tied() && !r_.embeds) after_backward(0);  // the tied copy
+    };
+    if (ch.head) unit(s_.L() + 1);
+    for (int l = ch.end_layer - 1; l >= ch.first_layer; --l) unit(l + 1);
+    if (ch.embed) unit(0);
+  }
+
+  const Setup& s_;
+  const RankShare& r_;
+  int rank_, n_;
+  std::vector<double> w_, g_, c_;
+  std::vector<bool> gathered_, full_g_, pending_;
+  std::vector<int64_t> gather_seq_, reduce_seq_;  // the shard group's operation each waits on
+  int64_t seq_ = 0, done_ = 0;                     // operations queued; the latest known done
+  std::deque<int> order_;                          // pending reductions, oldest first
+  double live_ = 0, peak_ = 0;
+};
+
+// Each group's staging buffer (Communicator::staging): the largest reduction's incoming
+// pieces, (S - 1) x this rank's part, kept and grown. Plus the persistent workspaces.
+double comm_persistent(const Setup& s, const RankShare& r, int rank) {
+  const LocalDims& d = s.d;
+  const double B = static_cast<double>(s.B), T = d.T, Tl = T / d.seq_split, C = d.C;
+  const double act = s.prec.activation;
+  const bool head = std::any_of(r.share.chunks.begin(), r.share.chunks.end(), [](const ChunkSpec& c) { return c.head; });
+  const int tp = s.lay.tp;
+  double bytes = 0;
+  if (tp > 1) {
+    // tp's staging: the all-reduces (or sp's reduce-scatters) of [B, T, C] around every split
+    // layer and the embedding, the loss's row sums [B, T], sp's norm and bias gradients [6 C].
+    double part = ceil_div(static_cast<int64_t>(B * T * C), tp);
+    if (head) part = std::max(part, static_cast<double>(ceil_div(static_cast<int64_t>(B * T), tp)));
+    if (d.seq_split > 1) part = std::max(part, static_cast<double>(ceil_div(static_cast<int64_t>(6 * C), tp)));
+    bytes += staging_bytes(part * (tp - 1), act);
+    // TensorParallel's workspaces: every rank's loss row maxima [tp, B, T] or key/value weight
+    // gradients [tp, 2 NKV D C] (one buffer, the larger); sp with B > 1: [B, T, C] rank by rank.
+    double gathered = head ? tp * B * T : 0;
+    if (d.kv_sharers > 1) gathered = std::max(gathered, tp * 2.0 * d.NKV * d.D * C);
+    bytes += gathered * 4;
+    if (d.seq_split > 1 && B > 1) bytes += B * T * C * act;
+  }
+  if (s.lay.cp > 1) {
+    // The ring's blocks: two received q|k|v blocks and two gradient accumulators [B, T, QKV],
+    // and four packed key/value messages [B, T, 2 NKV D] (T = seq_len / cp).
+    bytes += (4 * B * T * d.qkv() + 4 * B * T * 2 * d.NKV * d.D) * act;
+  }
+  if (s.lay.pp > 1) {  // send copies [B, Tl, C]
+    const int cap = s.knobs.send_copies_in_flight, copies = s.pipe->sends[rank];
+    bytes += (cap > 0 ? std::min(cap, copies) : copies) * B * Tl * C * act;
+  }
+  // Gradient reductions over dp x cp.
+  const double gb = s.prec.grad;
+  if (s.lay.zero == 0 && s.R > 1) {
+    // DDP: buckets of whole units in backward order, closed once past bucket_mb of fp32.
+    const double cb = s.knobs.grad_comm_dtype == "fp32" ? gb : 2;
+    const int64_t cap = static_cast<int64_t>(s.knobs.bucket_mb * 1024 * 1024 / 4);
+    std::vector<int64_t> buckets;
+    for (int u = static_cast<int>(r.numel.size()) - 1; u >= 0; --u) {
+      if (r.numel[u] == 0) continue;
+      if (buckets.empty() || buckets.back() >= cap) buckets.push_back(0);
+      buckets.back() += r.numel[u];
+    }
+    double biggest = 0;
+    for (int64_t n : buckets) {
+      biggest = std::max(biggest, static_cast<double>(ceil_div(n, s.R)));
+      if (cb != gb) bytes += n * cb;  // a 16-bit copy of the bucket
+    }
+    bytes += staging_bytes(biggest * (s.R - 1), cb);
+  }
+  if (s.lay.zero > 0) {
+    double chunk = 0;
+    for (int64_t n : r.numel) chunk = std::max(chunk, static_cast<double>(ceil_div(n, s.N)));
+    bytes += staging_bytes(chunk * (s.N - 1), gb);  // reduce-scatter into [c]: (N - 1) pieces
+    if (s.R > 1) bytes += staging_bytes(ceil_div(static_cast<int64_t>(chunk), s.R) * (s.R - 1.0), gb);  // HYBRID
+  }
+  // A tied head on another rank than the embedding: the pair all-reduces the embedding's
+  // gradient (its optimizer segment: the whole unit, or its ZeRO chunk).
+  const PipeLayout& lay = s.pipe->schedule.layout;
+  const int first = lay.rank_of(0), last = lay.rank_of(lay.stages() - 1);
+  if (s.cfg.tied() && first != last && (rank == first || rank == last)) {
+    const int64_t seg = s.lay.zero == 0 ? r.numel[0] : ceil_div(r.numel[0], s.N);
+    bytes += staging_bytes(static_cast<double>(ceil_div(seg, 2)), gb);
+  }
+  return bytes;
+}
+
+Memory rank_memory(const Setup& s, int rank) {
+  const RankShare r = rank_share(s, rank);
+  Memory m;
+  model_states(s, r, m);
+  m.activations = activations(s, r.share);
+  m.comm = comm_persistent(s, r, rank);
+  if (s.lay.zero >= 2) {
+    m.comm += ZeroReplay(s, r, rank).peak();
+  }
+  m.peak = m.params + m.grads + m.optim + m.activations + m.comm;
+  return m;
+}
+
+}  // namespace
+
+std::vector<Memory> memory_per_pp_rank(const ModelConfig& model, const Layout& layout, const Precisions& prec,
+                                       const std::string& optim, const MemoryKnobs& knobs) {
+  const Setup s = setup(model, layout, prec, optim, knobs);
+  std::vector<Memory> out;
+  for (int r = 0; r < layout.pp; ++r) out.push_back(rank_memory(s, r));
+  return out;
+}
+
+Memory memory_per_rank(const ModelConfig& model, const Layout& layout, const Precisions& prec, const std::string& optim,
+                       const MemoryKnobs& knobs) {
+  Memory most;
+  for (const Memory& m : memory_per_pp_rank(model, layout, prec, optim, knobs)) {
+    most.params = std::max(most.params, m.params);
+    most.grads = std::max(most.grads, m.grads);
+    most.optim = std::max(most.optim, m.optim);
+    most.activations = std::max(most.activations, m.activations);
+    most.comm = std::max(most.comm, m.comm);
+    most.peak = std::max(most.peak, m.peak);
+  }
+  return most;
+}
+
+double parameter_count(const ModelConfig& model) {
+  double n = 0;
+  for (const Unit& u : model_layout(model)) n += static_cast<double>(u.global_numel);
+  return n;
+}
+
+// ---- Published formulas -------------------------------------------------------------------
+
+double zero_model_state_bytes(double psi, int stage, double n_d, double k) {
+  MT_CHECK(stage >= 0 && stage <= 3 && n_d >= 1, "ZeRO stage " << stage << " over " << n_d << " ranks");
+  switch (stage) {
+    case 0: return (2 + 2 + k) * psi;               // 16Ψ: parameters, gradients, optimizer states
+    case 1: return 4 * psi + k * psi / n_d;         // optimizer states sharded
+    case 2: return 2 * psi + (2 + k) * psi / n_d;   // and gradients
+    default: return (2 + 2 + k) * psi / n_d;        // and parameters
+  }
+}
+
+double korthikanti_layer_bytes(double s, double b, double h, double a, double t, bool sp, const std::string& recompute) {
+  MT_CHECK(recompute == "none" || recompute == "selective" || recompute == "full",
+           "recompute = " << recompute << ": use none, selective or full");
+  const double sbh = s * b * h;
+  if (recompute == "full") return 2 * sbh;  // the layer's input, 2 bytes per element
+  // 10 sbh kept whole on every tp rank without sp (the layer norms' inputs and the dropout
+  // masks), 24 sbh split over tp (q, k, v, the attention output, the MLP's 4h tensors), and
+  // the attention core 5 a s^2 b (scores, softmax, its dropout mask) split by heads.
+  const double split = sp ? 34 / t : 10 + 24 / t;
+  const double attention = recompute == "selective" ? 0 : 5 * a * s / (h * t);
+  return sbh * (split + attention);
+}
+
+double korthikanti_first_stage_bytes(double layer_bytes, int layers, int p, int64_t m, bool interleaved) {
+  MT_CHECK(p >= 1 && m >= 1 && layers >= 1, "first stage of " << layers << " layers, p = " << p << ", m = " << m);
+  // 1F1B: the first stage keeps p micro-batches of L / p layers each, L layers' worth.
+  const double one_f_one_b = layer_bytes * layers;
+  return interleaved ? one_f_one_b * (1 + (p - 1.0) / (p * static_cast<double>(m))) : one_f_one_b;
+}
+
+}  // namespace mt::plan
