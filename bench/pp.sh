@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The pipeline benchmark: GPT-2 (d_model 384) at pp 2, one thread per rank, micro-batches
-# of one sequence of 256 tokens, m = 2, 4, 8 and 16 per step, every schedule. For each: the step time, the pipeline's measured time per step (first action
-# to last, from logging.trace) against the simulator fed with the action costs measured in
-# the same run (goal: within 5%), and the measured bubble; then zb-h1's bubble against
-# 1f1b's (goal: at most 0.4x). The bubble compared is idle time per rank and step, as the
-# zero-bubble schedules are defined (1f1b idles (P-1)(F+B+W), zb-h1 (P-1)(F+B-W): a
-# third when the three cost alike); the ratio of bubble fractions is printed beside it
-# (it also counts zb-h1's shorter step, so it cannot reach a third: (m+P-1)/(3m+P-1)). Debian's PyTorch 1.13 has no pipeline schedules to compare
-# with (torch.distributed.pipelining came later), so there is no peer column; pp 1 (plain
-# accumulation) is the reference.
+# of one sequence of 256 tokens, m = 2, 4, 8 and 16 per step, every schedule. For each: the
+# step time, the pipeline's measured time per step (first action to last, from
+# logging.trace) against the simulator fed with the action costs measured in the same run
+# (goal: within 5%), and the measured bubble; then zb-h1's bubble against 1f1b's (goal: at
+# most 0.4x). The bubble compared is idle time per rank and step, as the zero-bubble
+# schedules are defined (1f1b idles (P-1)(F+B+W), zb-h1 (P-1)(F+B-W): a third when the
+# three cost alike); the ratio of bubble fractions is printed beside it (it also counts
+# zb-h1's shorter step, so it cannot reach a third: (m+P-1)/(3m+P-1)). Idle time is read
+# from the trace and, like the step time, is the median over the steps after the first two
+# (the first step's allocations and page faults double its idle). Debian's PyTorch 1.13
+# has no pipeline schedules to compare with (torch.distributed.pipelining came later), so
+# there is no peer column; pp 1 (plain accumulation) is the reference.
 #
 #   bash bench/pp.sh [--steps K]
 source "$(dirname "$0")/dp_common.sh"
@@ -29,8 +32,20 @@ for m in 2 4 8 16; do
 done
 grep -h '^pipeline:' "$work"/*_m8.out | head -1 || true
 /usr/bin/python3 - "$work" <<'PY'
-import json, statistics, sys
+import collections, json, statistics, sys
 work = sys.argv[1]
+def idle_ms(name):  # idle per rank and step from the trace, median over the steps after warm-up
+    events = [e for e in json.load(open(f"{work}/{name}.trace"))["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") == "compute"]
+    steps = collections.defaultdict(list)
+    for e in events:
+        steps[e["args"]["step"]].append(e)
+    idle = []
+    for step, es in sorted(steps.items())[2:]:
+        span = max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es)
+        ranks = len({e["pid"] for e in es})
+        idle.append((span * ranks - sum(e["dur"] for e in es)) / ranks / 1e3)
+    return statistics.median(idle)
 def load(name):
     lines = [json.loads(l) for l in open(f"{work}/{name}.jsonl")]
     steps = [l for l in lines if "event" not in l][2:]
@@ -44,14 +59,14 @@ for m in (2, 4, 8, 16):
     for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv"):
         ms, summ = load(f"{s}_m{m}")
         meas, sim = summ["pp_step_ms"], summ["pp_simulated_ms"]
-        bubbles[(s, m)] = summ["pp_bubble"], meas
+        bubbles[(s, m)] = summ["pp_bubble"], idle_ms(f"{s}_m{m}")
         worst = max(worst, abs(sim / meas - 1))
         print(f"{s:>12} {m:>3} {ms:>8.1f} {ms / ref:>8.2f} {meas:>12.1f} {sim:>13.1f} {sim / meas:>9.3f} "
               f"{summ['pp_bubble']:>7.3f} {summ['mem_activations'] / 2**20:>15.1f}")
 print(f"simulator against measurement: largest difference {100 * worst:.1f}% (goal: within 5%)")
 for m in (2, 4, 8, 16):
-    (zb, zb_ms), (ob, ob_ms) = bubbles[("zb-h1", m)], bubbles[("1f1b", m)]
-    print(f"m {m:>2}: idle per rank and step: zb-h1 {zb * zb_ms:.1f} ms, 1f1b {ob * ob_ms:.1f} ms, "
-          f"ratio {zb * zb_ms / (ob * ob_ms):.2f} (goal: at most 0.4); ratio of fractions {zb / ob:.2f}")
+    (zb, zb_idle), (ob, ob_idle) = bubbles[("zb-h1", m)], bubbles[("1f1b", m)]
+    print(f"m {m:>2}: idle per rank and step: zb-h1 {zb_idle:.1f} ms, 1f1b {ob_idle:.1f} ms, "
+          f"ratio {zb_idle / ob_idle:.2f} (goal: at most 0.4); ratio of bubble fractions {zb / ob:.2f}")
 print("PyTorch: no pipeline schedules in Debian's PyTorch 1.13 to compare with.")
 PY

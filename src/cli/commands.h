@@ -1,5 +1,6 @@
 // The subcommands of meshtrain, one function each (main.cpp dispatches).
 #pragma once
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,5 +44,19 @@ struct CheckpointOptions {
 };
 void checkpoint_options_add(CLI::App* cmd, CheckpointOptions* o);
 int cmd_checkpoint(const CheckpointOptions& o);
+
+// meshtrain plan --gpus N [--config FILE] [--set k=v] [--gpus-per-node G] [--hardware NAME|FILE]
+// [--global-batch B] [--layout TEXT] [--precision P] [--top K] [--json] [--svg FILE]: memory,
+// bytes and step time of one layout, or every layout that fits ranked (plan_cmd.cpp).
+struct PlanOptions {
+  std::string config;
+  std::vector<std::string> overrides;
+  int gpus = 0, gpus_per_node = 8, top = 10;
+  std::string hardware = "h100", layout, precision, svg;
+  int64_t global_batch = 0;
+  bool json = false;
+};
+void plan_options_add(CLI::App* cmd, PlanOptions* o);
+int cmd_plan(const PlanOptions& o);
 
 }  // namespace mt

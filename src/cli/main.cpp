@@ -7,6 +7,7 @@
 //   meshtrain sample --checkpoint DIR [--prompt TEXT] [...]          generate text
 //   meshtrain bench comm [...]                                       collective bandwidth
 //   meshtrain schedule --pp 4 --microbatches 8 --schedule zb-h1      pipeline schedule: bubble, picture
+//   meshtrain plan --config m.toml --gpus 64 --hardware h100         layouts ranked by predicted step time
 //   meshtrain checkpoint info DIR [--json]                          what a checkpoint holds; CRC checks
 //
 // Started by mpirun or srun (or `meshtrain launch`), train and bench run as ranks of one
@@ -180,6 +181,10 @@ int main(int argc, char** argv) {
     mt::CheckpointOptions ckpt_opts;
     mt::checkpoint_options_add(ckpt_cmd, &ckpt_opts);
 
+    auto* plan_cmd = app.add_subcommand("plan", "memory, bytes and step time of layouts on a cluster; the one to use");
+    mt::PlanOptions plan_opts;
+    mt::plan_options_add(plan_cmd, &plan_opts);
+
     CLI11_PARSE(app, argc, argv);
 
     if (prep->parsed()) {
@@ -234,6 +239,8 @@ int main(int argc, char** argv) {
       return mt::cmd_schedule(sched_opts);
     } else if (ckpt_cmd->parsed()) {
       return mt::cmd_checkpoint(ckpt_opts);
+    } else if (plan_cmd->parsed()) {
+      return mt::cmd_plan(plan_opts);
     }
     return 0;
   } catch (const mt::Error& e) {

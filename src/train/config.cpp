@@ -170,6 +170,7 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("logging.every", &C::logging, &LoggingConfig::every));
     v.push_back(str_key("logging.progress", &C::logging, &LoggingConfig::progress, {"auto", "on", "off"}));
     v.push_back(str_key("logging.trace", &C::logging, &LoggingConfig::trace));
+    v.push_back(str_key("logging.hardware", &C::logging, &LoggingConfig::hardware));
     return v;
   }();
   return k;
@@ -350,7 +351,7 @@ void Config::check_context_parallel() const {
                                                      << "attention parts by their log-sum-exp); got " << model.attention);
 }
 
-void Config::resolve_layout(int world_size) {
+void Config::resolve_layout(int world_size, bool check_schedule) {
   const int tp_pp = parallel.tp * parallel.pp * parallel.cp;  // every axis but dp
   if (parallel.dp == 0) {
     MT_CHECK(world_size % tp_pp == 0, "the job has " << world_size << " ranks, not a multiple of parallel.tp x parallel.pp"
@@ -417,7 +418,7 @@ void Config::resolve_layout(int world_size) {
                                       << parallel.dp << " x " << training.micro_batch << " = " << per_step
                                       << "; make global_batch a multiple of " << per_step);
   // The pipeline schedule must take this many chunks and micro-batches per step.
-  if (parallel.pp_schedule.rfind("file:", 0) == 0) return check_pipeline();  // against the file
+  if (parallel.pp_schedule.rfind("file:", 0) == 0) return check_pipeline();  // against the file (always)
   if (parallel.pp_chunks == 0) parallel.pp_chunks = schedule_default_chunks(parallel.pp_schedule);
   const int m = static_cast<int>(training.global_batch / per_step);
   if (auto issue = schedule_layout_issue(parallel.pp_schedule, parallel.pp, parallel.pp_chunks, m)) {
@@ -444,7 +445,7 @@ void Config::resolve_layout(int world_size) {
                                << parallel.pp_chunks << " stages: every stage needs a block; set " << fix
                                << (fix.empty() ? "" : " or ") << "model.n_layer=" << parallel.pp * parallel.pp_chunks);
   }
-  check_pipeline();
+  if (check_schedule) check_pipeline();
 }
 
 void Config::check_pipeline() const {

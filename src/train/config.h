@@ -49,6 +49,8 @@ struct LoggingConfig {
   int64_t every = 10;           // plain log line every N steps (when not on a terminal)
   std::string progress = "auto";  // auto | on | off: the live progress line
   std::string trace;            // Chrome/Perfetto trace of every step's pipeline actions (and FILE.svg); empty: none
+  std::string hardware;         // hardware profile (built-in name or FILE.toml from meshtrain bench profile) for
+                                // the planner's step-time prediction in the summary; empty: memory and bytes only
 };
 
 struct Config {
@@ -64,7 +66,9 @@ struct Config {
   // Fills parallel.dp from the world size when 0 and checks the layout: world size =
   // dp x pp x cp x tp, global_batch divisible by dp x micro_batch, and a pipeline schedule that
   // runs this many chunks and micro-batches (pipeline_schedule). Same verdict on every rank.
-  void resolve_layout(int world_size);
+  // check_schedule=false skips building and checking the schedule itself (the planner's
+  // search, which weighs thousands of layouts, checks the few it recommends).
+  void resolve_layout(int world_size, bool check_schedule = true);
 
  private:
   void check_pipeline() const;

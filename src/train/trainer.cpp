@@ -30,6 +30,7 @@
 #include "train/metrics.h"
 #include "train/plot.h"
 #include "train/resume.h"
+#include "train/plan_report.h"
 #include "train/step_trace.h"
 #include "train/stop.h"
 
@@ -286,6 +287,7 @@ struct Progress {
   Curve train_curve, val_curve;
   std::string checkpoint;  // the newest checkpoint this process wrote
   StepAgreement stop;      // stop.stop_signal != 0: the ranks agreed to stop early
+  std::array<double, 4> comm_last{};  // bytes this rank sent in the last step: dp, tp, pp, cp
 };
 
 // The newest checkpoint to resume from ("" to start afresh), the same on every rank. A
@@ -489,8 +491,11 @@ void run_steps(Run& run, Progress& p) {
     const uint64_t bytes_before = run.strategy.bytes_sent(), tp_before = run.tp.bytes_sent();
     const uint64_t cp_before = run.mesh.cp().bytes_sent();
     if (run.trace) run.pp.barrier();  // the pipeline ranks' timelines start together
+    const uint64_t pp_before = run.pp.bytes_sent();
     const double started = now_seconds() - run.t0;
     nlohmann::json j = step_run(run, s);
+    p.comm_last = {double(run.strategy.bytes_sent() - bytes_before), double(run.tp.bytes_sent() - tp_before),
+                   double(run.pp.bytes_sent() - pp_before), double(run.mesh.cp().bytes_sent() - cp_before)};
     const double dt = seconds_since(t0), loss = j["loss"], lr = j["lr"];
     if (run.trace) run.trace->add(s, started, run.pipe.timeline());
     p.train_seconds += dt;
@@ -653,8 +658,12 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
   js["mem_model_state"] = model_state_bytes(mem);
   js["mem_model_state_predicted"] = run.predicted;
   js["mem_activations_predicted"] = run.predicted_activations;
+  std::vector<std::string> plan_lines;
+  js.update(plan_report(c, run.world.size(), {mem, p.comm_last, p.timed_steps ? p.train_seconds / p.timed_steps : 0},
+                        &plan_lines));
   run.log.write(js);
   print_summary(run, sum, mem, p.timed_steps);
+  for (const std::string& line : plan_lines) run.log.message(line);
 
   std::string plot = c.logging.plot;
   if (run.world.rank() != 0 || (plot == "auto" && c.logging.metrics.empty())) plot = "";

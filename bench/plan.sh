@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The planner against this machine: `meshtrain bench profile` measures it, then the core
+# benchmark's GPT-2 (global batch 8 x 256 tokens, one thread per rank) trains at every
+# 2-rank layout meshtrain has (dp with ZeRO 0-3, tp with and without sequence parallelism,
+# pp with each schedule, cp, recompute) and at one rank. For each: the planner's memory per
+# tag against the measured peak (goal: within 5%) and its step time, with the measured
+# profile, against the measured step (goal: within 25%). Then `meshtrain plan` picks a
+# layout for 2 ranks, and the pick is run: the goal is that it is the fastest measured, or
+# within 10% of it.
+#
+#   bash bench/plan.sh [--steps K]
+source "$(dirname "$0")/dp_common.sh"
+./build/meshtrain launch -n 2 bench profile --out "$work/hw.toml" > "$work/profile.out" 2>&1 ||
+  { cat "$work/profile.out"; exit 1; }
+echo "planner against measurement: GPT-2 6 x 384, global batch 8 x 256 tokens, 1 thread per rank"
+blas_info
+grep -v '^#' "$work/hw.toml" | tr '\n' ' '; echo
+opts=("${dp_opts[@]}" --training.micro_batch=0 --logging.hardware="$work/hw.toml")
+layouts=(
+  "1|"
+  "2|--parallel.dp=2"
+  "2|--parallel.dp=2 --parallel.zero=1"
+  "2|--parallel.dp=2 --parallel.zero=2"
+  "2|--parallel.dp=2 --parallel.zero=3"
+  "2|--parallel.dp=2 --training.recompute=true"
+  "2|--parallel.tp=2"
+  "2|--parallel.tp=2 --parallel.sequence_parallel=true"
+  "2|--parallel.pp=2 --parallel.pp_schedule=1f1b"
+  "2|--parallel.pp=2 --parallel.pp_schedule=gpipe"
+  "2|--parallel.pp=2 --parallel.pp_schedule=interleaved"
+  "2|--parallel.pp=2 --parallel.pp_schedule=zb-h1"
+  "2|--parallel.pp=2 --parallel.pp_schedule=zbv"
+  "2|--parallel.cp=2"
+)
+i=0
+for entry in "${layouts[@]}"; do
+  n=${entry%%|*}; flags=${entry#*|}
+  # shellcheck disable=SC2086
+  ./build/meshtrain launch -n "$n" train "${opts[@]}" $flags --logging.metrics="$work/l$i.jsonl" > "$work/l$i.out" 2>&1 ||
+    { cat "$work/l$i.out"; exit 1; }
+  echo "$n ranks ${flags:-(one rank)}" > "$work/l$i.name"
+  i=$((i + 1))
+done
+# The planner's pick for 2 ranks, trained as it says.
+./build/meshtrain plan --config configs/gpt2_bench.toml --gpus 2 --gpus-per-node 2 --hardware "$work/hw.toml" \
+  --global-batch 8 --json > "$work/plan.json"
+pick=$(/usr/bin/python3 -c "
+import json, sys
+l = json.load(open(sys.argv[1]))['layouts'][0]['layout']
+flags = [f'--parallel.{k}={l[k]}' for k in ('dp', 'tp', 'pp', 'cp', 'zero', 'pp_schedule', 'pp_chunks')]
+flags += [f'--parallel.sequence_parallel={str(l[\"sequence_parallel\"]).lower()}',
+          f'--training.recompute={str(l[\"recompute\"] == \"full\").lower()}', f'--training.micro_batch={l[\"micro_batch\"]}']
+print(' '.join(flags))" "$work/plan.json")
+# shellcheck disable=SC2086
+./build/meshtrain launch -n 2 train "${opts[@]}" $pick --logging.metrics="$work/pick.jsonl" > "$work/pick.out" 2>&1 ||
+  { cat "$work/pick.out"; exit 1; }
+echo "planner's pick: $pick" > "$work/pick.name"
+/usr/bin/python3 - "$work" "$i" <<'PY'
+import json, statistics, sys
+work, n = sys.argv[1], int(sys.argv[2])
+tags = ("params", "grads", "optim", "activations", "comm")
+def load(name):
+    lines = [json.loads(l) for l in open(f"{work}/{name}.jsonl")]
+    steps = [l for l in lines if "event" not in l][2:]
+    return statistics.median(s["step_ms"] for s in steps), [l for l in lines if l.get("event") == "summary"][0]
+print(f"{'layout':<62} " + " ".join(f"{t[:6]:>13}" for t in tags) + f" {'step ms':>8} {'plan ms':>8} {'ratio':>6}")
+worst_mem, worst_time, best = 0.0, 0.0, None
+for name in [f"l{k}" for k in range(n)] + ["pick"]:
+    ms, s = load(name)
+    cells = []
+    for t in tags:
+        pred, meas = s[f"plan_mem_{t}"], s[f"mem_{t}"]
+        err = (pred / meas - 1) if meas > 2**20 else 0.0  # below a MiB: not a tag worth a percentage
+        worst_mem = max(worst_mem, abs(err))
+        cells.append(f"{pred / 2**20:5.1f}/{meas / 2**20:5.1f}{'' if meas > 2**20 else ' -':>2}")
+    plan_ms = 1e3 * s["plan_step_s"]
+    worst_time = max(worst_time, abs(plan_ms / ms - 1))
+    label = open(f"{work}/{name}.name").read().strip()
+    if name != "pick" and label.startswith("2 ranks") and (best is None or ms < best[1]):
+        best = (label, ms)
+    print(f"{label[:62]:<62} " + " ".join(f"{c:>13}" for c in cells) + f" {ms:>8.1f} {plan_ms:>8.1f} {plan_ms / ms:>6.2f}")
+pick_ms, _ = load("pick")
+print("memory cells: predicted / measured MiB ('-': under a MiB, not counted)")
+print(f"memory per tag: largest difference {100 * worst_mem:.1f}% (goal: within 5%)")
+print(f"step time: largest difference {100 * worst_time:.1f}% (goal: within 25%)")
+print(f"fastest measured at 2 ranks: {best[0]} ({best[1]:.1f} ms); the planner's pick: {pick_ms:.1f} ms, "
+      f"{100 * (pick_ms / best[1] - 1):+.1f}% (goal: within 10%)")
+print("PyTorch: no planner to compare with; the reference is this machine's measured runs.")
+PY

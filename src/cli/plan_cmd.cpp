@@ -1,0 +1,144 @@
+// meshtrain plan: what a layout of a model needs and how fast it runs on a cluster, or,
+// without --layout, every layout that fits ranked by predicted step time and the reason
+// each rejected family fails (src/plan/).
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <fstream>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "plan/hardware.h"
+#include "nn/model.h"  // model_layout
+#include "plan/plan_svg.h"
+#include "plan/search.h"
+#include "plan/time.h"
+#include "train/metrics.h"  // output_parent_create
+
+namespace mt {
+
+void plan_options_add(CLI::App* cmd, PlanOptions* o) {
+  cmd->add_option("--config", o->config, "training configuration (its [model], [optim] and batch)");
+  cmd->add_option("--set", o->overrides, "section.key=value over the configuration (repeatable)");
+  cmd->add_option("--gpus", o->gpus, "devices in the cluster")->required()->check(CLI::PositiveNumber);
+  cmd->add_option("--gpus-per-node", o->gpus_per_node, "devices per node")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--hardware", o->hardware, "a100-40gb | a100-80gb | h100 | h200 | FILE.toml (meshtrain bench profile)")
+      ->capture_default_str();
+  cmd->add_option("--global-batch", o->global_batch, "sequences per step (default: the configuration's)");
+  cmd->add_option("--layout", o->layout, "dp=..,tp=..,pp=..,cp=..,v=..,schedule=..,zero=..,sp=..,recompute=..,mb=..; "
+                                         "fields left out are chosen");
+  cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp16 (default: bf16 on GPUs, fp32 on CPUs)");
+  cmd->add_option("--top", o->top, "layouts to list")->capture_default_str();
+  cmd->add_flag("--json", o->json, "print one JSON object");
+  cmd->add_option("--svg", o->svg, "draw memory per rank for the top layouts and the chosen one's pipeline");
+}
+
+namespace {
+
+std::string gib(double b) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  return s;
+}
+
+std::string gb(double b) {
+  char s[32];
+  std::snprintf(s, sizeof s, b >= 1e9 ? "%.1f GB" : "%.1f MB", b >= 1e9 ? b / 1e9 : b / 1e6);
+  return s;
+}
+
+void print_breakdown(const plan::Prediction& p, const plan::Question& q) {
+  const plan::Memory& m = p.memory;
+  const plan::Timing& t = p.time;
+  std::printf("layout %s\n", p.layout.text().c_str());
+  std::printf("  memory per GPU: params %s, grads %s, optimizer %s, activations %s, buffers %s; peak %s of %s%s\n",
+              gib(m.params).c_str(), gib(m.grads).c_str(), gib(m.optim).c_str(), gib(m.activations).c_str(),
+              gib(m.comm).c_str(), gib(m.peak).c_str(), gib(q.cluster.hw.mem_bytes).c_str(),
+              p.fits ? "" : ": does not fit");
+  std::printf("  bytes per step and GPU: dp %s, tp %s, pp %s, cp %s\n", gb(p.comm.dp).c_str(), gb(p.comm.tp).c_str(),
+              gb(p.comm.pp).c_str(), gb(p.comm.cp).c_str());
+  std::printf("  time on the links: dp %.3f s, tp %.3f s, pp %.3f s, cp %.3f s; exposed %.3f s\n", t.comm_s.dp,
+              t.comm_s.tp, t.comm_s.pp, t.comm_s.cp, t.exposed_comm_s);
+  std::printf("  compute %.3f s, bubble %.1f%%: step %.3f s, %.0f tokens/s (%.0f per GPU), MFU %.1f%%\n", t.compute_s,
+              100 * t.bubble, t.step_s, t.tokens_per_s, t.tokens_per_s / q.cluster.gpus, 100 * t.mfu);
+}
+
+}  // namespace
+
+int cmd_plan(const PlanOptions& o) {
+  plan::Question q;
+  q.config = config_load(o.config, o.overrides);
+  q.config.validate();
+  q.cluster.gpus = o.gpus;
+  q.cluster.gpus_per_node = std::min(o.gpus_per_node, o.gpus);
+  q.cluster.hw = plan::hardware_get(o.hardware);
+  q.precision = plan::Precisions::of(o.precision.empty() ? (q.cluster.hw.gpu ? "bf16" : "fp32") : o.precision);
+  q.global_batch = o.global_batch > 0 ? o.global_batch : q.config.training.global_batch;
+  plan::Layout base;
+  base.global_batch = q.global_batch;
+  if (!o.layout.empty()) base = plan::layout_parse(o.layout, base);
+
+  const plan::SearchResult r = plan::search(q, base);
+  int64_t params = 0;
+  for (const Unit& u : model_layout(q.config.model)) params += u.numel;
+  nlohmann::json out;
+  if (!o.json) {
+    std::printf("meshtrain plan: %s %d layers x %d (%.2fB parameters), %d x %s (%d per node), global batch %lld x %d "
+                "tokens, %s\n",
+                q.config.model.family.c_str(), q.config.model.n_layer, q.config.model.d_model, params / 1e9, o.gpus,
+                q.cluster.hw.name.c_str(), q.cluster.gpus_per_node, static_cast<long long>(q.global_batch),
+                q.config.model.seq_len, q.precision.name.c_str());
+    std::printf("%d layouts weighed, %zu fit\n", r.tried, r.ranked.size());
+  }
+  if (r.ranked.empty()) {
+    // Nothing runs: say what each family lacks, most hopeful (least memory short) first.
+    std::string why;
+    for (const plan::Rejected& x : r.rejected) why += "\n  " + x.family + ": " + x.reason;
+    if (!o.layout.empty() && base.named.size() > 0) {
+      // A fully named layout that cannot run: its own reason first.
+      if (auto problem = plan::layout_problem(q, base)) MT_FAIL("--layout " << o.layout << ": " << *problem);
+    }
+    MT_FAIL("no layout of this model fits " << o.gpus << " x " << q.cluster.hw.name << ":" << why
+                                            << "\nuse more GPUs, a device with more memory, or a smaller model");
+  }
+  if (o.json) {
+    out["layouts"] = nlohmann::json::array();
+    const size_t n = o.layout.empty() ? std::min<size_t>(o.top, r.ranked.size()) : 1;
+    for (size_t i = 0; i < n; ++i) out["layouts"].push_back(plan::prediction_json(r.ranked[i]));
+    out["rejected"] = nlohmann::json::array();
+    for (const plan::Rejected& x : r.rejected)
+      out["rejected"].push_back({{"family", x.family}, {"reason", x.reason}, {"layouts", x.layouts}});
+    std::printf("%s\n", out.dump(1).c_str());
+  } else if (!o.layout.empty()) {
+    print_breakdown(r.ranked.front(), q);
+  } else {
+    std::printf("%4s  %-80s %10s %9s %12s %6s %7s\n", "rank", "layout", "peak", "step s", "tokens/s", "MFU", "bubble");
+    for (size_t i = 0; i < r.ranked.size() && i < static_cast<size_t>(o.top); ++i) {
+      const plan::Prediction& p = r.ranked[i];
+      std::printf("%4zu  %-80s %10s %9.3f %12.0f %5.1f%% %6.1f%%\n", i + 1, p.layout.text().c_str(),
+                  gib(p.memory.peak).c_str(), p.time.step_s, p.time.tokens_per_s, 100 * p.time.mfu, 100 * p.time.bubble);
+    }
+    std::printf("best:\n");
+    print_breakdown(r.ranked.front(), q);
+    if (!r.rejected.empty()) {
+      std::printf("rejected families (tp, pp, cp with no layout that fits):\n");
+      for (const plan::Rejected& x : r.rejected)
+        std::printf("  %s (%d layouts): %s\n", x.family.c_str(), x.layouts, x.reason.c_str());
+    }
+  }
+  if (!o.svg.empty()) {
+    output_parent_create(o.svg, "--svg");
+    std::ofstream f(o.svg);
+    const size_t n = std::min<size_t>(o.layout.empty() ? o.top : 1, r.ranked.size());
+    const plan::Prediction& chosen = r.ranked.front();
+    std::optional<Simulation> timeline;
+    if (chosen.layout.pp > 1)
+      timeline = plan::pipeline_simulation(q.config.model, chosen.layout, q.cluster, q.precision, plan::traffic(q.config));
+    f << plan::plan_svg(q, std::vector<plan::Prediction>(r.ranked.begin(), r.ranked.begin() + n),
+                        timeline ? &*timeline : nullptr);
+    MT_CHECK(f.good(), "--svg " << o.svg << ": could not write it");
+    if (!o.json) std::printf("drew %s\n", o.svg.c_str());
+  }
+  return 0;
+}
+
+}  // namespace mt

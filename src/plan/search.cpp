@@ -1,0 +1,224 @@
+#include "plan/search.h"
+
+#include <algorithm>
+#include <map>
+
+#include "comm/communicator.h"
+#include "core/error.h"
+#include "plan/comm.h"
+#include "plan/memory.h"
+#include "plan/time.h"
+
+namespace mt::plan {
+
+namespace {
+
+// The configuration the engine would run this layout with.
+Config layout_config(const Question& q, const Layout& l) {
+  Config c = q.config;
+  c.parallel.dp = l.dp, c.parallel.tp = l.tp, c.parallel.pp = l.pp, c.parallel.cp = l.cp;
+  c.parallel.pp_chunks = l.chunks;
+  c.parallel.pp_schedule = l.schedule;
+  c.parallel.zero = l.zero;
+  c.parallel.sharding.clear();
+  c.parallel.shard_group = l.shard_group;
+  c.parallel.sequence_parallel = l.sequence_parallel;
+  c.training.recompute = l.recompute == "full";
+  c.training.micro_batch = l.micro_batch;
+  c.training.global_batch = l.global_batch;
+  return c;
+}
+
+std::string gib(double bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.1f GiB", bytes / (1024.0 * 1024 * 1024));
+  return s;
+}
+
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+}  // namespace
+
+TrafficOptions traffic(const Config& c) {
+  TrafficOptions t;
+  t.grad_comm_dtype = c.parallel.grad_comm_dtype;
+  t.reshard_after_forward = c.parallel.reshard_after_forward;
+  t.bucket_mb = c.parallel.bucket_mb;
+  return t;
+}
+
+MemoryKnobs knobs(const Config& c) {
+  MemoryKnobs k;
+  k.bucket_mb = c.parallel.bucket_mb;
+  k.grad_comm_dtype = c.parallel.grad_comm_dtype;
+  k.prefetch = c.parallel.prefetch;
+  k.reshard_after_forward = c.parallel.reshard_after_forward;
+  k.pp_layers = c.parallel.pp_layers;
+  return k;
+}
+
+std::optional<std::string> layout_problem(const Question& q, const Layout& l, bool full) {
+  if (l.ranks() != q.cluster.gpus)
+    return "dp x tp x pp x cp = " + std::to_string(l.ranks()) + " ranks, but the cluster has " +
+           std::to_string(q.cluster.gpus) + " GPUs; choose sizes whose product is " + std::to_string(q.cluster.gpus);
+  if (l.recompute == "selective")
+    return "recompute=selective is not something meshtrain trains (its fused attention keeps no T x T "
+           "scores to drop); use recompute=none or full";
+  try {
+    Config c = layout_config(q, l);
+    c.validate();
+    c.resolve_layout(q.cluster.gpus, full);
+    const int64_t m = l.micro_batches(), stages = int64_t{l.pp} * l.chunks;
+    MT_CHECK(l.pp == 1 || 2 * m * stages <= Communicator::kMaxPostTag,
+             m << " micro-batches over " << stages << " pipeline stages are more than the engine's transfers can "
+               << "tell apart; use a larger micro-batch");
+  } catch (const Error& e) {
+    return std::string(e.what());
+  }
+  return std::nullopt;
+}
+
+Prediction predict(const Question& q, const Layout& l) {
+  Prediction p;
+  p.layout = l;
+  const ModelConfig& model = q.config.model;
+  p.memory = memory_per_rank(model, l, q.precision, q.config.optim.name, knobs(q.config));
+  p.comm = comm_bytes(model, l, q.precision, traffic(q.config));
+  p.time = step_time(model, l, q.cluster, q.precision, traffic(q.config));
+  if (p.memory.peak > q.cluster.hw.mem_bytes) {
+    p.fits = false;
+    p.why_not = "needs " + gib(p.memory.peak) + " per GPU, the " + q.cluster.hw.name + " has " +
+                gib(q.cluster.hw.mem_bytes);
+  }
+  return p;
+}
+
+namespace {
+
+// Candidate layouts matching base's named fields (unnamed fields range as search.h says).
+std::vector<Layout> candidates(const Question& q, const Layout& base) {
+  const auto named = [&](const char* k) { return base.named.count(k) > 0; };
+  // The values a field takes: the named one, or the open range.
+  const auto values = [&](const char* k, int given, const std::vector<int>& open) {
+    return named(k) ? std::vector<int>{given} : open;
+  };
+  const int G = q.cluster.gpus;
+  std::vector<Layout> out;
+  for (int tp : values("tp", base.tp, divisors(std::min(G, q.cluster.gpus_per_node))))
+    for (int pp : values("pp", base.pp, divisors(G)))
+      for (int cp : values("cp", base.cp, {1, 2, 4, 8})) {
+        if (G % (tp * pp * cp) != 0 || (!named("pp") && pp > q.config.model.n_layer)) continue;
+        const int dp = G / (tp * pp * cp);
+        if (named("dp") && dp != base.dp) continue;
+        std::vector<std::pair<std::string, int>> schedules = {{base.schedule, base.chunks}};
+        if (!named("schedule") && pp > 1) schedules = {{"1f1b", 1}, {"interleaved", 2}, {"zb-h1", 1}, {"zbv", 2}};
+        for (auto& s : schedules)
+          if (named("v")) s.second = base.chunks;
+        std::vector<int> mbs;
+        for (int mb = 1; mb <= 16; ++mb)
+          if (q.global_batch % (int64_t{dp} * mb) == 0) mbs.push_back(mb);
+        if (mbs.empty()) mbs = {1};  // layout_problem names the batch that does not divide
+        for (const auto& [schedule, v] : schedules)
+          for (int zero : values("zero", base.zero, {0, 1, 2, 3}))
+            for (int sp : values("sp", base.sequence_parallel, tp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0}))
+              for (const std::string rc : {"none", "full"}) {
+                if (named("recompute") ? base.recompute != rc : (rc == "full" && schedule.rfind("zb", 0) == 0))
+                  continue;
+                for (int64_t mb : named("mb") ? std::vector<int64_t>{base.micro_batch}
+                                              : std::vector<int64_t>(mbs.begin(), mbs.end())) {
+                  Layout l = base;
+                  l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.chunks = pp > 1 ? v : 1, l.schedule = schedule;
+                  l.zero = zero, l.sequence_parallel = sp, l.recompute = rc, l.micro_batch = mb;
+                  l.global_batch = q.global_batch;
+                  out.push_back(l);
+                }
+              }
+      }
+  return out;
+}
+
+}  // namespace
+
+SearchResult search(const Question& q, const Layout& base) {
+  SearchResult r;
+  struct Family {
+    int tried = 0;
+    bool any = false;
+    std::string problem;           // the first engine refusal seen
+    double least_peak = -1;        // the smallest peak among layouts that run
+    std::string least_layout;
+  };
+  std::map<std::string, Family> families;
+  for (const Layout& l : candidates(q, base)) {
+    ++r.tried;
+    const std::string fam = "tp=" + std::to_string(l.tp) + ",pp=" + std::to_string(l.pp) + ",cp=" + std::to_string(l.cp);
+    Family& f = families[fam];
+    ++f.tried;
+    if (auto problem = layout_problem(q, l, /*full=*/false)) {
+      if (f.problem.empty()) f.problem = *problem;
+      continue;
+    }
+    const Memory mem = memory_per_rank(q.config.model, l, q.precision, q.config.optim.name, knobs(q.config));
+    if (mem.peak > q.cluster.hw.mem_bytes) {
+      if (f.least_peak < 0 || mem.peak < f.least_peak) f.least_peak = mem.peak, f.least_layout = l.text();
+      continue;
+    }
+    Prediction p = predict(q, l);
+    f.any = true;
+    r.ranked.push_back(std::move(p));
+  }
+  std::stable_sort(r.ranked.begin(), r.ranked.end(),
+                   [](const Prediction& a, const Prediction& b) { return a.time.step_s < b.time.step_s; });
+  // The fastest few are checked as the engine would (their schedules built and checked).
+  for (size_t i = 0; i < r.ranked.size() && i < 20;) {
+    if (auto problem = layout_problem(q, r.ranked[i].layout, /*full=*/true)) r.ranked.erase(r.ranked.begin() + i);
+    else ++i;
+  }
+  for (const auto& [fam, f] : families) {
+    if (f.any) continue;
+    std::string why = f.least_peak >= 0 ? "does not fit: at least " + gib(f.least_peak) + " per GPU (" + f.least_layout +
+                                              "), the " + q.cluster.hw.name + " has " + gib(q.cluster.hw.mem_bytes)
+                                        : f.problem;
+    r.rejected.push_back({fam, why, f.tried});
+  }
+  return r;
+}
+
+nlohmann::json prediction_json(const Prediction& p) {
+  const Layout& l = p.layout;
+  nlohmann::json j;
+  j["layout"] = {{"dp", l.dp},
+                 {"tp", l.tp},
+                 {"pp", l.pp},
+                 {"cp", l.cp},
+                 {"pp_chunks", l.chunks},
+                 {"pp_schedule", l.schedule},
+                 {"zero", l.zero},
+                 {"shard_group", l.shard()},
+                 {"sequence_parallel", l.sequence_parallel},
+                 {"recompute", l.recompute},
+                 {"micro_batch", l.micro_batch},
+                 {"global_batch", l.global_batch},
+                 {"text", l.text()}};
+  j["fits"] = p.fits;
+  if (!p.fits) j["why_not"] = p.why_not;
+  const Memory& m = p.memory;
+  j["memory"] = {{"params", m.params},           {"grads", m.grads}, {"optim", m.optim},
+                 {"activations", m.activations}, {"comm", m.comm},   {"peak", m.peak}};
+  j["comm_bytes"] = {{"dp", p.comm.dp}, {"tp", p.comm.tp}, {"pp", p.comm.pp}, {"cp", p.comm.cp}};
+  j["comm_s"] = {{"dp", p.time.comm_s.dp}, {"tp", p.time.comm_s.tp}, {"pp", p.time.comm_s.pp}, {"cp", p.time.comm_s.cp}};
+  j["compute_s"] = p.time.compute_s;
+  j["exposed_comm_s"] = p.time.exposed_comm_s;
+  j["bubble"] = p.time.bubble;
+  j["step_s"] = p.time.step_s;
+  j["tokens_per_s"] = p.time.tokens_per_s;
+  j["mfu"] = p.time.mfu;
+  return j;
+}
+
+}  // namespace mt::plan

@@ -1,0 +1,84 @@
+#include "train/plan_report.h"
+
+#include <cstdio>
+
+#include "plan/comm.h"
+#include "plan/hardware.h"
+#include "plan/memory.h"
+#include "plan/search.h"  // traffic, knobs
+#include "plan/time.h"
+
+namespace mt {
+
+namespace {
+
+plan::Layout run_layout(const Config& c) {
+  plan::Layout l;
+  l.dp = c.parallel.dp, l.tp = c.parallel.tp, l.pp = c.parallel.pp, l.cp = c.parallel.cp;
+  l.chunks = c.parallel.pp > 1 ? c.parallel.pp_chunks : 1;
+  l.schedule = c.parallel.pp_schedule;
+  l.zero = c.parallel.zero;
+  l.shard_group = c.parallel.shard_group;
+  l.sequence_parallel = c.parallel.sequence_parallel && c.parallel.tp > 1;
+  l.recompute = c.training.recompute ? "full" : "none";
+  l.micro_batch = c.training.micro_batch;
+  l.global_batch = c.training.global_batch;
+  return l;
+}
+
+std::string mib(double b) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f MiB", b / (1024.0 * 1024));
+  return s;
+}
+
+}  // namespace
+
+nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& m, std::vector<std::string>* lines) {
+  nlohmann::json j;
+  if (c.parallel.pp_schedule.rfind("file:", 0) == 0) {  // the planner knows the built-in schedules only
+    lines->push_back("planner: no prediction for a schedule read from a file");
+    return j;
+  }
+  const plan::Layout l = run_layout(c);
+  const plan::Precisions prec = plan::Precisions::of("fp32");
+  const plan::Memory pm = plan::memory_per_rank(c.model, l, prec, c.optim.name, plan::knobs(c));
+  const plan::CommBytes pc = plan::comm_bytes(c.model, l, prec, plan::traffic(c));
+  const double predicted[] = {pm.params, pm.grads, pm.optim, pm.activations, pm.comm};
+  const MemTag tags[] = {MemTag::params, MemTag::grads, MemTag::optim, MemTag::activations, MemTag::comm};
+  std::string mem = "planner, memory per tag (predicted / measured):";
+  for (int i = 0; i < 5; ++i) {
+    const double measured = static_cast<double>(m.mem.peak[int(tags[i])]);
+    j[std::string("plan_mem_") + memtag_name(tags[i])] = predicted[i];
+    mem += std::string(i ? "," : "") + " " + memtag_name(tags[i]) + " " + mib(predicted[i]) + " / " + mib(measured);
+  }
+  lines->push_back(mem);
+  const double axes[] = {pc.dp, pc.tp, pc.pp, pc.cp};
+  const char* names[] = {"dp", "tp", "pp", "cp"};
+  std::string comm = "planner, bytes per step (predicted / measured):";
+  for (int i = 0; i < 4; ++i) {
+    j[std::string("plan_comm_bytes_") + names[i]] = axes[i];
+    j[std::string("comm_bytes_") + names[i] + "_step"] = m.comm_bytes[i];
+    comm += std::string(i ? "," : "") + " " + names[i] + " " + mib(axes[i]) + " / " + mib(m.comm_bytes[i]);
+  }
+  lines->push_back(comm);
+  j["plan_step_s"] = nullptr;
+  if (c.logging.hardware.empty()) {
+    lines->push_back("planner, step time: set logging.hardware=FILE (from meshtrain bench profile) to predict it");
+    return j;
+  }
+  plan::Cluster cluster;
+  cluster.gpus = world_size;
+  cluster.gpus_per_node = world_size;  // one machine
+  cluster.hw = plan::hardware_get(c.logging.hardware);
+  const plan::Timing t = plan::step_time(c.model, l, cluster, prec, plan::traffic(c));
+  j["plan_step_s"] = t.step_s;
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "planner, step time with %s: %.1f ms predicted (compute %.1f ms, bubble %.1f%%), "
+                "%.1f ms measured (%+.0f%%)", c.logging.hardware.c_str(), 1e3 * t.step_s, 1e3 * t.compute_s,
+                100 * t.bubble, 1e3 * m.step_s, 100 * (t.step_s / m.step_s - 1));
+  lines->push_back(buf);
+  return j;
+}
+
+}  // namespace mt
