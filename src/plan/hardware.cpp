@@ -693,7 +693,7 @@ void measure_efficiency(Communicator& world, const MeasureOptions& o, double bud
   ModelConfig cfg = o.model;
   cfg.validate();
   int B = std::max(1, o.micro_batch);
-  const double guess = 0.3 * hw.flops_fp32;  // the same on every rank, and so is B
+  const double guess = 0.5 * hw.flops_fp32;  // the same on every rank, and so is B
   while (B > 1 && 2 * step_flops(cfg, B) / guess > budget) B = (B + 1) / 2;
   say("measuring a training step: forward + backward of " + cfg.family + " (" + std::to_string(cfg.n_layer) +
       " layers, d_model " + std::to_string(cfg.d_model) + ") at micro-batch " + std::to_string(B));
