@@ -9,6 +9,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "plan/hardware.h"  // comm_op_seconds, comm_bus_factor
 
 namespace mt {
 
@@ -49,7 +50,6 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
     }
   }
   MT_CHECK(min_bytes >= 4 && max_bytes >= min_bytes && iters >= 1, "bench comm: need 4 <= min-bytes <= max-bytes, iters >= 1");
-  CpuAllocator alloc;
   const int n = world.size();
   const size_t es = dtype_size(dtype);
   if (world.rank() == 0) {
@@ -58,34 +58,17 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
     std::printf("%14s %12s  %-15s %12s %12s %12s\n", "size (B)", "count", "op", "time (us)", "algbw (GB/s)",
                 "busbw (GB/s)");
   }
-  const char* ops[] = {"allreduce", "allgather", "reduce_scatter", "broadcast"};
+  const CommOp ops[] = {CommOp::allreduce, CommOp::allgather, CommOp::reduce_scatter, CommOp::broadcast};
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
     const int64_t count = std::max<int64_t>(n, bytes / es / n * n);  // divisible by n
-    Tensor big = Tensor::zeros({count}, dtype, alloc, MemTag::comm);
-    Tensor part = Tensor::zeros({count / n}, dtype, alloc, MemTag::comm);
-    for (int op = 0; op < 4; ++op) {
-      auto run = [&] {
-        switch (op) {
-          case 0: world.allreduce(big); break;
-          case 1: world.allgather(part, big); break;
-          case 2: world.reduce_scatter(big, part); break;
-          case 3: world.broadcast(big, 0); break;
-        }
-      };
-      run();  // warm up
-      world.barrier();
-      const double t0 = now_seconds();
-      for (int k = 0; k < iters; ++k) run();
-      double per_op = (now_seconds() - t0) / iters;
-      std::vector<double> all(n);
-      world.allgather(Tensor::wrap(&per_op, {1}, DType::f64), Tensor::wrap(all.data(), {n}, DType::f64));
-      per_op = *std::max_element(all.begin(), all.end());
+    for (CommOp op : ops) {
+      const double per_op = plan::comm_op_seconds(world, op, count, dtype, iters);
       const double data = static_cast<double>(count * es);  // nccl-tests: the full buffer's size
       const double algbw = data / per_op / 1e9;
-      const double factor = op == 0 ? 2.0 * (n - 1) / n : op == 3 ? 1.0 : double(n - 1) / n;
       if (world.rank() == 0)
         std::printf("%14lld %12lld  %-15s %12.1f %12.3f %12.3f\n", static_cast<long long>(count * es),
-                    static_cast<long long>(count), ops[op], per_op * 1e6, algbw, algbw * factor);
+                    static_cast<long long>(count), comm_op_name(op), per_op * 1e6, algbw,
+                    algbw * plan::comm_bus_factor(op, n));
     }
   }
   return 0;

@@ -22,6 +22,11 @@ int cmd_launch(const std::vector<std::string>& args, const char* self);
 // nccl-tests-style time / algorithm bandwidth / bus bandwidth per collective and size.
 int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world);
 
+// meshtrain bench profile [--out FILE.toml] [--seconds S] [--config FILE.toml]: measures this
+// machine (one device per rank) and writes a hardware profile for `meshtrain plan --hardware`
+// (bench_profile.cpp, plan/hardware.h).
+int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world);
+
 // meshtrain schedule [--schedule NAME|file:PATH] [--pp P] [--chunks V] [--microbatches M]
 // [--compare] [--json] [--svg FILE] [--csv FILE] [--costs F=1,B=2,...]: builds (or reads),
 // checks and simulates a pipeline schedule; prints each rank's timeline, the bubble and the

@@ -6,6 +6,7 @@
 //   meshtrain export --checkpoint DIR --out model.safetensors        Hugging Face weights
 //   meshtrain sample --checkpoint DIR [--prompt TEXT] [...]          generate text
 //   meshtrain bench comm [...]                                       collective bandwidth
+//   meshtrain bench profile [--out FILE.toml] [--seconds S]          this machine as a hardware profile
 //   meshtrain schedule --pp 4 --microbatches 8 --schedule zb-h1      pipeline schedule: bubble, picture
 //   meshtrain plan --config m.toml --gpus 64 --hardware h100         layouts ranked by predicted step time
 //   meshtrain checkpoint info DIR [--json]                          what a checkpoint holds; CRC checks
@@ -22,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "cli/commands.h"                     // cmd_launch, cmd_bench_comm, cmd_schedule, cmd_checkpoint
+#include "cli/commands.h"                     // cmd_launch, cmd_bench_comm, cmd_bench_profile, cmd_schedule, cmd_checkpoint
 #include "comm/mpi_comm.h"                    // MpiRuntime, mpi_launched
 #include "core/error.h"                       // mt::Error: every user-facing failure
 #include "data/token_file.h"                  // token_file_write
@@ -117,8 +118,10 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
       if (lead) mt::stop_notes_enable();
       return mt::train(cfg, *world).stopped_by ? mt::kExitStopped : 0;
     }
+    if (!args.empty() && args[0] == "profile") return mt::cmd_bench_profile({args.begin() + 1, args.end()}, *world);
     MT_CHECK(!args.empty() && args[0] == "comm",
-             "bench: the benchmark is `comm` (meshtrain launch -n 2 bench comm); step benchmarks are in bench/");
+             "bench: the benchmarks are `comm` (meshtrain launch -n 2 bench comm) and `profile` (meshtrain bench "
+             "profile --out FILE.toml); step benchmarks are in bench/");
     return mt::cmd_bench_comm({args.begin() + 1, args.end()}, *world);
   } catch (const std::exception& e) {
     std::fflush(stdout);
@@ -144,7 +147,8 @@ int main(int argc, char** argv) {
     app.require_subcommand(1);
     app.add_subcommand("train", "train a model: meshtrain train [--config FILE.toml] [--section.key=value ...]");
     app.add_subcommand("launch", "run on N ranks: meshtrain launch -n N [mpirun options] train ...");
-    app.add_subcommand("bench", "meshtrain launch -n N bench comm: collective bandwidth");
+    app.add_subcommand("bench", "meshtrain launch -n N bench comm | profile: collective bandwidth; this machine's "
+                              "hardware profile");
 
     auto* prep = app.add_subcommand("prepare", "tokenize a text file into a token file");
     std::string input, out = "tokens.bin", val_out, tokenizer = "byte", sp_prefix;

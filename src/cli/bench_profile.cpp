@@ -1,0 +1,78 @@
+// meshtrain bench profile: measures this machine as a hardware profile for `meshtrain plan`
+// (plan/hardware.h): matrix FLOP/s, memory size and bandwidth, collective bandwidth and
+// latency between its ranks, and the fraction of peak a training step reaches. Writes the
+// profile file (default hardware_profile.toml; --out - prints it instead).
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "plan/hardware.h"
+#include "train/config.h"
+#include "train/metrics.h"
+
+namespace mt {
+
+int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world) {
+  const bool lead = world.rank() == 0;
+  std::string out = "hardware_profile.toml", config;
+  plan::MeasureOptions o;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h" || i + 1 >= args.size() || (a != "--out" && a != "--seconds" && a != "--config")) {
+      if (lead) {
+        if (a != "--help" && a != "-h") std::fprintf(stderr, "bench profile: unknown option or missing value: %s\n", a.c_str());
+        std::printf(
+            "usage: [meshtrain launch -n N] meshtrain bench profile [--out FILE.toml] [--seconds S] [--config FILE.toml]\n"
+            "  measures this machine, one device per rank, and writes a hardware profile for\n"
+            "  `meshtrain plan --hardware FILE.toml`\n"
+            "  --out FILE.toml   where to write it (default hardware_profile.toml; - prints it)\n"
+            "  --seconds S       about how long to measure (default 20)\n"
+            "  --config FILE     the model whose training step calibrates `efficiency`, at its\n"
+            "                    training.micro_batch (default: configs/gpt2_bench.toml's model, micro-batch 8)\n");
+      }
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+    const std::string v = args[++i];
+    if (a == "--out") out = v;
+    else if (a == "--config") config = v;
+    else {
+      char* end = nullptr;
+      o.seconds = std::strtod(v.c_str(), &end);
+      MT_CHECK(!v.empty() && !*end && o.seconds > 0 && o.seconds <= 3600,
+               "bench profile: --seconds " << v << ": expected a number of seconds, more than 0 and at most 3600");
+    }
+  }
+  if (!config.empty()) {
+    const Config c = config_load(config, {});
+    o.model = c.model;
+    o.micro_batch = static_cast<int>(c.training.micro_batch > 0 ? c.training.micro_batch : c.training.global_batch);
+  }
+  if (lead && out != "-") output_parent_create(out, "--out");
+  // Progress goes to stdout, or to stderr when the profile itself does.
+  FILE* talk = out == "-" ? stderr : stdout;
+  if (lead)
+    std::fprintf(talk, "# meshtrain bench profile: %d rank%s, about %.0f s\n", world.size(), world.size() > 1 ? "s" : "",
+                 o.seconds);
+  const plan::Measured m = plan::hardware_measure(world, o, [&](const std::string& line) {
+    std::fprintf(talk, "%s\n", line.c_str());
+    std::fflush(talk);
+  });
+  if (!lead) return 0;
+  const std::string text = plan::hardware_to_toml(m.hw, m.notes);
+  std::fprintf(talk, "\nprofile %s (per rank):\n", m.hw.name.c_str());
+  for (const std::string& l : m.summary) std::fprintf(talk, "  %s\n", l.c_str());
+  if (out == "-") {
+    std::printf("%s", text.c_str());
+    return 0;
+  }
+  FILE* f = std::fopen(out.c_str(), "w");
+  MT_CHECK(f, "bench profile: cannot write --out " << out);
+  const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  MT_CHECK(std::fclose(f) == 0 && ok, "bench profile: cannot write --out " << out);
+  std::printf("wrote %s: meshtrain plan --hardware %s ...\n", out.c_str(), out.c_str());
+  return 0;
+}
+
+}  // namespace mt
