@@ -69,7 +69,7 @@ for name in [f"l{k}" for k in range(n)] + ["pick"]:
     ms, s = load(name)
     cells = []
     for t in tags:
-        pred, meas = s[f"plan_mem_{t}"], s[f"mem_{t}"]
+        pred, meas = s[f"plan_mem_{t}"], s[f"mem_steps_{t}"]
         err = (pred / meas - 1) if meas > 2**20 else 0.0  # below a MiB: not a tag worth a percentage
         worst_mem = max(worst_mem, abs(err))
         cells.append(f"{pred / 2**20:5.1f}/{meas / 2**20:5.1f}{'' if meas > 2**20 else ' -':>2}")

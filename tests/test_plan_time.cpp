@@ -12,6 +12,7 @@
 #include "parallel/schedule_sim.h"
 #include "parallel/tensor.h"
 #include "plan/comm.h"
+#include "plan/hardware.h"
 #include "plan/time.h"
 #include "train_runs.h"
 
@@ -29,17 +30,12 @@ namespace {
 // -2.0%, 1008B -11.5%. The built-in A100 profile uses it.
 constexpr double kA100Efficiency = 0.548;
 
-// An A100 80 GB SXM as published (reference/published-figures.md): 312 TFLOP/s bf16/fp16
-// dense, 19.5 fp32, 80 GB at 2.0 TB/s, NVLink 300 GB/s per GPU one way, 8 x 200 Gb/s
-// InfiniBand per node = 25 GB/s per GPU.
+// The built-in A100 80 GB SXM (plan/hardware.cpp: 312 TFLOP/s bf16/fp16 dense, 19.5 fp32,
+// 80 GB at 2.0 TB/s, NVLink 300 GB/s per GPU one way, 8 x 200 Gb/s InfiniBand per node =
+// 25 GB/s per GPU), whose efficiency is this file's calibration.
 Hardware a100() {
-  Hardware h;
-  h.name = "a100-80gb";
-  h.flops_bf16 = h.flops_fp16 = 312e12, h.flops_fp32 = 19.5e12;
-  h.mem_bytes = 80e9, h.mem_bw = 2.0e12;
-  h.intra_node_bw = 300e9, h.inter_node_bw = 25e9;
-  h.latency_s = 10e-6;
-  h.efficiency = kA100Efficiency;
+  Hardware h = hardware_get("a100-80gb");
+  EXPECT_EQ(h.efficiency, kA100Efficiency) << "the built-in A100 profile carries the calibration";
   return h;
 }
 

@@ -40,6 +40,12 @@ std::string gib(double b) {
   return s;
 }
 
+std::string seconds(double s) {
+  char out[32];
+  std::snprintf(out, sizeof out, s >= 1 ? "%.2f s" : s >= 1e-3 ? "%.1f ms" : "%.0f us", s >= 1 ? s : s >= 1e-3 ? 1e3 * s : 1e6 * s);
+  return out;
+}
+
 std::string gb(double b) {
   char s[32];
   std::snprintf(s, sizeof s, b >= 1e9 ? "%.1f GB" : "%.1f MB", b >= 1e9 ? b / 1e9 : b / 1e6);
@@ -56,10 +62,12 @@ void print_breakdown(const plan::Prediction& p, const plan::Question& q) {
               p.fits ? "" : ": does not fit");
   std::printf("  bytes per step and GPU: dp %s, tp %s, pp %s, cp %s\n", gb(p.comm.dp).c_str(), gb(p.comm.tp).c_str(),
               gb(p.comm.pp).c_str(), gb(p.comm.cp).c_str());
-  std::printf("  time on the links: dp %.3f s, tp %.3f s, pp %.3f s, cp %.3f s; exposed %.3f s\n", t.comm_s.dp,
-              t.comm_s.tp, t.comm_s.pp, t.comm_s.cp, t.exposed_comm_s);
-  std::printf("  compute %.3f s, bubble %.1f%%: step %.3f s, %.0f tokens/s (%.0f per GPU), MFU %.1f%%\n", t.compute_s,
-              100 * t.bubble, t.step_s, t.tokens_per_s, t.tokens_per_s / q.cluster.gpus, 100 * t.mfu);
+  std::printf("  time on the links: dp %s, tp %s, pp %s, cp %s; not hidden behind compute %s\n",
+              seconds(t.comm_s.dp).c_str(), seconds(t.comm_s.tp).c_str(), seconds(t.comm_s.pp).c_str(),
+              seconds(t.comm_s.cp).c_str(), seconds(t.exposed_comm_s).c_str());
+  std::printf("  compute %s, bubble %.1f%%: step %s, %.0f tokens/s (%.0f per GPU), MFU %.1f%%\n",
+              seconds(t.compute_s).c_str(), 100 * t.bubble, seconds(t.step_s).c_str(), t.tokens_per_s,
+              t.tokens_per_s / q.cluster.gpus, 100 * t.mfu);
 }
 
 }  // namespace
@@ -90,13 +98,20 @@ int cmd_plan(const PlanOptions& o) {
     std::printf("%d layouts weighed, %zu fit\n", r.tried, r.ranked.size());
   }
   if (r.ranked.empty()) {
-    // Nothing runs: say what each family lacks, most hopeful (least memory short) first.
+    if (!o.layout.empty()) {
+      // A layout the engine refuses: its own reason. One that runs but fits nowhere: its
+      // breakdown (the completion needing the least memory), and the exit status 1.
+      if (auto problem = plan::layout_problem(q, plan::search_closest(q, base))) MT_FAIL("--layout " << o.layout << ": " << *problem);
+      const plan::Prediction p = plan::predict(q, plan::search_closest(q, base));
+      if (o.json) std::printf("%s\n", nlohmann::json{{"layouts", {plan::prediction_json(p)}}}.dump(1).c_str());
+      else print_breakdown(p, q);
+      std::fprintf(stderr, "meshtrain: error: --layout %s does not fit: %s; name fewer fields, shard more (zero=3, "
+                   "tp, pp), recompute=full or a smaller mb\n", o.layout.c_str(), p.why_not.c_str());
+      return 1;
+    }
+    // Nothing runs: say what each family lacks.
     std::string why;
     for (const plan::Rejected& x : r.rejected) why += "\n  " + x.family + ": " + x.reason;
-    if (!o.layout.empty() && base.named.size() > 0) {
-      // A fully named layout that cannot run: its own reason first.
-      if (auto problem = plan::layout_problem(q, base)) MT_FAIL("--layout " << o.layout << ": " << *problem);
-    }
     MT_FAIL("no layout of this model fits " << o.gpus << " x " << q.cluster.hw.name << ":" << why
                                             << "\nuse more GPUs, a device with more memory, or a smaller model");
   }
@@ -111,11 +126,12 @@ int cmd_plan(const PlanOptions& o) {
   } else if (!o.layout.empty()) {
     print_breakdown(r.ranked.front(), q);
   } else {
-    std::printf("%4s  %-80s %10s %9s %12s %6s %7s\n", "rank", "layout", "peak", "step s", "tokens/s", "MFU", "bubble");
+    std::printf("%4s  %-80s %10s %9s %12s %6s %7s\n", "rank", "layout", "peak", "step", "tokens/s", "MFU", "bubble");
     for (size_t i = 0; i < r.ranked.size() && i < static_cast<size_t>(o.top); ++i) {
       const plan::Prediction& p = r.ranked[i];
-      std::printf("%4zu  %-80s %10s %9.3f %12.0f %5.1f%% %6.1f%%\n", i + 1, p.layout.text().c_str(),
-                  gib(p.memory.peak).c_str(), p.time.step_s, p.time.tokens_per_s, 100 * p.time.mfu, 100 * p.time.bubble);
+      std::printf("%4zu  %-80s %10s %9s %12.0f %5.1f%% %6.1f%%\n", i + 1, p.layout.text().c_str(),
+                  gib(p.memory.peak).c_str(), seconds(p.time.step_s).c_str(), p.time.tokens_per_s, 100 * p.time.mfu,
+                  100 * p.time.bubble);
     }
     std::printf("best:\n");
     print_breakdown(r.ranked.front(), q);

@@ -1,5 +1,6 @@
 #include "plan/plan.h"
 
+#include <map>
 #include <sstream>
 
 #include "core/error.h"
@@ -53,13 +54,12 @@ Layout layout_parse(const std::string& text, Layout base) {
     if (item.empty()) continue;
     const size_t eq = item.find('=');
     MT_CHECK(eq != std::string::npos, "--layout: '" << item << "' is not key=value (for example tp=8,pp=4,dp=2)");
-    std::string key = item.substr(0, eq);
-    const std::string value = item.substr(eq + 1);
-    if (key == "chunks" || key == "pp_chunks") key = "v";
-    if (key == "micro_batch") key = "mb";
-    if (key == "global_batch") key = "gb";
-    if (key == "sequence_parallel") key = "sp";
-    if (key == "pp_schedule") key = "schedule";
+    static const std::map<std::string, std::string> alias = {
+        {"chunks", "v"},         {"pp_chunks", "v"}, {"micro_batch", "mb"}, {"global_batch", "gb"},
+        {"sequence_parallel", "sp"}, {"pp_schedule", "schedule"}};
+    const std::string given(item, 0, eq), value(item, eq + 1);
+    const auto a = alias.find(given);
+    const std::string& key = a == alias.end() ? given : a->second;
     if (key == "dp") base.dp = static_cast<int>(parse_int(key, value, 1));
     else if (key == "tp") base.tp = static_cast<int>(parse_int(key, value, 1));
     else if (key == "pp") base.pp = static_cast<int>(parse_int(key, value, 1));

@@ -1,11 +1,22 @@
 #include "plan/plan_svg.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <sstream>
 
 #include "parallel/schedule_svg.h"
 
 namespace mt::plan {
+
+namespace {
+
+std::string fixed(double v, int digits) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.*f", digits, v);
+  return s;
+}
+
+}  // namespace
 
 std::string plan_svg(const Question& q, const std::vector<Prediction>& layouts, const Simulation* timeline) {
   const double W = 1100, left = 20, right = 20, top = 44, row = 34, label_h = 13;
@@ -25,7 +36,7 @@ std::string plan_svg(const Question& q, const std::vector<Prediction>& layouts, 
     << "' font-family='sans-serif' font-size='11'>\n<rect width='100%' height='100%' fill='white'/>\n";
   o << "<text x='" << left << "' y='16' font-size='13'>memory per GPU by tag, " << q.cluster.gpus << " x "
     << q.cluster.hw.name << " (" << q.precision.name << "); the line is the device's "
-    << device / (1 << 30) << " GiB</text>\n";
+    << fixed(device / (1 << 30), 1) << " GiB</text>\n";
   const char* names[] = {"params", "grads", "optim", "activations", "buffers"};
   const char* colours[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#bab0ac"};
   for (int k = 0; k < 5; ++k)
@@ -35,7 +46,7 @@ std::string plan_svg(const Question& q, const std::vector<Prediction>& layouts, 
     const Memory& m = layouts[i].memory;
     const double y = top + i * row;
     o << "<text x='" << left << "' y='" << y + label_h - 2 << "'>" << i + 1 << ". " << layouts[i].layout.text()
-      << "  (step " << layouts[i].time.step_s << " s)</text>\n";
+      << "  (step " << fixed(layouts[i].time.step_s, 3) << " s)</text>\n";
     double x = left;
     const double parts[] = {m.params, m.grads, m.optim, m.activations, m.comm};
     for (int k = 0; k < 5; ++k) {
@@ -43,7 +54,7 @@ std::string plan_svg(const Question& q, const std::vector<Prediction>& layouts, 
         << colours[k] << "'/>\n";
       x += parts[k] * scale;
     }
-    o << "<text x='" << x + 4 << "' y='" << y + label_h + 11 << "'>" << m.peak / (1 << 30) << " GiB</text>\n";
+    o << "<text x='" << x + 4 << "' y='" << y + label_h + 11 << "'>" << fixed(m.peak / (1 << 30), 2) << " GiB</text>\n";
   }
   const double xd = left + device * scale;
   o << "<line x1='" << xd << "' y1='" << top << "' x2='" << xd << "' y2='" << bars_h - 16

@@ -1,6 +1,7 @@
 #include "plan/search.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "comm/communicator.h"
@@ -124,7 +125,7 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
           if (q.global_batch % (int64_t{dp} * mb) == 0) mbs.push_back(mb);
         if (mbs.empty()) mbs = {1};  // layout_problem names the batch that does not divide
         for (const auto& [schedule, v] : schedules)
-          for (int zero : values("zero", base.zero, {0, 1, 2, 3}))
+          for (int zero : values("zero", base.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0}))
             for (int sp : values("sp", base.sequence_parallel, tp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0}))
               for (const std::string rc : {"none", "full"}) {
                 if (named("recompute") ? base.recompute != rc : (rc == "full" && schedule.rfind("zb", 0) == 0))
@@ -172,8 +173,15 @@ SearchResult search(const Question& q, const Layout& base) {
     f.any = true;
     r.ranked.push_back(std::move(p));
   }
-  std::stable_sort(r.ranked.begin(), r.ranked.end(),
-                   [](const Prediction& a, const Prediction& b) { return a.time.step_s < b.time.step_s; });
+  // Fastest first; between layouts equally fast (to a part in a million), the simpler (fewer
+  // axes split, a lower ZeRO stage), then the one needing less memory.
+  const auto simpler = [](const Layout& l) { return (l.tp > 1) + (l.pp > 1) + (l.cp > 1) + l.zero + l.sequence_parallel; };
+  std::stable_sort(r.ranked.begin(), r.ranked.end(), [&](const Prediction& a, const Prediction& b) {
+    if (std::abs(a.time.step_s - b.time.step_s) > 1e-6 * std::max(a.time.step_s, b.time.step_s))
+      return a.time.step_s < b.time.step_s;
+    if (simpler(a.layout) != simpler(b.layout)) return simpler(a.layout) < simpler(b.layout);
+    return a.memory.peak < b.memory.peak;
+  });
   // The fastest few are checked as the engine would (their schedules built and checked).
   for (size_t i = 0; i < r.ranked.size() && i < 20;) {
     if (auto problem = layout_problem(q, r.ranked[i].layout, /*full=*/true)) r.ranked.erase(r.ranked.begin() + i);
@@ -187,6 +195,30 @@ SearchResult search(const Question& q, const Layout& base) {
     r.rejected.push_back({fam, why, f.tried});
   }
   return r;
+}
+
+Layout search_closest(const Question& q, const Layout& base) {
+  const std::vector<Layout> all = candidates(q, base);
+  if (all.empty()) {
+    int fixed = 1;
+    std::string named;
+    for (const char* k : {"dp", "tp", "pp", "cp"})
+      if (base.named.count(k)) {
+        fixed *= k[0] == 'd' ? base.dp : k[0] == 't' ? base.tp : k[0] == 'p' ? base.pp : base.cp;
+        named += std::string(named.empty() ? "" : " x ") + k;
+      }
+    MT_FAIL("--layout: dp x tp x pp x cp must multiply to the " << q.cluster.gpus << " GPUs, but " << named << " = "
+                                                                 << fixed << " does not divide " << q.cluster.gpus
+                                                                 << "; use sizes that divide it");
+  }
+  const Layout* best = nullptr;
+  double least = 0;
+  for (const Layout& l : all) {
+    if (layout_problem(q, l, /*full=*/false)) continue;
+    const double peak = memory_per_rank(q.config.model, l, q.precision, q.config.optim.name, knobs(q.config)).peak;
+    if (!best || peak < least) best = &l, least = peak;
+  }
+  return best ? *best : all.front();
 }
 
 nlohmann::json prediction_json(const Prediction& p) {

@@ -57,6 +57,11 @@ struct SearchResult {
 // engine trains), micro-batches dividing the per-rank batch (up to 16 sequences).
 SearchResult search(const Question& q, const Layout& base);
 
+// Among the layouts matching base's named fields, the one the engine accepts that needs the
+// least memory (fitting or not); the first candidate when the engine accepts none (then
+// layout_problem says why). For a --layout that fits nowhere.
+Layout search_closest(const Question& q, const Layout& base);
+
 // The JSON the command prints with --json: {"layout": {...}, "fits": ..., "memory": {...},
 // "comm_bytes": {...}, "step_s": ..., "tokens_per_s": ..., "mfu": ...}.
 nlohmann::json prediction_json(const Prediction& p);

@@ -43,13 +43,14 @@ nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& 
   const plan::Layout l = run_layout(c);
   const plan::Precisions prec = plan::Precisions::of("fp32");
   const plan::Memory pm = plan::memory_per_rank(c.model, l, prec, c.optim.name, plan::knobs(c));
-  const plan::CommBytes pc = plan::comm_bytes(c.model, l, prec, plan::traffic(c));
+  const plan::CommBytes pc = plan::comm_bytes_rank(c.model, l, prec, /*pp_rank=*/0, plan::traffic(c));  // rank 0's, as measured
   const double predicted[] = {pm.params, pm.grads, pm.optim, pm.activations, pm.comm};
   const MemTag tags[] = {MemTag::params, MemTag::grads, MemTag::optim, MemTag::activations, MemTag::comm};
   std::string mem = "planner, memory per tag (predicted / measured):";
   for (int i = 0; i < 5; ++i) {
     const double measured = static_cast<double>(m.mem.peak[int(tags[i])]);
     j[std::string("plan_mem_") + memtag_name(tags[i])] = predicted[i];
+    j[std::string("mem_steps_") + memtag_name(tags[i])] = measured;
     mem += std::string(i ? "," : "") + " " + memtag_name(tags[i]) + " " + mib(predicted[i]) + " / " + mib(measured);
   }
   lines->push_back(mem);

@@ -14,13 +14,15 @@
 namespace mt {
 
 struct PlanMeasured {
-  MemStats mem;                       // peaks of the busiest rank
+  MemStats mem;                       // the training steps' peaks on the busiest rank
   std::array<double, 4> comm_bytes{};  // dp, tp, pp, cp: bytes rank 0 sent in the last step
   double step_s = 0;                  // mean time of a timed step
 };
 
-// Appends the printed lines to *lines and returns the metrics keys: plan_mem_<tag> and
-// mem_<tag> measured, plan_comm_bytes_<axis>, plan_step_s (null without a profile).
+// Appends the printed lines to *lines and returns the metrics keys: plan_mem_<tag> beside
+// mem_steps_<tag> (the training steps' peak: the summary's mem_<tag> also holds the final
+// validation's), plan_comm_bytes_<axis> beside comm_bytes_<axis>_step (pipeline rank 0's),
+// plan_step_s (null without a profile).
 nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& m, std::vector<std::string>* lines);
 
 }  // namespace mt

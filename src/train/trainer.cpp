@@ -287,7 +287,8 @@ struct Progress {
   Curve train_curve, val_curve;
   std::string checkpoint;  // the newest checkpoint this process wrote
   StepAgreement stop;      // stop.stop_signal != 0: the ranks agreed to stop early
-  std::array<double, 4> comm_last{};  // bytes this rank sent in the last step: dp, tp, pp, cp
+  std::array<double, 4> comm_last{};  // bytes this rank sent in the last step: dp, tp, pp (with the tie), cp
+  MemStats step_peaks;                // the training steps' peaks (the summary's include the last validation)
 };
 
 // The newest checkpoint to resume from ("" to start afresh), the same on every rank. A
@@ -491,17 +492,19 @@ void run_steps(Run& run, Progress& p) {
     const uint64_t bytes_before = run.strategy.bytes_sent(), tp_before = run.tp.bytes_sent();
     const uint64_t cp_before = run.mesh.cp().bytes_sent();
     if (run.trace) run.pp.barrier();  // the pipeline ranks' timelines start together
-    const uint64_t pp_before = run.pp.bytes_sent();
+    const auto pp_sent = [&] { return run.pp.bytes_sent() + (run.tie ? run.tie->bytes_sent() : 0); };
+    const uint64_t pp_before = pp_sent();
     const double started = now_seconds() - run.t0;
     nlohmann::json j = step_run(run, s);
     p.comm_last = {double(run.strategy.bytes_sent() - bytes_before), double(run.tp.bytes_sent() - tp_before),
-                   double(run.pp.bytes_sent() - pp_before), double(run.mesh.cp().bytes_sent() - cp_before)};
+                   double(pp_sent() - pp_before), double(run.mesh.cp().bytes_sent() - cp_before)};
     const double dt = seconds_since(t0), loss = j["loss"], lr = j["lr"];
     if (run.trace) run.trace->add(s, started, run.pipe.timeline());
     p.train_seconds += dt;
     ++p.timed_steps;
     // The step boundary: this all-gather runs every step anyway, the stop flag rides along.
     const StepAgreement a = agree_step(run.world, run.alloc.stats(), stop_signal());
+    p.step_peaks = a.peaks;
     j["tokens_per_s"] = tokens_per_step / dt;
     j["step_ms"] = dt * 1000;
     j.update(memory_json(a.peaks));
@@ -659,7 +662,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
   js["mem_model_state_predicted"] = run.predicted;
   js["mem_activations_predicted"] = run.predicted_activations;
   std::vector<std::string> plan_lines;
-  js.update(plan_report(c, run.world.size(), {mem, p.comm_last, p.timed_steps ? p.train_seconds / p.timed_steps : 0},
+  js.update(plan_report(c, run.world.size(), {p.step_peaks, p.comm_last, p.timed_steps ? p.train_seconds / p.timed_steps : 0},
                         &plan_lines));
   run.log.write(js);
   print_summary(run, sum, mem, p.timed_steps);
