@@ -124,6 +124,12 @@ declare -A how=(
   ["./build/meshtrain launch -n 2 train --parallel.cp=2"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 8 train --parallel.tp=2 --parallel.cp=2 --parallel.pp=2 --training.micro_batch=1"]='run "$cmd $few"'
   ["./build/meshtrain schedule --pp 4 --microbatches 8 --schedule zb-h1"]='run "$cmd"'
+  ["./build/meshtrain plan --config configs/gpt2_124m.toml --gpus 64 --hardware h100 --global-batch 512"]='run "$cmd"'
+  ["./build/meshtrain plan --config configs/gpt2_124m.toml --gpus 64 --hardware h100 --layout tp=2,pp=4 --svg plan.svg"]='run "$cmd"
+    [ -s plan.svg ] || fail "no picture from: $cmd"'
+  ["./build/meshtrain launch -n 2 bench profile --out hardware_profile.toml"]='run "$cmd --seconds 2"'
+  ["./build/meshtrain train --logging.hardware=hardware_profile.toml"]='run "$cmd $few"
+    grep -q "planner, step time" "log.$n" || fail "no step-time prediction from: $cmd"'
   ["./build/meshtrain schedule --pp 4 --microbatches 8 --compare --svg schedules.svg"]='run "$cmd"
     [ -s schedules.svg ] || fail "no picture from: $cmd"'
   ["./build/meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b --csv my.csv"]='run "$cmd"'

@@ -101,8 +101,9 @@ int cmd_plan(const PlanOptions& o) {
     if (!o.layout.empty()) {
       // A layout the engine refuses: its own reason. One that runs but fits nowhere: its
       // breakdown (the completion needing the least memory), and the exit status 1.
-      if (auto problem = plan::layout_problem(q, plan::search_closest(q, base))) MT_FAIL("--layout " << o.layout << ": " << *problem);
-      const plan::Prediction p = plan::predict(q, plan::search_closest(q, base));
+      const plan::Layout closest = plan::search_closest(q, base);
+      if (auto problem = plan::layout_problem(q, closest)) MT_FAIL("--layout " << o.layout << ": " << *problem);
+      const plan::Prediction p = plan::predict(q, closest);
       if (o.json) std::printf("%s\n", nlohmann::json{{"layouts", {plan::prediction_json(p)}}}.dump(1).c_str());
       else print_breakdown(p, q);
       std::fprintf(stderr, "meshtrain: error: --layout %s does not fit: %s; name fewer fields, shard more (zero=3, "

@@ -108,7 +108,7 @@ void ZeRO::ensure_grad(int u) {
 }
 
 void ZeRO::before_backward(int unit) {
-  if (unit == static_cast<int>(st_.size()) - 1) drain(true);  // the previous micro-step's reductions
+  if (unit == static_cast<int>(st_.size()) - 1) drain();  // the previous micro-step's reductions
   if (stage_ == 3) {
     for (int d : model_.units_used(unit)) ensure_gathered(d);
     if (cfg_.prefetch && unit > 0 && model_.holds(unit - 1)) start_gather(unit - 1);
@@ -135,13 +135,18 @@ void ZeRO::after_backward(int unit) {
   }
   launch_reduce(unit);  // stages 2-3 reduce every micro-step: no full gradient is kept
   if (stage_ == 3 && !pipelined_) release_params(unit);
-  drain(false);
+  pending_.push_back(unit);
+  while (pending_.size() > kReductionsInFlight) {
+    if (st_[pending_.front()].reduce) complete_reduce(st_[pending_.front()]);  // else ensure_grad completed it
+    pending_.pop_front();
+  }
 }
 
-void ZeRO::drain(bool wait_all) {
+void ZeRO::drain() {
   if (stage_ == 1) return;
   for (UnitState& s : st_)
-    if (s.reduce && (wait_all || s.reduce->done())) complete_reduce(s);
+    if (s.reduce) complete_reduce(s);
+  pending_.clear();
 }
 
 void ZeRO::complete_reduce(UnitState& s) {
@@ -162,7 +167,7 @@ void ZeRO::finish() {
         s.reduce.reset();
       }
   } else {
-    drain(true);
+    drain();
   }
   if (stage_ == 3 && pipelined_)  // gathered once for the step's micro-batches
     for (size_t u = 0; u < st_.size(); ++u) release_params(static_cast<int>(u));

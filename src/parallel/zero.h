@@ -26,6 +26,7 @@
 // Communication per step: stages 1-2 move what DDP moves (reduce-scatter + all-gather =
 // one all-reduce); stage 3 adds a second parameter all-gather (1.5x).
 #pragma once
+#include <deque>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -38,6 +39,12 @@ namespace mt {
 
 class ZeRO final : public DataParallel {
  public:
+  // Stages 2-3: reduce-scatters a rank leaves pending while its backward goes on. The
+  // oldest is completed when another would exceed it, so a step holds the same buffers on
+  // every run however far compute runs ahead of the network (and the planner predicts
+  // them: plan/memory.cpp). One suffices to overlap: collectives run one at a time.
+  static constexpr size_t kReductionsInFlight = 1;
+
   // Fills the parameter ranges this rank keeps (whole units for stages 1-2, its chunks for
   // stage 3): a checkpoint's ranges, a Hugging Face file or the seed. The model must be
   // made without state (allocate_state=false): no rank ever holds the whole model at stage 3.
@@ -83,7 +90,7 @@ class ZeRO final : public DataParallel {
   void release_params(int u);
   void ensure_grad(int u);
   void launch_reduce(int u);
-  void drain(bool wait_all);  // completes reduce-scatters: accumulates into shards, frees buffers
+  void drain();  // completes every pending reduce-scatter: accumulates into shards, frees buffers
   void complete_reduce(UnitState& s);
 
   Model& model_;
@@ -94,6 +101,7 @@ class ZeRO final : public DataParallel {
   bool pipelined_;  // pipeline parallelism: stage 3 gathers each unit once per step, freed in finish()
   std::unique_ptr<Communicator> shard_, replicate_;
   std::vector<UnitState> st_;
+  std::deque<int> pending_;  // stages 2-3: units whose reduce-scatter was launched, oldest first
   bool sync_ = true;
 };
 

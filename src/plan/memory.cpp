@@ -262,12 +262,10 @@ double activations(const Setup& s, const ModelShare& share) {
 // reduced chunk [c] while it is pending, and at stage 3 the gathered units [N c]. Returns
 // the peak of their sum in bytes.
 //
-// When is a reduce-scatter done? The shard group runs its operations in order on one
-// thread, so waiting for one (a gather a forward or backward needs, a reduction completed
-// before its unit's next backward) proves every earlier one done; a drain frees the
-// reductions known done. The replay assumes nothing else finishes (compute far ahead of
-// communication, as on this machine's small models), so it predicts the most the engine
-// can hold; reductions_in_flight > 0 bounds the pending ones (communication keeping up).
+// The engine frees a reduce-scatter's buffers at fixed points only: when more than
+// ZeRO::kReductionsInFlight would pend (the oldest), before its unit's next backward, and
+// at the start of each backward pass on the head's stage. The replay does the same, so its
+// peak is the engine's on every run (reductions_in_flight = 0: no bound, for comparison).
 class ZeroReplay {
  public:
   ZeroReplay(const Setup& s, const RankShare& r, int rank)
@@ -279,7 +277,6 @@ class ZeroReplay {
       c_.push_back(c * s.prec.grad);         // the reduced chunk [c]
     }
     gathered_.assign(n_, false), full_g_.assign(n_, false), pending_.assign(n_, false);
-    gather_seq_.assign(n_, 0), reduce_seq_.assign(n_, 0);
   }
 
   double peak() {
@@ -300,23 +297,18 @@ class ZeroReplay {
     return u == s_.L() + 1 && s_.cfg.tied() ? std::vector<int>{u, 0} : std::vector<int>{u};
   }
   void take(double b) { live_ += b, peak_ = std::max(peak_, live_); }
-  void wait(int64_t seq) { done_ = std::max(done_, seq); }
   void start_gather(int u) {  // a gathered copy [N c], its all-gather queued
     if (gathered_[u]) return;
     gathered_[u] = true, take(w_[u]);
-    gather_seq_[u] = ++seq_;
   }
   void gather(int u) {  // ensure_gathered: waits for its all-gather
     start_gather(u);
-    wait(gather_seq_[u]);
   }
   void release(int u) {
     if (!gathered_[u]) return;
-    wait(gather_seq_[u]);
     gathered_[u] = false, live_ -= w_[u];
   }
   void complete(int u) {  // the reduce-scatter waited for: its buffers freed
-    wait(reduce_seq_[u]);
     pending_[u] = full_g_[u] = false;
     live_ -= c_[u] + g_[u];
     order_.erase(std::find(order_.begin(), order_.end(), u));
@@ -325,14 +317,8 @@ class ZeroReplay {
     if (pending_[u]) complete(u);
     if (!full_g_[u]) full_g_[u] = true, take(g_[u]);
   }
-  void drain(bool all) {
-    const int bound = s_.knobs.reductions_in_flight;
-    for (size_t i = 0; i < order_.size();) {
-      const int u = order_[i];
-      if (all || reduce_seq_[u] <= done_) complete(u);  // order_ shrinks
-      else ++i;
-    }
-    while (bound > 0 && static_cast<int>(order_.size()) > bound) complete(order_.front());
+  void drain() {  // every pending reduce-scatter completed
+    while (!order_.empty()) complete(order_.front());  // order_ shrinks
   }
   // ZeRO's hooks (parallel/zero.cpp).
   void before_forward(int u) {
@@ -345,7 +331,7 @@ class ZeroReplay {
     for (int x : used(u)) release(x);
   }
   void before_backward(int u) {
-    if (u == n_ - 1) drain(true);  // the previous micro-step's reductions
+    if (u == n_ - 1) drain();  // the previous micro-step's reductions
     if (s_.lay.zero == 3) {
       for (int x : used(u)) gather(x);
       if (s_.knobs.prefetch && held(u - 1)) start_gather(u - 1);
@@ -356,13 +342,15 @@ class ZeroReplay {
   void after_backward(int u) {
     if (s_.lay.zero < 2) return;  // stage 1 reduces in place
     take(c_[u]);                  // launch_reduce: the reduced chunk; the whole gradient stays until drained
-    pending_[u] = true, reduce_seq_[u] = ++seq_;
+    pending_[u] = true;
     order_.push_back(u);
     if (s_.lay.zero == 3 && !pipelined()) release(u);
-    drain(false);
+    // The engine completes the oldest when more would pend (ZeRO::kReductionsInFlight).
+    const size_t bound = static_cast<size_t>(s_.knobs.reductions_in_flight);
+    while (bound > 0 && order_.size() > bound) complete(order_.front());
   }
   void finish() {
-    drain(true);
+    drain();
     if (s_.lay.zero == 3 && pipelined())
       for (int u = 0; u < n_; ++u) release(u);
   }
@@ -391,8 +379,6 @@ class ZeroReplay {
   int rank_, n_;
   std::vector<double> w_, g_, c_;
   std::vector<bool> gathered_, full_g_, pending_;
-  std::vector<int64_t> gather_seq_, reduce_seq_;  // the shard group's operation each waits on
-  int64_t seq_ = 0, done_ = 0;                     // operations queued; the latest known done
   std::deque<int> order_;                          // pending reductions, oldest first
   double live_ = 0, peak_ = 0;
 };

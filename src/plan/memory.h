@@ -30,15 +30,12 @@
 //                ranks (the first stage holds the most activations, the last the head),
 //                so peak can be below their sum.
 //
-// Timing-dependent buffers are predicted at the bound the engine reaches when compute
-// outruns communication (what tiny models on a CPU do, and what the measured peaks show):
-//   - ZeRO 2-3 drain a unit's reduce-scatter only when it is done at the next unit's end,
-//     before that unit's next backward, or at the start of the next backward pass on the
-//     head's stage: with reductions_in_flight = 0 every unit of a backward pass keeps its
-//     whole gradient (and the next forward's gathers come on top). A positive
-//     reductions_in_flight bounds the units pending at once (a machine whose network keeps
-//     up with backward: 1 or 2).
-//   - A pipeline send keeps its copy until the message has been read; the bound counts a
+// Transient buffers:
+//   - ZeRO 2-3 keep a unit's whole gradient from its backward until its reduce-scatter
+//     is completed, which the engine does at fixed points (ZeRO::kReductionsInFlight
+//     pending at most): the same on every run, and predicted exactly.
+//   - The pipeline's send copies depend on timing and are predicted at the bound the
+//     engine reaches when compute outruns communication. A pipeline send keeps its copy until the message has been read; the bound counts a
 //     send as read only once the sender has heard back from the reader (a message chain
 //     from the reading action to the sender), e.g. 1f1b on P = 2 ranks keeps 2 copies, gpipe
 //     all m of a rank's sends. A positive send_copies_in_flight caps it (1: every message
@@ -61,6 +58,7 @@
 #include <string>
 #include <vector>
 
+#include "parallel/zero.h"  // kReductionsInFlight
 #include "plan/plan.h"
 
 namespace mt::plan {
@@ -73,7 +71,7 @@ struct MemoryKnobs {
   bool prefetch = true;                  // parallel.prefetch (ZeRO 3: the next unit gathered early)
   bool reshard_after_forward = true;     // parallel.reshard_after_forward (ZeRO 3 without pp)
   std::string pp_layers = "auto";        // parallel.pp_layers: blocks per stage
-  int reductions_in_flight = 0;          // ZeRO 2-3: units whose reduce-scatter may pend at once; 0: no bound
+  int reductions_in_flight = static_cast<int>(ZeRO::kReductionsInFlight);  // ZeRO 2-3: reductions pending at once; 0: no bound
   int send_copies_in_flight = 0;         // pipeline: send copies a rank keeps at once; 0: the schedule's bound
 };
 
