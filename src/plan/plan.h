@@ -64,7 +64,8 @@ Layout layout_parse(const std::string& text, Layout base = {});
 // A device's capabilities. Rates are per device; link bandwidths one direction.
 struct Hardware {
   std::string name;
-  bool gpu = true;
+  bool gpu = true;  // false: a CPU, whose communication copies take the cores that compute, so the
+                    // planner overlaps no communication with compute
   double flops_fp32 = 0, flops_bf16 = 0, flops_fp16 = 0;  // dense matrix FLOP/s peak
   double mem_bytes = 0;        // device memory
   double mem_bw = 0;           // bytes/s

@@ -79,6 +79,7 @@ bool splits_backward(const std::string& schedule) { return schedule == "zb-h1" |
 // overlaps a transfer.
 double ring_exposed(const Flow& ring, const Link& link, const Hardware& hw, double attention_s, int cp) {
   if (ring.messages == 0) return 0;
+  if (!hw.gpu) return flow_time(ring, link, hw);  // a CPU's copies take the cores that compute
   return std::max(0.0, flow_time(ring, link, hw) - attention_s * (cp - 1) / cp);
 }
 
@@ -121,7 +122,7 @@ StageCosts stage_costs(const ModelConfig& model, const Layout& layout, const Clu
     const double first = flow_time(data.first_gather, links.shard, hw);
     const double gf = flow_time(data.gather_forward, links.shard, hw);
     if (layout.pp > 1) {  // once per step, hidden behind the rank's first forwards but the first unit's
-      c.rank_start[r] = std::max(0.0, gf - first_forwards) + first;
+      c.rank_start[r] = hw.gpu ? std::max(0.0, gf - first_forwards) + first : gf;
       continue;
     }
     // Without pipelining every micro-batch gathers (and reduce-scatters) behind its compute;
@@ -130,7 +131,8 @@ StageCosts stage_costs(const ModelConfig& model, const Layout& layout, const Clu
     for (const DataPlan::Reduction& red : data.reductions) last = flow_time(red.flow, links.shard, hw), rs += last;
     for (const ChunkShare& ch : shape.ranks[r]) f += c.f[ch.stage], b += c.b[ch.stage];
     const double gb = flow_time(data.gather_backward, links.shard, hw);
-    const double more_f = std::max(f, gf) + first - f, more_b = std::max(b, gb + rs) + last - b;
+    const double more_f = hw.gpu ? std::max(f, gf) + first - f : gf;
+    const double more_b = hw.gpu ? std::max(b, gb + rs) + last - b : gb + rs;
     c.f[0] += more_f, c.b[0] += more_b, c.bw[0] += more_b;
   }
   return c;
@@ -264,16 +266,20 @@ double reductions_done(const DataPlan& data, const std::vector<TimedAction>& lin
   std::vector<int> last(chunks, -1);  // each chunk's last backward that finishes weights
   for (int i = 0; i < static_cast<int>(line.size()); ++i)
     if (line[i].action.kind == Action::B || line[i].action.kind == Action::BW) last[line[i].action.chunk] = i;
-  double free = 0;
+  double free = 0, serial = 0;
   for (int i = 0; i < static_cast<int>(line.size()); ++i) {
     const TimedAction& a = line[i];
     if (a.action.kind != Action::B && a.action.kind != Action::BW) continue;
     const int c = a.action.chunk;
     if (!data.every_micro && i != last[c]) continue;
     if (t[c] == 0) continue;
+    serial += t[c];
     free = std::max(free, a.start) + t[c];
     free = std::max(free, a.end + tail[c]);
   }
+  // On a CPU the copies take the cores the compute uses: the reductions add to the rank's
+  // timeline instead of running beside it.
+  if (!hw.gpu) return (line.empty() ? 0 : line.back().end) + serial;
   return free;
 }
 
