@@ -6,6 +6,7 @@
 
 #include "comm/communicator.h"
 #include "core/error.h"
+#include "parallel/schedule.h"  // schedule_default_chunks
 #include "plan/comm.h"
 #include "plan/memory.h"
 #include "plan/time.h"
@@ -84,7 +85,10 @@ std::optional<std::string> layout_problem(const Question& q, const Layout& l, bo
   return std::nullopt;
 }
 
-Prediction predict(const Question& q, const Layout& l) {
+namespace {
+
+// predict for a layout the engine accepts (layout_problem says nothing).
+Prediction predict_accepted(const Question& q, const Layout& l) {
   Prediction p;
   p.layout = l;
   const ModelConfig& model = q.config.model;
@@ -97,6 +101,19 @@ Prediction predict(const Question& q, const Layout& l) {
                 gib(q.cluster.hw.mem_bytes);
   }
   return p;
+}
+
+}  // namespace
+
+Prediction predict(const Question& q, const Layout& l) {
+  if (auto problem = layout_problem(q, l, /*full=*/false)) {  // the formulas assume a layout that runs
+    Prediction p;
+    p.layout = l;
+    p.fits = false;
+    p.why_not = *problem;
+    return p;
+  }
+  return predict_accepted(q, l);
 }
 
 namespace {
@@ -116,7 +133,9 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
         if (G % (tp * pp * cp) != 0 || (!named("pp") && pp > q.config.model.n_layer)) continue;
         const int dp = G / (tp * pp * cp);
         if (named("dp") && dp != base.dp) continue;
-        std::vector<std::pair<std::string, int>> schedules = {{base.schedule, base.chunks}};
+        // A named schedule without v runs its own default chunks (interleaved and zbv: 2).
+        std::vector<std::pair<std::string, int>> schedules = {
+            {base.schedule, named("v") ? base.chunks : schedule_default_chunks(base.schedule)}};
         if (!named("schedule") && pp > 1) schedules = {{"1f1b", 1}, {"interleaved", 2}, {"zb-h1", 1}, {"zbv", 2}};
         for (auto& s : schedules)
           if (named("v")) s.second = base.chunks;
@@ -169,7 +188,7 @@ SearchResult search(const Question& q, const Layout& base) {
       if (f.least_peak < 0 || mem.peak < f.least_peak) f.least_peak = mem.peak, f.least_layout = l.text();
       continue;
     }
-    Prediction p = predict(q, l);
+    Prediction p = predict_accepted(q, l);
     f.any = true;
     r.ranked.push_back(std::move(p));
   }
