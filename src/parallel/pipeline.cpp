@@ -255,6 +255,7 @@ Pipeline::Pipeline(Model& model, Communicator& pp, Schedule schedule, int B, int
   const PipeLayout& lay = schedule_.layout;
   MT_CHECK(lay.pp == pp.size(), "internal: a schedule for " << lay.pp << " pipeline ranks on a group of " << pp.size());
   MT_CHECK(2 * int64_t{lay.micro} * lay.stages() <= Communicator::kMaxPostTag, "internal: too many micro-batches");
+  if (lay.pp > 1) send_copies_ = schedule_send_copies(schedule_)[pp.rank()];
 }
 
 Pipeline::~Pipeline() {
@@ -296,6 +297,11 @@ void Pipeline::wait(Communicator::Transfer& t, const Action& a, const char* what
 }
 
 void Pipeline::post_send(const Tensor& t, const Action& a, int tag) {
+  // The most copies the schedule can leave unread, made at the first send: the buffers are
+  // then the same on every run whatever the timing (and the planner predicts them).
+  if (sends_.empty())
+    for (int i = 0; i < send_copies_; ++i)
+      sends_.push_back({Tensor::empty({t.numel()}, DType::f32, alloc_, MemTag::comm), nullptr, a});
   SendBuffer* buf = nullptr;
   for (SendBuffer& b : sends_) {
     if (b.t && b.t->test()) b.t.reset();

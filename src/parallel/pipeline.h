@@ -100,6 +100,7 @@ class Pipeline {
   double timeout_s_;
   Allocator& alloc_;
   std::vector<SendBuffer> sends_;  // reused across steps once their messages completed
+  int send_copies_ = 0;            // copies allocated at the first send (schedule_send_copies)
   std::vector<TimedAction> timeline_;
 };
 

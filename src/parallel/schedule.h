@@ -128,6 +128,13 @@ struct ActionRef {
 // transfer once (schedule_check checks that before replaying).
 std::vector<int> schedule_replay(const Schedule& s, const std::function<void(ActionRef, const ActionRef*)>& visit);
 
+// Per rank, the most sent messages that can be unread at once: a send's copy is free once
+// the sender has heard back from the action that reads it (a chain of messages from the
+// reader to the sender), with every reader as late as the schedule allows. The executor
+// allocates this many send copies up front (Pipeline::post_send), so a pipeline's buffers
+// are the same on every run. 1f1b on 2 ranks: 2; gpipe: m.
+std::vector<int> schedule_send_copies(const Schedule& s);
+
 // ---- Text format ----
 //
 //   # comments run from # to the end of the line

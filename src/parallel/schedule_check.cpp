@@ -2,7 +2,10 @@
 // It works in four passes, each relying on the ones before: each action on its own
 // (ranges, peers), each action once, nothing missing, each action after what it needs on
 // its rank; then the replay proves that the ranks together cannot deadlock.
+#include <algorithm>
+#include <map>
 #include <sstream>
+#include <tuple>
 
 #include "core/error.h"
 #include "parallel/schedule.h"
@@ -217,6 +220,52 @@ std::vector<std::string> schedule_check(const Schedule& s, int limit) {
   order_check(s, pos, out);
   if (out.list.empty()) deadlock_find(s, pos, out);
   return out.result();
+}
+
+// Knowledge travels with messages: vector clocks over a replay of the lists, a compute
+// action taking in the clock of the send it reads.
+std::vector<int> schedule_send_copies(const Schedule& s) {
+  const PipeLayout& L = s.layout;
+  const int P = L.pp;
+  // The compute action that reads each receive: (gradient?, micro-batch, chunk) -> index.
+  std::vector<std::map<std::tuple<bool, int, int>, int>> reader(P);
+  for (int r = 0; r < P; ++r)
+    for (int i = 0; i < static_cast<int>(s.ranks[r].size()); ++i) {
+      const Action& a = s.ranks[r][i];
+      if (a.kind == Action::F) reader[r][{false, a.micro, a.chunk}] = i;
+      if (a.kind == Action::B || a.kind == Action::BI) reader[r][{true, a.micro, a.chunk}] = i;
+    }
+  std::vector<std::vector<int>> clock(P, std::vector<int>(P, 0));  // [rank][rank q]: q's actions known done
+  std::map<std::pair<int, int>, std::vector<int>> send_clock;      // (rank, index) of a send -> its clock
+  std::vector<std::map<int, std::vector<int>>> arriving(P);        // [rank]: reader index -> sender's clock
+  struct Pending {
+    int peer, read_at;  // the reading action, on rank peer
+  };
+  std::vector<std::vector<Pending>> pending(P);
+  std::vector<int> most(P, 0);
+  schedule_replay(s, [&](ActionRef at, const ActionRef* send) {
+    const Action& a = s.ranks[at.rank][at.index];
+    std::vector<int>& c = clock[at.rank];
+    if (a.is_recv()) {
+      const int reads = reader[at.rank].at({a.kind == Action::RECV_GRAD, a.micro, a.chunk});
+      arriving[at.rank][reads] = send_clock.at({send->rank, send->index});
+    }
+    if (auto it = arriving[at.rank].find(at.index); a.is_compute() && it != arriving[at.rank].end()) {
+      for (int q = 0; q < P; ++q) c[q] = std::max(c[q], it->second[q]);
+      arriving[at.rank].erase(it);
+    }
+    c[at.rank] = at.index + 1;
+    if (!a.is_send()) return;
+    send_clock[{at.rank, at.index}] = c;
+    const int st = L.stage(at.rank, a.chunk), to = a.kind == Action::SEND_ACT ? st + 1 : st - 1;
+    const int peer = L.rank_of(to);
+    const int read_at = reader[peer].at({a.kind == Action::SEND_GRAD, a.micro, L.chunk_of(to)});
+    std::vector<Pending>& live = pending[at.rank];
+    std::erase_if(live, [&](const Pending& p) { return c[p.peer] > p.read_at; });
+    live.push_back({peer, read_at});
+    most[at.rank] = std::max(most[at.rank], static_cast<int>(live.size()));
+  });
+  return most;
 }
 
 }  // namespace mt

@@ -26,54 +26,6 @@ double staging_bytes(double n, double bytes) { return 4 * std::ceil(n * bytes / 
 
 // ---- The pipeline schedule's facts --------------------------------------------------------
 
-// The copies of sent messages rank by rank that are live at once, at the bound where every
-// reader is as late as the schedule allows: a send's copy is free once the sender has heard
-// back from the action that reads it (Pipeline::post_send reuses a completed send's copy;
-// a message is complete once read). Knowledge travels with messages: vector clocks over a
-// replay of the lists, a compute action taking in the clock of the send it reads.
-std::vector<int> send_copies(const Schedule& s) {
-  const PipeLayout& L = s.layout;
-  const int P = L.pp;
-  // The compute action that reads each receive: (gradient?, micro-batch, chunk) -> index.
-  std::vector<std::map<std::tuple<bool, int, int>, int>> reader(P);
-  for (int r = 0; r < P; ++r)
-    for (int i = 0; i < static_cast<int>(s.ranks[r].size()); ++i) {
-      const Action& a = s.ranks[r][i];
-      if (a.kind == Action::F) reader[r][{false, a.micro, a.chunk}] = i;
-      if (a.kind == Action::B || a.kind == Action::BI) reader[r][{true, a.micro, a.chunk}] = i;
-    }
-  std::vector<std::vector<int>> clock(P, std::vector<int>(P, 0));  // [rank][rank q]: q's actions known done
-  std::map<std::pair<int, int>, std::vector<int>> send_clock;      // (rank, index) of a send -> its clock
-  std::vector<std::map<int, std::vector<int>>> arriving(P);        // [rank]: reader index -> sender's clock
-  struct Pending {
-    int peer, read_at;  // the reading action, on rank peer
-  };
-  std::vector<std::vector<Pending>> pending(P);
-  std::vector<int> most(P, 0);
-  schedule_replay(s, [&](ActionRef at, const ActionRef* send) {
-    const Action& a = s.ranks[at.rank][at.index];
-    std::vector<int>& c = clock[at.rank];
-    if (a.is_recv()) {
-      const int reads = reader[at.rank].at({a.kind == Action::RECV_GRAD, a.micro, a.chunk});
-      arriving[at.rank][reads] = send_clock.at({send->rank, send->index});
-    }
-    if (auto it = arriving[at.rank].find(at.index); a.is_compute() && it != arriving[at.rank].end()) {
-      for (int q = 0; q < P; ++q) c[q] = std::max(c[q], it->second[q]);
-      arriving[at.rank].erase(it);
-    }
-    c[at.rank] = at.index + 1;
-    if (!a.is_send()) return;
-    send_clock[{at.rank, at.index}] = c;
-    const int st = L.stage(at.rank, a.chunk), to = a.kind == Action::SEND_ACT ? st + 1 : st - 1;
-    const int peer = L.rank_of(to);
-    const int read_at = reader[peer].at({a.kind == Action::SEND_GRAD, a.micro, L.chunk_of(to)});
-    std::vector<Pending>& live = pending[at.rank];
-    std::erase_if(live, [&](const Pending& p) { return c[p.peer] > p.read_at; });
-    live.push_back({peer, read_at});
-    most[at.rank] = std::max(most[at.rank], static_cast<int>(live.size()));
-  });
-  return most;
-}
 
 // What the schedule of a layout gives every rank, computed once per (schedule, P, v, m).
 struct PipeFacts {
@@ -96,7 +48,7 @@ std::shared_ptr<const PipeFacts> pipe_facts(const std::string& name, int P, int 
   for (int r = 0; r < P; ++r) f->slots.push_back(schedule_slots(f->schedule, r));
   for (const std::vector<Action>& list : f->schedule.ranks)
     for (const Action& a : list) f->split_backward |= a.kind == Action::BI;
-  f->sends = P > 1 ? send_copies(f->schedule) : std::vector<int>(1, 0);
+  f->sends = P > 1 ? schedule_send_copies(f->schedule) : std::vector<int>(1, 0);
   std::lock_guard<std::mutex> lock(mu);
   if (cache.size() > 4096) cache.clear();  // a search visits many layouts; facts are cheap to redo
   return cache.emplace(key, std::move(f)).first->second;

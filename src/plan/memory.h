@@ -34,12 +34,10 @@
 //   - ZeRO 2-3 keep a unit's whole gradient from its backward until its reduce-scatter
 //     is completed, which the engine does at fixed points (ZeRO::kReductionsInFlight
 //     pending at most): the same on every run, and predicted exactly.
-//   - The pipeline's send copies depend on timing and are predicted at the bound the
-//     engine reaches when compute outruns communication. A pipeline send keeps its copy until the message has been read; the bound counts a
-//     send as read only once the sender has heard back from the reader (a message chain
-//     from the reading action to the sender), e.g. 1f1b on P = 2 ranks keeps 2 copies, gpipe
-//     all m of a rank's sends. A positive send_copies_in_flight caps it (1: every message
-//     read before the next is sent).
+//   - A pipeline keeps copies of its sent messages: the executor allocates, at the first
+//     send, the most the schedule can leave unread (schedule_send_copies; 1f1b on P = 2
+//     ranks 2, gpipe all m of a rank's sends), so they too are exact. A positive
+//     send_copies_in_flight caps the prediction instead (for comparison).
 //
 // Recomputation (Layout::recompute): "full" is training.recompute=true: each block keeps its
 // input only, and one block's activations are rebuilt in backward. "selective" (Korthikanti

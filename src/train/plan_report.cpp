@@ -35,7 +35,7 @@ std::string mib(double b) {
 }  // namespace
 
 nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& m, std::vector<std::string>* lines) {
-  nlohmann::json j;
+  nlohmann::json j = nlohmann::json::object();
   if (c.parallel.pp_schedule.rfind("file:", 0) == 0) {  // the planner knows the built-in schedules only
     lines->push_back("planner: no prediction for a schedule read from a file");
     return j;
