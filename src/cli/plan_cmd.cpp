@@ -8,7 +8,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "plan/hardware.h"
-#include "nn/model.h"  // model_layout
+#include "plan/memory.h"  // parameter_count
 #include "plan/plan_svg.h"
 #include "plan/search.h"
 #include "plan/time.h"
@@ -86,8 +86,7 @@ int cmd_plan(const PlanOptions& o) {
   if (!o.layout.empty()) base = plan::layout_parse(o.layout, base);
 
   const plan::SearchResult r = plan::search(q, base);
-  int64_t params = 0;
-  for (const Unit& u : model_layout(q.config.model)) params += u.numel;
+  const double params = plan::parameter_count(q.config.model);
   nlohmann::json out;
   if (!o.json) {
     std::printf("meshtrain plan: %s %d layers x %d (%.2fB parameters), %d x %s (%d per node), global batch %lld x %d "

@@ -87,12 +87,16 @@ std::optional<std::string> layout_problem(const Question& q, const Layout& l, bo
 
 namespace {
 
-// predict for a layout the engine accepts (layout_problem says nothing).
-Prediction predict_accepted(const Question& q, const Layout& l) {
+Memory memory_of(const Question& q, const Layout& l) {
+  return memory_per_rank(q.config.model, l, q.precision, q.config.optim.name, knobs(q.config));
+}
+
+// predict for a layout the engine accepts (layout_problem says nothing), whose memory is known.
+Prediction predict_accepted(const Question& q, const Layout& l, const Memory& memory) {
   Prediction p;
   p.layout = l;
   const ModelConfig& model = q.config.model;
-  p.memory = memory_per_rank(model, l, q.precision, q.config.optim.name, knobs(q.config));
+  p.memory = memory;
   p.comm = comm_bytes(model, l, q.precision, traffic(q.config));
   p.time = step_time(model, l, q.cluster, q.precision, traffic(q.config));
   if (p.memory.peak > q.cluster.hw.mem_bytes) {
@@ -113,7 +117,7 @@ Prediction predict(const Question& q, const Layout& l) {
     p.why_not = *problem;
     return p;
   }
-  return predict_accepted(q, l);
+  return predict_accepted(q, l, memory_of(q, l));
 }
 
 namespace {
@@ -183,12 +187,12 @@ SearchResult search(const Question& q, const Layout& base) {
       if (f.problem.empty()) f.problem = *problem;
       continue;
     }
-    const Memory mem = memory_per_rank(q.config.model, l, q.precision, q.config.optim.name, knobs(q.config));
+    const Memory mem = memory_of(q, l);
     if (mem.peak > q.cluster.hw.mem_bytes) {
       if (f.least_peak < 0 || mem.peak < f.least_peak) f.least_peak = mem.peak, f.least_layout = l.text();
       continue;
     }
-    Prediction p = predict_accepted(q, l);
+    Prediction p = predict_accepted(q, l, mem);
     f.any = true;
     r.ranked.push_back(std::move(p));
   }
@@ -237,7 +241,7 @@ Layout search_closest(const Question& q, const Layout& base) {
   double least = 0;
   for (const Layout& l : all) {
     if (layout_problem(q, l, /*full=*/false)) continue;
-    const double peak = memory_per_rank(q.config.model, l, q.precision, q.config.optim.name, knobs(q.config)).peak;
+    const double peak = memory_of(q, l).peak;
     if (!best || peak < least) best = &l, least = peak;
   }
   return best ? *best : all.front();
