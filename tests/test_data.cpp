@@ -18,9 +18,11 @@
 #include "data/tasks.h"
 #include "data/token_file.h"
 #include "data/tokenizer.h"
+#include "test_util.h"
 
 namespace fs = std::filesystem;
 using namespace mt;
+using test::error_of;
 
 namespace {
 
@@ -54,17 +56,6 @@ void bytes_write(const std::string& path, const std::vector<int32_t>& header_int
   f.write(reinterpret_cast<const char*>(header.data()), 1024);  // the test host is little endian
   std::string payload(payload_bytes, '\x01');
   f.write(payload.data(), static_cast<std::streamsize>(payload.size()));
-}
-
-// The message of the mt::Error that fn throws ("" when it throws none).
-template <class Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const mt::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 #define EXPECT_HAS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \

@@ -13,16 +13,7 @@
 namespace mt::plan {
 namespace {
 
-// The message of the mt::Error that fn throws ("" when it throws none).
-template <class F>
-std::string error_of(F fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using test::error_of;
 
 void write_file(const std::string& path, const std::string& text) {
   std::ofstream(path) << text;

@@ -26,16 +26,6 @@ using namespace mt::test;
 
 namespace {
 
-template <typename F>
-std::string error_of(F fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 // The JSON `text` holds, or a failure showing the text.
 nlohmann::json parse(const std::string& text) {
   try {

@@ -13,18 +13,10 @@
 #include "test_util.h"
 
 using namespace mt;
+using test::error_of;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 TEST(Config, DefaultsValidateAndRoundTripThroughJson) {
   Config c = config_load("", {});

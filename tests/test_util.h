@@ -9,11 +9,23 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/rng.h"
 #include "data/token_file.h"
 #include "train/config.h"
 
 namespace mt::test {
+
+// The message of the mt::Error that fn throws ("" when it throws none).
+template <class Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
 
 // A fresh directory under /tmp, removed when the object goes.
 struct TempDir {

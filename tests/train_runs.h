@@ -221,6 +221,17 @@ inline void expect_one_error(const std::string& out, const std::string& what) {
   EXPECT_EQ(errors, 1u) << what << "\n" << out;
 }
 
+// `command` followed by each entry's options is refused: a failing exit, the entry's
+// message in the output, and one error line.
+inline void expect_refused(const std::string& command, const std::vector<std::pair<std::string, std::string>>& bad) {
+  for (const auto& [opts, want] : bad) {
+    std::string out;
+    EXPECT_NE(test::run_command(command + opts + " --logging.progress=off", &out), 0) << opts;
+    EXPECT_NE(out.find(want), std::string::npos) << opts << "\n" << out;
+    expect_one_error(out, opts);
+  }
+}
+
 // Checkpoints hold whole units: a run of `opts` (6 steps) at layout `saved` on `saved_ranks`,
 // stopped after 3 steps and resumed at each (ranks, layout) of `others`, continues the
 // uninterrupted run to rounding (expect_equivalent), and at `saved` itself bit-exactly; the
