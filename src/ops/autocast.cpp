@@ -1,0 +1,36 @@
+#include "ops/autocast.h"
+
+#include "core/error.h"
+#include "core/half.h"
+
+namespace mt {
+
+namespace {
+thread_local DType g_autocast = DType::f32;
+}
+
+Autocast::Autocast(DType t) : prev_(g_autocast) {
+  MT_CHECK(t == DType::f32 || t == DType::bf16 || t == DType::f16,
+           "internal: autocast to " << dtype_name(t) << "; use f32, bf16 or f16");
+  g_autocast = t;
+}
+
+Autocast::~Autocast() { g_autocast = prev_; }
+
+DType autocast_dtype() { return g_autocast; }
+
+void round_to(DType t, const float* src, float* dst, int64_t n) {
+  if (t == DType::bf16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src[i]));
+  } else if (t == DType::f16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(f32_to_f16(src[i]));
+  } else {
+    MT_CHECK(t == DType::f32, "internal: round_to " << dtype_name(t));
+    if (dst != src)
+      for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+  }
+}
+
+}  // namespace mt
