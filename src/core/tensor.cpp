@@ -1,5 +1,6 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
@@ -133,6 +134,7 @@ void Tensor::convert_from(const Tensor& src) const {
 }
 
 void convert(DType to, void* dst, DType from, const void* src, int64_t n) {
+  constexpr int64_t kBlock = 4096;  // fp16 conversions run in blocks of the vectorised converters
   if (to == from) {
     if (n) std::memmove(dst, src, n * dtype_size(to));
     return;
@@ -146,13 +148,13 @@ void convert(DType to, void* dst, DType from, const void* src, int64_t n) {
     for (int64_t i = 0; i < n; ++i) h[i] = f32_to_bf16(sf[i]);
   } else if (from == DType::f32 && to == DType::f16) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) h[i] = f32_to_f16(sf[i]);
+    for (int64_t b = 0; b < n; b += kBlock) f32_to_f16_n(sf + b, h + b, std::min(kBlock, n - b));
   } else if (from == DType::bf16 && to == DType::f32) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) f[i] = bf16_to_f32(sh[i]);
   } else if (from == DType::f16 && to == DType::f32) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) f[i] = f16_to_f32(sh[i]);
+    for (int64_t b = 0; b < n; b += kBlock) f16_to_f32_n(sh + b, f + b, std::min(kBlock, n - b));
   } else {
     MT_FAIL("internal: no conversion from " << dtype_name(from) << " to " << dtype_name(to));
   }

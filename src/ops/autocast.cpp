@@ -1,5 +1,7 @@
 #include "ops/autocast.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "core/half.h"
 
@@ -24,8 +26,14 @@ void round_to(DType t, const float* src, float* dst, int64_t n) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src[i]));
   } else if (t == DType::f16) {
+    constexpr int64_t kBlock = 1024;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(f32_to_f16(src[i]));
+    for (int64_t b = 0; b < n; b += kBlock) {
+      uint16_t h[kBlock];
+      const int64_t m = std::min(kBlock, n - b);
+      f32_to_f16_n(src + b, h, m);
+      f16_to_f32_n(h, dst + b, m);
+    }
   } else {
     MT_CHECK(t == DType::f32, "internal: round_to " << dtype_name(t));
     if (dst != src)
