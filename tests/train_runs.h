@@ -45,7 +45,7 @@ inline RunResult train_run(const test::TempDir& d, const std::string& name, int 
     if (j.value("event", "") == "summary") r.summary = j;
     if (j.contains("event")) continue;
     r.loss.push_back(j["loss"]);
-    r.grad_norm.push_back(j["grad_norm"]);
+    r.grad_norm.push_back(j["grad_norm"].is_null() ? NAN : j["grad_norm"].get<double>());  // null: an fp16 step skipped
   }
   const std::string dir = checkpoint_latest(d / name);
   if (dir.empty()) return r;

@@ -1,8 +1,10 @@
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
+#include "core/half.h"
 
 namespace mt {
 
@@ -124,6 +126,38 @@ void Tensor::copy_from(const Tensor& src) const {
            "copy of " << shape_str(src.shape()) << " " << dtype_name(src.dtype()) << " into "
                       << shape_str(shape_) << " " << dtype_name(dtype_));
   if (numel()) std::memmove(raw(), src.raw(), nbytes());
+}
+
+void Tensor::convert_from(const Tensor& src) const {
+  MT_CHECK(src.numel() == numel(), "conversion of " << shape_str(src.shape()) << " into " << shape_str(shape_));
+  if (numel()) convert(dtype_, raw(), src.dtype(), src.raw(), numel());
+}
+
+void convert(DType to, void* dst, DType from, const void* src, int64_t n) {
+  constexpr int64_t kBlock = 4096;  // fp16 conversions run in blocks of the vectorised converters
+  if (to == from) {
+    if (n) std::memmove(dst, src, n * dtype_size(to));
+    return;
+  }
+  auto* h = static_cast<uint16_t*>(dst);
+  auto* f = static_cast<float*>(dst);
+  const auto* sh = static_cast<const uint16_t*>(src);
+  const auto* sf = static_cast<const float*>(src);
+  if (from == DType::f32 && to == DType::bf16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) h[i] = f32_to_bf16(sf[i]);
+  } else if (from == DType::f32 && to == DType::f16) {
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < n; b += kBlock) f32_to_f16_n(sf + b, h + b, std::min(kBlock, n - b));
+  } else if (from == DType::bf16 && to == DType::f32) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) f[i] = bf16_to_f32(sh[i]);
+  } else if (from == DType::f16 && to == DType::f32) {
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < n; b += kBlock) f16_to_f32_n(sh + b, f + b, std::min(kBlock, n - b));
+  } else {
+    MT_FAIL("internal: no conversion from " << dtype_name(from) << " to " << dtype_name(to));
+  }
 }
 
 }  // namespace mt

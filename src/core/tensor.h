@@ -35,6 +35,9 @@ struct Storage {
   ~Storage();
 };
 
+// dst[i] = src[i] between f32 and bf16 / f16 (or the same dtype), n elements.
+void convert(DType to, void* dst, DType from, const void* src, int64_t n);
+
 class Tensor {
  public:
   Tensor() = default;
@@ -64,6 +67,9 @@ class Tensor {
   Tensor reshape(const Shape& shape) const;
   void zero_() const;
   void copy_from(const Tensor& src) const;  // same numel and dtype (handles are const; data is not)
+  // The same with a change of dtype between f32 and bf16 / f16 (to 16 bits: rounded to
+  // nearest even, as half.h does; to f32: exact), or a plain copy when the dtypes match.
+  void convert_from(const Tensor& src) const;
 
  private:
   std::shared_ptr<Storage> storage_;

@@ -9,6 +9,7 @@
 #include "core/rng.h"
 #include "nn/block.h"
 #include "ops/activation.h"
+#include "ops/autocast.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
@@ -364,7 +365,7 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
     Tensor grads = Tensor::zeros({total}, DType::f32, alloc, MemTag::grads);
     int64_t off = total;
     for (Unit& u : units_) {
-      u.w = Tensor::zeros({u.numel}, DType::f32, alloc, MemTag::params);
+      u.w = Tensor::zeros({u.numel}, working_dtype(cfg), alloc, MemTag::params);
       off -= u.numel;
       u.g = grads.view(off, {u.numel});
     }
@@ -398,6 +399,16 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
     }
   }
   scratch_ = std::make_unique<BlockScratch>(cfg, dims_, B, alloc);
+  if (cfg.mixed_precision()) {  // the staging for the largest set of units one unit's compute reads
+    int64_t most = 0;
+    for (size_t u = 0; u < units_.size(); ++u) {
+      int64_t n = 0;
+      for (int v : units_used(static_cast<int>(u))) n += units_[v].numel;
+      if (units_[u].numel > 0) most = std::max(most, n);
+    }
+    wide_ = Tensor::empty({std::max<int64_t>(most, 1)}, DType::f32, alloc, MemTag::other);
+    narrow_w_.resize(units_.size());
+  }
 }
 
 Model::~Model() = default;
@@ -431,7 +442,37 @@ Tensor Model::param(const std::string& name) const {
 }
 
 void Model::init(uint64_t seed) {
-  for (size_t u = 0; u < units_.size(); ++u) init_range(static_cast<int>(u), 0, units_[u].numel, units_[u].w.f32(), seed);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    std::vector<float> w(units_[u].numel);
+    init_range(static_cast<int>(u), 0, units_[u].numel, w.data(), seed);
+    convert(units_[u].w.dtype(), units_[u].w.raw(), DType::f32, w.data(), units_[u].numel);
+  }
+}
+
+DType working_dtype(const ModelConfig& cfg) {
+  return cfg.precision == "bf16" ? DType::bf16 : cfg.precision == "fp16" ? DType::f16 : DType::f32;
+}
+
+void Model::widen(int unit) {
+  if (!wide_.defined()) return;
+  int64_t off = 0;
+  for (int v : units_used(unit)) {
+    Unit& u = units_[v];
+    if (u.numel == 0) continue;
+    MT_CHECK(u.w.dtype() == working_dtype(cfg_), "internal: unit " << u.name << " holds " << dtype_name(u.w.dtype())
+                                                                   << " parameters under " << cfg_.precision);
+    const Tensor wide = wide_.view(off, {u.numel});
+    wide.convert_from(u.w);
+    narrow_w_[v] = u.w;
+    u.w = wide;
+    off += u.numel;
+  }
+}
+
+void Model::narrow(int unit) {
+  if (!wide_.defined()) return;
+  for (int v : units_used(unit))
+    if (narrow_w_[v].defined()) units_[v].w = std::move(narrow_w_[v]);  // moved-from: empty again
 }
 
 void Model::init_range(int unit, int64_t begin, int64_t end, float* dst, uint64_t seed) const {
@@ -543,21 +584,28 @@ double Model::forward(int chunk, int s, const int32_t* tokens, const int32_t* ta
   if (spec.embed) copy_ids(sl.tokens, tokens, int64_t{B} * T, 0, cfg_.vocab_size, "token");
   if (spec.head && targets) copy_ids(sl.targets, targets, int64_t{B} * T, -1, cfg_.vocab_size, "target");
   UnitHooks& h = hooks_ ? *hooks_ : no_hooks_;
+  Autocast autocast(working_dtype(cfg_));
   if (spec.embed) {
     h.before_forward(0);
+    widen(0);
     embed_forward(sl);
+    narrow(0);
     h.after_forward(0);
   }
   for (int l = spec.first_layer; l < spec.end_layer; ++l) {
     const int i = l - spec.first_layer;
     h.before_forward(l + 1);
+    widen(l + 1);
     block_forward(env(), units_[l + 1], recompute_ ? *shared_acts_ : *sl.acts[i], resid(sl.resid[i]),
                   resid(sl.resid[i + 1]), B, T);
+    narrow(l + 1);
     h.after_forward(l + 1);
   }
   if (!spec.head) return 0.0;
   h.before_forward(cfg_.n_layer + 1);
+  widen(cfg_.n_layer + 1);
   final_forward(sl);
+  narrow(cfg_.n_layer + 1);
   h.after_forward(cfg_.n_layer + 1);
   return targets ? loss_forward(sl) : 0.0;
 }
@@ -599,6 +647,8 @@ void Model::backward_unit(int unit, Slot& sl, int i, float scale, Backward part)
   const int L = cfg_.n_layer;
   const bool input = part != Backward::weight, weight = part != Backward::input, split = part != Backward::whole;
   h.before_backward(unit);
+  Autocast autocast(working_dtype(cfg_));
+  if (unit != 0) widen(unit);  // the embedding's backward reads no parameters
   if (unit == L + 1) {
     if (input) final_backward(sl, scale, !split);
     if (weight && split) head_backward_weight(sl);
@@ -615,6 +665,7 @@ void Model::backward_unit(int unit, Slot& sl, int i, float scale, Backward part)
     }
     if (weight && split) block_backward_weight(env(), units_[unit], a, *sl.pending[i], B_, T_);
   }
+  narrow(unit);
   if (!weight) return;
   h.after_backward(unit);
   // A tied head on a last stage without the embedding: the copy's gradient is complete too.

@@ -32,6 +32,12 @@
 // and gradients unit u's forward and backward touch (the final unit also uses the
 // embedding when the head is tied). A split backward calls before_backward for its input
 // half and before_backward and after_backward for its weight half.
+//
+// Mixed precision (training.precision = bf16 | fp16): units' w hold 16-bit working copies
+// (working_dtype), whoever provides them; gradients stay fp32. Inside a unit's hook brackets
+// the model widens the w of the units it reads into one fp32 staging buffer (MemTag::other,
+// allocated once for the largest set) and computes under an Autocast scope (ops/autocast.h),
+// so every linear layer multiplies 16-bit operands with fp32 accumulation.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -121,6 +127,9 @@ class UnitHooks {
   virtual void before_backward(int unit) {}
   virtual void after_backward(int unit) {}
 };
+
+// The dtype of the units' working parameters: f32, or bf16 / f16 under mixed precision.
+DType working_dtype(const ModelConfig& cfg);
 
 // The units and parameter specs of a configuration as tp rank `tp.rank` of `tp.size` holds
 // them (the TP plan: model.cpp), without allocating anything.
@@ -221,6 +230,10 @@ class Model {
   void final_forward(Slot& s);
   void final_backward(Slot& s, float scale, bool with_weight);
   void head_backward_weight(Slot& s);
+  // Mixed precision: swaps fp32 copies of the 16-bit w of the units unit `unit` reads into
+  // units_ (widen), and the working copies back (narrow). No-ops in fp32.
+  void widen(int unit);
+  void narrow(int unit);
 
   ModelConfig cfg_;
   TpMappings no_tp_;
@@ -241,6 +254,8 @@ class Model {
   std::vector<Chunk> chunks_;
   std::unique_ptr<BlockActs> shared_acts_;  // recomputation: one set for every block
   std::unique_ptr<BlockScratch> scratch_;   // workspace shared by the blocks (forward and backward), embedding, final norm
+  Tensor wide_;                    // mixed precision: [largest widened set] fp32 staging (MemTag::other)
+  std::vector<Tensor> narrow_w_;   // per unit: its working w while widened
 };
 
 }  // namespace mt

@@ -31,6 +31,8 @@ void ModelConfig::validate() const {
   MT_CHECK(seq_len >= 1, "model.seq_len = " << seq_len << " must be at least 1");
   MT_CHECK(norm_eps > 0, "model.norm_eps = " << norm_eps << " must be positive");
   MT_CHECK(rope_theta > 0, "model.rope_theta = " << rope_theta << " must be positive");
+  MT_CHECK(precision == "fp32" || precision == "bf16" || precision == "fp16",
+           "training.precision = \"" << precision << "\" is not a precision; use fp32, bf16 or fp16");
   MT_CHECK(attention == "fused" || attention == "materialized",
            "training.attention = \"" << attention << "\" is not an attention path; use fused or materialized");
 }

@@ -23,8 +23,13 @@ struct ModelConfig {
   // step needs, not the model): fused keeps each row's log-sum-exp and recomputes the
   // probabilities in backward; materialized keeps the [B, NH, T, T] probabilities.
   std::string attention = "fused";  // fused | materialized
+  // The precision the model computes in (set by the key training.precision): fp32, or bf16 /
+  // fp16 with 16-bit working parameters and 16-bit operands in every linear layer's matrix
+  // products (ops/autocast.h); the fp32 master parameters live with the data-parallel strategy.
+  std::string precision = "fp32";  // fp32 | bf16 | fp16
 
   bool fused_attention() const { return attention == "fused"; }
+  bool mixed_precision() const { return precision != "fp32"; }
   bool is_llama() const { return family == "llama"; }
   int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int head_dim() const { return d_model / n_head; }

@@ -3,7 +3,9 @@
 #include "ops/linear.h"
 
 #include <algorithm>
+#include <vector>
 
+#include "ops/autocast.h"
 #include "ops/detail.h"
 #include "ops/gemm.h"
 
@@ -12,6 +14,18 @@ namespace mt {
 using namespace detail;
 
 namespace {
+
+// An activation operand of a product: its own data, or under an Autocast scope a copy
+// rounded to the scope's dtype in this thread's scratch `slot` (0 or 1; kept between calls).
+const float* operand(const Tensor& t, int slot) {
+  const DType d = autocast_dtype();
+  if (d == DType::f32) return t.f32();
+  thread_local std::vector<float> scratch[2];
+  std::vector<float>& s = scratch[slot];
+  if (s.size() < static_cast<size_t>(t.numel())) s.resize(t.numel());
+  round_to(d, t.f32(), s.data(), t.numel());
+  return s.data();
+}
 
 // A weight's in and out dims: stored [out, in], or [in, out] (io).
 void weight_dims(const Tensor& w, bool io, int64_t& O, int64_t& I, const char* op) {
@@ -44,8 +58,9 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
     for (int64_t n = 0; n < N; ++n) std::copy(bp, bp + O, yp + n * O);
     beta = 1.0f;
   }
-  if (io) gemm(false, false, N, O, I, x.f32(), I, w.f32(), O, beta, yp, O);
-  else gemm(false, true, N, O, I, x.f32(), I, w.f32(), I, beta, yp, O);
+  const float* xp = operand(x, 0);
+  if (io) gemm(false, false, N, O, I, xp, I, w.f32(), O, beta, yp, O);
+  else gemm(false, true, N, O, I, xp, I, w.f32(), I, beta, yp, O);
 }
 
 void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate, bool io) {
@@ -58,8 +73,9 @@ void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool ac
            "linear_backward_input: dx has " << dx.numel() / I << " rows but dy has " << N);
   if (N == 0) return;
   const float beta = accumulate ? 1.0f : 0.0f;
-  if (io) gemm(false, true, N, I, O, dy.f32(), O, w.f32(), O, beta, dx.f32(), I);
-  else gemm(false, false, N, I, O, dy.f32(), O, w.f32(), I, beta, dx.f32(), I);
+  const float* dyp = operand(dy, 0);
+  if (io) gemm(false, true, N, I, O, dyp, O, w.f32(), O, beta, dx.f32(), I);
+  else gemm(false, false, N, I, O, dyp, O, w.f32(), I, beta, dx.f32(), I);
 }
 
 void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io);
@@ -104,9 +120,10 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
     check_numel(*db, O, "linear_backward_weight: db");
   }
   if (N == 0) return;
-  if (io) gemm(true, false, I, O, N, x.f32(), I, dy.f32(), O, 1.0f, dw.f32(), O);
-  else gemm(true, false, O, I, N, dy.f32(), O, x.f32(), I, 1.0f, dw.f32(), I);
-  if (db) bias_backward(*db, dy);
+  const float *dyp = operand(dy, 0), *xp = operand(x, 1);
+  if (io) gemm(true, false, I, O, N, xp, I, dyp, O, 1.0f, dw.f32(), O);
+  else gemm(true, false, O, I, N, dyp, O, xp, I, 1.0f, dw.f32(), I);
+  if (db) bias_backward(*db, dy);  // from dy as it is: a bias's gradient is a sum, not a product
 }
 
 }  // namespace

@@ -22,6 +22,9 @@ void OptimConfig::validate() const {
   MT_CHECK(min_lr_ratio >= 0 && min_lr_ratio <= 1, "optim.min_lr_ratio = " << min_lr_ratio << " must be in [0, 1]");
   MT_CHECK(step_size >= 1, "optim.step_size = " << step_size << " must be at least 1");
   MT_CHECK(step_gamma > 0, "optim.step_gamma = " << step_gamma << " must be positive");
+  MT_CHECK(loss_scale >= 1 && std::isfinite(loss_scale),
+           "optim.loss_scale = " << loss_scale << " must be a finite number of at least 1 (e.g. 65536)");
+  MT_CHECK(loss_scale_window >= 1, "optim.loss_scale_window = " << loss_scale_window << " must be at least 1");
 }
 
 Optimizer::Optimizer(const OptimConfig& cfg, std::vector<OptimSegment> segments, Allocator& alloc)
@@ -153,11 +156,10 @@ double grad_sumsq(const std::vector<OptimSegment>& segments) {
   return total;
 }
 
-void grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm) {
-  if (max_norm <= 0) return;
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef >= 1.0) return;
-  const float c = static_cast<float>(coef);
+void grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm, double unscale) {
+  const double coef = max_norm > 0 ? std::min(1.0, max_norm / (norm + 1e-6)) : 1.0;
+  if (coef * unscale == 1.0) return;
+  const float c = static_cast<float>(coef * unscale);
   for (const OptimSegment& s : segments) {
     float* g = s.g.f32();
     const int64_t n = s.g.numel();

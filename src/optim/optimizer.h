@@ -21,6 +21,11 @@ struct OptimConfig {
   double momentum = 0.9;       // sgd
   bool nesterov = false;       // sgd
   double grad_clip = 1.0;      // global L2 norm; 0 disables
+  // training.precision = fp16: dynamic loss scaling. The loss is multiplied by the scale
+  // before backward; a step whose gradients hold an inf or NaN on any rank is skipped and
+  // the scale halved; after loss_scale_window clean steps in a row it doubles.
+  double loss_scale = 65536;   // the starting scale (2^16)
+  int loss_scale_window = 1000;
   std::string schedule = "cosine";  // constant | cosine | linear | step
   int warmup_steps = 20;
   double min_lr_ratio = 0.1;   // cosine / linear decay to lr * min_lr_ratio
@@ -63,7 +68,8 @@ double lr_at(const OptimConfig& cfg, int64_t step, int64_t total);
 // all of them (the segments' sums added in order).
 std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments);
 double grad_sumsq(const std::vector<OptimSegment>& segments);
-// Scales every gradient by max_norm / (norm + 1e-6) when that is below 1 (clip_grad_norm_).
-void grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm);
+// Scales every gradient by max_norm / (norm + 1e-6) when that is below 1 (clip_grad_norm_;
+// max_norm 0: no clipping), and by `unscale` (1 / the loss scale: norm is the unscaled one).
+void grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm, double unscale = 1.0);
 
 }  // namespace mt

@@ -14,7 +14,8 @@ uint64_t params_hash(const float* p, int64_t n, uint64_t h) {
 
 void check_same_units(Communicator& group, const std::vector<Unit>& units) {
   uint64_t h = params_hash(nullptr, 0);
-  for (const Unit& u : units) h = params_hash(u.w.f32(), u.numel, h);
+  for (const Unit& u : units)  // any dtype: the bytes of its numel elements
+    if (u.numel > 0) h = params_hash(static_cast<const float*>(u.w.raw()), u.w.nbytes() / 4, h);
   check_same_hash(group, h, "parameters");
 }
 

@@ -42,6 +42,12 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
     b.numel += units[u].numel;
     bucket_of_[u] = static_cast<int>(buckets_.size()) - 1;
   }
+  for (const Unit& u : units)
+    if (u.w.defined() && u.w.dtype() != DType::f32) {
+      master_.push_back(Tensor::empty({u.numel}, DType::f32, alloc, MemTag::optim));
+      master_.back().convert_from(u.w);
+    }
+  MT_CHECK(master_.empty() || master_.size() == units.size(), "internal: units of mixed working precisions");
   for (Bucket& b : buckets_) {
     if (dp.size() == 1) break;
     // fp32 gradients of consecutive units that lie back to back (the model allocates them
@@ -118,12 +124,22 @@ void DDP::finish() {
   }
 }
 
-void DDP::check_same_parameters() { check_same_units(dp_, model_.units()); }
+void DDP::after_step() {
+  for (size_t u = 0; u < master_.size(); ++u) model_.units()[u].w.convert_from(master_[u]);
+}
+
+void DDP::check_same_parameters() {
+  check_same_units(dp_, model_.units());
+  uint64_t h = params_hash(nullptr, 0);
+  for (const Tensor& m : master_) h = params_hash(m.f32(), m.numel(), h);
+  if (!master_.empty()) check_same_hash(dp_, h, "fp32 master parameters");
+}
 
 std::vector<OptimSegment> DDP::optim_segments() {
   std::vector<OptimSegment> segs;
-  for (Unit& u : model_.units()) {
-    OptimSegment s{u.w, u.g, {}, {}};
+  for (size_t i = 0; i < model_.units().size(); ++i) {
+    Unit& u = model_.units()[i];
+    OptimSegment s{master_.empty() ? u.w : master_[i], u.g, {}, {}};
     for (const ParamSpec& p : u.params) {
       if (p.decay) s.decay_ranges.emplace_back(p.offset, p.offset + p.numel());
       if (!p.tp_primary) s.replica_ranges.emplace_back(p.offset, p.offset + p.numel());
@@ -136,7 +152,8 @@ std::vector<OptimSegment> DDP::optim_segments() {
 std::vector<ParamSlice> DDP::owned() {
   std::vector<ParamSlice> r;
   for (size_t i = 0; i < model_.units().size(); ++i)
-    r.push_back({static_cast<int>(i), 0, model_.units()[i].numel, model_.units()[i].w.f32()});
+    r.push_back({static_cast<int>(i), 0, model_.units()[i].numel,
+                 master_.empty() ? model_.units()[i].w.f32() : master_[i].f32()});
   return r;
 }
 

@@ -20,6 +20,10 @@
 // rank order elementwise, so bucketed and unbucketed reductions are bit-identical.
 // grad_comm_dtype bf16/fp16 sends the bucket in half precision (summed in float, rounded
 // once) and widens the result back into the float32 gradients.
+//
+// Mixed precision (training.precision bf16 / fp16): the units' w are 16-bit working copies;
+// DDP keeps the fp32 master parameters (MemTag::optim, as the ZeRO analysis counts them),
+// the optimizer updates them, and after_step rounds them into the working copies.
 #pragma once
 #include <vector>
 
@@ -45,8 +49,9 @@ class DDP final : public DataParallel {
   std::vector<double> grad_sumsq(const std::vector<OptimSegment>& segments) override {
     return grad_sumsq_each(segments);
   }
+  void after_step() override;  // mixed precision: working copies = the masters rounded
   void check_same_parameters() override;
-  std::vector<ParamSlice> owned() override;  // whole units
+  std::vector<ParamSlice> owned() override;  // whole units (the fp32 masters under mixed precision)
   bool writes_checkpoint() const override { return dp_.rank() == 0; }  // replicas are identical
   std::string describe() const override;
   uint64_t bytes_sent() const override { return dp_.bytes_sent(); }
@@ -71,6 +76,7 @@ class DDP final : public DataParallel {
   ParallelConfig cfg_;
   DType dtype_;
   std::vector<Bucket> buckets_;
+  std::vector<Tensor> master_;  // mixed precision: per unit [numel] fp32 parameters; else empty
   std::vector<int> bucket_of_;  // unit -> bucket
   bool overlap_;  // launch buckets during backward
   bool sync_ = true;

@@ -15,6 +15,8 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
   shard_ = dp.split(d / S_, d % S_, "shard");
   replicate_ = dp.split(d % S_, d / S_, "replicate");
   k_ = shard_->rank();
+  wd_ = working_dtype(model.config());
+  const bool mixed = wd_ != DType::f32;
   auto& units = model.units();
   st_.resize(units.size());
   std::vector<ParamSlice> ranges;
@@ -26,12 +28,16 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
     s.chunk = (s.n + S_ - 1) / S_;
     const int64_t padded = s.chunk * S_, b = own_begin(static_cast<int>(u)), e = own_end(static_cast<int>(u));
     if (stage_ <= 2) {  // full parameters, padded so every chunk has c elements
-      s.full_w = Tensor::zeros({padded}, DType::f32, alloc, MemTag::params);
+      s.full_w = Tensor::zeros({padded}, wd_, alloc, MemTag::params);
       unit.w = s.full_w.view(0, {s.n});
-      ranges.push_back({static_cast<int>(u), 0, s.n, s.full_w.f32()});
+      if (!mixed) ranges.push_back({static_cast<int>(u), 0, s.n, s.full_w.f32()});
     } else {  // only this rank's chunk; gathered when a forward or backward needs it
-      s.shard_w = Tensor::zeros({s.chunk}, DType::f32, alloc, MemTag::params);
-      ranges.push_back({static_cast<int>(u), b, e, s.shard_w.f32()});
+      s.shard_w = Tensor::zeros({s.chunk}, wd_, alloc, MemTag::params);
+      if (!mixed) ranges.push_back({static_cast<int>(u), b, e, s.shard_w.f32()});
+    }
+    if (mixed) {  // the fp32 master of this rank's chunk, counted with the optimizer's state
+      s.master = Tensor::zeros({s.chunk}, DType::f32, alloc, MemTag::optim);
+      ranges.push_back({static_cast<int>(u), b, e, s.master.f32()});
     }
     if (stage_ == 1) {
       s.full_g = Tensor::zeros({padded}, DType::f32, alloc, MemTag::grads);
@@ -41,6 +47,7 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
     }
   }
   fill(ranges);
+  if (mixed) after_step();  // the working copies from the masters (stages 1-2: gathered)
 }
 
 ZeRO::~ZeRO() {
@@ -61,7 +68,7 @@ void ZeRO::start_gather(int u) {
   UnitState& s = st_[u];
   if (s.full_w.defined()) return;  // live or already on its way
   // Gathered copies are communication buffers: the model state proper stays 16Ψ/N.
-  s.full_w = Tensor::empty({s.chunk * S_}, DType::f32, alloc_, MemTag::comm);
+  s.full_w = Tensor::empty({s.chunk * S_}, wd_, alloc_, MemTag::comm);
   s.gather = shard_->allgather_async(s.shard_w, s.full_w);
 }
 
@@ -191,7 +198,7 @@ std::vector<OptimSegment> ZeRO::optim_segments() {
     UnitState& s = st_[u];
     const int64_t b = own_begin(static_cast<int>(u)), len = own_end(static_cast<int>(u)) - b;
     OptimSegment seg;
-    seg.w = stage_ <= 2 ? s.full_w.view(b, {len}) : s.shard_w.view(0, {len});
+    seg.w = s.master.defined() ? s.master.view(0, {len}) : stage_ <= 2 ? s.full_w.view(b, {len}) : s.shard_w.view(0, {len});
     seg.g = stage_ == 1 ? s.full_g.view(b, {len}) : s.shard_g.view(0, {len});
     for (const ParamSpec& p : model_.units()[u].params) {
       const int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel(), b + len);
@@ -208,6 +215,12 @@ std::vector<double> ZeRO::grad_sumsq(const std::vector<OptimSegment>& segments) 
 }
 
 void ZeRO::after_step() {
+  for (size_t u = 0; u < st_.size(); ++u) {  // mixed precision: the working chunk = the master rounded
+    UnitState& s = st_[u];
+    if (!s.master.defined()) continue;
+    const int64_t b = own_begin(static_cast<int>(u)), len = own_end(static_cast<int>(u)) - b;
+    (stage_ <= 2 ? s.full_w.view(b, {len}) : s.shard_w.view(0, {len})).convert_from(s.master.view(0, {len}));
+  }
   if (stage_ == 3) return;  // parameters stay sharded until the next forward gathers them
   std::vector<WorkPtr> works;
   for (UnitState& s : st_)
@@ -218,18 +231,22 @@ void ZeRO::after_step() {
 void ZeRO::check_same_parameters() {
   if (stage_ == 3) {  // the replicas of each shard must agree
     uint64_t h = params_hash(nullptr, 0);
-    for (UnitState& s : st_) h = params_hash(s.shard_w.f32(), s.chunk, h);
+    for (UnitState& s : st_) h = params_hash(static_cast<const float*>(s.shard_w.raw()), s.shard_w.nbytes() / 4, h);
     check_same_hash(*replicate_, h, "parameter shards");
-    return;
+  } else {
+    check_same_units(dp_, model_.units());
   }
-  check_same_units(dp_, model_.units());
+  if (wd_ == DType::f32) return;
+  uint64_t h = params_hash(nullptr, 0);
+  for (UnitState& s : st_) h = params_hash(s.master.f32(), s.chunk, h);
+  check_same_hash(*replicate_, h, "fp32 master parameter shards");
 }
 
 std::vector<ParamSlice> ZeRO::owned() {
   std::vector<ParamSlice> r;
   for (size_t u = 0; u < st_.size(); ++u) {
     const int64_t b = own_begin(static_cast<int>(u)), e = own_end(static_cast<int>(u));
-    float* p = stage_ <= 2 ? st_[u].full_w.f32() + b : st_[u].shard_w.f32();
+    float* p = st_[u].master.defined() ? st_[u].master.f32() : stage_ <= 2 ? st_[u].full_w.f32() + b : st_[u].shard_w.f32();
     r.push_back({static_cast<int>(u), b, e, p});
   }
   return r;

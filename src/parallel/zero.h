@@ -21,6 +21,12 @@
 // gathers a unit on its first use in a step and frees it in finish(): once per step, not
 // once per micro-batch (the schedule interleaves micro-batches' forwards and backwards).
 //
+// Mixed precision (training.precision bf16 / fp16): parameters (whole, gathered or the
+// chunk) are 16-bit working copies, and each rank keeps the fp32 master of its chunk
+// (MemTag::optim): the optimizer updates it, after_step rounds it into the working chunk and
+// (stages 1-2) all-gathers the 16-bit chunks. Model state: 2Ψ + 4Ψ + 12Ψ/N at stage 1,
+// 2Ψ + (4 + 12)Ψ/N at stage 2, (2 + 4 + 12)Ψ/N at stage 3 (gradients stay fp32).
+//
 // HYBRID_SHARD shards within groups of shard_group ranks and, after the reduce-scatter,
 // sums the gradient shards over the ranks that hold the same shard in other groups.
 // Communication per step: stages 1-2 move what DDP moves (reduce-scatter + all-gather =
@@ -84,6 +90,7 @@ class ZeRO final : public DataParallel {
     WorkPtr gather;  // stage 3: pending all-gather into full_w
     WorkPtr reduce;  // pending reduce-scatter of full_g
     Tensor reduced;  // stages 2-3: [c] where the pending reduce-scatter lands
+    Tensor master;   // mixed precision: [c] fp32 parameters of this rank's chunk (the w above are 16-bit)
   };
   void ensure_gathered(int u);
   void start_gather(int u);
@@ -98,6 +105,7 @@ class ZeRO final : public DataParallel {
   Allocator& alloc_;
   ParallelConfig cfg_;
   int stage_, S_, k_;
+  DType wd_;        // the working parameters' dtype: f32, or bf16 / f16 with fp32 masters
   bool pipelined_;  // pipeline parallelism: stage 3 gathers each unit once per step, freed in finish()
   std::unique_ptr<Communicator> shard_, replicate_;
   std::vector<UnitState> st_;

@@ -119,6 +119,7 @@ const std::vector<Key>& keys() {
     v.push_back(bool_key("training.recompute", &C::training, &TrainingConfig::recompute));
     // Kept in the model's configuration, which is what builds the activations.
     v.push_back(str_key("training.attention", &C::model, &ModelConfig::attention, {"fused", "materialized"}));
+    v.push_back(str_key("training.precision", &C::model, &ModelConfig::precision, {"fp32", "bf16", "fp16"}));
     v.push_back(int_key("training.val_every", &C::training, &TrainingConfig::val_every));
     v.push_back(int_key("training.val_batches", &C::training, &TrainingConfig::val_batches));
     v.push_back(int_key("training.threads", &C::training, &TrainingConfig::threads));
@@ -132,6 +133,8 @@ const std::vector<Key>& keys() {
     v.push_back(num_key("optim.momentum", &C::optim, &OptimConfig::momentum));
     v.push_back(bool_key("optim.nesterov", &C::optim, &OptimConfig::nesterov));
     v.push_back(num_key("optim.grad_clip", &C::optim, &OptimConfig::grad_clip));
+    v.push_back(num_key("optim.loss_scale", &C::optim, &OptimConfig::loss_scale));
+    v.push_back(int_key("optim.loss_scale_window", &C::optim, &OptimConfig::loss_scale_window));
     v.push_back(str_key("optim.schedule", &C::optim, &OptimConfig::schedule, {"constant", "cosine", "linear", "step"}));
     v.push_back(int_key("optim.warmup_steps", &C::optim, &OptimConfig::warmup_steps));
     v.push_back(num_key("optim.min_lr_ratio", &C::optim, &OptimConfig::min_lr_ratio));

@@ -17,6 +17,7 @@ std::string sample_text(const SampleOptions& o) {
   MT_CHECK(!dir.empty(), "no checkpoint in " << o.checkpoint << "; train with --checkpoint.dir=" << o.checkpoint << " first");
   Config cfg = checkpoint_config(dir);
   CpuAllocator alloc;
+  cfg.model.precision = "fp32";  // a checkpoint holds fp32 parameters (the masters of a mixed-precision run)
   Model model(cfg.model, alloc, 1);
   checkpoint_load(dir, cfg.model, checkpoint_param_slices(model.units()));
   auto tok = tokenizer_make(o.tokenizer.empty() ? cfg.data.tokenizer : o.tokenizer);

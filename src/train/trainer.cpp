@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <optional>
+#include <sstream>
 #include <csignal>
 #include <thread>
 
@@ -21,6 +22,7 @@
 #include "ops/gemm.h"
 #include "parallel/context.h"
 #include "parallel/data_parallel.h"
+#include "optim/loss_scale.h"
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
 #include "parallel/pipeline.h"
@@ -188,8 +190,25 @@ ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const C
 
 // parallel.test_fault = "kind:rank": a failure injected at step 1 for the fault tests
 // (slow_save acts in checkpoint_save instead).
+// parallel.test_fault = "overflow:R:S1,S2,...": at optimizer steps S1, S2, ... rank R scales
+// its loss by a further 2^40, so that its fp16 gradients overflow as a real overflow does
+// (reduced with the other ranks' into every rank's gradients).
+bool injected_overflow(const std::string& spec, int64_t step, int rank) {
+  if (spec.rfind("overflow:", 0) != 0) return false;
+  std::istringstream in(spec.substr(9));
+  std::string r, steps, one;
+  std::getline(in, r, ':');
+  std::getline(in, steps);
+  MT_CHECK(!r.empty() && !steps.empty(), "parallel.test_fault = \"" << spec << "\": write overflow:RANK:STEP,STEP...");
+  if (std::stoi(r) != rank) return false;
+  std::istringstream list(steps);
+  while (std::getline(list, one, ','))
+    if (std::stoll(one) == step) return true;
+  return false;
+}
+
 void inject_fault(const std::string& spec, int64_t step, Communicator& world, Communicator& dp) {
-  if (spec.empty() || step != 1) return;
+  if (spec.empty() || step != 1 || spec.rfind("overflow:", 0) == 0) return;
   const size_t colon = spec.find(':');
   MT_CHECK(colon != std::string::npos, "parallel.test_fault = \"" << spec << "\": write kind:rank, e.g. die:1");
   const std::string kind = spec.substr(0, colon);
@@ -225,22 +244,26 @@ size_t model_state_bytes(const MemStats& m) {
   return m.peak[int(MemTag::params)] + m.peak[int(MemTag::grads)] + m.peak[int(MemTag::optim)];
 }
 
-// The model-state bytes per rank the ZeRO analysis predicts for fp32 Adam (16 bytes per
-// parameter in all), with N the shard group: stage 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N,
-// 3 16Ψ/N. Ψ counts the padding of each unit to a multiple of N.
-double predicted_model_state(const std::vector<Unit>& units, int stage, int N, const std::string& optim) {
+// The model-state bytes per rank the ZeRO analysis predicts, with N the shard group and Ψ
+// counting the padding of each unit to a multiple of N. Per parameter: w bytes of working
+// copy (4 in fp32, 2 in bf16 / fp16), 4 of gradient (fp32), and in the optimizer's state
+// the fp32 master (mixed precision only) and K of moments (adamw 8, sgd 4). fp32 Adam: stage
+// 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N, 3 16Ψ/N; bf16 Adam: 2Ψ + 4Ψ + 12Ψ sharded the same way.
+double predicted_model_state(const std::vector<Unit>& units, int stage, int N, const std::string& optim,
+                             const std::string& precision) {
   double psi = 0, psi_n = 0;  // Ψ and Ψ/N with per-unit padding
   for (const Unit& u : units) {
     const int64_t chunk = (u.numel + N - 1) / N;
     psi += stage == 0 ? u.numel : chunk * N;
     psi_n += chunk;
   }
-  const double opt_bytes = optim == "adamw" ? 8 : 4;  // m and v, or the momentum buffer
+  const double w = precision == "fp32" ? 4 : 2, g = 4;
+  const double opt = (precision == "fp32" ? 0 : 4) + (optim == "adamw" ? 8 : 4);  // master, moments
   switch (stage) {
-    case 0: return (8 + opt_bytes) * psi;
-    case 1: return 8 * psi + opt_bytes * psi_n;
-    case 2: return 4 * psi + (4 + opt_bytes) * psi_n;
-    default: return (8 + opt_bytes) * psi_n;
+    case 0: return (w + g + opt) * psi;
+    case 1: return (w + g) * psi + opt * psi_n;
+    case 2: return w * psi + (g + opt) * psi_n;
+    default: return (w + g + opt) * psi_n;
   }
 }
 
@@ -266,6 +289,7 @@ struct Run {
   Pipeline& pipe;
   DataParallel& strategy;
   Optimizer& opt;
+  LossScaler& scaler;  // fp16's loss scale (1 otherwise)
   CpuAllocator& alloc;
   MetricsLog& log;
   const TokenLoader& train_data;
@@ -346,11 +370,10 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
     }
   };
   if (c.parallel.zero > 0) return std::make_unique<ZeRO>(model, dp, alloc, c.parallel, fill);
-  std::vector<ParamSlice> whole;
-  for (size_t u = 0; u < model.units().size(); ++u)
-    whole.push_back({static_cast<int>(u), 0, model.units()[u].numel, model.units()[u].w.f32()});
-  fill(whole);
-  return std::make_unique<DDP>(model, dp, alloc, c.parallel);
+  auto ddp = std::make_unique<DDP>(model, dp, alloc, c.parallel);
+  fill(ddp->owned());  // whole units (their fp32 masters under mixed precision)
+  ddp->after_step();   // mixed precision: the working copies from the masters
+  return ddp;
 }
 
 // The bytes a tp rank sends per optimizer step: the mappings' (tp_bytes_per_micro_batch)
@@ -448,11 +471,13 @@ nlohmann::json step_run(Run& run, int64_t s) {
   const double tokens_per_step = double(G) * c.model.seq_len;
   inject_fault(c.parallel.test_fault, s, run.world, run.dp);
   run.strategy.zero_grad();
+  // fp16: the loss scaled by S (an injected overflow scales it far past fp16's range on one rank)
+  const double S = run.scaler.scale() * (injected_overflow(c.parallel.test_fault, s, run.world.rank()) ? 0x1p40 : 1.0);
   auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
     fill_part(run.train_data, s * G + run.dp.rank() + int64_t{R} * micro * M, M, tokens, targets, R,
               c.model.seq_len, run.positions);
   };
-  const double loss_sum = run.pipe.train(feed, static_cast<float>(1.0 / tokens_per_step), run.strategy);
+  const double loss_sum = run.pipe.train(feed, static_cast<float>(S / tokens_per_step), run.strategy);
   run.strategy.finish();
   // A tied embedding's two copies (first and last stage) take the sum of their gradients.
   if (run.tie) run.tie->allreduce(run.opt.segments()[0].g);
@@ -464,12 +489,23 @@ nlohmann::json step_run(Run& run, int64_t s) {
   // sums are added in unit order, so a unit held whole by one rank counts as on one rank.
   double sumsq = 0;
   for (double x : sum_doubles(run.pp, sum_doubles(run.tp, run.strategy.grad_sumsq(run.opt.segments())))) sumsq += x;
-  const double norm = std::sqrt(sumsq);
-  grad_clip(run.opt.segments(), norm, c.optim.grad_clip);
-  const double lr = lr_at(c.optim, s, c.training.steps);
+  const double norm = std::sqrt(sumsq) / S, lr = lr_at(c.optim, s, c.training.steps);
+  nlohmann::json j = {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}};
+  if (run.scaler.enabled()) {  // every rank has the same sumsq, so all agree on a skip
+    j["loss_scale"] = run.scaler.scale();
+    j["skipped"] = !run.scaler.update(std::isfinite(sumsq));
+    if (j["skipped"]) {
+      j["grad_norm"] = nullptr;  // inf or NaN
+      run.log.message("step " + std::to_string(s) + ": fp16 gradients overflowed at loss scale " +
+                      std::to_string(static_cast<int64_t>(j["loss_scale"].get<double>())) +
+                      "; step skipped, loss scale halved to " + std::to_string(static_cast<int64_t>(run.scaler.scale())));
+      return j;
+    }
+  }
+  grad_clip(run.opt.segments(), norm, c.optim.grad_clip, 1.0 / S);
   run.opt.step(lr);
   run.strategy.after_step();
-  return {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}};
+  return j;
 }
 
 // A collective over the world: each writing rank saves its own ranges (one copy of each:
@@ -616,9 +652,11 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
     run.log.message(buf);
   }
   run.log.message(std::string("peak memory") + (run.world.size() > 1 ? " (busiest rank): " : ": ") + memory_summary(mem));
-  const std::string formula = c.parallel.zero == 0 ? "no sharding"
-                                                     : "ZeRO stage " + std::to_string(c.parallel.zero) + ", N = " +
-                                                           std::to_string(c.parallel.shard_group);
+  std::string formula = c.parallel.zero == 0 ? "no sharding"
+                                               : "ZeRO stage " + std::to_string(c.parallel.zero) + ", N = " +
+                                                     std::to_string(c.parallel.shard_group);
+  if (c.model.mixed_precision())
+    formula += ", " + c.model.precision + ": 2 + 4 + " + (c.optim.name == "adamw" ? "12" : "8") + " bytes per parameter";
   std::snprintf(buf, sizeof buf, "model state (params + grads + optim): %s measured, %s by the formula (%s)",
                 format_bytes(model_state_bytes(mem)).c_str(), format_bytes(static_cast<size_t>(run.predicted)).c_str(),
                 formula.c_str());
@@ -750,10 +788,12 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false), &optimizer_steps);
     opt.set_steps_taken(optimizer_steps);
   }
+  LossScaler scaler(c.model.precision == "fp16", c.optim.loss_scale, c.optim.loss_scale_window);
   world.barrier_slow();  // ranks load at different speeds
   if (mesh.data().size() > 1) strategy->check_same_parameters();
-  Run run{c, world, mesh, dp, mesh.data(), mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
-          max_over(world, predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name)),
+  Run run{c, world, mesh, dp, mesh.data(), mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, scaler, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
+          max_over(world, predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name,
+                                                c.model.precision)),
           max_over(world, static_cast<double>(activation_bytes(c.model, model.dims(), M, c.training.recompute,
                                                                model.share()))),
           trace ? &*trace : nullptr, now_seconds(), cp_positions(c.model.seq_len, cp.shard())};

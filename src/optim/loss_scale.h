@@ -1,0 +1,57 @@
+// Dynamic loss scaling for fp16 training (training.precision = fp16).
+//
+// fp16 holds magnitudes from 6e-8 (subnormal) to 65504: small gradients flush to zero when
+// a linear layer's operands are rounded. Multiplying the loss by a scale S moves them into
+// range; the optimizer sees the gradients divided by S again. A step whose gradients hold an
+// inf or NaN on any rank (an overflow) is skipped and S halves; after `window` clean steps in
+// a row S doubles. Starts at optim.loss_scale (2^16); without fp16, S is 1 and nothing is
+// ever skipped.
+//
+//   LossScaler scaler(precision == "fp16", cfg.loss_scale, cfg.loss_scale_window);
+//   backward with scale scaler.scale() / tokens;
+//   if (scaler.update(std::isfinite(global_grad_sumsq))) { unscale by 1 / S, clip, step; }
+#pragma once
+#include <cstdint>
+
+namespace mt {
+
+class LossScaler {
+ public:
+  LossScaler(bool enabled, double initial, int window)
+      : enabled_(enabled), scale_(enabled ? initial : 1.0), window_(window) {}
+
+  bool enabled() const { return enabled_; }
+  double scale() const { return scale_; }
+  // After a step's gradients are complete; finite: they hold no inf or NaN on any rank (the
+  // same on every rank). Returns whether the step is applied; updates the scale.
+  bool update(bool finite) {
+    if (!enabled_) return true;
+    if (!finite) {
+      scale_ = scale_ / 2 < 1 ? 1 : scale_ / 2;
+      clean_ = 0;
+      ++skipped_;
+      return false;
+    }
+    if (++clean_ >= window_) {
+      scale_ *= 2;
+      clean_ = 0;
+    }
+    return true;
+  }
+  int64_t skipped() const { return skipped_; }  // steps skipped by this process
+  // Checkpointed state: the scale and the clean steps since it last changed.
+  int clean_steps() const { return clean_; }
+  void restore(double scale, int clean_steps) {
+    scale_ = scale;
+    clean_ = clean_steps;
+  }
+
+ private:
+  bool enabled_;
+  double scale_;
+  int window_;
+  int clean_ = 0;
+  int64_t skipped_ = 0;
+};
+
+}  // namespace mt
