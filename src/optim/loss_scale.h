@@ -11,7 +11,6 @@
 //   backward with scale scaler.scale() / tokens;
 //   if (scaler.update(std::isfinite(global_grad_sumsq))) { unscale by 1 / S, clip, step; }
 #pragma once
-#include <cstdint>
 
 namespace mt {
 
@@ -29,7 +28,6 @@ class LossScaler {
     if (!finite) {
       scale_ = scale_ / 2 < 1 ? 1 : scale_ / 2;
       clean_ = 0;
-      ++skipped_;
       return false;
     }
     if (++clean_ >= window_) {
@@ -38,20 +36,12 @@ class LossScaler {
     }
     return true;
   }
-  int64_t skipped() const { return skipped_; }  // steps skipped by this process
-  // Checkpointed state: the scale and the clean steps since it last changed.
-  int clean_steps() const { return clean_; }
-  void restore(double scale, int clean_steps) {
-    scale_ = scale;
-    clean_ = clean_steps;
-  }
 
  private:
   bool enabled_;
   double scale_;
   int window_;
-  int clean_ = 0;
-  int64_t skipped_ = 0;
+  int clean_ = 0;  // clean steps since the scale last changed
 };
 
 }  // namespace mt

@@ -4,10 +4,8 @@
 #include <sched.h>
 
 #include <cstdio>
-#include <cstring>
 
 #include "core/error.h"
-#include "core/half.h"
 
 namespace mt {
 
@@ -82,17 +80,9 @@ void DDP::launch(Bucket& b) {
     return;
   }
   int64_t off = 0;
-  for (int u : b.units) {
-    const float* g = units[u].g.f32();
-    const int64_t n = units[u].numel;
-    if (dtype_ == DType::f32) std::memcpy(b.buffer.f32() + off, g, n * 4);
-    else {
-      uint16_t* dst = b.buffer.data<uint16_t>() + off;
-      const bool bf = dtype_ == DType::bf16;
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) dst[i] = bf ? f32_to_bf16(g[i]) : f32_to_f16(g[i]);
-    }
-    off += n;
+  for (int u : b.units) {  // into the communication dtype (rounded when 16-bit)
+    b.buffer.view(off, {units[u].numel}).convert_from(units[u].g);
+    off += units[u].numel;
   }
   b.work = dp_.allreduce_async(b.buffer);
 }
@@ -109,17 +99,9 @@ void DDP::finish() {
     b.pending = 0;
     if (b.in_place) continue;
     int64_t off = 0;
-    for (int u : b.units) {
-      float* g = units[u].g.f32();
-      const int64_t n = units[u].numel;
-      if (dtype_ == DType::f32) std::memcpy(g, b.buffer.f32() + off, n * 4);
-      else {
-        const uint16_t* src = b.buffer.data<uint16_t>() + off;
-        const bool bf = dtype_ == DType::bf16;
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; ++i) g[i] = bf ? bf16_to_f32(src[i]) : f16_to_f32(src[i]);
-      }
-      off += n;
+    for (int u : b.units) {  // widened back into the fp32 gradients
+      units[u].g.convert_from(b.buffer.view(off, {units[u].numel}));
+      off += units[u].numel;
     }
   }
 }

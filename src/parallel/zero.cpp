@@ -62,6 +62,11 @@ ZeRO::~ZeRO() {
 int64_t ZeRO::own_begin(int u) const { return std::min<int64_t>(k_ * st_[u].chunk, st_[u].n); }
 int64_t ZeRO::own_end(int u) const { return std::min<int64_t>((k_ + 1) * st_[u].chunk, st_[u].n); }
 
+Tensor ZeRO::own_w(int u) const {
+  const int64_t b = own_begin(u), len = own_end(u) - b;
+  return stage_ <= 2 ? st_[u].full_w.view(b, {len}) : st_[u].shard_w.view(0, {len});
+}
+
 // ---- stage 3: gathering and freeing parameters --------------------------------------
 
 void ZeRO::start_gather(int u) {
@@ -198,7 +203,7 @@ std::vector<OptimSegment> ZeRO::optim_segments() {
     UnitState& s = st_[u];
     const int64_t b = own_begin(static_cast<int>(u)), len = own_end(static_cast<int>(u)) - b;
     OptimSegment seg;
-    seg.w = s.master.defined() ? s.master.view(0, {len}) : stage_ <= 2 ? s.full_w.view(b, {len}) : s.shard_w.view(0, {len});
+    seg.w = s.master.defined() ? s.master.view(0, {len}) : own_w(static_cast<int>(u));
     seg.g = stage_ == 1 ? s.full_g.view(b, {len}) : s.shard_g.view(0, {len});
     for (const ParamSpec& p : model_.units()[u].params) {
       const int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel(), b + len);
@@ -216,10 +221,9 @@ std::vector<double> ZeRO::grad_sumsq(const std::vector<OptimSegment>& segments) 
 
 void ZeRO::after_step() {
   for (size_t u = 0; u < st_.size(); ++u) {  // mixed precision: the working chunk = the master rounded
-    UnitState& s = st_[u];
-    if (!s.master.defined()) continue;
-    const int64_t b = own_begin(static_cast<int>(u)), len = own_end(static_cast<int>(u)) - b;
-    (stage_ <= 2 ? s.full_w.view(b, {len}) : s.shard_w.view(0, {len})).convert_from(s.master.view(0, {len}));
+    if (!st_[u].master.defined()) continue;
+    const Tensor w = own_w(static_cast<int>(u));
+    w.convert_from(st_[u].master.view(0, {w.numel()}));
   }
   if (stage_ == 3) return;  // parameters stay sharded until the next forward gathers them
   std::vector<WorkPtr> works;
@@ -246,7 +250,7 @@ std::vector<ParamSlice> ZeRO::owned() {
   std::vector<ParamSlice> r;
   for (size_t u = 0; u < st_.size(); ++u) {
     const int64_t b = own_begin(static_cast<int>(u)), e = own_end(static_cast<int>(u));
-    float* p = st_[u].master.defined() ? st_[u].master.f32() : stage_ <= 2 ? st_[u].full_w.f32() + b : st_[u].shard_w.f32();
+    float* p = st_[u].master.defined() ? st_[u].master.f32() : own_w(static_cast<int>(u)).f32();
     r.push_back({static_cast<int>(u), b, e, p});
   }
   return r;

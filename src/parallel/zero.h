@@ -81,6 +81,7 @@ class ZeRO final : public DataParallel {
  private:
   int64_t own_begin(int unit) const;
   int64_t own_end(int unit) const;
+  Tensor own_w(int unit) const;  // this rank's working parameters of the unit: [own_end - own_begin]
   struct UnitState {
     int64_t n = 0, chunk = 0;
     Tensor full_w;   // stages 1-2: [S c] parameters (unit.w views the first n); stage 3: gathered copy or empty

@@ -159,20 +159,8 @@ class SpecModel(tm.Model):
         return lambda x: self.product(x, mod.weight.t() if conv else mod.weight, mod.bias)
 
     def forward(self, idx):   # tm.Model.forward, with the head as a linear layer
-        T = idx.shape[1]
-        if self.cfg["family"] == "gpt2":
-            tr = self.transformer
-            x = tr.wte(idx) + tr.wpe(torch.arange(T, device=idx.device))
-            for blk in tr.h:
-                x = blk(x)
-            x = tr.ln_f(x)
-        else:
-            x = self.model.embed_tokens(idx)
-            for blk in self.model.layers:
-                x = blk(x)
-            x = self.model.norm(x)
         head = self.embedding() if self.cfg["tie_embeddings"] else self.lm_head.weight
-        return self.product(x, head, None)
+        return self.product(self.hidden(idx), head, None)
 
 
 # Whether a linear layer's output is rounded to the working precision (True) or is the fp32
@@ -648,13 +636,7 @@ def main():
     os.makedirs(workdir, exist_ok=True)
     results = [(c["name"], run_case(c, [os.path.abspath(a.meshtrain)], workdir, a.fp32_only, a.under_test))
                for c in cases]
-    print(f"\nsummary ({time.time() - t0:.1f}s):")
-    for name, ok in results:
-        print(f"  {name}: {'PASS' if ok else 'FAIL'}")
-    passed = all(ok for _, ok in results)
-    if passed and not a.workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return 0 if passed else 1
+    return rp.report(results, workdir, a.workdir, f"summary ({time.time() - t0:.1f}s)")
 
 
 if __name__ == "__main__":

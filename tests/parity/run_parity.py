@@ -426,11 +426,17 @@ def main():
     if a.steps is not None and a.steps < 1:
         ap.error("--steps must be >= 1")
     results = [(c["name"], run_case(c, cmd, workdir, a.steps)) for c in cases]
-    print("\nsummary:")
+    return report(results, workdir, a.workdir)
+
+
+def report(results, workdir, kept, title="summary"):
+    """Prints each case's PASS/FAIL; removes workdir when all passed and it was not asked
+    for (kept: the --workdir given). Returns the exit status."""
+    print(f"\n{title}:")
     for name, ok in results:
         print(f"  {name}: {'PASS' if ok else 'FAIL'}")
     passed = all(ok for _, ok in results)
-    if passed and not a.workdir:
+    if passed and not kept:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0 if passed else 1
 

@@ -261,6 +261,11 @@ class Model(nn.Module):
 
     def forward(self, idx):
         """idx [B, T] int64 -> logits [B, T, V]."""
+        head = self.embedding() if self.cfg["tie_embeddings"] else self.lm_head.weight
+        return self.hidden(idx) @ head.t()
+
+    def hidden(self, idx):
+        """idx [B, T] int64 -> the final norm's output [B, T, C] (what the head multiplies)."""
         T = idx.shape[1]
         if self.cfg["family"] == "gpt2":
             tr = self.transformer
@@ -273,8 +278,7 @@ class Model(nn.Module):
             for blk in self.model.layers:
                 x = blk(x)
             x = self.model.norm(x)
-        head = self.embedding() if self.cfg["tie_embeddings"] else self.lm_head.weight
-        return x @ head.t()
+        return x
 
     def load_numpy(self, params):
         """Load {HF name: numpy array} (converted to the model's dtype); names and shapes
