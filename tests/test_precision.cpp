@@ -260,6 +260,22 @@ TEST(Precision, Fp16LossScalingSkipsExactlyTheOverflowingSteps) {
   EXPECT_NE(clean.loss[3], r.loss[3]);
   for (const nlohmann::json& j : steps_of(rs.dir, "fp16_clean")) EXPECT_FALSE(j["skipped"].get<bool>());
 
+  // The scale and its clean-step count are saved: the run stopped after step 6 (scale 16384,
+  // one clean step since it halved) and resumed goes on exactly as the uninterrupted one
+  // (starting again from optim.loss_scale would run step 7 at 65536). A constant learning
+  // rate, so that the shorter first run's schedule is the same.
+  const std::string fault = opts + " --parallel.test_fault=overflow:1:2,5 --optim.schedule=constant";
+  const RunResult straight = train_run(rs.dir, "fp16_straight", 2, fault);
+  train_run(rs.dir, "fp16_resume", 2, fault + " --training.steps=7");
+  std::filesystem::remove(rs.dir / "fp16_resume.jsonl");
+  const RunResult resumed = train_run(rs.dir, "fp16_resume", 2, fault + " --checkpoint.resume=true");
+  const std::vector<nlohmann::json> rest = steps_of(rs.dir, "fp16_resume");
+  ASSERT_EQ(rest.size(), 5u);
+  for (int s = 7; s < 12; ++s) {
+    EXPECT_EQ(rest[s - 7]["loss_scale"].get<double>(), expect_scale[s]) << "resumed, step " << s;
+    EXPECT_EQ(resumed.loss[s - 7], straight.loss[s]) << "resumed, step " << s;
+  }
+
   rs.run("fp16_high", 1, rs.base("fp16") + " --training.steps=12 --optim.loss_scale=16777216");  // 2^24
   const std::vector<nlohmann::json> hi = steps_of(rs.dir, "fp16_high");
   ASSERT_FALSE(hi.empty());

@@ -139,7 +139,8 @@ void print_text(const nlohmann::json& j) {
   if (j.contains("step")) {
     const auto& o = j["optimizer"];
     line("step", std::to_string(j["step"].get<int64_t>()) + "; optimizer " + o.value("name", "?") + ", " +
-                     std::to_string(o.value("steps_taken", int64_t{0})) + " steps taken");
+                     std::to_string(o.value("steps_taken", int64_t{0})) + " steps taken" +
+                     (o.contains("loss_scale") ? "; fp16 loss scale " + o["loss_scale"].dump() : ""));
     const auto& L = j["layout"];
     const int world = L["world_size"].get<int>();
     std::string lay = std::to_string(world) + (world == 1 ? " rank" : " ranks") + ": dp " + L["dp"].dump();

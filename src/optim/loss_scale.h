@@ -21,6 +21,13 @@ class LossScaler {
 
   bool enabled() const { return enabled_; }
   double scale() const { return scale_; }
+  int clean_steps() const { return clean_; }
+  // Continues from a checkpoint's scale and clean-step count (an fp16 run resumed as fp16).
+  void restore(double scale, int clean) {
+    if (!enabled_) return;
+    scale_ = scale;
+    clean_ = clean;
+  }
   // After a step's gradients are complete; finite: they hold no inf or NaN on any rank (the
   // same on every rank). Returns whether the step is applied; updates the scale.
   bool update(bool finite) {

@@ -134,8 +134,8 @@ std::vector<std::string> allgather_strings(Communicator& c, const std::string& m
 }  // namespace
 
 std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& layout,
-                            const std::vector<CheckpointSlice>& slices, int64_t optimizer_steps, Communicator& world,
-                            int keep) {
+                            const std::vector<CheckpointSlice>& slices, const OptimizerProgress& optimizer,
+                            Communicator& world, int keep) {
   const std::string final_dir = root + "/" + step_name(step);
   const std::string tmp = root + "/.tmp-" + step_name(step);
   const bool lead = world.rank() == 0;
@@ -195,7 +195,11 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
     meta["format"] = kFormat;
     meta["version"] = kVersion;
     meta["step"] = step;
-    meta["optimizer"] = {{"name", cfg.optim.name}, {"steps_taken", optimizer_steps}};
+    meta["optimizer"] = {{"name", cfg.optim.name}, {"steps_taken", optimizer.steps_taken}};
+    if (optimizer.loss_scale > 0) {
+      meta["optimizer"]["loss_scale"] = optimizer.loss_scale;
+      meta["optimizer"]["loss_scale_clean"] = optimizer.loss_scale_clean;
+    }
     meta["config"] = config_to_json(cfg);
     meta["world_size"] = world.size();
     nlohmann::json ju = nlohmann::json::array();
@@ -308,7 +312,7 @@ nlohmann::json checkpoint_meta(const std::string& dir) { return read_meta(dir); 
 Config checkpoint_config(const std::string& dir) { return config_from_json(read_meta(dir).at("config")); }
 
 int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
-                        int64_t* optimizer_steps) {
+                        OptimizerProgress* optimizer) {
   nlohmann::json meta = read_meta(dir);
   // The model's shape must be the one saved (init_from does not matter once trained).
   Config saved = config_from_json(meta.at("config"));
@@ -355,7 +359,12 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
                              << meta["optimizer"].value("name", "?") << "); resume with the same optimizer");
     }
   }
-  if (optimizer_steps) *optimizer_steps = meta.at("optimizer").at("steps_taken").get<int64_t>();
+  if (optimizer) {
+    const nlohmann::json& o = meta.at("optimizer");
+    optimizer->steps_taken = o.at("steps_taken").get<int64_t>();
+    optimizer->loss_scale = o.value("loss_scale", 0.0);
+    optimizer->loss_scale_clean = o.value("loss_scale_clean", 0);
+  }
   return meta.at("step").get<int64_t>();
 }
 

@@ -42,11 +42,19 @@ struct CheckpointSlice {
   std::vector<std::pair<std::string, float*>> tensors;
 };
 
+// The optimizer's scalar state beside its tensors: its step count, and fp16's loss scale
+// with the clean steps counted towards its next doubling (0 when not fp16).
+struct OptimizerProgress {
+  int64_t steps_taken = 0;
+  double loss_scale = 0;
+  int loss_scale_clean = 0;
+};
+
 // Collective over `world`: every rank passes its slices (empty: it writes no shard).
 // Saves step `step` (optimizer steps done) and keeps the newest `keep`; returns the directory.
 std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& layout,
-                            const std::vector<CheckpointSlice>& slices, int64_t optimizer_steps, Communicator& world,
-                            int keep);
+                            const std::vector<CheckpointSlice>& slices, const OptimizerProgress& optimizer,
+                            Communicator& world, int keep);
 // Slices covering every unit's parameters whole ("params" into each unit's w).
 std::vector<CheckpointSlice> checkpoint_param_slices(const std::vector<Unit>& units);
 // Checkpoints hold whole units (the tp = 1 layout). Local elements [begin, end) of unit u
@@ -71,9 +79,9 @@ nlohmann::json checkpoint_meta(const std::string& dir);
 Config checkpoint_config(const std::string& dir);
 // Fills every slice from whichever shards hold its range. Checks that the model shape
 // matches and that each shard file read is intact (size and CRC-32). Returns the step;
-// *optimizer_steps (when given) receives the optimizer's step count.
+// *optimizer (when given) receives the optimizer's progress (loss_scale 0: none saved).
 int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
-                        int64_t* optimizer_steps = nullptr);
+                        OptimizerProgress* optimizer = nullptr);
 
 // One file of a checkpoint and what checking it found (meshtrain checkpoint info).
 struct CheckpointFile {

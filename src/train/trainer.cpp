@@ -514,8 +514,9 @@ std::string checkpoint_write(Run& run, int64_t step) {
   std::vector<ParamSlice> mine = run.strategy.writes_checkpoint() ? run.strategy.owned() : std::vector<ParamSlice>{};
   if (run.tie && run.pp.rank() > 0) std::erase_if(mine, [](const ParamSlice& p) { return p.unit == 0; });  // the first stage saves it
   return checkpoint_save(run.c.checkpoint.dir, step, run.c, model_layout(run.c.model),
-                         state_slices(mine, run.opt, run.model.units(), true), run.opt.steps_taken(), run.world,
-                         run.c.checkpoint.keep);
+                         state_slices(mine, run.opt, run.model.units(), true),
+                         {run.opt.steps_taken(), run.scaler.enabled() ? run.scaler.scale() : 0, run.scaler.clean_steps()},
+                         run.world, run.c.checkpoint.keep);
 }
 
 // Steps from p.steps_done up to training.steps, or until the ranks agree to stop (a
@@ -783,12 +784,13 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   std::vector<OptimSegment> segments = strategy->optim_segments();
   if (tie && pp.rank() == last) segments[0].replica_ranges = {{0, segments[0].w.numel()}};
   Optimizer opt(c.optim, std::move(segments), alloc);
-  if (!resumed_from.empty()) {
-    int64_t optimizer_steps = 0;
-    checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false), &optimizer_steps);
-    opt.set_steps_taken(optimizer_steps);
-  }
   LossScaler scaler(c.model.precision == "fp16", c.optim.loss_scale, c.optim.loss_scale_window);
+  if (!resumed_from.empty()) {
+    OptimizerProgress saved;
+    checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false), &saved);
+    opt.set_steps_taken(saved.steps_taken);
+    if (saved.loss_scale > 0) scaler.restore(saved.loss_scale, saved.loss_scale_clean);  // an fp16 run goes on as it was
+  }
   world.barrier_slow();  // ranks load at different speeds
   if (mesh.data().size() > 1) strategy->check_same_parameters();
   Run run{c, world, mesh, dp, mesh.data(), mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, scaler, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
