@@ -44,7 +44,7 @@ inline RunResult train_run(const test::TempDir& d, const std::string& name, int 
     auto j = nlohmann::json::parse(l);
     if (j.value("event", "") == "summary") r.summary = j;
     if (j.contains("event")) continue;
-    r.loss.push_back(j["loss"]);
+    r.loss.push_back(j["loss"].is_null() ? NAN : j["loss"].get<double>());  // null: a step skipped as a spike
     r.grad_norm.push_back(j["grad_norm"].is_null() ? NAN : j["grad_norm"].get<double>());  // null: an fp16 step skipped
   }
   const std::string dir = checkpoint_latest(d / name);

@@ -123,6 +123,8 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("training.val_every", &C::training, &TrainingConfig::val_every));
     v.push_back(int_key("training.val_batches", &C::training, &TrainingConfig::val_batches));
     v.push_back(int_key("training.threads", &C::training, &TrainingConfig::threads));
+    v.push_back(num_key("training.skip_spikes", &C::training, &TrainingConfig::skip_spikes));
+    v.push_back(int_key("training.max_skips", &C::training, &TrainingConfig::max_skips));
 
     v.push_back(str_key("optim.name", &C::optim, &OptimConfig::name, {"adamw", "sgd"}));
     v.push_back(num_key("optim.lr", &C::optim, &OptimConfig::lr));
@@ -279,6 +281,10 @@ void Config::validate() const {
   MT_CHECK(training.val_every >= 0, "training.val_every must not be negative");
   MT_CHECK(training.val_batches >= 1, "training.val_batches must be at least 1");
   MT_CHECK(training.threads >= 0, "training.threads must not be negative (0: all cores)");
+  MT_CHECK(training.skip_spikes >= 0, "training.skip_spikes = " << training.skip_spikes << " must not be negative "
+                                      << "(standard deviations above the recent mean; 0: off)");
+  MT_CHECK(training.max_skips >= 1, "training.max_skips = " << training.max_skips << " must be at least 1 (skipped "
+                                    << "steps in a row before the run stops)");
   MT_CHECK(data.val_fraction >= 0 && data.val_fraction < 1, "data.val_fraction = " << data.val_fraction << " must be in [0, 1)");
   MT_CHECK(checkpoint.every >= 0, "checkpoint.every must not be negative");
   MT_CHECK(checkpoint.keep >= 0, "checkpoint.keep must not be negative (0 keeps all)");

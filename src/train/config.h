@@ -33,6 +33,10 @@ struct TrainingConfig {
   int64_t val_every = 100;    // validation every N steps (and at the end); 0: never
   int64_t val_batches = 4;    // global batches of validation sequences per validation
   int threads = 0;            // OpenMP threads; 0: all cores
+  // Skip a step whose loss or gradient norm is more than skip_spikes standard deviations above
+  // the recent mean, or not finite (train/spike_guard.h); 0: off. Stop after max_skips in a row.
+  double skip_spikes = 0;
+  int64_t max_skips = 5;
 };
 
 struct CheckpointConfig {

@@ -23,6 +23,7 @@
 #include "parallel/context.h"
 #include "parallel/data_parallel.h"
 #include "optim/loss_scale.h"
+#include "train/spike_guard.h"
 #include "optim/optimizer.h"
 #include "parallel/ddp.h"
 #include "parallel/pipeline.h"
@@ -190,16 +191,18 @@ ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const C
 
 // parallel.test_fault = "kind:rank": a failure injected at step 1 for the fault tests
 // (slow_save acts in checkpoint_save instead).
-// parallel.test_fault = "overflow:R:S1,S2,...": at optimizer steps S1, S2, ... rank R scales
-// its loss by a further 2^40, so that its fp16 gradients overflow as a real overflow does
-// (reduced with the other ranks' into every rank's gradients).
-bool injected_overflow(const std::string& spec, int64_t step, int rank) {
-  if (spec.rfind("overflow:", 0) != 0) return false;
-  std::istringstream in(spec.substr(9));
+// parallel.test_fault = "KIND:R:S1,S2,...": at optimizer steps S1, S2, ... rank R injects
+// a numerical fault, which travels through the real reductions to every rank:
+//   overflow: scales its loss by a further 2^40, so that its fp16 gradients overflow;
+//   spike:    multiplies its gradients by 1000 (a gradient-norm spike; the loss is unchanged);
+//   nan:      makes its loss NaN (the gradients are unchanged).
+bool injected(const std::string& spec, const std::string& kind, int64_t step, int rank) {
+  if (spec.rfind(kind + ":", 0) != 0) return false;
+  std::istringstream in(spec.substr(kind.size() + 1));
   std::string r, steps, one;
   std::getline(in, r, ':');
   std::getline(in, steps);
-  MT_CHECK(!r.empty() && !steps.empty(), "parallel.test_fault = \"" << spec << "\": write overflow:RANK:STEP,STEP...");
+  MT_CHECK(!r.empty() && !steps.empty(), "parallel.test_fault = \"" << spec << "\": write " << kind << ":RANK:STEP,STEP...");
   if (std::stoi(r) != rank) return false;
   std::istringstream list(steps);
   while (std::getline(list, one, ','))
@@ -207,8 +210,12 @@ bool injected_overflow(const std::string& spec, int64_t step, int rank) {
   return false;
 }
 
+bool numeric_fault(const std::string& spec) {
+  return spec.rfind("overflow:", 0) == 0 || spec.rfind("spike:", 0) == 0 || spec.rfind("nan:", 0) == 0;
+}
+
 void inject_fault(const std::string& spec, int64_t step, Communicator& world, Communicator& dp) {
-  if (spec.empty() || step != 1 || spec.rfind("overflow:", 0) == 0) return;
+  if (spec.empty() || step != 1 || numeric_fault(spec)) return;
   const size_t colon = spec.find(':');
   MT_CHECK(colon != std::string::npos, "parallel.test_fault = \"" << spec << "\": write kind:rank, e.g. die:1");
   const std::string kind = spec.substr(0, colon);
@@ -222,7 +229,8 @@ void inject_fault(const std::string& spec, int64_t step, Communicator& world, Co
     return;
   }
   if (kind == "slow_save") return;  // checkpoint_save pauses on that rank
-  MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw, mismatch or slow_save");
+  MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw, mismatch, slow_save, overflow, spike "
+          "or nan");
 }
 
 // The optimizer state of segment i (unit i) next to the strategy's parameter range, as
@@ -290,6 +298,7 @@ struct Run {
   DataParallel& strategy;
   Optimizer& opt;
   LossScaler& scaler;  // fp16's loss scale (1 otherwise)
+  SpikeGuard& spikes;  // training.skip_spikes
   CpuAllocator& alloc;
   MetricsLog& log;
   const TokenLoader& train_data;
@@ -461,6 +470,34 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
   else if (c.checkpoint.resume) run.log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
 }
 
+// training.skip_spikes: whether step s (its loss and gradient norm, the same on every rank)
+// is skipped as a spike. The ranks agree through one reduction: a step is skipped where any
+// rank judged it a spike. Stops the run after training.max_skips skips in a row.
+bool skip_spike(Run& run, int64_t s, double loss, double norm, nlohmann::json& j) {
+  const std::string why = run.spikes.check(loss, norm);
+  float votes = why.empty() ? 0.0f : 1.0f;
+  run.world.allreduce(Tensor::wrap(&votes, {1}, DType::f32));
+  j["skipped"] = votes > 0;
+  if (votes == 0) {
+    run.spikes.applied(loss, norm);
+    return false;
+  }
+  run.spikes.skipped();
+  if (!std::isfinite(loss)) j["loss"] = nullptr;
+  if (!std::isfinite(norm)) j["grad_norm"] = nullptr;
+  const std::string what = why.empty() ? "another rank judged it a spike" : why;
+  std::ostringstream msg;
+  msg << "step " << s << ": skipped as a spike: " << what << " (training.skip_spikes = " << run.c.training.skip_spikes
+      << ")";
+  run.log.message(msg.str());
+  MT_CHECK(!run.spikes.too_many(),
+           run.spikes.skips_in_a_row() << " steps in a row were skipped as spikes, the last at step " << s << " ("
+               << what << "); training stopped (training.max_skips = " << run.c.training.max_skips
+               << "). Resume from the last checkpoint with a lower optim.lr or a tighter optim.grad_clip, or raise "
+                  "training.skip_spikes or training.max_skips");
+  return true;
+}
+
 // Optimizer step s: forward and backward over this rank's micro-batches (global positions
 // s*G + r + R*i, interleaved over ranks), the gradient reduction, clipping and the update.
 // Returns the step's metrics so far (the loss is the one before the update).
@@ -472,18 +509,24 @@ nlohmann::json step_run(Run& run, int64_t s) {
   inject_fault(c.parallel.test_fault, s, run.world, run.dp);
   run.strategy.zero_grad();
   // fp16: the loss scaled by S (an injected overflow scales it far past fp16's range on one rank)
-  const double S = run.scaler.scale() * (injected_overflow(c.parallel.test_fault, s, run.world.rank()) ? 0x1p40 : 1.0);
+  const std::string& fault = c.parallel.test_fault;
+  const int me = run.world.rank();
+  const double S = run.scaler.scale() * (injected(fault, "overflow", s, me) ? 0x1p40 : 1.0);
+  const double spike = injected(fault, "spike", s, me) ? 1000 : 1;  // this rank's gradients only
   auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
     fill_part(run.train_data, s * G + run.dp.rank() + int64_t{R} * micro * M, M, tokens, targets, R,
               c.model.seq_len, run.positions);
   };
-  const double loss_sum = run.pipe.train(feed, static_cast<float>(S / tokens_per_step), run.strategy);
+  double loss_sum = run.pipe.train(feed, static_cast<float>(spike * S / tokens_per_step), run.strategy);
+  if (injected(fault, "nan", s, me)) loss_sum = NAN;
   run.strategy.finish();
   // A tied embedding's two copies (first and last stage) take the sum of their gradients.
   if (run.tie) run.tie->allreduce(run.opt.segments()[0].g);
   const double loss = sum_doubles(run.data, sum_doubles(run.pp, loss_sum)) / tokens_per_step;
-  MT_CHECK(std::isfinite(loss), "the loss became " << loss << " at step " << s
-                                                   << "; lower optim.lr, set optim.grad_clip, or add warmup_steps");
+  MT_CHECK(std::isfinite(loss) || run.spikes.enabled(),
+           "the loss became " << loss << " at step " << s
+                              << "; lower optim.lr, set optim.grad_clip, add warmup_steps, or skip such steps "
+                                 "(training.skip_spikes)");
   // Each element once: a tp rank counts its shards and the replicas it is first to hold, a
   // pipeline rank its stages (the tied copy on the last stage counts as a replica). Units'
   // sums are added in unit order, so a unit held whole by one rank counts as on one rank.
@@ -502,6 +545,7 @@ nlohmann::json step_run(Run& run, int64_t s) {
       return j;
     }
   }
+  if (run.spikes.enabled() && skip_spike(run, s, loss, norm, j)) return j;
   grad_clip(run.opt.segments(), norm, c.optim.grad_clip, 1.0 / S);
   run.opt.step(lr);
   run.strategy.after_step();
@@ -535,7 +579,8 @@ void run_steps(Run& run, Progress& p) {
     nlohmann::json j = step_run(run, s);
     p.comm_last = {double(run.strategy.bytes_sent() - bytes_before), double(run.tp.bytes_sent() - tp_before),
                    double(pp_sent() - pp_before), double(run.mesh.cp().bytes_sent() - cp_before)};
-    const double dt = seconds_since(t0), loss = j["loss"], lr = j["lr"];
+    const double dt = seconds_since(t0), lr = j["lr"];
+    const double loss = j["loss"].is_null() ? NAN : j["loss"].get<double>();  // null: a non-finite loss skipped
     if (run.trace) run.trace->add(s, started, run.pipe.timeline());
     p.train_seconds += dt;
     ++p.timed_steps;
@@ -559,8 +604,10 @@ void run_steps(Run& run, Progress& p) {
     run.log.write(j);
     run.log.progress(s, c.training.steps, loss, lr, p.timed_steps * tokens_per_step / p.train_seconds,
                      (c.training.steps - s - 1) * p.train_seconds / p.timed_steps);
-    p.loss = loss;
-    p.train_curve.emplace_back(s + 1, loss);
+    if (std::isfinite(loss)) {
+      p.loss = loss;
+      p.train_curve.emplace_back(s + 1, loss);
+    }
     p.steps_done = s + 1;
 
     // A signal during the last step changes nothing: the run ends normally.
@@ -785,6 +832,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (tie && pp.rank() == last) segments[0].replica_ranges = {{0, segments[0].w.numel()}};
   Optimizer opt(c.optim, std::move(segments), alloc);
   LossScaler scaler(c.model.precision == "fp16", c.optim.loss_scale, c.optim.loss_scale_window);
+  SpikeGuard spikes(c.training.skip_spikes, static_cast<int>(c.training.max_skips));
   if (!resumed_from.empty()) {
     OptimizerProgress saved;
     checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false), &saved);
@@ -793,7 +841,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   }
   world.barrier_slow();  // ranks load at different speeds
   if (mesh.data().size() > 1) strategy->check_same_parameters();
-  Run run{c, world, mesh, dp, mesh.data(), mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, scaler, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
+  Run run{c, world, mesh, dp, mesh.data(), mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, scaler, spikes, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
           max_over(world, predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name,
                                                 c.model.precision)),
           max_over(world, static_cast<double>(activation_bytes(c.model, model.dims(), M, c.training.recompute,

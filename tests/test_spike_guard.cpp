@@ -1,0 +1,99 @@
+// The loss-spike and NaN guard (training.skip_spikes, train/spike_guard.h):
+// - the guard's arithmetic: nothing judged before its history fills, a value more than Z
+//   deviations above the mean is a spike, a non-finite one always is, skips in a row counted;
+// - in training on two data-parallel ranks, a gradient spike or a NaN loss injected on one
+//   rank (parallel.test_fault) is skipped at exactly that step on every rank, the skipped
+//   step changes nothing, and skips in a row up to training.max_skips stop the run with a
+//   message naming the key.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "train/spike_guard.h"
+#include "train_runs.h"
+
+using namespace mt;
+using namespace mt::test;
+
+TEST(SpikeGuard, JudgesAgainstTheRecentMeanOnceItHasAHistory) {
+  SpikeGuard g(4, 3);
+  EXPECT_FALSE(SpikeGuard(0, 3).enabled());
+  EXPECT_NE(g.check(NAN, 1), "") << "a non-finite loss is always a spike";
+  EXPECT_NE(g.check(1, INFINITY), "");
+  for (int i = 0; i < SpikeGuard::kMinHistory - 1; ++i) {
+    EXPECT_EQ(g.check(100, 100), "") << "nothing is judged before the history fills";
+    g.applied(2.0 + 0.1 * (i % 2), 1.0 + 0.1 * (i % 2));
+  }
+  g.applied(2.0, 1.0);
+  // Losses 2.0 and 2.1 alternate: mean ~2.05, deviation ~0.05; 4 deviations above is ~2.25.
+  EXPECT_EQ(g.check(2.2, 1.05), "");
+  EXPECT_NE(g.check(2.3, 1.05).find("the loss 2.3"), std::string::npos) << g.check(2.3, 1.05);
+  EXPECT_NE(g.check(2.0, 1.5).find("the gradient norm 1.5"), std::string::npos);
+  EXPECT_EQ(g.check(1.0, 0.5), "") << "below the mean is never a spike";
+  g.skipped();
+  g.skipped();
+  EXPECT_FALSE(g.too_many());
+  g.skipped();
+  EXPECT_TRUE(g.too_many()) << "max_skips = 3 in a row";
+  g.applied(2.0, 1.0);
+  EXPECT_EQ(g.skips_in_a_row(), 0);
+}
+
+namespace {
+
+std::vector<nlohmann::json> steps_of(const TempDir& d, const std::string& name) {
+  std::vector<nlohmann::json> r;
+  for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
+    auto j = nlohmann::json::parse(l);
+    if (!j.contains("event")) r.push_back(j);
+  }
+  return r;
+}
+
+// GPT-2 on random tokens, 20 steps, dp 2 with ZeRO 2 (gradients reduce-scattered during
+// backward, so a spike on one rank reaches the other through the reduction).
+std::string spike_options(const TempDir& d) {
+  return options("gpt2", 8, 2) + " --training.steps=20 --parallel.dp=2 --parallel.zero=2 --training.skip_spikes=6" +
+         " --data.path=" + write_tokens(d, "t.bin", 3000, 37);
+}
+
+}  // namespace
+
+TEST(SpikeGuard, SkipsExactlyTheInjectedStepsOnEveryRank) {
+  TempDir d;
+  const RunResult clean = train_run(d, "clean", 2, spike_options(d));
+  for (const nlohmann::json& j : steps_of(d, "clean")) EXPECT_FALSE(j["skipped"].get<bool>()) << j.dump();
+
+  const RunResult r = train_run(d, "spiked", 2, spike_options(d) + " --parallel.test_fault=spike:1:12,15");
+  const std::vector<nlohmann::json> st = steps_of(d, "spiked");
+  ASSERT_EQ(st.size(), 20u);
+  for (int s = 0; s < 20; ++s) EXPECT_EQ(st[s]["skipped"].get<bool>(), s == 12 || s == 15) << "step " << s;
+  EXPECT_GT(r.grad_norm[12], 100 * clean.grad_norm[12]) << "the injected spike is in the reported norm";
+  EXPECT_NE(r.output.find("step 12: skipped as a spike: the gradient norm"), std::string::npos) << r.output;
+  // Skipping changes nothing: bit-identical to the clean run up to step 12 (its loss is the
+  // one before the update), different from step 13 on (the clean run applied step 12).
+  for (int s = 0; s <= 12; ++s) EXPECT_EQ(r.loss[s], clean.loss[s]) << "step " << s;
+  EXPECT_NE(r.loss[13], clean.loss[13]);
+
+  const RunResult n = train_run(d, "nan", 2, spike_options(d) + " --parallel.test_fault=nan:0:14");
+  const std::vector<nlohmann::json> sn = steps_of(d, "nan");
+  ASSERT_EQ(sn.size(), 20u);
+  for (int s = 0; s < 20; ++s) EXPECT_EQ(sn[s]["skipped"].get<bool>(), s == 14) << "step " << s;
+  EXPECT_TRUE(sn[14]["loss"].is_null());
+  EXPECT_NE(n.output.find("step 14: skipped as a spike: the loss is"), std::string::npos) << n.output;
+  for (int s = 0; s <= 14; ++s) EXPECT_EQ(n.grad_norm[s], clean.grad_norm[s]) << "step " << s;
+}
+
+TEST(SpikeGuard, StopsTheRunAfterMaxSkipsInARow) {
+  TempDir d;
+  const std::string cmd = std::string("OMP_NUM_THREADS=1 ") + MESHTRAIN_BIN + " launch -n 2 train " + spike_options(d) +
+                          " --training.max_skips=2 --parallel.test_fault=spike:0:12,13,14 --logging.progress=off";
+  std::string out;
+  EXPECT_NE(run_command(cmd, &out), 0) << out;
+  EXPECT_NE(out.find("2 steps in a row were skipped as spikes, the last at step 13"), std::string::npos) << out;
+  EXPECT_NE(out.find("training.max_skips = 2"), std::string::npos) << out;
+  EXPECT_EQ(out.find("step 14"), std::string::npos) << "no rank went on past the stop\n" << out;
+  std::string bad;
+  EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " train " + spike_options(d) + " --training.skip_spikes=-1", &bad), 0);
+  EXPECT_NE(bad.find("training.skip_spikes = -1 must not be negative"), std::string::npos) << bad;
+}
