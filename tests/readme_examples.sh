@@ -118,6 +118,7 @@ declare -A how=(
   ["./build/meshtrain launch -n 4 train --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2"]='run "$cmd $few"'
   ["./build/meshtrain train --training.precision=bf16"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 2 train --training.precision=fp16 --parallel.zero=2"]='run "$cmd $few"'
+  ["./build/meshtrain train --training.skip_spikes=6 --training.max_skips=5"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 2 train --parallel.tp=2"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 4 train --parallel.tp=2 --parallel.zero=1 --parallel.sequence_parallel=true"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 4 train --parallel.pp=4 --parallel.pp_schedule=zb-h1 --logging.trace=pp.json"]='run "$cmd $few"
