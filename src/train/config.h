@@ -30,7 +30,7 @@ struct TrainingConfig {
   uint64_t seed = 1337;
   bool recompute = false;     // recompute each block's activations in backward
   // training.attention (fused | materialized) lives in ModelConfig::attention
-  int64_t val_every = 100;    // validation every N steps (and at the end); 0: never
+  int64_t val_every = 100;    // validation every N steps and at the end; 0: at the end only
   int64_t val_batches = 4;    // global batches of validation sequences per validation
   int threads = 0;            // OpenMP threads; 0: all cores
   // Skip a step whose loss or gradient norm is more than skip_spikes standard deviations above
