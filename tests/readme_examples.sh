@@ -124,6 +124,8 @@ declare -A how=(
   ["./build/meshtrain launch -n 4 train --parallel.pp=4 --parallel.pp_schedule=zb-h1 --logging.trace=pp.json"]='run "$cmd $few"
     [ -s pp.json ] && [ -s pp.json.svg ] || fail "no trace from: $cmd"'
   ["./build/meshtrain launch -n 4 train --parallel.pp=2 --parallel.zero=1 --parallel.pp_schedule=interleaved"]='run "$cmd $few"'
+  ["./build/meshtrain launch -n 2 train --logging.profile=true --logging.trace=profile.json"]='run "$cmd $few"
+    grep -q "other (unprofiled)" "log.$n" && [ -s profile.json ] || { cat "log.$n"; fail "no profile from: $cmd"; }'
   ["./build/meshtrain launch -n 2 train --parallel.cp=2"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 8 train --parallel.tp=2 --parallel.cp=2 --parallel.pp=2 --training.micro_batch=1"]='run "$cmd $few"'
   ["./build/meshtrain schedule --pp 4 --microbatches 8 --schedule zb-h1"]='run "$cmd"'

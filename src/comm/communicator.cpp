@@ -132,6 +132,7 @@ void Waiters::nap(int64_t us) {
 }
 
 void Work::wait() {
+  ProfileScope scope(profiler_, profile_id_);  // the caller's wait, when profiled
   if (!done()) {
     waiters_->enter();  // the communication thread may poll without napping meanwhile
     {
@@ -206,11 +207,17 @@ WorkPtr Communicator::submit(CommRecord rec, std::function<void()> run) {
   }
   auto work = std::make_shared<Work>();
   work->waiters_ = waiters_;
+  int lane = 0;
+  if (Profiler* p = profile_active()) {  // logging.profile: "allreduce dp", in the group's lane
+    work->profiler_ = p;
+    work->profile_id_ = p->intern(std::string(comm_op_name(rec.op)) + " " + name_);
+    lane = p->lane("communication " + name_);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     MT_CHECK(!stopping_, "internal: communicator " << name_ << " used after shutdown");
     rec.seq = next_seq_++;
-    queue_.push_back({rec, std::move(run), work});
+    queue_.push_back({rec, std::move(run), work, lane});
   }
   cv_.notify_all();
   return work;
@@ -230,7 +237,8 @@ void Communicator::thread_main() {
       history_.push_back(task.rec);
       if (history_.size() > kHistory) history_.pop_front();
     }
-    running_since_ms_ = static_cast<int64_t>(now_seconds() * 1000);
+    const double started = now_seconds();
+    running_since_ms_ = static_cast<int64_t>(started * 1000);
     std::string error;
     try {
       if (task_opts_.debug && task.rec.op != CommOp::send && task.rec.op != CommOp::recv) check_same_everywhere(task.rec);
@@ -239,6 +247,8 @@ void Communicator::thread_main() {
       error = e.what();
     }
     running_since_ms_ = -1;
+    // The communication thread's side of a profiled operation (before the caller sees it done).
+    if (task.work->profiler_) task.work->profiler_->record_async(task.work->profile_id_, task.profile_lane, started, now_seconds());
     // Release the operation's tensors before the caller can see it done: the caller may
     // free their allocator right after wait().
     task.run = nullptr;

@@ -42,6 +42,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/profile.h"
 #include "core/tensor.h"
 
 namespace mt {
@@ -86,6 +87,9 @@ class Work {
  private:
   friend class Communicator;
   std::shared_ptr<Waiters> waiters_;  // the group's
+  // Issued while a profiler recorded on the issuing thread: wait() is timed as this name.
+  Profiler* profiler_ = nullptr;
+  int profile_id_ = -1;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -191,6 +195,7 @@ class Communicator {
     CommRecord rec;
     std::function<void()> run;
     WorkPtr work;
+    int profile_lane = 0;  // with work->profiler_: the run is recorded there, in this lane
   };
   WorkPtr submit(CommRecord rec, std::function<void()> run);
   void thread_main();

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "core/profile.h"
 #include "ops/detail.h"
 
 namespace mt {
@@ -19,6 +20,7 @@ constexpr float kGeluA = 0.044715f;
 
 // out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); out may alias x.
 void gelu_forward(const Tensor& out, const Tensor& x) {
+  ProfileScope profile_scope("gelu");
   check_f32(out, "gelu_forward: out");
   check_f32(x, "gelu_forward: x");
   check_numel(out, x.numel(), "gelu_forward: out (must match x)");
@@ -41,6 +43,7 @@ void gelu_forward(const Tensor& out, const Tensor& x) {
 
 // dx = dout * gelu'(x); dx may alias dout (each element is read before it is written).
 void gelu_backward(const Tensor& dx, const Tensor& x, const Tensor& dout) {
+  ProfileScope profile_scope("gelu_backward");
   check_f32(dx, "gelu_backward: dx");
   check_f32(x, "gelu_backward: x");
   check_f32(dout, "gelu_backward: dout");
@@ -79,6 +82,7 @@ void check_swiglu(const Tensor& out, const Tensor& gu, int64_t& N, int64_t& F, c
 
 // out[N, F] = silu(gate) * up, gate = gu[:, :F], up = gu[:, F:]
 void swiglu_forward(const Tensor& out, const Tensor& gu) {
+  ProfileScope profile_scope("swiglu");
   check_f32(out, "swiglu_forward: out");
   check_f32(gu, "swiglu_forward: gu");
   int64_t N, F;
@@ -101,6 +105,7 @@ void swiglu_forward(const Tensor& out, const Tensor& gu) {
 // dgate = dout * up * sig (1 + gate (1 - sig)),  dup = dout * silu(gate)   (overwrites dgu;
 // dgu may alias gu)
 void swiglu_backward(const Tensor& dgu, const Tensor& gu, const Tensor& dout) {
+  ProfileScope profile_scope("swiglu_backward");
   check_f32(dgu, "swiglu_backward: dgu");
   check_f32(gu, "swiglu_backward: gu");
   check_f32(dout, "swiglu_backward: dout");
@@ -130,6 +135,7 @@ void swiglu_backward(const Tensor& dgu, const Tensor& gu, const Tensor& dout) {
 
 // a += b
 void add_inplace(const Tensor& a, const Tensor& b) {
+  ProfileScope profile_scope("add");
   check_f32(a, "add_inplace: a");
   check_f32(b, "add_inplace: b");
   check_numel(b, a.numel(), "add_inplace: b (must match a)");
@@ -145,6 +151,7 @@ void add_inplace(const Tensor& a, const Tensor& b) {
 }
 
 void add_bias(const Tensor& y, const Tensor& b) {
+  ProfileScope profile_scope("add_bias");
   check_f32(y, "add_bias: y");
   check_f32(b, "add_bias: b");
   const int64_t O = b.numel();

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/profile.h"
 #include "ops/detail.h"
 
 namespace mt {
@@ -91,6 +92,7 @@ AttentionShape attention_shape(const Tensor& qkv, int n_head, int n_kv_head, con
 
 // out[B, T, NH D]; att[B, NH, T, T] = softmax probabilities (zero above the diagonal)
 void attention_forward(const Tensor& out, const Tensor& att, const Tensor& qkv, int n_head, int n_kv_head) {
+  ProfileScope profile_scope("attention");
   const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_forward");
   check_f32(out, "attention_forward: out");
   check_f32(att, "attention_forward: att");
@@ -143,6 +145,7 @@ void attention_forward(const Tensor& out, const Tensor& att, const Tensor& qkv, 
 //   dP = dO V^T ; dS = P (dP - rowsum(P dP)) ; dQ = scale dS K ; dK = scale dS^T Q ; dV = P^T dO
 void attention_backward(const Tensor& dqkv, const Tensor& scratch, const Tensor& dout, const Tensor& qkv,
                         const Tensor& att, int n_head, int n_kv_head) {
+  ProfileScope profile_scope("attention_backward");
   const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_backward");
   check_f32(dqkv, "attention_backward: dqkv");
   check_f32(scratch, "attention_backward: scratch");

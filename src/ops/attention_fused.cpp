@@ -59,6 +59,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/profile.h"
 #include "ops/attention.h"
 #include "ops/detail.h"
 
@@ -504,6 +505,7 @@ PartArgs part_args(const Tensor& qkv_q, AttentionRows q, const Tensor& qkv_kv, A
 
 // out[B, T, NH D]; lse[B, NH, T]: the part of all rows against all rows.
 void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head) {
+  ProfileScope profile_scope("attention");
   const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_fused_forward");
   check_f32(out, "attention_fused_forward: out");
   check_f32(lse, "attention_fused_forward: lse");
@@ -515,6 +517,7 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
 
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, int n_head, int n_kv_head) {
+  ProfileScope profile_scope("attention_backward");
   const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_fused_backward");
   check_f32(dqkv, "attention_fused_backward: dqkv");
   check_f32(dout, "attention_fused_backward: dout");
@@ -531,6 +534,7 @@ void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tens
 
 void attention_part_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
                             const Tensor& qkv_kv, AttentionRows k, int n_head, int n_kv_head, bool merge) {
+  ProfileScope profile_scope("attention");
   const PartArgs a = part_args(qkv_q, q, qkv_kv, k, n_head, n_kv_head, "attention_part_forward");
   const AttentionShape& s = a.s;
   check_f32(out, "attention_part_forward: out");
@@ -543,6 +547,7 @@ void attention_part_forward(const Tensor& out, const Tensor& lse, const Tensor& 
 void attention_part_backward(const Tensor& dqkv_q, const Tensor& dqkv_kv, const Tensor& dout, const Tensor& qkv_q,
                              const Tensor& out, const Tensor& lse, AttentionRows q, const Tensor& qkv_kv,
                              AttentionRows k, int n_head, int n_kv_head) {
+  ProfileScope profile_scope("attention_backward");
   const PartArgs a = part_args(qkv_q, q, qkv_kv, k, n_head, n_kv_head, "attention_part_backward");
   const AttentionShape& s = a.s;
   check_f32(dqkv_q, "attention_part_backward: dqkv_q");

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <initializer_list>
 
+#include "core/profile.h"
 #include "ops/detail.h"
 
 namespace mt {
@@ -51,6 +52,7 @@ void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, in
 
 // losses[N] = lse - logits[n, target] (0 where target == -1); lse[N] saved. Returns the sum.
 double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets) {
+  ProfileScope profile_scope("cross_entropy");
   int64_t N, V;
   check_ce(logits, targets, lse, N, V, "cross_entropy_forward: logits/targets/lse");
   check_f32(losses, "cross_entropy_forward: losses");
@@ -76,6 +78,7 @@ double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tens
 // dlogits[N, V] = (softmax(logits) - onehot(target)) * scale; may alias logits.
 void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
                             float scale) {
+  ProfileScope profile_scope("cross_entropy_backward");
   int64_t N, V;
   check_ce(logits, targets, lse, N, V, "cross_entropy_backward: logits/targets/lse");
   cross_entropy_backward_shard(dlogits, logits, lse, targets, scale, 0, V);
@@ -103,6 +106,7 @@ void check_shard(const Tensor& logits, const Tensor* targets, std::initializer_l
 }  // namespace
 
 void cross_entropy_row_max(const Tensor& row_max, const Tensor& logits, int64_t valid) {
+  ProfileScope profile_scope("cross_entropy");
   int64_t N = 0, V = 0;
   check_shard(logits, nullptr, {&row_max}, valid, N, V, "cross_entropy_row_max");
   const float* lp = logits.f32();
@@ -113,6 +117,7 @@ void cross_entropy_row_max(const Tensor& row_max, const Tensor& logits, int64_t 
 
 void cross_entropy_row_stats(const Tensor& sum_exp, const Tensor& target_logit, const Tensor& logits,
                              const Tensor& targets, int64_t begin, int64_t valid, const Tensor& row_max) {
+  ProfileScope profile_scope("cross_entropy");
   int64_t N = 0, V = 0;
   check_shard(logits, &targets, {&sum_exp, &target_logit, &row_max}, valid, N, V, "cross_entropy_row_stats");
   const float* lp = logits.f32();
@@ -131,6 +136,7 @@ void cross_entropy_row_stats(const Tensor& sum_exp, const Tensor& target_logit, 
 
 double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sum_exp,
                             const Tensor& target_logit, const Tensor& targets) {
+  ProfileScope profile_scope("cross_entropy");
   const int64_t N = losses.numel();
   for (const Tensor* t : {&lse, &row_max, &sum_exp, &target_logit}) check_numel(*t, N, "cross_entropy_finish");
   check_numel(targets, N, "cross_entropy_finish: targets");
@@ -148,6 +154,7 @@ double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tenso
 
 void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                                   const Tensor& targets, float scale, int64_t begin, int64_t valid) {
+  ProfileScope profile_scope("cross_entropy_backward");
   int64_t N = 0, V = 0;
   check_shard(logits, &targets, {&lse}, valid, N, V, "cross_entropy_backward");
   check_f32(dlogits, "cross_entropy_backward: dlogits");

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "core/profile.h"
 #include "ops/autocast.h"
 #include "ops/detail.h"
 #include "ops/gemm.h"
@@ -36,6 +37,7 @@ void weight_dims(const Tensor& w, bool io, int64_t& O, int64_t& I, const char* o
 }
 
 void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b, bool io) {
+  ProfileScope profile_scope("linear");
   int64_t O, I;
   weight_dims(w, io, O, I, "linear_forward: w");
   check_f32(y, "linear_forward: y");
@@ -64,6 +66,7 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
 }
 
 void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate, bool io) {
+  ProfileScope profile_scope("linear_backward_input");
   int64_t O, I;
   weight_dims(w, io, O, I, "linear_backward_input: w");
   check_f32(dx, "linear_backward_input: dx");
@@ -108,6 +111,7 @@ void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor&
 namespace {
 
 void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io) {
+  ProfileScope profile_scope("linear_backward_weight");
   int64_t O, I;
   weight_dims(dw, io, O, I, "linear_backward_weight: dw");
   check_f32(dy, "linear_backward_weight: dy");
@@ -131,6 +135,7 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
 // db[O] += sum over rows of dy[N, O]: parallel over blocks of columns, each db element
 // summed by one thread over the rows in order, so the result does not depend on the thread count.
 void bias_backward(const Tensor& db, const Tensor& dy) {
+  ProfileScope profile_scope("bias_backward");
   check_f32(db, "bias_backward: db");
   check_f32(dy, "bias_backward: dy");
   const int64_t O = db.numel();

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/profile.h"
 #include "ops/attention.h"
 
 namespace mt {
@@ -49,6 +50,7 @@ Tensor ContextParallel::buffer(int i, int64_t n) {
 }
 
 void ContextParallel::wait(Communicator::Transfer& t, const char* what, int peer) {
+  ProfileScope profile_scope("p2p wait cp");
   if (t.wait_for(timeout_s_)) return;
   std::fprintf(stderr,
                "meshtrain: rank %d: error: context-parallel rank %d has waited %.0f s for %s rank %d of its cp group "

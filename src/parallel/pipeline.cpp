@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/profile.h"
 
 namespace mt {
 
@@ -284,6 +285,7 @@ int transfer_tag(const PipeLayout& lay, int rank, const Action& a, bool in_order
 }  // namespace
 
 void Pipeline::wait(Communicator::Transfer& t, const Action& a, const char* what) {
+  ProfileScope profile_scope("p2p wait pp");
   if (t.wait_for(timeout_s_)) return;
   const int rank = pp_.rank();
   std::fprintf(stderr,
@@ -378,6 +380,7 @@ double Pipeline::run(const std::vector<Action>& list, const Feed& feed, float sc
         else if (st > 0) wait_recv(false, a);
         start = now_seconds() - t0;
         if (chunk.embed || chunk.head) feed(a.micro, tokens.data(), targets.data());
+        ProfileScope ps("forward");  // its self time: the model's code between ops
         const double l = model_.forward(a.chunk, k, tokens.data(), chunk.head ? targets.data() : nullptr, B_, T_);
         loss += l;
         if (chunk.head && on_head) on_head(a.micro, k, l);
@@ -393,6 +396,7 @@ double Pipeline::run(const std::vector<Action>& list, const Feed& feed, float sc
         const Model::Backward part = a.kind == Action::B    ? Model::Backward::whole
                                      : a.kind == Action::BI ? Model::Backward::input
                                                             : Model::Backward::weight;
+        ProfileScope ps("backward");
         model_.backward(a.chunk, k, scale, part);
         break;
       }

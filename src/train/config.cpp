@@ -175,6 +175,7 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("logging.every", &C::logging, &LoggingConfig::every));
     v.push_back(str_key("logging.progress", &C::logging, &LoggingConfig::progress, {"auto", "on", "off"}));
     v.push_back(str_key("logging.trace", &C::logging, &LoggingConfig::trace));
+    v.push_back(bool_key("logging.profile", &C::logging, &LoggingConfig::profile));
     v.push_back(str_key("logging.hardware", &C::logging, &LoggingConfig::hardware));
     return v;
   }();

@@ -53,6 +53,8 @@ struct LoggingConfig {
   int64_t every = 10;           // plain log line every N steps (when not on a terminal)
   std::string progress = "auto";  // auto | on | off: the live progress line
   std::string trace;            // Chrome/Perfetto trace of every step's pipeline actions (and FILE.svg); empty: none
+  bool profile = false;         // time per op and collective (train/profile_report.h), printed at the end and
+                                // added to the trace
   std::string hardware;         // hardware profile (built-in name or FILE.toml from meshtrain bench profile) for
                                 // the planner's step-time prediction in the summary; empty: memory and bytes only
 };

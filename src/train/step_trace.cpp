@@ -45,7 +45,13 @@ std::optional<PipelineMeasure> StepTrace::finish() const {
   Simulation predicted = schedule_simulate(schedule_, measured_costs(mean, /*stage_weights=*/true));
   predicted.name = schedule_.name + " (simulated with the measured costs)";
   m.simulated_s = predicted.step_time;
-  for (const auto& [file, text] : {std::pair{path_, chrome_trace_json(steps_)},
+  std::string trace = chrome_trace_json(steps_);
+  if (extra_.is_array() && !extra_.empty()) {
+    nlohmann::json doc = nlohmann::json::parse(trace);
+    for (const nlohmann::json& e : extra_) doc["traceEvents"].push_back(e);
+    trace = doc.dump() + "\n";
+  }
+  for (const auto& [file, text] : {std::pair{path_, trace},
                                    std::pair{path_ + ".svg", schedule_svg({steps_.back().sim, predicted})}}) {
     std::ofstream out(file);
     out << text;

@@ -4,7 +4,8 @@
 // belongs to (the other data- and tensor-parallel replicas run the same list).
 //
 //   <trace>        Chrome trace event JSON: one process per pipeline rank, compute and
-//                  transfers on two threads, every step one after another
+//                  transfers on two threads, every step one after another; with
+//                  logging.profile also every rank's ops and collectives (add_events)
 //   <trace>.svg    the last step measured, above the simulator's timeline for the costs
 //                  measured over all steps (where the two differ, something the simulator
 //                  does not model took the time)
@@ -12,6 +13,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "comm/communicator.h"
 #include "parallel/pipeline_trace.h"
@@ -33,6 +36,8 @@ class StepTrace {
   // Collective over pp: this rank's timeline of step `step`, which began `start` seconds
   // after the run did.
   void add(int64_t step, double start, const std::vector<TimedAction>& mine);
+  // Further Chrome trace events (logging.profile's, train/profile_report.h) for the file.
+  void add_events(nlohmann::json events) { extra_ = std::move(events); }
   // On the writer: writes the files and returns the measure (nothing before a step).
   std::optional<PipelineMeasure> finish() const;
   const std::string& path() const { return path_; }
@@ -44,6 +49,7 @@ class StepTrace {
   Communicator& pp_;
   bool writer_;
   std::vector<TraceStep> steps_;
+  nlohmann::json extra_;
 };
 
 }  // namespace mt

@@ -34,6 +34,7 @@
 #include "train/plot.h"
 #include "train/resume.h"
 #include "train/plan_report.h"
+#include "train/profile_report.h"
 #include "train/step_trace.h"
 #include "train/stop.h"
 
@@ -309,6 +310,7 @@ struct Run {
   StepTrace* trace;              // logging.trace; null without
   double t0;                     // now_seconds() when the run began
   std::vector<int32_t> positions;  // this rank's positions of each sequence (context parallelism, nn/cp.h)
+  Profiler* profiler = nullptr;    // logging.profile; null without
 };
 
 // What the steps of this process did.
@@ -507,19 +509,20 @@ nlohmann::json step_run(Run& run, int64_t s) {
   const int64_t G = c.training.global_batch;
   const double tokens_per_step = double(G) * c.model.seq_len;
   inject_fault(c.parallel.test_fault, s, run.world, run.dp);
-  run.strategy.zero_grad();
+  { ProfileScope ps("zero_grad"); run.strategy.zero_grad(); }
   // fp16: the loss scaled by S (an injected overflow scales it far past fp16's range on one rank)
   const std::string& fault = c.parallel.test_fault;
   const int me = run.world.rank();
   const double S = run.scaler.scale() * (injected(fault, "overflow", s, me) ? 0x1p40 : 1.0);
   const double spike = injected(fault, "spike", s, me) ? 1000 : 1;  // this rank's gradients only
   auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
+    ProfileScope ps("data");
     fill_part(run.train_data, s * G + run.dp.rank() + int64_t{R} * micro * M, M, tokens, targets, R,
               c.model.seq_len, run.positions);
   };
   double loss_sum = run.pipe.train(feed, static_cast<float>(spike * S / tokens_per_step), run.strategy);
   if (injected(fault, "nan", s, me)) loss_sum = NAN;
-  run.strategy.finish();
+  { ProfileScope ps("grad_sync"); run.strategy.finish(); }
   // A tied embedding's two copies (first and last stage) take the sum of their gradients.
   if (run.tie) run.tie->allreduce(run.opt.segments()[0].g);
   const double loss = sum_doubles(run.data, sum_doubles(run.pp, loss_sum)) / tokens_per_step;
@@ -531,7 +534,10 @@ nlohmann::json step_run(Run& run, int64_t s) {
   // pipeline rank its stages (the tied copy on the last stage counts as a replica). Units'
   // sums are added in unit order, so a unit held whole by one rank counts as on one rank.
   double sumsq = 0;
-  for (double x : sum_doubles(run.pp, sum_doubles(run.tp, run.strategy.grad_sumsq(run.opt.segments())))) sumsq += x;
+  {
+    ProfileScope ps("grad_norm");
+    for (double x : sum_doubles(run.pp, sum_doubles(run.tp, run.strategy.grad_sumsq(run.opt.segments())))) sumsq += x;
+  }
   const double norm = std::sqrt(sumsq) / S, lr = lr_at(c.optim, s, c.training.steps);
   nlohmann::json j = {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}};
   if (run.scaler.enabled()) {  // every rank has the same sumsq, so all agree on a skip
@@ -546,9 +552,9 @@ nlohmann::json step_run(Run& run, int64_t s) {
     }
   }
   if (run.spikes.enabled() && skip_spike(run, s, loss, norm, j)) return j;
-  grad_clip(run.opt.segments(), norm, c.optim.grad_clip, 1.0 / S);
-  run.opt.step(lr);
-  run.strategy.after_step();
+  { ProfileScope ps("grad_clip"); grad_clip(run.opt.segments(), norm, c.optim.grad_clip, 1.0 / S); }
+  { ProfileScope ps("optimizer_step"); run.opt.step(lr); }
+  { ProfileScope ps("after_step"); run.strategy.after_step(); }
   return j;
 }
 
@@ -570,6 +576,7 @@ void run_steps(Run& run, Progress& p) {
   const double tokens_per_step = double(c.training.global_batch) * c.model.seq_len;
   for (int64_t s = p.steps_done; s < c.training.steps; ++s) {
     const auto t0 = Clock::now();
+    if (run.profiler) run.profiler->step_begin();  // the same span as step_ms
     const uint64_t bytes_before = run.strategy.bytes_sent(), tp_before = run.tp.bytes_sent();
     const uint64_t cp_before = run.mesh.cp().bytes_sent();
     if (run.trace) run.pp.barrier();  // the pipeline ranks' timelines start together
@@ -577,6 +584,7 @@ void run_steps(Run& run, Progress& p) {
     const uint64_t pp_before = pp_sent();
     const double started = now_seconds() - run.t0;
     nlohmann::json j = step_run(run, s);
+    if (run.profiler) run.profiler->step_end();
     p.comm_last = {double(run.strategy.bytes_sent() - bytes_before), double(run.tp.bytes_sent() - tp_before),
                    double(pp_sent() - pp_before), double(run.mesh.cp().bytes_sent() - cp_before)};
     const double dt = seconds_since(t0), lr = j["lr"];
@@ -629,6 +637,15 @@ void run_steps(Run& run, Progress& p) {
   }
 }
 
+// logging.profile's table, printed, and its line in the metrics (collective); its events go
+// to the trace.
+void report_profile(const Run& run) {
+  const ProfileReport r = profile_gather(*run.profiler, run.world, run.trace != nullptr, run.t0);
+  for (const std::string& line : r.lines) run.log.message(line);
+  run.log.write(r.summary);
+  if (run.trace) run.trace->add_events(r.trace_events);
+}
+
 // The trace's files and what its timelines say: into the summary line and printed.
 void report_trace(const Run& run, nlohmann::json& js) {
   const std::optional<PipelineMeasure> m = run.trace->finish();
@@ -665,6 +682,7 @@ void report_stop(const Run& run, const Progress& p) {
     run.log.message("to resume, run the same command with --checkpoint.resume=true (checkpoint.dir " +
                     c.checkpoint.dir + ")");
   }
+  if (run.profiler) report_profile(run);
   if (run.trace) report_trace(run, j);
   run.log.write(j);
 }
@@ -742,6 +760,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
                        {"baseline_accuracy", or_null(sum.baseline_accuracy)},
                        {"tokens_per_s", or_null(sum.tokens_per_s)}, {"seconds", sum.seconds},
                        {"ranks", run.world.size()}};
+  if (run.profiler) report_profile(run);
   if (run.trace) report_trace(run, js);
   js.update(memory_json(mem));
   js["mem_model_state"] = model_state_bytes(mem);
@@ -790,6 +809,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (world.size() > 1)  // every rank must run the same configuration (same seed, files, layout)
     check_same_hash(world, std::hash<std::string>{}(config_to_json(c).dump()), "a configuration",
                     "start every rank with the same config file and options");
+  // logging.profile: made before the groups, whose communication threads record into it
+  std::optional<Profiler> profiler;
+  if (c.logging.profile) profiler.emplace(now_seconds(), c.logging.trace.empty() ? 0 : StepTrace::kMaxSteps);
   Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.cp);
   mesh.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
   Communicator& dp = mesh.dp();
@@ -847,6 +869,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
           max_over(world, static_cast<double>(activation_bytes(c.model, model.dims(), M, c.training.recompute,
                                                                model.share()))),
           trace ? &*trace : nullptr, now_seconds(), cp_positions(c.model.seq_len, cp.shard())};
+  if (profiler) run.profiler = &*profiler;
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
 
   log_header(run, resumed_from, p.steps_done);
