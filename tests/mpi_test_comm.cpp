@@ -227,6 +227,85 @@ TEST(Collectives, RanksOnNodeCountTheWholeJob) {
   EXPECT_FALSE(half->spans_machines());
 }
 
+// The hierarchical all-reduce adds every element's terms in rank order, as the flat one
+// does: bit-identical for every node size that divides the group (one node, one rank per
+// node, and between), every reducible dtype and length (shards of 0 elements included).
+// Values of mixed magnitudes, so that another order (such as summing each node first)
+// would round differently.
+TEST(Hierarchical, AllreduceIsBitIdenticalToTheFlatOne) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  auto group = w.split(0, w.rank(), "hier");
+  for (int L = 1; L <= w.size(); ++L) {
+    if (w.size() % L) continue;
+    group->set_ranks_per_node(L);
+    for (DType dt : {DType::f32, DType::bf16, DType::f16})
+      for (int64_t len : {1, 3, 1000, 65537}) {
+        Tensor flat = Tensor::empty({len}, dt, a, MemTag::comm), hier = Tensor::empty({len}, dt, a, MemTag::comm);
+        Philox rng{91};
+        for (int64_t i = 0; i < len; ++i) {
+          const float v = static_cast<float>(rng.normal(w.rank(), i) * std::pow(10.0, (i + w.rank()) % 5 - 2));
+          if (dt == DType::f32) flat.f32()[i] = v;
+          else flat.data<uint16_t>()[i] = dt == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+        }
+        hier.copy_from(flat);
+        group->allreduce(flat);
+        group->allreduce_hierarchical_async(hier)->wait();
+        ASSERT_EQ(0, std::memcmp(flat.raw(), hier.raw(), flat.nbytes()))
+            << "nodes of " << L << ", " << dtype_name(dt) << " x " << len;
+      }
+  }
+}
+
+// Bytes between nodes, counted per message: the flat all-reduce sends 2 (N - 1) / N x the
+// tensor per rank to other nodes (N nodes), the hierarchical one ranks_per_node times less
+// (its shard's partial sum on, the finished shard back), summed over the group.
+TEST(Hierarchical, SendsRanksPerNodeTimesFewerBytesBetweenNodes) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  auto group = w.split(0, w.rank(), "nodes");
+  const int P = w.size();
+  const int64_t len = 1 << 16;  // a multiple of every group size here
+  for (int L = 1; L <= P; ++L) {
+    if (P % L) continue;
+    group->set_ranks_per_node(L);
+    const int N = P / L;
+    Tensor t = filled(a, len, 1.0f);
+    const uint64_t before = group->bytes_between_nodes();
+    group->allreduce(t);
+    const double flat = sum_doubles(*group, double(group->bytes_between_nodes() - before));
+    const uint64_t mid = group->bytes_between_nodes();
+    group->allreduce_hierarchical_async(t)->wait();
+    const double hier = sum_doubles(*group, double(group->bytes_between_nodes() - mid));
+    EXPECT_EQ(t.f32()[5], static_cast<float>(P) * P);
+    EXPECT_EQ(flat, P * 2.0 * (N - 1) / N * len * 4) << "nodes of " << L;
+    EXPECT_EQ(hier, flat / L) << "nodes of " << L;
+  }
+  group->set_ranks_per_node(0);
+  const uint64_t none = group->bytes_between_nodes();
+  Tensor t = filled(a, 16, 1.0f);
+  group->allreduce(t);
+  EXPECT_EQ(group->bytes_between_nodes(), none) << "no nodes set: nothing counted";
+  EXPECT_THROW(group->set_ranks_per_node(P + 1), Error);
+}
+
+// The test job runs on one machine: one node of every rank.
+TEST(Hierarchical, MachinesFromTheSharedMemorySplit) {
+  Communicator& w = *g_world;
+  EXPECT_EQ(ranks_per_machine(w), w.size());
+}
+
+TEST(Collectives, AlltoallSendsChunkJToRankJ) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  const int n = w.size(), r = w.rank(), len = 3;
+  Tensor in = Tensor::empty({n * len}, DType::f32, a, MemTag::comm), out = filled(a, n * len, -1);
+  for (int i = 0; i < n * len; ++i) in.f32()[i] = 100.0f * r + i;
+  w.alltoall_async(in, out)->wait();
+  for (int k = 0; k < n; ++k)
+    for (int i = 0; i < len; ++i) EXPECT_EQ(out.f32()[k * len + i], 100.0f * k + r * len + i);
+}
+
 TEST(Mesh, AxesSplitTheWorld) {
   Communicator& w = *g_world;
   const int n = w.size();

@@ -47,23 +47,43 @@ struct Half {
 using BF16 = Half<bf16_to_f32, f32_to_bf16>;
 using F16 = Half<f16_to_f32, f32_to_f16>;
 
-// out[i] = src[0][i] + src[1][i] + ... in that order, block by block so that `out` may be
-// one of the sources (every element's terms are read before it is written).
+// out[i] = carry[i] + src[0][i] + src[1][i] + ... in that order (without a carry: from
+// src[0][i], as E::first reads it), block by block so that `out` may be one of the sources
+// (every element's terms are read before it is written). The sum goes to `partial` in
+// float (which may be `carry`), to be carried on, or, when partial is null, to `out` in E's type.
 template <class E>
-void sum_in_order(const std::vector<const void*>& src, void* out, int64_t n) {
+void sum_in_order(const float* carry, const std::vector<const void*>& src, float* partial, void* out, int64_t n) {
   using T = typename E::T;
   constexpr int64_t kBlock = 1024;
   float acc[kBlock];
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t m = std::min(kBlock, n - b);
-    const T* s0 = static_cast<const T*>(src[0]) + b;
-    for (int64_t i = 0; i < m; ++i) acc[i] = E::first(s0[i]);
-    for (size_t k = 1; k < src.size(); ++k) {
+    size_t k = 0;
+    if (carry) {
+      for (int64_t i = 0; i < m; ++i) acc[i] = carry[b + i];
+    } else {
+      const T* s0 = static_cast<const T*>(src[k++]) + b;
+      for (int64_t i = 0; i < m; ++i) acc[i] = E::first(s0[i]);
+    }
+    for (; k < src.size(); ++k) {
       const T* s = static_cast<const T*>(src[k]) + b;
       for (int64_t i = 0; i < m; ++i) acc[i] += E::load(s[i]);
     }
+    if (partial) {
+      std::copy_n(acc, m, partial + b);
+      continue;
+    }
     T* o = static_cast<T*>(out) + b;
     for (int64_t i = 0; i < m; ++i) o[i] = E::store(acc[i]);
+  }
+}
+
+void sum_in_order(DType dt, const float* carry, const std::vector<const void*>& src, float* partial, void* out,
+                  int64_t n) {
+  switch (dt) {
+    case DType::f32: sum_in_order<F32>(carry, src, partial, out, n); break;
+    case DType::bf16: sum_in_order<BF16>(carry, src, partial, out, n); break;
+    default: sum_in_order<F16>(carry, src, partial, out, n); break;
   }
 }
 
@@ -78,6 +98,8 @@ const char* comm_op_name(CommOp op) {
     case CommOp::send: return "send";
     case CommOp::recv: return "recv";
     case CommOp::barrier: return "barrier";
+    case CommOp::allreduce_hierarchical: return "allreduce_hierarchical";
+    case CommOp::alltoall: return "alltoall";
   }
   return "?";
 }
@@ -201,6 +223,7 @@ WorkPtr Communicator::submit(CommRecord rec, std::function<void()> run) {
     case CommOp::allreduce: bytes_sent_ += static_cast<uint64_t>(2 * (n - 1) / n * bytes); break;
     case CommOp::reduce_scatter: bytes_sent_ += static_cast<uint64_t>((n - 1) / n * bytes); break;
     case CommOp::allgather: bytes_sent_ += static_cast<uint64_t>((n - 1) * bytes); break;  // input is 1/n
+    case CommOp::alltoall: bytes_sent_ += static_cast<uint64_t>((n - 1) / n * bytes); break;
     case CommOp::broadcast:
     case CommOp::send: bytes_sent_ += size_ > 1 ? static_cast<uint64_t>(bytes) : 0; break;
     default: break;
@@ -240,8 +263,10 @@ void Communicator::thread_main() {
     const double started = now_seconds();
     running_since_ms_ = static_cast<int64_t>(started * 1000);
     std::string error;
+    count_nodes_ = false;  // a debug check's messages are not the operation's
     try {
       if (task_opts_.debug && task.rec.op != CommOp::send && task.rec.op != CommOp::recv) check_same_everywhere(task.rec);
+      count_nodes_ = true;
       task.run();
     } catch (const std::exception& e) {
       error = e.what();
@@ -341,6 +366,9 @@ Tensor Communicator::staging(int64_t numel, DType dtype) {
 }
 
 void Communicator::exchange(const std::vector<Message>& sends, const std::vector<Message>& recvs, int tag) {
+  if (const int L = ranks_per_node_; L > 0 && count_nodes_)
+    for (const Message& m : sends)
+      if (m.peer / L != rank_ / L) bytes_between_nodes_ += m.bytes;
   std::unique_ptr<Transfer> t = start(sends, recvs, tag);
   int64_t nap = kFirstNapUs;
   while (!t->test()) {
@@ -384,11 +412,7 @@ void Communicator::reduce_ranges(const Tensor& in, const std::vector<int64_t>& b
     terms.push_back(slot);
   }
   exchange(sends, recvs);
-  switch (in.dtype()) {
-    case DType::f32: sum_in_order<F32>(terms, out.raw(), n); break;
-    case DType::bf16: sum_in_order<BF16>(terms, out.raw(), n); break;
-    default: sum_in_order<F16>(terms, out.raw(), n); break;
-  }
+  sum_in_order(in.dtype(), nullptr, terms, nullptr, out.raw(), n);
 }
 
 WorkPtr Communicator::allreduce_async(const Tensor& t) {
@@ -448,6 +472,107 @@ WorkPtr Communicator::broadcast_async(const Tensor& t, int root) {
       if (k != root) sends.push_back({t.raw(), t.nbytes(), k});
     exchange(sends, recvs);
   });
+}
+
+WorkPtr Communicator::alltoall_async(const Tensor& in, const Tensor& out) {
+  MT_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() && in.numel() % size_ == 0,
+           "alltoall on group '" << name_ << "': input and output must be one dtype and size, a multiple of "
+                                 << size_ << " elements");
+  CommRecord rec{0, CommOp::alltoall, in.dtype(), in.numel()};
+  return submit(rec, [this, in, out] {
+    const size_t k = in.nbytes() / size_;
+    char *i = static_cast<char*>(in.raw()), *o = static_cast<char*>(out.raw());
+    std::memmove(o + k * rank_, i + k * rank_, k);
+    std::vector<Message> sends, recvs;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      sends.push_back({i + k * r, k, r});
+      recvs.push_back({o + k * r, k, r});
+    }
+    exchange(sends, recvs);
+  });
+}
+
+void Communicator::set_ranks_per_node(int n) {
+  MT_CHECK(n >= 0 && (n == 0 || size_ % n == 0),
+           "group '" << name_ << "' of " << size_ << " ranks does not split into nodes of " << n << " ranks");
+  std::unique_lock<std::mutex> lock(mu_);  // between operations, like set_options
+  cv_.wait(lock, [&] { return queue_.empty() && running_since_ms_ < 0; });
+  ranks_per_node_ = n;
+}
+
+int ranks_per_machine(Communicator& group) {
+  const std::vector<int> machine = group.machine_of_ranks();
+  const int n = static_cast<int>(machine.size());
+  const int L = static_cast<int>(std::count(machine.begin(), machine.end(), machine[0]));
+  bool blocks = n % L == 0;
+  for (int r = 0; r < n && blocks; ++r) blocks = machine[r] == r / L * L;
+  return blocks ? L : 0;
+}
+
+WorkPtr Communicator::allreduce_hierarchical_async(const Tensor& t) {
+  MT_CHECK(is_reducible(t.dtype()), "allreduce of " << dtype_name(t.dtype()) << ": only f32, bf16 and f16 reduce");
+  const int L = ranks_per_node_;
+  MT_CHECK(L > 0, "internal: hierarchical all-reduce on group '" << name_ << "' before set_ranks_per_node");
+  CommRecord rec{0, CommOp::allreduce_hierarchical, t.dtype(), t.numel()};
+  return submit(rec, [this, t, L] { allreduce_hierarchical_run(t, L); });
+}
+
+// Node k = rank / L holds ranks kL ... kL + L - 1; rank kL + j owns shard j, elements
+// [n j / L, n (j + 1) / L), on every node.
+void Communicator::allreduce_hierarchical_run(const Tensor& t, int L) {
+  const int nodes = size_ / L, node = rank_ / L, j = rank_ % L, first = node * L;
+  const bool last = node == nodes - 1;
+  const int64_t n = t.numel();
+  const size_t es = dtype_size(t.dtype());
+  std::vector<int64_t> b(L + 1);
+  for (int i = 0; i <= L; ++i) b[i] = n * i / L;
+  const int64_t m = b[j + 1] - b[j];
+  char* base = static_cast<char*>(t.raw());
+  char* shard = base + b[j] * es;
+  // staging: the node's other pieces of this shard [(L - 1) m] in t's dtype, then the
+  // partial sum [m] in float, received and passed on in place
+  const int64_t piece_words = ((L - 1) * m * static_cast<int64_t>(es) + 3) / 4;
+  Tensor st = staging(piece_words + m, DType::f32);
+  char* pieces = static_cast<char*>(st.raw());
+  float* carry = st.f32() + piece_words;
+  std::vector<Message> sends, recvs;
+  auto run = [&] {
+    for (const Message& s : sends) bytes_sent_ += s.bytes;
+    exchange(sends, recvs);
+    sends.clear(), recvs.clear();
+  };
+  // 1. Inside the node, each rank sends every peer its piece of that peer's shard; the
+  // partial sum of ranks 0 ... first - 1 arrives from the previous node.
+  std::vector<const void*> terms;  // in rank order
+  for (int i = 0; i < L; ++i) {
+    if (i == j) {
+      terms.push_back(shard);
+      continue;
+    }
+    sends.push_back({base + b[i] * es, static_cast<size_t>(b[i + 1] - b[i]) * es, first + i});
+    char* slot = pieces + (i < j ? i : i - 1) * m * es;
+    recvs.push_back({slot, m * es, first + i});
+    terms.push_back(slot);
+  }
+  if (node > 0) recvs.push_back({carry, m * sizeof(float), rank_ - L});
+  run();
+  // 2. This node's terms added to the partial, in rank order: to pass on, or finished.
+  sum_in_order(t.dtype(), node > 0 ? carry : nullptr, terms, last ? nullptr : carry, shard, m);
+  // 3. Between nodes: the partial to the next node; the finished shard back from the last.
+  if (!last) {
+    sends.push_back({carry, m * sizeof(float), rank_ + L});
+    recvs.push_back({shard, m * es, (nodes - 1) * L + j});
+  }
+  for (int k = 0; last && k < nodes - 1; ++k) sends.push_back({shard, m * es, k * L + j});
+  run();
+  // 4. Inside the node, every rank gathers the other shards.
+  for (int i = 0; i < L; ++i) {
+    if (i == j) continue;
+    sends.push_back({shard, m * es, first + i});
+    recvs.push_back({base + b[i] * es, static_cast<size_t>(b[i + 1] - b[i]) * es, first + i});
+  }
+  run();
 }
 
 WorkPtr Communicator::send_async(const Tensor& t, int peer) {
@@ -513,6 +638,7 @@ class LocalComm final : public Communicator {
     return std::make_unique<LocalComm>(options(), name);
   }
   [[noreturn]] void abort_job(int code) override { std::_Exit(code); }
+  std::vector<int> machine_of_ranks() override { return {0}; }
 
  protected:
   // One rank has no peers: every collective is local, and send/recv are refused before

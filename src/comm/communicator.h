@@ -47,7 +47,7 @@
 
 namespace mt {
 
-enum class CommOp { allreduce, reduce_scatter, allgather, broadcast, send, recv, barrier };
+enum class CommOp { allreduce, reduce_scatter, allgather, broadcast, send, recv, barrier, allreduce_hierarchical, alltoall };
 const char* comm_op_name(CommOp op);
 
 // One entry of the flight recorder.
@@ -123,6 +123,28 @@ class Communicator {
   // in[n] -> out[size * n], rank r's in at chunk r. `in` may be out's own chunk `rank`.
   WorkPtr allgather_async(const Tensor& in, const Tensor& out);
   WorkPtr broadcast_async(const Tensor& t, int root);
+  // in[size * k] -> out[size * k]: chunk j of in goes to rank j, which receives it at its
+  // out's chunk `rank`. Moves bytes, any dtype (compressed payloads travel as u32 words).
+  WorkPtr alltoall_async(const Tensor& in, const Tensor& out);
+
+  // Nodes: consecutive blocks of `n` group ranks (n divides size) share a machine, for
+  // the hierarchical all-reduce and for counting the bytes sent between nodes. 0: unknown
+  // (nothing counted). Set before the group's next operation, on every rank alike.
+  void set_ranks_per_node(int n);
+  int ranks_per_node() const { return ranks_per_node_; }
+  // Each group rank's machine, named by the lowest group rank on it (MPI's shared-memory
+  // split); collective over the group.
+  virtual std::vector<int> machine_of_ranks() = 0;
+  // The same sum as allreduce_async, bit for bit, in three steps that respect the nodes
+  // (set_ranks_per_node): inside each node every rank collects its shard's pieces; the
+  // shard's partial sum then travels from node to node in order (node k adds its ranks'
+  // terms to node k - 1's partial, so every element is summed in rank order as the flat
+  // all-reduce sums it); the last node sends the finished shard back to the others, and each
+  // node all-gathers its shards. Between nodes each rank sends 2 (N - 1) / N x its shard
+  // (size / ranks_per_node of the tensor) on average over its node's peers, instead of the
+  // flat all-reduce's 2 (N - 1) / N x the tensor: ranks_per_node times less. The partial
+  // sums travel in float (bf16/f16 are summed in float and rounded once, as flat).
+  WorkPtr allreduce_hierarchical_async(const Tensor& t);
   // A barrier that may wait longer than the watchdog's limit (x `slack`): for ranks waiting
   // while one of them does slow one-sided work such as writing a checkpoint.
   void barrier_slow(double slack = 10);
@@ -164,7 +186,11 @@ class Communicator {
   // Bytes this rank has sent by collectives so far, counted as the bandwidth-optimal
   // algorithms move them (nccl-tests' convention): allreduce 2(n-1)/n x size,
   // reduce_scatter and allgather (n-1)/n x the full buffer, broadcast and send 1 x size.
+  // The hierarchical all-reduce counts the messages it sends.
   uint64_t bytes_sent() const { return bytes_sent_; }
+  // Bytes of the messages this rank sent to ranks of other nodes, by every collective since
+  // set_ranks_per_node (0 before).
+  uint64_t bytes_between_nodes() const { return bytes_between_nodes_; }
   std::vector<CommRecord> flight_record() const;  // oldest first
   std::string flight_dump() const;                // human-readable
   CommOptions options() const;
@@ -205,6 +231,7 @@ class Communicator {
   // The collectives' steps, on the communication thread.
   void exchange(const std::vector<Message>& sends, const std::vector<Message>& recvs, int tag = kCollectiveTag);
   void allgather_raw(const void* in, void* out, size_t bytes_per_rank);
+  void allreduce_hierarchical_run(const Tensor& t, int ranks_per_node);
   // Rank j owns elements [bounds[j], bounds[j + 1]) of `in` (size + 1 bounds): every rank
   // sends each owner its range, and out = the sum over ranks, in rank order, of this
   // rank's range. `out` may be that range of `in` itself.
@@ -229,6 +256,9 @@ class Communicator {
   std::deque<CommRecord> history_;  // the last operations run, oldest first
   std::atomic<int64_t> running_since_ms_{-1};  // start of the running operation, -1 when idle
   std::atomic<uint64_t> bytes_sent_{0};
+  std::atomic<uint64_t> bytes_between_nodes_{0};
+  std::atomic<int> ranks_per_node_{0};
+  bool count_nodes_ = false;  // the worker counts bytes between nodes (not for debug checks)
   std::shared_ptr<Waiters> waiters_ = std::make_shared<Waiters>();
   std::thread thread_, watchdog_;
   Tensor staging_;  // used only on the communication thread
@@ -238,6 +268,10 @@ class Communicator {
 std::unique_ptr<Communicator> comm_local(CommOptions opts = {});
 
 double now_seconds();  // monotonic
+
+// The group's ranks per machine when each machine holds one block of consecutive group
+// ranks (all blocks alike), else 0; collective over the group.
+int ranks_per_machine(Communicator& group);
 
 // Elementwise sums of a few doubles from every rank of a group, added in rank order (the
 // same result on every rank): losses, counts, squared norms.

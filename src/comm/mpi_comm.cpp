@@ -62,6 +62,19 @@ class MpiComm final : public Communicator {
     return std::make_unique<MpiComm>(sub, ranks_on_node(), name, options());
   }
 
+  std::vector<int> machine_of_ranks() override {
+    // Collective over this group, like split: after everything queued before it.
+    barrier();
+    MPI_Comm node = MPI_COMM_NULL;
+    check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL, &node), "MPI_Comm_split_type");
+    int mine = rank(), lowest = 0;
+    check(MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, node), "MPI_Allreduce");
+    MPI_Comm_free(&node);
+    std::vector<int> all(size());
+    check(MPI_Allgather(&lowest, 1, MPI_INT, all.data(), 1, MPI_INT, comm_), "MPI_Allgather");
+    return all;
+  }
+
   [[noreturn]] void abort_job(int code) override {
     MPI_Abort(MPI_COMM_WORLD, code);
     std::_Exit(code);

@@ -27,7 +27,12 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
     : model_(model),
       dp_(dp),
       cfg_(cfg),
-      overlap_(cfg.overlap && overlap_pays(affinity_cpus(), dp.ranks_on_node(), omp_get_max_threads(), dp.spans_machines())) {
+      overlap_(cfg.overlap && cfg.grad_compression == "none" &&
+               overlap_pays(affinity_cpus(), dp.ranks_on_node(), omp_get_max_threads(), dp.spans_machines())) {
+  MT_CHECK(!cfg.hierarchical || dp.ranks_per_node() > 0,
+           "internal: parallel.hierarchical=true needs the nodes set on the dp group");
+  MT_CHECK(cfg.grad_compression == "none" || cfg.grad_compression == "int8",
+           "parallel.grad_compression = " << cfg.grad_compression << " is not implemented in DDP");
   dtype_ = cfg.grad_comm_dtype == "bf16" ? DType::bf16 : cfg.grad_comm_dtype == "fp16" ? DType::f16 : DType::f32;
   const auto& units = model.units();
   const int64_t cap = static_cast<int64_t>(cfg.bucket_mb * 1024 * 1024 / 4);  // float32 elements
@@ -55,6 +60,7 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
       contiguous = units[b.units[i]].g.f32() == units[b.units[i - 1]].g.f32() + units[b.units[i - 1]].numel;
     b.in_place = contiguous;
     if (!contiguous) b.buffer = Tensor::empty({b.numel}, dtype_, alloc, MemTag::comm);
+    if (cfg.grad_compression == "int8") b.int8 = std::make_unique<Int8Reduction>(b.numel, dp, alloc);
   }
 }
 
@@ -75,8 +81,11 @@ void DDP::after_backward(int unit) {
 
 void DDP::launch(Bucket& b) {
   auto& units = model_.units();
+  auto allreduce = [&](const Tensor& t) {
+    return cfg_.hierarchical ? dp_.allreduce_hierarchical_async(t) : dp_.allreduce_async(t);
+  };
   if (b.in_place) {  // the bucket's gradients are one range starting at its first unit's
-    b.work = dp_.allreduce_async(Tensor::wrap(units[b.units[0]].g.f32(), {b.numel}, DType::f32));
+    b.work = allreduce(Tensor::wrap(units[b.units[0]].g.f32(), {b.numel}, DType::f32));
     return;
   }
   int64_t off = 0;
@@ -84,12 +93,35 @@ void DDP::launch(Bucket& b) {
     b.buffer.view(off, {units[u].numel}).convert_from(units[u].g);
     off += units[u].numel;
   }
-  b.work = dp_.allreduce_async(b.buffer);
+  b.work = allreduce(b.buffer);
+}
+
+// Blocking: quantize, exchange, sum, exchange, dequantize (compress.h), in the gradients
+// themselves or through the bucket's fp32 buffer.
+void DDP::reduce_compressed(Bucket& b) {
+  auto& units = model_.units();
+  float* g = b.in_place ? units[b.units[0]].g.f32() : b.buffer.f32();
+  int64_t off = 0;
+  for (int u : b.units) {
+    if (!b.in_place) b.buffer.view(off, {units[u].numel}).copy_from(units[u].g);
+    off += units[u].numel;
+  }
+  b.int8->reduce(g);
+  b.pending = 0;
+  off = 0;
+  for (int u : b.units) {
+    if (!b.in_place) units[u].g.copy_from(b.buffer.view(off, {units[u].numel}));
+    off += units[u].numel;
+  }
 }
 
 void DDP::finish() {
   if (dp_.size() == 1) return;
   auto& units = model_.units();
+  if (cfg_.grad_compression == "int8") {
+    for (Bucket& b : buckets_) reduce_compressed(b);
+    return;
+  }
   if (!overlap_)
     for (Bucket& b : buckets_) launch(b);
   for (Bucket& b : buckets_) {
@@ -144,9 +176,13 @@ std::string DDP::describe() const {
   const char* when = overlap_       ? "overlapped with backward"
                      : cfg_.overlap ? "after backward (no core free for communication: parallel.overlap steps aside)"
                                     : "after backward";
-  char buf[256];
+  std::string how = cfg_.grad_comm_dtype;
+  if (cfg_.grad_compression == "int8") how = "int8-compressed (error feedback)";
+  if (cfg_.hierarchical)
+    how += " hierarchical (nodes of " + std::to_string(dp_.ranks_per_node()) + " dp ranks)";
+  char buf[320];
   std::snprintf(buf, sizeof buf, "ddp: %d gradient buckets of about %g MiB, %s reduction %s", num_buckets(),
-                cfg_.bucket_mb, cfg_.grad_comm_dtype.c_str(), when);
+                cfg_.bucket_mb, how.c_str(), when);
   return buf;
 }
 

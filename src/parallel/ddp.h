@@ -21,14 +21,22 @@
 // grad_comm_dtype bf16/fp16 sends the bucket in half precision (summed in float, rounded
 // once) and widens the result back into the float32 gradients.
 //
+// parallel.hierarchical: each bucket goes through the dp group's hierarchical all-reduce
+// (Communicator::allreduce_hierarchical_async, nodes set on the group by the trainer),
+// bit-identical to the flat one. parallel.grad_compression = int8: each bucket is reduced
+// by an Int8Reduction (parallel/compress.h) after backward, with error feedback.
+//
 // Mixed precision (training.precision bf16 / fp16): the units' w are 16-bit working copies;
 // DDP keeps the fp32 master parameters (MemTag::optim, as the ZeRO analysis counts them),
 // the optimizer updates them, and after_step rounds them into the working copies.
 #pragma once
 #include <vector>
 
+#include <memory>
+
 #include "comm/communicator.h"
 #include "nn/model.h"
+#include "parallel/compress.h"
 #include "parallel/data_parallel.h"
 #include "parallel/parallel_config.h"
 
@@ -68,8 +76,10 @@ class DDP final : public DataParallel {
     bool in_place = false;   // fp32 gradients lying back to back: reduced where they are
     Tensor buffer;           // [numel] in the communication dtype, when not in place
     WorkPtr work;
+    std::unique_ptr<Int8Reduction> int8;  // grad_compression = int8
   };
   void launch(Bucket& b);
+  void reduce_compressed(Bucket& b);
 
   Model& model_;
   Communicator& dp_;

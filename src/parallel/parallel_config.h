@@ -16,6 +16,9 @@ struct ParallelConfig {
   double bucket_mb = 25;               // DDP gradient bucket size (MiB of float32 gradients)
   std::string grad_comm_dtype = "fp32";  // fp32 | bf16 | fp16: dtype of the gradient reduction
   bool overlap = true;                 // reduce buckets during backward where that pays (ddp.h)
+  bool hierarchical = false;           // DDP: all-reduce inside nodes, then between them (communicator.h)
+  int ranks_per_node = 0;              // dp ranks per node, consecutive; 0: as MPI finds the machines
+  std::string grad_compression = "none";  // none | int8: DDP's gradient reduction (parallel/compress.h)
   bool debug_collectives = false;      // cross-check every collective across ranks
   double timeout_s = 300;              // watchdog: a collective running longer ends the job
   std::string test_fault;              // test-only: "die:R", "hang:R", "throw:R", "mismatch:R" at step 1;

@@ -154,6 +154,10 @@ const std::vector<Key>& keys() {
     v.push_back(num_key("parallel.bucket_mb", &C::parallel, &ParallelConfig::bucket_mb));
     v.push_back(str_key("parallel.grad_comm_dtype", &C::parallel, &ParallelConfig::grad_comm_dtype, {"fp32", "bf16", "fp16"}));
     v.push_back(bool_key("parallel.overlap", &C::parallel, &ParallelConfig::overlap));
+    v.push_back(bool_key("parallel.hierarchical", &C::parallel, &ParallelConfig::hierarchical));
+    v.push_back(int_key("parallel.ranks_per_node", &C::parallel, &ParallelConfig::ranks_per_node));
+    v.push_back(str_key("parallel.grad_compression", &C::parallel, &ParallelConfig::grad_compression,
+                        {"none", "int8", "powersgd"}));
     v.push_back(bool_key("parallel.debug_collectives", &C::parallel, &ParallelConfig::debug_collectives));
     v.push_back(num_key("parallel.timeout_s", &C::parallel, &ParallelConfig::timeout_s));
     v.push_back(int_key("parallel.zero", &C::parallel, &ParallelConfig::zero));
@@ -313,6 +317,7 @@ void Config::validate() const {
            "training.recompute=true cannot run with parallel.pp_schedule = " << sched << ": its split backward "
            "runs the weight half after the activations are gone; use 1f1b or interleaved, or recompute=false");
   MT_CHECK(parallel.bucket_mb > 0, "parallel.bucket_mb = " << parallel.bucket_mb << " must be positive");
+  check_cheaper_comm();
   MT_CHECK(parallel.timeout_s >= 0, "parallel.timeout_s must not be negative (0: no watchdog)");
   MT_CHECK(parallel.zero >= 0 && parallel.zero <= 3, "parallel.zero = " << parallel.zero << " must be 0, 1, 2 or 3");
   MT_CHECK(parallel.shard_group >= 0, "parallel.shard_group must not be negative (0: all data-parallel ranks)");
@@ -338,6 +343,26 @@ std::string values_where(int lo, int hi, const std::function<bool(int)>& ok) {
 }
 
 }  // namespace
+
+// Hierarchical all-reduce and gradient compression are ways of DDP's gradient reduction.
+void Config::check_cheaper_comm() const {
+  const ParallelConfig& p = parallel;
+  MT_CHECK(p.ranks_per_node >= 0, "parallel.ranks_per_node = " << p.ranks_per_node
+                                                               << " must not be negative (0: the machines MPI finds)");
+  MT_CHECK(!p.hierarchical || p.zero == 0,
+           "parallel.hierarchical=true applies to DDP's gradient all-reduce, but parallel.zero = "
+               << p.zero << " reduce-scatters and all-gathers instead; use parallel.zero=0 or hierarchical=false");
+  MT_CHECK(p.grad_compression != "powersgd",
+           "parallel.grad_compression = powersgd is not implemented; use int8 (or none)");
+  if (p.grad_compression == "none") return;
+  MT_CHECK(p.zero == 0, "parallel.grad_compression = " << p.grad_compression << " compresses DDP's gradient "
+                        << "reduction, but parallel.zero = " << p.zero << "; use parallel.zero=0 or grad_compression=none");
+  MT_CHECK(p.grad_comm_dtype == "fp32", "parallel.grad_compression = " << p.grad_compression << " quantizes fp32 "
+                                        << "gradients itself; leave parallel.grad_comm_dtype = fp32 (got "
+                                        << p.grad_comm_dtype << ")");
+  MT_CHECK(!p.hierarchical, "parallel.grad_compression = " << p.grad_compression << " has its own exchange and does "
+                            << "not run hierarchically; set parallel.hierarchical=false or grad_compression=none");
+}
 
 // Context parallelism cuts every sequence into 2 cp chunks (two per rank, one early and one
 // late); under sequence parallelism each rank's T / cp positions split tp ways again.
@@ -419,6 +444,10 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
   } else if (parallel.shard_group == 0) {
     parallel.shard_group = data;
   }
+  MT_CHECK(parallel.ranks_per_node == 0 || data % parallel.ranks_per_node == 0,
+           data_name << " = " << data << " is not a multiple of parallel.ranks_per_node = " << parallel.ranks_per_node
+                     << " (nodes of consecutive " << data_name << " ranks); set parallel.ranks_per_node to one of "
+                     << values_where(1, data, [&](int g) { return data % g == 0; }));
   MT_CHECK(data % parallel.shard_group == 0,
            "parallel.shard_group = " << parallel.shard_group << " does not divide " << data_name << " = " << data
                                      << "; parallel.shard_group can be "

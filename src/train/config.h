@@ -79,6 +79,7 @@ struct Config {
  private:
   void check_pipeline() const;
   void check_context_parallel() const;
+  void check_cheaper_comm() const;  // parallel.hierarchical, ranks_per_node, grad_compression
 };
 
 // Applies a TOML file (if non-empty) then the overrides ("section.key=value", no dashes).

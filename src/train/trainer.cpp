@@ -348,6 +348,17 @@ std::string resume_point(const Config& c, Communicator& world, MetricsLog& log) 
   return from;
 }
 
+// The nodes of the gradient-reducing group, for the hierarchical all-reduce and the count of
+// bytes between nodes: parallel.ranks_per_node consecutive ranks, or the machines MPI finds.
+void set_nodes(const ParallelConfig& p, Communicator& data) {
+  if (!p.hierarchical && p.ranks_per_node == 0) return;
+  int n = p.ranks_per_node;
+  if (n == 0) n = ranks_per_machine(data);  // the same answer on every rank
+  MT_CHECK(n > 0, "parallel.hierarchical=true: the machines do not each hold one block of consecutive data-parallel "
+                  "ranks of the same size; set parallel.ranks_per_node to the dp ranks per node");
+  data.set_ranks_per_node(n);
+}
+
 // The data-parallel strategy, with the parameters each rank keeps (whole units without
 // ZeRO or at stages 1-2, its chunks at stage 3) filled from the checkpoint `from`, a
 // Hugging Face file (model.init_from) or the seed. *start: the checkpoint's step.
@@ -578,7 +589,7 @@ void run_steps(Run& run, Progress& p) {
     const auto t0 = Clock::now();
     if (run.profiler) run.profiler->step_begin();  // the same span as step_ms
     const uint64_t bytes_before = run.strategy.bytes_sent(), tp_before = run.tp.bytes_sent();
-    const uint64_t cp_before = run.mesh.cp().bytes_sent();
+    const uint64_t cp_before = run.mesh.cp().bytes_sent(), nodes_before = run.data.bytes_between_nodes();
     if (run.trace) run.pp.barrier();  // the pipeline ranks' timelines start together
     const auto pp_sent = [&] { return run.pp.bytes_sent() + (run.tie ? run.tie->bytes_sent() : 0); };
     const uint64_t pp_before = pp_sent();
@@ -601,6 +612,7 @@ void run_steps(Run& run, Progress& p) {
     j["mem_model_state"] = model_state_bytes(a.peaks);
     j["mem_model_state_predicted"] = run.predicted;
     j["comm_bytes"] = run.strategy.bytes_sent() - bytes_before;  // this rank's, this step
+    if (run.data.ranks_per_node() > 0) j["comm_bytes_internode"] = run.data.bytes_between_nodes() - nodes_before;
     if (c.parallel.cp > 1) {
       j["comm_bytes_cp"] = run.mesh.cp().bytes_sent() - cp_before;
       j["comm_bytes_cp_predicted"] = cp_bytes_per_step(run);
@@ -815,6 +827,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.cp);
   mesh.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
   Communicator& dp = mesh.dp();
+  set_nodes(c.parallel, mesh.data());
 
   Data data = data_load(c);
   TokenLoader train_data(std::move(data.train), c.model.seq_len, c.data.shuffle, c.training.seed);
