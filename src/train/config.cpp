@@ -124,7 +124,9 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("training.val_batches", &C::training, &TrainingConfig::val_batches));
     v.push_back(int_key("training.threads", &C::training, &TrainingConfig::threads));
 
-    v.push_back(str_key("optim.name", &C::optim, &OptimConfig::name, {"adamw", "sgd"}));
+    v.push_back(str_key("optim.name", &C::optim, &OptimConfig::name, {"adamw", "sgd", "lamb", "lars"}));
+    v.push_back(num_key("optim.trust_coef", &C::optim, &OptimConfig::trust_coef));
+    v.push_back(int_key("optim.lr_base_batch", &C::optim, &OptimConfig::lr_base_batch));
     v.push_back(num_key("optim.lr", &C::optim, &OptimConfig::lr));
     v.push_back(num_key("optim.weight_decay", &C::optim, &OptimConfig::weight_decay));
     v.push_back(num_key("optim.beta1", &C::optim, &OptimConfig::beta1));
