@@ -141,6 +141,10 @@ declare -A how=(
     [ -s schedules.svg ] || fail "no picture from: $cmd"'
   ["./build/meshtrain schedule --pp 4 --microbatches 8 --schedule 1f1b --csv my.csv"]='run "$cmd"'
   ["./build/meshtrain schedule --schedule file:my.csv --json"]='run "$cmd"'
+  ["./build/meshtrain launch -n 2 train --optim.name=lamb --optim.lr=0.01 --parallel.zero=3"]='run "$cmd $few"'
+  ["./build/meshtrain train --optim.name=lars --optim.lr=1 --optim.trust_coef=0.01 --optim.lr_base_batch=8"]='run "$cmd $few"
+    grep -q "optim: lars, lr 2 (optim.lr 1 x global batch 16 / optim.lr_base_batch 8, linear scaling rule)" "log.$n" ||
+      { cat "log.$n"; fail "no scaled learning rate from: $cmd"; }'
 )
 
 for cmd in "${commands[@]}"; do

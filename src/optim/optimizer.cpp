@@ -8,7 +8,7 @@
 namespace mt {
 
 void OptimConfig::validate() const {
-  MT_CHECK(name == "adamw" || name == "sgd", "optim.name = \"" << name << "\" is not an optimizer; use adamw or sgd");
+  MT_CHECK(optim_moments(name) > 0, "optim.name = \"" << name << "\" is not an optimizer; use adamw, sgd, lamb or lars");
   MT_CHECK(schedule == "constant" || schedule == "cosine" || schedule == "linear" || schedule == "step",
            "optim.schedule = \"" << schedule << "\" is not a schedule; use constant, cosine, linear or step");
   MT_CHECK(lr >= 0, "optim.lr = " << lr << " must not be negative");
@@ -17,6 +17,11 @@ void OptimConfig::validate() const {
   MT_CHECK(beta2 >= 0 && beta2 < 1, "optim.beta2 = " << beta2 << " must be in [0, 1)");
   MT_CHECK(eps > 0, "optim.eps = " << eps << " must be positive");
   MT_CHECK(momentum >= 0 && momentum < 1, "optim.momentum = " << momentum << " must be in [0, 1)");
+  MT_CHECK(trust_coef > 0 && std::isfinite(trust_coef),
+           "optim.trust_coef = " << trust_coef << " must be a positive number (LARS's trust coefficient, e.g. 0.001)");
+  MT_CHECK(lr_base_batch >= 0, "optim.lr_base_batch = " << lr_base_batch
+                                   << " must not be negative (0 turns the linear scaling rule off; else the global "
+                                      "batch that optim.lr was tuned for)");
   MT_CHECK(grad_clip >= 0, "optim.grad_clip = " << grad_clip << " must not be negative (0 disables clipping)");
   MT_CHECK(warmup_steps >= 0, "optim.warmup_steps = " << warmup_steps << " must not be negative");
   MT_CHECK(min_lr_ratio >= 0 && min_lr_ratio <= 1, "optim.min_lr_ratio = " << min_lr_ratio << " must be in [0, 1]");
@@ -30,15 +35,33 @@ void OptimConfig::validate() const {
 Optimizer::Optimizer(const OptimConfig& cfg, std::vector<OptimSegment> segments, Allocator& alloc)
     : cfg_(cfg), segments_(std::move(segments)) {
   cfg_.validate();
+  const bool per_tensor = cfg_.name == "lamb" || cfg_.name == "lars";
   for (const OptimSegment& s : segments_) {
     m_.push_back(Tensor::zeros({s.w.numel()}, DType::f32, alloc, MemTag::optim));
-    if (cfg_.name == "adamw") v_.push_back(Tensor::zeros({s.w.numel()}, DType::f32, alloc, MemTag::optim));
+    if (optim_moments(cfg_.name) == 2) v_.push_back(Tensor::zeros({s.w.numel()}, DType::f32, alloc, MemTag::optim));
+    if (!per_tensor) continue;
+    int64_t covered = 0;  // the nonempty tensors tile the segment
+    for (const OptimTensor& t : s.tensors) {
+      if (t.end <= t.begin) continue;
+      MT_CHECK(t.begin == covered, "optim.name = " << cfg_.name << ": the segment's tensors do not tile it (a tensor at "
+                                                   << t.begin << ", expected " << covered << ")");
+      covered = t.end;
+    }
+    MT_CHECK(covered == s.w.numel(), "optim.name = " << cfg_.name << ": the segment's tensors cover " << covered
+                                                     << " of its " << s.w.numel() << " elements");
   }
 }
 
 std::vector<std::pair<std::string, Tensor>> Optimizer::state(int i) const {
-  if (cfg_.name == "adamw") return {{"adam_m", m_[i]}, {"adam_v", v_[i]}};
+  if (optim_moments(cfg_.name) == 2) return {{"adam_m", m_[i]}, {"adam_v", v_[i]}};
   return {{"momentum", m_[i]}};
+}
+
+int64_t Optimizer::norm_sums() const {
+  if (cfg_.name != "lamb" && cfg_.name != "lars") return 0;
+  int64_t n = 0;
+  for (const OptimSegment& s : segments_) n += 2 * static_cast<int64_t>(s.tensors.size());
+  return n;
 }
 
 namespace {
@@ -60,12 +83,13 @@ void adamw_range(float* p, const float* g, float* m, float* v, int64_t n, float 
 }
 
 // PyTorch SGD: d = g + wd p; buf = d on the first step, else momentum buf + d; p -= lr d'
-// with d' = buf (or d + momentum buf with Nesterov).
+// with d' = buf (or d + momentum buf with Nesterov). LARS: d = scale (g + wd p), its local
+// learning rate `scale` (1 for SGD: exact).
 void sgd_range(float* p, const float* g, float* buf, int64_t n, float wd, float lr, float momentum, bool first,
-               bool nesterov) {
+               bool nesterov, float scale = 1.0f) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    float d = g[i] + wd * p[i];
+    float d = scale * (g[i] + wd * p[i]);
     float b = first ? d : momentum * buf[i] + d;
     buf[i] = b;
     float upd = nesterov ? d + momentum * b : b;
@@ -73,10 +97,109 @@ void sgd_range(float* p, const float* g, float* buf, int64_t n, float wd, float 
   }
 }
 
+// The sum of f(i)^2 over i in [begin, end), in fixed chunks added in order: the result does
+// not depend on the thread count.
+template <class F>
+double sumsq_of(int64_t begin, int64_t end, F f) {
+  constexpr int64_t kChunk = 1 << 14;
+  const int64_t nchunks = std::max<int64_t>(0, (end - begin + kChunk - 1) / kChunk);
+  std::vector<double> part(nchunks, 0.0);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t hi = std::min(end, begin + (c + 1) * kChunk);
+    double acc = 0.0;
+    for (int64_t i = begin + c * kChunk; i < hi; ++i) {
+      const double x = f(i);
+      acc += x * x;
+    }
+    part[c] = acc;
+  }
+  double total = 0.0;
+  for (double x : part) total += x;
+  return total;
+}
+
+// ||a|| / ||b|| from their sums of squares; 1 when either norm is 0.
+double norm_ratio(double a2, double b2) { return a2 > 0 && b2 > 0 ? std::sqrt(a2) / std::sqrt(b2) : 1.0; }
+
 }  // namespace
 
-void Optimizer::step(double lr) {
+// LAMB: Adam's moments, u = m^ / (sqrt(v^) + eps) + wd w (wd on tensors of 2+ dims only),
+// w -= lr r u with the trust ratio r = ||w|| / ||u|| of the whole tensor (1 when either is 0).
+// Two passes: the moments and the partial norms, then (after the norms are summed over the
+// tensor's holders) the update, recomputing u from the stored moments.
+void Optimizer::step_lamb(double lr, const SumFn& sum_over_holders) {
+  const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(t_));
+  const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(t_));
+  const float b1 = static_cast<float>(cfg_.beta1), b2 = static_cast<float>(cfg_.beta2);
+  const float one_minus_b1 = static_cast<float>(1.0 - cfg_.beta1), one_minus_b2 = static_cast<float>(1.0 - cfg_.beta2);
+  const float inv_bc1 = static_cast<float>(1.0 / bc1), bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float eps = static_cast<float>(cfg_.eps);
+  auto update = [=](float m, float v, float w, float wd) { return (m * inv_bc1) / (std::sqrt(v) / bc2_sqrt + eps) + wd * w; };
+  std::vector<double> sums;  // per tensor: sum of w^2, sum of u^2 over this rank's counted elements
+  for (size_t si = 0; si < segments_.size(); ++si) {
+    float *p = segments_[si].w.f32(), *m = m_[si].f32(), *v = v_[si].f32();
+    const float* g = segments_[si].g.f32();
+    for (const OptimTensor& t : segments_[si].tensors) {
+      const float wd = t.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = t.begin; i < t.end; ++i) {
+        m[i] = m[i] * b1 + one_minus_b1 * g[i];
+        v[i] = v[i] * b2 + one_minus_b2 * g[i] * g[i];
+      }
+      sums.push_back(t.counted ? sumsq_of(t.begin, t.end, [&](int64_t i) { return p[i]; }) : 0.0);
+      sums.push_back(t.counted ? sumsq_of(t.begin, t.end, [&](int64_t i) { return update(m[i], v[i], p[i], wd); }) : 0.0);
+    }
+  }
+  if (sum_over_holders) sum_over_holders(sums);
+  size_t k = 0;
+  for (size_t si = 0; si < segments_.size(); ++si) {
+    float *p = segments_[si].w.f32(), *m = m_[si].f32(), *v = v_[si].f32();
+    for (const OptimTensor& t : segments_[si].tensors) {
+      const float wd = t.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
+      const float step = static_cast<float>(lr * norm_ratio(sums[k], sums[k + 1]));
+      k += 2;
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = t.begin; i < t.end; ++i) p[i] -= step * update(m[i], v[i], p[i], wd);
+    }
+  }
+}
+
+// LARS (as a LARC-style gradient rescaling in front of SGD with momentum): for a tensor of
+// 2+ dims with ||w|| > 0 and ||g|| > 0, d = s (g + wd w) with the local learning rate
+// s = trust_coef ||w|| / (||g|| + wd ||w|| + eps); otherwise (biases, norm weights, zero
+// norms) d = g. Then buf = d (first step) or momentum buf + d, and w -= lr buf (Nesterov:
+// lr (d + momentum buf)).
+void Optimizer::step_lars(double lr, const SumFn& sum_over_holders) {
+  std::vector<double> sums;  // per tensor: sum of w^2, sum of g^2 over this rank's counted elements
+  for (const OptimSegment& s : segments_) {
+    const float *p = s.w.f32(), *g = s.g.f32();
+    for (const OptimTensor& t : s.tensors) {
+      sums.push_back(t.counted ? sumsq_of(t.begin, t.end, [&](int64_t i) { return p[i]; }) : 0.0);
+      sums.push_back(t.counted ? sumsq_of(t.begin, t.end, [&](int64_t i) { return g[i]; }) : 0.0);
+    }
+  }
+  if (sum_over_holders) sum_over_holders(sums);
+  size_t k = 0;
+  for (size_t si = 0; si < segments_.size(); ++si) {
+    const OptimSegment& s = segments_[si];
+    for (const OptimTensor& t : s.tensors) {
+      const double w_norm = std::sqrt(sums[k]), g_norm = std::sqrt(sums[k + 1]);
+      k += 2;
+      const bool adapt = t.decay && w_norm > 0 && g_norm > 0;
+      const double wd = adapt ? cfg_.weight_decay : 0.0;
+      const double scale = adapt ? cfg_.trust_coef * w_norm / (g_norm + wd * w_norm + cfg_.eps) : 1.0;
+      sgd_range(s.w.f32() + t.begin, s.g.f32() + t.begin, m_[si].f32() + t.begin, t.end - t.begin,
+                static_cast<float>(wd), static_cast<float>(lr), static_cast<float>(cfg_.momentum), t_ == 1,
+                cfg_.nesterov, static_cast<float>(scale));
+    }
+  }
+}
+
+void Optimizer::step(double lr, const SumFn& sum_over_holders) {
   ++t_;
+  if (cfg_.name == "lamb") return step_lamb(lr, sum_over_holders);
+  if (cfg_.name == "lars") return step_lars(lr, sum_over_holders);
   const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(t_));
   const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(t_));
   for (size_t si = 0; si < segments_.size(); ++si) {
@@ -105,6 +228,16 @@ void Optimizer::step(double lr) {
     }
     run(pos, s.w.numel(), false);
   }
+}
+
+double lr_scale(const OptimConfig& cfg, int64_t global_batch) {
+  return cfg.lr_base_batch > 0 ? static_cast<double>(global_batch) / static_cast<double>(cfg.lr_base_batch) : 1.0;
+}
+
+int optim_moments(const std::string& name) {
+  if (name == "adamw" || name == "lamb") return 2;
+  if (name == "sgd" || name == "lars") return 1;
+  return 0;
 }
 
 double lr_at(const OptimConfig& cfg, int64_t step, int64_t total) {

@@ -1,8 +1,15 @@
 // Optimizers over flat parameter buffers (one segment per unit, possibly a shard of it):
-// AdamW and SGD with momentum, with PyTorch's update formulas; global-norm clipping and
-// learning-rate schedules.
+// AdamW and SGD with momentum, with PyTorch's update formulas, and the layer-wise adaptive
+// LAMB and LARS; global-norm clipping and learning-rate schedules.
+//
+// LAMB and LARS scale each model tensor's update by a trust ratio made of whole-tensor
+// norms. A rank may hold only a piece of a tensor (a ZeRO shard, a tp split), so the
+// optimizer sums each tensor's squares over the elements it holds and hands the vector of
+// partial sums to a SumFn that the caller provides: the caller adds them over the ranks
+// that hold the other pieces (the optimizer itself never communicates).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,14 +19,16 @@
 namespace mt {
 
 struct OptimConfig {
-  std::string name = "adamw";  // adamw | sgd
+  std::string name = "adamw";  // adamw | sgd | lamb | lars
   double lr = 3e-3;
   double weight_decay = 0.1;   // applied only to parameters of two or more dims
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
   double momentum = 0.9;       // sgd
-  bool nesterov = false;       // sgd
+  bool nesterov = false;       // sgd, lars
+  double trust_coef = 0.001;   // lars: the trust coefficient of the local learning rate
+  int64_t lr_base_batch = 0;   // linear scaling rule: lr x global_batch / lr_base_batch (0: off)
   double grad_clip = 1.0;      // global L2 norm; 0 disables
   // training.precision = fp16: dynamic loss scaling. The loss is multiplied by the scale
   // before backward; a step whose gradients hold an inf or NaN on any rank is skipped and
@@ -37,17 +46,32 @@ struct OptimConfig {
 // One flat buffer the optimizer updates: parameters w and gradients g of the same length,
 // with the element ranges [begin, end) that take weight decay, and those that another
 // tensor-parallel rank also holds and counts in the gradient norm (replicas: not counted here).
+// `tensors` lists the segment's model tensors in order (LAMB and LARS need them): the
+// nonempty ranges tile the segment.
+struct OptimTensor {
+  int64_t begin = 0, end = 0;  // local elements of the segment; empty when this rank holds none of it
+  bool decay = false;          // two or more dims: weight decay (and LARS's adaptation) apply
+  bool counted = true;         // this rank adds its elements to the tensor's norm (false: a tp replica)
+};
 struct OptimSegment {
   Tensor w, g;
   std::vector<std::pair<int64_t, int64_t>> decay_ranges;
   std::vector<std::pair<int64_t, int64_t>> replica_ranges;  // sorted, disjoint
+  std::vector<OptimTensor> tensors = {};
 };
+
+// Adds per-tensor partial sums (in place) over the ranks that hold the tensors' other
+// pieces; every such rank passes a vector of the same length and order.
+using SumFn = std::function<void(std::vector<double>&)>;
 
 class Optimizer {
  public:
   Optimizer(const OptimConfig& cfg, std::vector<OptimSegment> segments, Allocator& alloc);
   // One update of every segment with learning rate lr; the step count t starts at 1.
-  void step(double lr);
+  // LAMB and LARS call sum_over_holders once (none: this rank holds whole tensors).
+  void step(double lr, const SumFn& sum_over_holders = {});
+  // The length of the vector step() passes to sum_over_holders (0 for AdamW and SGD).
+  int64_t norm_sums() const;
   int64_t steps_taken() const { return t_; }
   void set_steps_taken(int64_t t) { t_ = t; }
   // The state tensors of segment i with their names ("adam_m", "adam_v" or "momentum").
@@ -57,9 +81,16 @@ class Optimizer {
  private:
   OptimConfig cfg_;
   std::vector<OptimSegment> segments_;
-  std::vector<Tensor> m_, v_;  // adam moments, or (m_ only) sgd momentum buffers
+  std::vector<Tensor> m_, v_;  // adam / lamb moments, or (m_ only) sgd / lars momentum buffers
   int64_t t_ = 0;
+  void step_lamb(double lr, const SumFn& sum_over_holders);
+  void step_lars(double lr, const SumFn& sum_over_holders);
 };
+
+// The linear scaling rule's factor on optim.lr: global_batch / lr_base_batch, or 1 when off.
+double lr_scale(const OptimConfig& cfg, int64_t global_batch);
+// The moment buffers per parameter: 2 for adamw and lamb, 1 for sgd and lars.
+int optim_moments(const std::string& name);
 
 // The learning rate at optimizer step `step` (0-based) of `total` steps.
 double lr_at(const OptimConfig& cfg, int64_t step, int64_t total);

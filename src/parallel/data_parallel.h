@@ -30,6 +30,9 @@ class DataParallel : public UnitHooks {
   // Per segment (unit), the sum of squares of its whole gradient over the strategy's ranks
   // (the same on every rank of the group; a tp or pp rank adds its own units' or shares').
   virtual std::vector<double> grad_sumsq(const std::vector<OptimSegment>& segments) = 0;
+  // Per-tensor partial sums (LAMB's and LARS's norms) added over the ranks that hold the
+  // other pieces of this rank's segments: ZeRO's shard group; none for DDP (whole units).
+  virtual std::vector<double> sum_over_shards(std::vector<double> x) { return x; }
   // After the optimizer step: make the parameters every rank needs current again.
   virtual void after_step() {}
   // Fails unless every rank holds identical parameters.

@@ -157,6 +157,7 @@ std::vector<OptimSegment> DDP::optim_segments() {
     for (const ParamSpec& p : u.params) {
       if (p.decay) s.decay_ranges.emplace_back(p.offset, p.offset + p.numel());
       if (!p.tp_primary) s.replica_ranges.emplace_back(p.offset, p.offset + p.numel());
+      s.tensors.push_back({p.offset, p.offset + p.numel(), p.decay, p.tp_primary});
     }
     segs.push_back(std::move(s));
   }

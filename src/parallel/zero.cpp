@@ -209,6 +209,7 @@ std::vector<OptimSegment> ZeRO::optim_segments() {
       const int64_t lo = std::max(p.offset, b), hi = std::min(p.offset + p.numel(), b + len);
       if (p.decay && lo < hi) seg.decay_ranges.emplace_back(lo - b, hi - b);
       if (!p.tp_primary && lo < hi) seg.replica_ranges.emplace_back(lo - b, hi - b);
+      seg.tensors.push_back(lo < hi ? OptimTensor{lo - b, hi - b, p.decay, p.tp_primary} : OptimTensor{0, 0, p.decay, p.tp_primary});
     }
     segs.push_back(std::move(seg));
   }
@@ -216,8 +217,10 @@ std::vector<OptimSegment> ZeRO::optim_segments() {
 }
 
 std::vector<double> ZeRO::grad_sumsq(const std::vector<OptimSegment>& segments) {
-  return sum_doubles(*shard_, grad_sumsq_each(segments));
+  return sum_over_shards(grad_sumsq_each(segments));
 }
+
+std::vector<double> ZeRO::sum_over_shards(std::vector<double> x) { return sum_doubles(*shard_, std::move(x)); }
 
 void ZeRO::after_step() {
   for (size_t u = 0; u < st_.size(); ++u) {  // mixed precision: the working chunk = the master rounded

@@ -68,6 +68,7 @@ class ZeRO final : public DataParallel {
   void zero_grad() override;
   std::vector<OptimSegment> optim_segments() override;
   std::vector<double> grad_sumsq(const std::vector<OptimSegment>& segments) override;
+  std::vector<double> sum_over_shards(std::vector<double> x) override;
   void after_step() override;
   void check_same_parameters() override;
   std::vector<ParamSlice> owned() override;  // chunk k of every unit

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "nn/model.h"
 #include "nn/tp.h"
+#include "optim/optimizer.h"
 #include "parallel/pipeline.h"
 #include "parallel/schedule.h"
 
@@ -77,8 +78,8 @@ Setup setup(const ModelConfig& model, const Layout& lay, const Precisions& prec,
             const MemoryKnobs& knobs) {
   Setup s;
   s.cfg = model, s.lay = lay, s.prec = prec, s.knobs = knobs;
-  MT_CHECK(optim == "adamw" || optim == "sgd", "optim.name = \"" << optim << "\" is not an optimizer; use adamw or sgd");
-  s.moments = optim == "adamw" ? 2 : 1;
+  s.moments = optim_moments(optim);
+  MT_CHECK(s.moments > 0, "optim.name = \"" << optim << "\" is not an optimizer; use adamw, sgd, lamb or lars");
   MT_CHECK(lay.dp >= 1 && lay.tp >= 1 && lay.pp >= 1 && lay.cp >= 1 && lay.micro_batch >= 1,
            "layout " << lay.text() << ": every size must be at least 1");
   MT_CHECK(lay.global_batch % (int64_t{lay.dp} * lay.micro_batch) == 0,

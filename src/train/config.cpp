@@ -126,7 +126,9 @@ const std::vector<Key>& keys() {
     v.push_back(num_key("training.skip_spikes", &C::training, &TrainingConfig::skip_spikes));
     v.push_back(int_key("training.max_skips", &C::training, &TrainingConfig::max_skips));
 
-    v.push_back(str_key("optim.name", &C::optim, &OptimConfig::name, {"adamw", "sgd"}));
+    v.push_back(str_key("optim.name", &C::optim, &OptimConfig::name, {"adamw", "sgd", "lamb", "lars"}));
+    v.push_back(num_key("optim.trust_coef", &C::optim, &OptimConfig::trust_coef));
+    v.push_back(int_key("optim.lr_base_batch", &C::optim, &OptimConfig::lr_base_batch));
     v.push_back(num_key("optim.lr", &C::optim, &OptimConfig::lr));
     v.push_back(num_key("optim.weight_decay", &C::optim, &OptimConfig::weight_decay));
     v.push_back(num_key("optim.beta1", &C::optim, &OptimConfig::beta1));

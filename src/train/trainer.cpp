@@ -267,7 +267,7 @@ double predicted_model_state(const std::vector<Unit>& units, int stage, int N, c
     psi_n += chunk;
   }
   const double w = precision == "fp32" ? 4 : 2, g = 4;
-  const double opt = (precision == "fp32" ? 0 : 4) + (optim == "adamw" ? 8 : 4);  // master, moments
+  const double opt = (precision == "fp32" ? 0 : 4) + 4.0 * optim_moments(optim);  // master, moments
   switch (stage) {
     case 0: return (w + g + opt) * psi;
     case 1: return (w + g) * psi + opt * psi_n;
@@ -402,8 +402,9 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
 double tp_bytes_per_step(const Run& run) {
   const Config& c = run.c;
   const int64_t M = c.training.micro_batch, n_micro = c.training.global_batch / (int64_t{run.dp.size()} * M);
-  // and the gradient norm's per-unit sums of squares, gathered from every tp rank
-  const double norm = 8.0 * run.model.units().size() * (run.tp.size() - 1);
+  // and the gradient norm's per-unit sums of squares (LAMB, LARS: and two per tensor for the
+  // trust ratios), gathered from every tp rank
+  const double norm = 8.0 * (run.model.units().size() + run.opt.norm_sums()) * (run.tp.size() - 1);
   return norm + n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, run.model.dims().T,
                                                    c.training.recompute, c.parallel.sequence_parallel, run.model.share());
 }
@@ -420,6 +421,19 @@ double cp_bytes_per_step(const Run& run) {
   for (const ChunkSpec& ch : run.model.share().chunks) blocks += ch.end_layer - ch.first_layer;
   const int sends = (cp - 1) * (c.training.recompute ? 3 : 2) + cp;
   return double(sends) * M * d.T * 2 * d.NKV * d.D * sizeof(float) * blocks * n_micro;
+}
+
+// The run header's optimizer line, with the peak learning rate the schedule uses (scaled
+// by the linear scaling rule when optim.lr_base_batch is set).
+std::string optim_description(const OptimConfig& o, int64_t global_batch) {
+  std::ostringstream os;
+  os << "optim: " << o.name << ", lr " << o.lr * lr_scale(o, global_batch);
+  if (o.lr_base_batch > 0)
+    os << " (optim.lr " << o.lr << " x global batch " << global_batch << " / optim.lr_base_batch " << o.lr_base_batch
+       << ", linear scaling rule)";
+  os << ", " << o.schedule << " schedule, " << o.warmup_steps << " warmup steps";
+  if (o.name == "lars") os << ", trust_coef " << o.trust_coef;
+  return os.str();
 }
 
 void log_header(const Run& run, const std::string& resumed_from, int64_t start) {
@@ -444,6 +458,7 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
                 static_cast<long long>(G), T, static_cast<long long>(n_micro), n_micro > 1 ? "es" : "", M);
   run.log.message(head);
   if (!run.strategy.describe().empty()) run.log.message(run.strategy.describe());
+  run.log.message(optim_description(c.optim, G));
   if (run.tp.size() > 1) {
     const LocalDims& d = run.model.dims();
     std::snprintf(head, sizeof head,
@@ -549,7 +564,7 @@ nlohmann::json step_run(Run& run, int64_t s) {
     ProfileScope ps("grad_norm");
     for (double x : sum_doubles(run.pp, sum_doubles(run.tp, run.strategy.grad_sumsq(run.opt.segments())))) sumsq += x;
   }
-  const double norm = std::sqrt(sumsq) / S, lr = lr_at(c.optim, s, c.training.steps);
+  const double norm = std::sqrt(sumsq) / S, lr = lr_at(c.optim, s, c.training.steps) * lr_scale(c.optim, G);
   nlohmann::json j = {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}};
   if (run.scaler.enabled()) {  // every rank has the same sumsq, so all agree on a skip
     j["loss_scale"] = run.scaler.scale();
@@ -564,7 +579,12 @@ nlohmann::json step_run(Run& run, int64_t s) {
   }
   if (run.spikes.enabled() && skip_spike(run, s, loss, norm, j)) return j;
   { ProfileScope ps("grad_clip"); grad_clip(run.opt.segments(), norm, c.optim.grad_clip, 1.0 / S); }
-  { ProfileScope ps("optimizer_step"); run.opt.step(lr); }
+  {
+    // LAMB and LARS take whole tensors' norms: a tensor's partial sums of squares are added
+    // over its ZeRO shards, then over its tp pieces (a pipeline stage holds whole units).
+    ProfileScope ps("optimizer_step");
+    run.opt.step(lr, [&](std::vector<double>& x) { x = sum_doubles(run.tp, run.strategy.sum_over_shards(std::move(x))); });
+  }
   { ProfileScope ps("after_step"); run.strategy.after_step(); }
   return j;
 }
@@ -734,7 +754,7 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
                                                : "ZeRO stage " + std::to_string(c.parallel.zero) + ", N = " +
                                                      std::to_string(c.parallel.shard_group);
   if (c.model.mixed_precision())
-    formula += ", " + c.model.precision + ": 2 + 4 + " + (c.optim.name == "adamw" ? "12" : "8") + " bytes per parameter";
+    formula += ", " + c.model.precision + ": 2 + 4 + " + (optim_moments(c.optim.name) == 2 ? "12" : "8") + " bytes per parameter";
   std::snprintf(buf, sizeof buf, "model state (params + grads + optim): %s measured, %s by the formula (%s)",
                 format_bytes(model_state_bytes(mem)).c_str(), format_bytes(static_cast<size_t>(run.predicted)).c_str(),
                 formula.c_str());

@@ -7,7 +7,8 @@ driver can be tested end to end before (and independently of) the C++ engine.
 MESHTRAIN_FAKE_BUG=<name> injects a deliberate formula error, to check that the parity
 comparison catches it: gelu_erf (exact GELU instead of tanh), rope_interleaved (RoPE on
 adjacent pairs), decay_all (weight decay on 1-D parameters too), micro_mean (loss
-averaged per micro-batch instead of over the global batch).
+averaged per micro-batch instead of over the global batch), lamb_no_trust (LAMB's trust
+ratio left out), lars_adapt_all (LARS's local learning rate on 1-D parameters too).
 """
 import json
 import os
@@ -33,12 +34,22 @@ def inject_bug(name):
         tm.rotate_half = rotate_pairs
     elif name == "decay_all":
         make = tm.make_optimizer
-        def decay_all(model, lr, b1, b2, eps, wd):
-            opt = make(model, lr, b1, b2, eps, wd)
+        def decay_all(model, lr, b1, b2, eps, wd, **kw):
+            opt = make(model, lr, b1, b2, eps, wd, **kw)
             for g in opt.param_groups:
                 g["weight_decay"] = wd
             return opt
         tm.make_optimizer = decay_all
+    elif name == "lamb_no_trust":
+        tm.lamb_lars.Lamb.trust_ratio = staticmethod(lambda w_norm, u_norm: 1.0)
+    elif name == "lars_adapt_all":
+        make = tm.make_optimizer
+        def adapt_all(*a, **kw):
+            opt = make(*a, **kw)
+            for g in opt.param_groups:
+                g["adapt"] = True
+            return opt
+        tm.make_optimizer = adapt_all
     elif name:
         sys.exit(f"fake meshtrain: unknown MESHTRAIN_FAKE_BUG {name!r}")
 
@@ -67,7 +78,9 @@ def train(argv):
             cfg[name] = int(v) if name in ints else (v == "true" if name == "tie_embeddings" else float(v))
     init = st.load_safetensors(k.pop("model.init_from"))
     tokens = st.read_tokens(k.pop("data.path"))
-    assert k.pop("data.shuffle") == "false" and k.pop("optim.name") == "adamw"
+    assert k.pop("data.shuffle") == "false"
+    optim = {"optim": k.pop("optim.name")}
+    optim.update({n: float(k.pop("optim." + n)) for n in ("momentum", "trust_coef") if "optim." + n in k})
     G, M = int(k.pop("training.global_batch")), int(k.pop("training.micro_batch"))
     model = tm.Model(cfg).load_numpy(init)
     if bug == "micro_mean":   # gradients G/M times too large; the reported loss stays right
@@ -75,7 +88,7 @@ def train(argv):
             p.register_hook(lambda g: g * (G / M))
     lr = float(k.pop("optim.lr"))
     opt = tm.make_optimizer(model, lr, float(k.pop("optim.beta1")), float(k.pop("optim.beta2")),
-                            float(k.pop("optim.eps")), float(k.pop("optim.weight_decay")))
+                            float(k.pop("optim.eps")), float(k.pop("optim.weight_decay")), **optim)
     clip = float(k.pop("optim.grad_clip"))
     with open(k.pop("logging.metrics"), "w") as f:
         f.write(json.dumps({"event": "start", "step": 0, "loss": 0.0}) + "\n")  # must be ignored

@@ -73,7 +73,28 @@ CASES = [
          omit=("d_ff", "norm_eps"), token_version=2,
          train=dict(_TRAIN, weight_decay=0.05, eps=1e-6, steps=5, global_batch=4, micro_batch=2,
                     grad_clip=1.0)),
+    # LAMB and LARS against lamb_lars.py (the README's formulas in torch). LAMB's lr is a
+    # relative step (the trust ratio makes ||update|| = lr ||w||); LARS's trust_coef 0.02
+    # with lr 0.5 moves matrices ~1% per step, its 1-dim parameters take plain momentum SGD.
+    dict(name="gpt2_lamb",
+         model=dict(family="gpt2", n_layer=2, n_head=2, d_model=16, vocab_size=53, seq_len=9,
+                    norm_eps=1e-5),
+         omit=("d_ff", "tie_embeddings"), token_version=1,
+         train=dict(_TRAIN, optim="lamb", lr=1e-2, eps=1e-6, steps=5, global_batch=4,
+                    micro_batch=2, grad_clip=1.0)),
+    dict(name="llama_lars",
+         model=dict(family="llama", n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=40,
+                    vocab_size=61, seq_len=10, tie_embeddings=False, norm_eps=1e-6,
+                    rope_theta=10000.0),
+         omit=(), token_version=2,
+         train=dict(_TRAIN, optim="lars", lr=0.5, momentum=0.9, trust_coef=0.02, steps=5,
+                    global_batch=4, micro_batch=2, grad_clip=1.0)),
 ]
+
+
+def optim_kwargs(t):
+    """A case's optimizer beyond AdamW's keys (train_reference's **optim)."""
+    return {k: t[k] for k in ("optim", "momentum", "trust_coef") if k in t}
 
 
 def init_std(model_cfg):
@@ -101,9 +122,10 @@ def meshtrain_train_args(case, init, tokens, metrics, ckpt):
     args += [f"--model.{k}={cli_value(m[k])}" for k in MODEL_KEYS if k in m and k not in case["omit"]]
     args += [f"--model.init_from={init}", f"--data.path={tokens}", "--data.shuffle=false"]
     args += [f"--training.{k}={t[k]}" for k in ("steps", "global_batch", "micro_batch")]
-    args += ["--training.seed=1", "--optim.name=adamw"]
+    args += ["--training.seed=1", f"--optim.name={t.get('optim', 'adamw')}"]
     args += [f"--optim.{k}={cli_value(float(t[k]))}"
-             for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip")]
+             for k in ("lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip", "momentum", "trust_coef")
+             if k in t]
     args += ["--optim.schedule=constant", "--optim.warmup_steps=0", "--training.val_every=0",
              f"--logging.metrics={metrics}", f"--checkpoint.dir={ckpt}"]
     return args
@@ -249,7 +271,7 @@ def run_case(case, meshtrain_cmd, workdir, steps=None, quiet=False):
     # The reference.
     ref_log, ref_params = tm.train_reference(
         case["model"], init, tokens, t["steps"], t["global_batch"], t["micro_batch"], t["lr"],
-        t["weight_decay"], t["beta1"], t["beta2"], t["eps"], t["grad_clip"])
+        t["weight_decay"], t["beta1"], t["beta2"], t["eps"], t["grad_clip"], **optim_kwargs(t))
 
     # meshtrain.
     env = dict(os.environ)
@@ -334,8 +356,8 @@ def self_test(workdir):
         init, tokens = case_inputs(case)
         args = [t[k] for k in ("steps", "global_batch", "micro_batch", "lr", "weight_decay",
                                "beta1", "beta2", "eps", "grad_clip")]
-        log32, p32 = tm.train_reference(cfg, init, tokens, *args)
-        log64, p64 = tm.train_reference(cfg, init, tokens, *args, dtype=torch.float64)
+        log32, p32 = tm.train_reference(cfg, init, tokens, *args, **optim_kwargs(t))
+        log64, p64 = tm.train_reference(cfg, init, tokens, *args, dtype=torch.float64, **optim_kwargs(t))
         metrics = {s: {"loss": l, "grad_norm": g, "lr": t["lr"]} for s, (l, g) in enumerate(log32)}
         errs = compare(case, log64, p64, metrics, p32, None, lambda *a: None)
         worst = max(param_error(n, p32[n], p64[n], tm.normalize_config(cfg)) for n in p64)
@@ -388,7 +410,8 @@ def self_test(workdir):
     fake = [sys.executable, os.path.join(HERE, "fake_meshtrain.py")]
     for case in CASES:
         check(f"{case['name']}: passes", run_case(case, fake, workdir, quiet=True))
-    for bug, case in (("gelu_erf", 0), ("decay_all", 1), ("rope_interleaved", 2), ("micro_mean", 3)):
+    for bug, case in (("gelu_erf", 0), ("decay_all", 1), ("rope_interleaved", 2), ("micro_mean", 3),
+                      ("lamb_no_trust", 4), ("lars_adapt_all", 5)):
         os.environ["MESHTRAIN_FAKE_BUG"] = bug
         try:
             check(f"{CASES[case]['name']} with bug {bug}: fails", not run_case(CASES[case], fake, workdir, quiet=True))

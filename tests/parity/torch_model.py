@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lamb_lars  # the callers put this folder on sys.path
+
 
 # ----------------------------------------------------------------------------- config
 
@@ -308,11 +310,20 @@ def sequences(tokens, first, count, T):
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def make_optimizer(model, lr, beta1, beta2, eps, weight_decay):
-    """AdamW with weight decay on parameters of 2+ dimensions only."""
+def make_optimizer(model, lr, beta1, beta2, eps, weight_decay, optim="adamw", momentum=0.9,
+                   trust_coef=0.001):
+    """AdamW (or LAMB, LARS: lamb_lars.py) with weight decay on parameters of 2+ dimensions
+    only; LARS adapts only those too."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, "adapt": True},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "adapt": False}]
+    if optim == "lamb":
+        return lamb_lars.Lamb(groups, lr=lr, betas=(beta1, beta2), eps=eps)
+    if optim == "lars":
+        return lamb_lars.Lars(groups, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                              trust_coef=trust_coef, eps=eps)
+    for g in groups:
+        del g["adapt"]
     return torch.optim.AdamW(groups, lr=lr, betas=(beta1, beta2), eps=eps)
 
 
@@ -340,11 +351,12 @@ def train_step(model, opt, tokens, step, G, M, grad_clip):
 
 
 def train_reference(cfg, init, tokens, steps, global_batch, micro_batch, lr, weight_decay,
-                    beta1, beta2, eps, grad_clip, dtype=torch.float32):
+                    beta1, beta2, eps, grad_clip, dtype=torch.float32, **optim):
     """Train from `init` for `steps`; returns (per-step [(loss, grad_norm)], final params).
-    dtype float64 serves to measure float32's rounding noise."""
+    dtype float64 serves to measure float32's rounding noise; `optim`: make_optimizer's
+    optim, momentum, trust_coef."""
     model = Model(cfg).to(dtype).load_numpy(init)
-    opt = make_optimizer(model, lr, beta1, beta2, eps, weight_decay)
+    opt = make_optimizer(model, lr, beta1, beta2, eps, weight_decay, **optim)
     log = [train_step(model, opt, tokens, s, global_batch, micro_batch, grad_clip)
            for s in range(steps)]
     return log, model.to_numpy()
