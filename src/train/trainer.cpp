@@ -8,15 +8,10 @@
 #include <cstdio>
 #include <optional>
 #include <sstream>
-#include <csignal>
-#include <thread>
 
 #include "comm/mesh.h"
 #include "core/error.h"
 #include "data/loader.h"
-#include "data/tasks.h"
-#include "data/token_file.h"
-#include "data/tokenizer.h"
 #include "nn/hf.h"
 #include "nn/model.h"
 #include "ops/gemm.h"
@@ -30,12 +25,14 @@
 #include "parallel/tensor.h"
 #include "parallel/zero.h"
 #include "train/checkpoint.h"
+#include "train/faults.h"
 #include "train/metrics.h"
 #include "train/plot.h"
 #include "train/resume.h"
 #include "train/plan_report.h"
 #include "train/profile_report.h"
 #include "train/step_trace.h"
+#include "train/train_data.h"
 #include "train/stop.h"
 
 namespace mt {
@@ -44,57 +41,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-struct Data {
-  std::vector<int32_t> train, val;
-  bool builtin = false;
-};
-
-// Lines of the built-in generated tasks: enough that the default run sees each about once.
-constexpr int64_t kBuiltinLines = 60000;
-
-Data data_load(const Config& c) {
-  Data d;
-  if (c.data.path.empty()) {
-    d.builtin = true;
-    auto bytes = tokenizer_make("byte");
-    d.train = bytes->encode(tasks_generate(c.training.seed, kBuiltinLines));
-    // Validation: problems drawn from another seed, so they are (mostly) unseen ones.
-    if (c.data.val_path.empty()) d.val = bytes->encode(tasks_generate(~c.training.seed, kBuiltinLines / 20));
-  } else {
-    d.train = token_file_read(c.data.path);
-  }
-  if (!c.data.val_path.empty()) {
-    d.val = token_file_read(c.data.val_path);
-  } else if (c.data.val_fraction > 0 && !d.builtin) {
-    const int64_t n_val = static_cast<int64_t>(d.train.size() * c.data.val_fraction);
-    if (n_val >= 2 && static_cast<int64_t>(d.train.size()) - n_val >= 2) {
-      d.val.assign(d.train.end() - n_val, d.train.end());
-      d.train.resize(d.train.size() - n_val);
-    }
-  }
-  MT_CHECK(d.train.size() >= 2, "data.path " << c.data.path << " has " << d.train.size()
-                                             << " tokens; training needs at least 2");
-  auto check_vocab = [&](const std::vector<int32_t>& t, const std::string& what) {
-    int32_t mx = t.empty() ? 0 : *std::max_element(t.begin(), t.end());
-    MT_CHECK(mx < c.model.vocab_size, what << " holds token id " << mx << " but model.vocab_size = " << c.model.vocab_size
-                                           << "; set model.vocab_size to at least " << mx + 1);
-  };
-  check_vocab(d.train, d.builtin ? "the built-in dataset (byte tokens)" : "data.path " + c.data.path);
-  check_vocab(d.val, c.data.val_path.empty() ? "the validation split" : "data.val_path " + c.data.val_path);
-  return d;
-}
-
-// Cross-entropy of predicting each validation token by its training frequency (add-one
-// smoothed): what a model that learned nothing but token counts would score.
-std::optional<double> unigram_baseline(const std::vector<int32_t>& train, const std::vector<int32_t>& val, int vocab) {
-  if (val.empty()) return std::nullopt;
-  std::vector<double> count(vocab, 1.0);
-  for (int32_t t : train) count[t] += 1.0;
-  double total = train.size() + static_cast<double>(vocab), loss = 0;
-  for (int32_t t : val) loss -= std::log(count[t] / total);
-  return loss / val.size();
-}
 
 // What the ranks agree on after every step, through one all-gather over the world: the
 // peak bytes per memory tag of the busiest rank, and whether a rank was asked to stop
@@ -125,113 +71,6 @@ StepAgreement agree_step(Communicator& world, const MemStats& mine, int stop_sig
     }
   }
   return r;
-}
-
-struct ValResult {
-  double loss = 0;
-  std::optional<double> accuracy, baseline_accuracy;  // built-in tasks only
-};
-
-// TokenLoader::fill for this rank's positions `pos` of each sequence of T tokens
-// (context parallelism, nn/cp.h): tokens and targets are [M, pos.size()].
-void fill_part(const TokenLoader& data, int64_t first, int M, int32_t* tokens, int32_t* targets, int64_t stride, int T,
-               const std::vector<int32_t>& pos) {
-  const int Tl = static_cast<int>(pos.size());
-  if (Tl == T) return data.fill(first, M, tokens, targets, stride);
-  std::vector<int32_t> in(int64_t{M} * T), tg(int64_t{M} * T);
-  data.fill(first, M, in.data(), tg.data(), stride);
-  for (int s = 0; s < M; ++s)
-    for (int i = 0; i < Tl; ++i) {
-      tokens[s * Tl + i] = in[int64_t{s} * T + pos[i]];
-      targets[s * Tl + i] = tg[int64_t{s} * T + pos[i]];
-    }
-}
-
-// Mean loss over the first val_batches global batches of the validation tokens, read the
-// way training reads a step (rank r takes positions r, r + R, ...), so every layout
-// evaluates the same sequences; for the built-in tasks also the greedy accuracy on answer
-// characters. The micro-batches go through the pipeline forward only; the ranks holding
-// the head count them.
-ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const Config& c, bool builtin,
-                   Communicator& dp, Communicator& data, Communicator& pp, const std::vector<int32_t>& pos) {
-  const int M = static_cast<int>(c.training.micro_batch), T = c.model.seq_len, V = c.model.vocab_size;
-  const int Tl = static_cast<int>(pos.size());  // this rank's positions of each sequence (context parallelism)
-  const int64_t R = dp.size(), per_rank = c.training.val_batches * c.training.global_batch / R;
-  std::vector<int32_t> in(M * T), tg(M * T), best(M * Tl);
-  std::vector<uint8_t> mask(T);
-  auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
-    fill_part(val, dp.rank() + R * int64_t{micro} * M, M, tokens, targets, R, T, pos);
-  };
-  // [loss sum, correct answers, answers, answers per target character...]
-  std::vector<double> tally(3 + V, 0.0);
-  auto count_answers = [&](int micro, int slot, double) {
-    if (!builtin) return;
-    val.fill(dp.rank() + R * int64_t{micro} * M, M, in.data(), tg.data(), R);  // whole sequences: answers need context
-    model.predictions(best.data(), slot);  // greedy, over the whole vocabulary (collective over tp)
-    for (int s = 0; s < M; ++s) {
-      tasks_answer_mask(&in[s * T], &tg[s * T], T, mask.data());
-      for (int i = 0; i < Tl; ++i) {
-        const int t = pos[i];
-        if (!mask[t]) continue;
-        tally[1] += best[s * Tl + i] == tg[s * T + t];
-        tally[2] += 1;
-        tally[3 + tg[s * T + t]] += 1;
-      }
-    }
-  };
-  tally[0] = pipe.evaluate(static_cast<int>((per_rank + M - 1) / M), feed, count_answers);
-  tally = sum_doubles(data, sum_doubles(pp, tally));
-  ValResult r;
-  r.loss = tally[0] / (double(c.training.val_batches) * c.training.global_batch * T);
-  if (tally[2] > 0) {
-    r.accuracy = tally[1] / tally[2];
-    r.baseline_accuracy = *std::max_element(tally.begin() + 3, tally.end()) / tally[2];
-  }
-  return r;
-}
-
-// parallel.test_fault = "kind:rank": a failure injected at step 1 for the fault tests
-// (slow_save acts in checkpoint_save instead).
-// parallel.test_fault = "KIND:R:S1,S2,...": at optimizer steps S1, S2, ... rank R injects
-// a numerical fault, which travels through the real reductions to every rank:
-//   overflow: scales its loss by a further 2^40, so that its fp16 gradients overflow;
-//   spike:    multiplies its gradients by 1000 (a gradient-norm spike; the loss is unchanged);
-//   nan:      makes its loss NaN (the gradients are unchanged).
-bool injected(const std::string& spec, const std::string& kind, int64_t step, int rank) {
-  if (spec.rfind(kind + ":", 0) != 0) return false;
-  std::istringstream in(spec.substr(kind.size() + 1));
-  std::string r, steps, one;
-  std::getline(in, r, ':');
-  std::getline(in, steps);
-  MT_CHECK(!r.empty() && !steps.empty(), "parallel.test_fault = \"" << spec << "\": write " << kind << ":RANK:STEP,STEP...");
-  if (std::stoi(r) != rank) return false;
-  std::istringstream list(steps);
-  while (std::getline(list, one, ','))
-    if (std::stoll(one) == step) return true;
-  return false;
-}
-
-bool numeric_fault(const std::string& spec) {
-  return spec.rfind("overflow:", 0) == 0 || spec.rfind("spike:", 0) == 0 || spec.rfind("nan:", 0) == 0;
-}
-
-void inject_fault(const std::string& spec, int64_t step, Communicator& world, Communicator& dp) {
-  if (spec.empty() || step != 1 || numeric_fault(spec)) return;
-  const size_t colon = spec.find(':');
-  MT_CHECK(colon != std::string::npos, "parallel.test_fault = \"" << spec << "\": write kind:rank, e.g. die:1");
-  const std::string kind = spec.substr(0, colon);
-  if (std::stoi(spec.substr(colon + 1)) != world.rank()) return;
-  if (kind == "die") std::raise(SIGKILL);
-  if (kind == "hang") std::this_thread::sleep_for(std::chrono::hours(24));
-  if (kind == "throw") MT_FAIL("injected failure (parallel.test_fault = " << spec << ")");
-  if (kind == "mismatch") {  // a collective the other ranks do not issue
-    float extra[3] = {0, 0, 0};
-    dp.allreduce(Tensor::wrap(extra, {3}, DType::f32));
-    return;
-  }
-  if (kind == "slow_save") return;  // checkpoint_save pauses on that rank
-  MT_FAIL("parallel.test_fault kind \"" << kind << "\" is not die, hang, throw, mismatch, slow_save, overflow, spike "
-          "or nan");
 }
 
 // The optimizer state of segment i (unit i) next to the strategy's parameter range, as

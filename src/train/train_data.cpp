@@ -1,0 +1,112 @@
+#include "train/train_data.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "data/tasks.h"
+#include "data/token_file.h"
+#include "data/tokenizer.h"
+
+namespace mt {
+
+namespace {
+
+// Lines of the built-in generated tasks: enough that the default run sees each about once.
+constexpr int64_t kBuiltinLines = 60000;
+
+}  // namespace
+
+Data data_load(const Config& c) {
+  Data d;
+  if (c.data.path.empty()) {
+    d.builtin = true;
+    auto bytes = tokenizer_make("byte");
+    d.train = bytes->encode(tasks_generate(c.training.seed, kBuiltinLines));
+    // Validation: problems drawn from another seed, so they are (mostly) unseen ones.
+    if (c.data.val_path.empty()) d.val = bytes->encode(tasks_generate(~c.training.seed, kBuiltinLines / 20));
+  } else {
+    d.train = token_file_read(c.data.path);
+  }
+  if (!c.data.val_path.empty()) {
+    d.val = token_file_read(c.data.val_path);
+  } else if (c.data.val_fraction > 0 && !d.builtin) {
+    const int64_t n_val = static_cast<int64_t>(d.train.size() * c.data.val_fraction);
+    if (n_val >= 2 && static_cast<int64_t>(d.train.size()) - n_val >= 2) {
+      d.val.assign(d.train.end() - n_val, d.train.end());
+      d.train.resize(d.train.size() - n_val);
+    }
+  }
+  MT_CHECK(d.train.size() >= 2, "data.path " << c.data.path << " has " << d.train.size()
+                                             << " tokens; training needs at least 2");
+  auto check_vocab = [&](const std::vector<int32_t>& t, const std::string& what) {
+    int32_t mx = t.empty() ? 0 : *std::max_element(t.begin(), t.end());
+    MT_CHECK(mx < c.model.vocab_size, what << " holds token id " << mx << " but model.vocab_size = " << c.model.vocab_size
+                                           << "; set model.vocab_size to at least " << mx + 1);
+  };
+  check_vocab(d.train, d.builtin ? "the built-in dataset (byte tokens)" : "data.path " + c.data.path);
+  check_vocab(d.val, c.data.val_path.empty() ? "the validation split" : "data.val_path " + c.data.val_path);
+  return d;
+}
+
+std::optional<double> unigram_baseline(const std::vector<int32_t>& train, const std::vector<int32_t>& val, int vocab) {
+  if (val.empty()) return std::nullopt;
+  std::vector<double> count(vocab, 1.0);
+  for (int32_t t : train) count[t] += 1.0;
+  double total = train.size() + static_cast<double>(vocab), loss = 0;
+  for (int32_t t : val) loss -= std::log(count[t] / total);
+  return loss / val.size();
+}
+
+void fill_part(const TokenLoader& data, int64_t first, int M, int32_t* tokens, int32_t* targets, int64_t stride, int T,
+               const std::vector<int32_t>& pos) {
+  const int Tl = static_cast<int>(pos.size());
+  if (Tl == T) return data.fill(first, M, tokens, targets, stride);
+  std::vector<int32_t> in(int64_t{M} * T), tg(int64_t{M} * T);
+  data.fill(first, M, in.data(), tg.data(), stride);
+  for (int s = 0; s < M; ++s)
+    for (int i = 0; i < Tl; ++i) {
+      tokens[s * Tl + i] = in[int64_t{s} * T + pos[i]];
+      targets[s * Tl + i] = tg[int64_t{s} * T + pos[i]];
+    }
+}
+
+ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const Config& c, bool builtin,
+                   Communicator& dp, Communicator& data, Communicator& pp, const std::vector<int32_t>& pos) {
+  const int M = static_cast<int>(c.training.micro_batch), T = c.model.seq_len, V = c.model.vocab_size;
+  const int Tl = static_cast<int>(pos.size());  // this rank's positions of each sequence (context parallelism)
+  const int64_t R = dp.size(), per_rank = c.training.val_batches * c.training.global_batch / R;
+  std::vector<int32_t> in(M * T), tg(M * T), best(M * Tl);
+  std::vector<uint8_t> mask(T);
+  auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
+    fill_part(val, dp.rank() + R * int64_t{micro} * M, M, tokens, targets, R, T, pos);
+  };
+  // [loss sum, correct answers, answers, answers per target character...]
+  std::vector<double> tally(3 + V, 0.0);
+  auto count_answers = [&](int micro, int slot, double) {
+    if (!builtin) return;
+    val.fill(dp.rank() + R * int64_t{micro} * M, M, in.data(), tg.data(), R);  // whole sequences: answers need context
+    model.predictions(best.data(), slot);  // greedy, over the whole vocabulary (collective over tp)
+    for (int s = 0; s < M; ++s) {
+      tasks_answer_mask(&in[s * T], &tg[s * T], T, mask.data());
+      for (int i = 0; i < Tl; ++i) {
+        const int t = pos[i];
+        if (!mask[t]) continue;
+        tally[1] += best[s * Tl + i] == tg[s * T + t];
+        tally[2] += 1;
+        tally[3 + tg[s * T + t]] += 1;
+      }
+    }
+  };
+  tally[0] = pipe.evaluate(static_cast<int>((per_rank + M - 1) / M), feed, count_answers);
+  tally = sum_doubles(data, sum_doubles(pp, tally));
+  ValResult r;
+  r.loss = tally[0] / (double(c.training.val_batches) * c.training.global_batch * T);
+  if (tally[2] > 0) {
+    r.accuracy = tally[1] / tally[2];
+    r.baseline_accuracy = *std::max_element(tally.begin() + 3, tally.end()) / tally[2];
+  }
+  return r;
+}
+
+}  // namespace mt

@@ -1,0 +1,47 @@
+// The training run's tokens and its validation: the built-in tasks or token files (with
+// the held-out split), the unigram baseline, this rank's part of each sequence under context
+// parallelism, and validation through the pipeline.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "data/loader.h"
+#include "nn/model.h"
+#include "parallel/pipeline.h"
+#include "train/config.h"
+
+namespace mt {
+
+struct Data {
+  std::vector<int32_t> train, val;
+  bool builtin = false;
+};
+
+// The configured training and validation tokens, checked against the vocabulary.
+Data data_load(const Config& c);
+
+// Cross-entropy of predicting each validation token by its training frequency (add-one
+// smoothed): what a model that learned nothing but token counts would score.
+std::optional<double> unigram_baseline(const std::vector<int32_t>& train, const std::vector<int32_t>& val, int vocab);
+
+struct ValResult {
+  double loss = 0;
+  std::optional<double> accuracy, baseline_accuracy;  // built-in tasks only
+};
+
+// TokenLoader::fill for this rank's positions `pos` of each sequence of T tokens
+// (context parallelism, nn/cp.h): tokens and targets are [M, pos.size()].
+void fill_part(const TokenLoader& data, int64_t first, int M, int32_t* tokens, int32_t* targets, int64_t stride, int T,
+               const std::vector<int32_t>& pos);
+
+// Mean loss over the first val_batches global batches of the validation tokens, read the
+// way training reads a step (rank r takes positions r, r + R, ...), so every layout
+// evaluates the same sequences; for the built-in tasks also the greedy accuracy on answer
+// characters. The micro-batches go through the pipeline forward only; the ranks holding
+// the head count them.
+ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const Config& c, bool builtin,
+                   Communicator& dp, Communicator& data, Communicator& pp, const std::vector<int32_t>& pos);
+
+}  // namespace mt
