@@ -323,7 +323,10 @@ struct Measured {
 std::string knob_keys(const MemoryKnobs& k) {
   return " --parallel.bucket_mb=" + std::to_string(k.bucket_mb) + " --parallel.grad_comm_dtype=" + k.grad_comm_dtype +
          " --parallel.prefetch=" + (k.prefetch ? "true" : "false") +
-         " --parallel.reshard_after_forward=" + (k.reshard_after_forward ? "true" : "false");
+         " --parallel.reshard_after_forward=" + (k.reshard_after_forward ? "true" : "false") +
+         " --parallel.hierarchical=" + (k.hierarchical ? "true" : "false") +
+         " --parallel.ranks_per_node=" + std::to_string(k.ranks_per_node) +
+         " --parallel.grad_compression=" + k.grad_compression;
 }
 
 std::string run_keys(const Layout& l) {
@@ -404,9 +407,15 @@ void expect_as_measured(const std::vector<Measured>& runs) {
   }
 }
 
-// The layouts the brief names, one run each (about 10 s on two cores).
+// The layouts the brief names, one run each (about 15 s on two cores); DDP's hierarchical
+// and int8 reductions with several buckets.
 TEST(PlanMemory, PredictedBesideMeasured) {
+  MemoryKnobs nodes_of_2, int8;
+  nodes_of_2.hierarchical = true, nodes_of_2.ranks_per_node = 2, nodes_of_2.bucket_mb = 0.02;
+  int8.grad_compression = "int8", int8.bucket_mb = 0.02;
   expect_as_measured({
+      {"dp4 hierarchical", "gpt2", 4, "dp=4,mb=1,gb=4", 0, nodes_of_2},
+      {"dp2 int8", "llama", 2, "dp=2,mb=1,gb=4", 0, int8},
       {"one rank", "gpt2", 1, "mb=2,gb=4"},
       {"recompute", "gpt2", 1, "mb=2,gb=4,recompute=full"},
       {"dp2 ddp", "gpt2", 2, "dp=2,mb=2,gb=4"},

@@ -380,12 +380,27 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
       if (buckets.empty() || buckets.back() >= cap) buckets.push_back(0);
       buckets.back() += r.numel[u];
     }
-    double biggest = 0;
+    double staging = 0;
     for (int64_t n : buckets) {
-      biggest = std::max(biggest, static_cast<double>(ceil_div(n, s.R)));
+      if (s.knobs.grad_compression == "int8") {
+        // Int8Reduction (parallel/compress.h): residuals [n] and [m] floats, the int8 blocks
+        // (m values, a float scale per 1024) to and from every rank; no ring staging.
+        const int64_t K = 1024, m = std::max<int64_t>(1, ceil_div(n, s.R * K)) * K;
+        bytes += 4.0 * n + 4.0 * m + 2.0 * s.R * (m + 4 * (m / K));
+        continue;
+      }
       if (cb != gb) bytes += n * cb;  // a 16-bit copy of the bucket
+      if (s.knobs.hierarchical) {
+        // Communicator::allreduce_hierarchical: the node's other pieces of this rank's
+        // shard [(L - 1) m] in the bucket's dtype, then the partial sum [m] in float.
+        const int L = s.knobs.ranks_per_node > 0 ? s.knobs.ranks_per_node : s.R;
+        const double m = static_cast<double>(ceil_div(n, L));
+        staging = std::max(staging, 4 * (std::ceil((L - 1) * m * cb / 4) + m));
+      } else {
+        staging = std::max(staging, staging_bytes(ceil_div(n, s.R) * (s.R - 1.0), cb));
+      }
     }
-    bytes += staging_bytes(biggest * (s.R - 1), cb);
+    bytes += staging;
   }
   if (s.lay.zero > 0) {
     double chunk = 0;

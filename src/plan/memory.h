@@ -71,6 +71,9 @@ struct MemoryKnobs {
   std::string pp_layers = "auto";        // parallel.pp_layers: blocks per stage
   int reductions_in_flight = static_cast<int>(ZeRO::kReductionsInFlight);  // ZeRO 2-3: reductions pending at once; 0: no bound
   int send_copies_in_flight = 0;         // pipeline: send copies a rank keeps at once; 0: the schedule's bound
+  bool hierarchical = false;             // parallel.hierarchical: DDP's buckets by node (staging per node)
+  int ranks_per_node = 0;                // its nodes' data-parallel ranks; 0: all of them on one node
+  std::string grad_compression = "none";  // parallel.grad_compression = int8: residuals and int8 blocks per bucket
 };
 
 // Bytes per rank by tag for the rank that needs the most (see above). optim: "adamw" or

@@ -61,6 +61,9 @@ MemoryKnobs knobs(const Config& c) {
   k.prefetch = c.parallel.prefetch;
   k.reshard_after_forward = c.parallel.reshard_after_forward;
   k.pp_layers = c.parallel.pp_layers;
+  k.hierarchical = c.parallel.hierarchical;
+  k.ranks_per_node = c.parallel.ranks_per_node;
+  k.grad_compression = c.parallel.grad_compression;
   return k;
 }
 

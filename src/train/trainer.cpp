@@ -638,7 +638,9 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
   js["mem_model_state_predicted"] = run.predicted;
   js["mem_activations_predicted"] = run.predicted_activations;
   std::vector<std::string> plan_lines;
-  js.update(plan_report(c, run.world.size(), {p.step_peaks, p.comm_last, p.timed_steps ? p.train_seconds / p.timed_steps : 0},
+  Config planned = c;  // the nodes found by MPI where parallel.ranks_per_node left it to them
+  if (c.parallel.hierarchical) planned.parallel.ranks_per_node = run.data.ranks_per_node();
+  js.update(plan_report(planned, run.world.size(), {p.step_peaks, p.comm_last, p.timed_steps ? p.train_seconds / p.timed_steps : 0},
                         &plan_lines));
   run.log.write(js);
   print_summary(run, sum, mem, p.timed_steps);
