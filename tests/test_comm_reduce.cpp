@@ -5,6 +5,8 @@
 // - parallel.grad_compression = int8 tracks the uncompressed run on the built-in tasks
 //   within a stated band, with the bytes per step the compressed exchange predicts (about
 //   a quarter of fp32's);
+// - parallel.grad_compression = powersgd (rank 4) tracks it within a wider band, with the
+//   bytes per step of its two all-reduces exactly;
 // - combinations that cannot run are refused with one message naming the key.
 #include <gtest/gtest.h>
 
@@ -12,6 +14,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "nn/model.h"
 #include "parallel/compress.h"
 #include "train_runs.h"
 
@@ -101,6 +104,62 @@ TEST(Int8Compression, TracksTheUncompressedRunWithAQuarterOfTheBytes) {
   EXPECT_LT(want_int8 / want_fp32, 0.26);
 }
 
+// PowerSGD against fp32 on the built-in tasks (40 steps, dp 2, one bucket). A rank-4
+// approximation slows the fastest descent, steps 20 to 40, and the curves close in after
+// it (README). Measured: rank 4 at most 15.6% above fp32 at any step (step 36; at 100 steps
+// the gap narrows to 6%), rank 8 at most 6.2%; the bands are 20% and 8%, and the higher rank
+// must track closer (the approximation improves with the rank).
+// Bytes per step: each 2-D parameter [rows x cols] with 4 < min(rows, cols) sends rows x 4
+// (P) and cols x 4 (Q) elements, the other Ψ_plain elements go uncompressed with P; at dp 2
+// an all-reduce sends 2 (P - 1) / P x 4 bytes = 4 bytes per element:
+// 4 (sum rows 4 + Ψ_plain) + 4 (sum cols 4), plus the 8-byte loss sum.
+TEST(PowerSGDCompression, TracksTheUncompressedRunWithTheExpectedBytes) {
+  TempDir d;
+  const std::string o = std::string("--config ") + MESHTRAIN_SOURCE_DIR + "/configs/llama_tasks.toml" +
+                        " --training.steps=40 --training.val_every=0 --model.n_layer=2 --training.micro_batch=0" +
+                        " --parallel.bucket_mb=1000";
+  RunResult fp32 = train_run(d, "fp32", 2, o);
+  RunResult psgd = train_run(d, "psgd", 2, o + " --parallel.grad_compression=powersgd");
+  RunResult psgd8 = train_run(d, "psgd8", 2, o + " --parallel.grad_compression=powersgd --parallel.powersgd_rank=8");
+  double worst[2] = {0, 0};
+  for (int k = 0; k < 2; ++k) {
+    const RunResult& run = k == 0 ? psgd : psgd8;
+    ASSERT_EQ(run.loss.size(), 40u);
+    EXPECT_LT(run.loss.back(), 0.6 * run.loss.front()) << "PowerSGD learns";
+    for (size_t s = 0; s < fp32.loss.size(); ++s)
+      worst[k] = std::max(worst[k], std::fabs(run.loss[s] - fp32.loss[s]) / fp32.loss[s]);
+    std::printf("powersgd (rank %d) against fp32: largest loss difference %.2e relative; final %.4f vs %.4f\n",
+                k == 0 ? 4 : 8, worst[k], run.loss.back(), fp32.loss.back());
+  }
+  EXPECT_LT(worst[0], 0.2);
+  EXPECT_LT(worst[1], 0.08);
+  EXPECT_LT(worst[1], worst[0]) << "rank 8 tracks closer than rank 4";
+  EXPECT_GT(worst[1], 0) << "powersgd changed nothing";
+  EXPECT_NE(psgd.output.find("powersgd-compressed (rank 4"), std::string::npos) << psgd.output;
+
+  CpuAllocator alloc;
+  Model model(fp32.model, alloc, 1);
+  const int64_t r = 4, psi = parameters(fp32);
+  int64_t p_elems = 0, q_elems = 0, compressed = 0;
+  for (const Unit& u : model.units())
+    for (const ParamSpec& p : u.params)
+      if (p.shape.size() == 2 && r < std::min(p.shape[0], p.shape[1])) {
+        p_elems += p.shape[0] * r, q_elems += p.shape[1] * r, compressed += p.numel();
+      }
+  ASSERT_GT(compressed, psi / 2) << "most parameters are compressed matrices";
+  const double want_psgd = 4.0 * (p_elems + psi - compressed) + 4.0 * q_elems, want_fp32 = 4.0 * psi;
+  const auto f = steps_of(d, "fp32"), q = steps_of(d, "psgd");
+  ASSERT_EQ(q.size(), f.size());
+  for (size_t s = 0; s < q.size(); ++s) {
+    EXPECT_EQ(q[s]["comm_bytes"].get<double>(), want_psgd + 8) << "step " << s;
+    EXPECT_NEAR(f[s]["comm_bytes"].get<double>(), want_fp32 + 8, 1.0) << "step " << s;
+  }
+  std::printf("bytes per step: fp32 %.0f, powersgd %.0f (%.4f of fp32; %lld of %lld parameters compressed)\n",
+              want_fp32, want_psgd, want_psgd / want_fp32, static_cast<long long>(compressed),
+              static_cast<long long>(psi));
+  EXPECT_LT(want_psgd / want_fp32, 0.2);
+}
+
 TEST(CheaperComm, CombinationsThatCannotRunAreRefused) {
   TempDir d;
   const std::string cmd = std::string("OMP_NUM_THREADS=1 ") + MESHTRAIN_BIN + " launch -n 4 train " +
@@ -112,7 +171,10 @@ TEST(CheaperComm, CombinationsThatCannotRunAreRefused) {
       {" --parallel.grad_compression=int8 --parallel.zero=2", "use parallel.zero=0 or grad_compression=none"},
       {" --parallel.grad_compression=int8 --parallel.grad_comm_dtype=bf16", "leave parallel.grad_comm_dtype = fp32"},
       {" --parallel.grad_compression=int8 --parallel.hierarchical=true", "does not run hierarchically"},
-      {" --parallel.grad_compression=powersgd", "parallel.grad_compression = powersgd is not implemented"},
+      {" --parallel.grad_compression=powersgd --parallel.zero=1", "use parallel.zero=0 or grad_compression=none"},
+      {" --parallel.grad_compression=powersgd --parallel.grad_comm_dtype=fp16", "leave parallel.grad_comm_dtype = fp32"},
+      {" --parallel.grad_compression=powersgd --parallel.hierarchical=true", "does not run hierarchically"},
+      {" --parallel.powersgd_rank=0", "parallel.powersgd_rank = 0 must be at least 1"},
       {" --parallel.grad_compression=topk", "expected one of none int8 powersgd"},
   });
 }

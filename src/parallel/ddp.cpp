@@ -31,7 +31,7 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
                overlap_pays(affinity_cpus(), dp.ranks_on_node(), omp_get_max_threads(), dp.spans_machines())) {
   MT_CHECK(!cfg.hierarchical || dp.ranks_per_node() > 0,
            "internal: parallel.hierarchical=true needs the nodes set on the dp group");
-  MT_CHECK(cfg.grad_compression == "none" || cfg.grad_compression == "int8",
+  MT_CHECK(cfg.grad_compression == "none" || cfg.grad_compression == "int8" || cfg.grad_compression == "powersgd",
            "parallel.grad_compression = " << cfg.grad_compression << " is not implemented in DDP");
   dtype_ = cfg.grad_comm_dtype == "bf16" ? DType::bf16 : cfg.grad_comm_dtype == "fp16" ? DType::f16 : DType::f32;
   const auto& units = model.units();
@@ -61,6 +61,16 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
     b.in_place = contiguous;
     if (!contiguous) b.buffer = Tensor::empty({b.numel}, dtype_, alloc, MemTag::comm);
     if (cfg.grad_compression == "int8") b.int8 = std::make_unique<Int8Reduction>(b.numel, dp, alloc);
+    if (cfg.grad_compression == "powersgd") {
+      std::vector<PsgdMatrix> matrices;  // the bucket's 2-D parameters, [rows x cols] as stored
+      int64_t off = 0;
+      for (int u : b.units) {
+        for (const ParamSpec& p : units[u].params)
+          if (p.shape.size() == 2) matrices.push_back({off + p.offset, p.shape[0], p.shape[1]});
+        off += units[u].numel;
+      }
+      b.psgd = std::make_unique<PowerSGDReduction>(b.numel, matrices, cfg.powersgd_rank, dp, alloc);
+    }
   }
 }
 
@@ -96,8 +106,8 @@ void DDP::launch(Bucket& b) {
   b.work = allreduce(b.buffer);
 }
 
-// Blocking: quantize, exchange, sum, exchange, dequantize (compress.h), in the gradients
-// themselves or through the bucket's fp32 buffer.
+// Blocking: int8 (quantize, exchange, sum, exchange, dequantize; compress.h) or PowerSGD
+// (powersgd.h), in the gradients themselves or through the bucket's fp32 buffer.
 void DDP::reduce_compressed(Bucket& b) {
   auto& units = model_.units();
   float* g = b.in_place ? units[b.units[0]].g.f32() : b.buffer.f32();
@@ -106,7 +116,8 @@ void DDP::reduce_compressed(Bucket& b) {
     if (!b.in_place) b.buffer.view(off, {units[u].numel}).copy_from(units[u].g);
     off += units[u].numel;
   }
-  b.int8->reduce(g);
+  if (b.int8) b.int8->reduce(g);
+  else b.psgd->reduce(g);
   b.pending = 0;
   off = 0;
   for (int u : b.units) {
@@ -118,7 +129,7 @@ void DDP::reduce_compressed(Bucket& b) {
 void DDP::finish() {
   if (dp_.size() == 1) return;
   auto& units = model_.units();
-  if (cfg_.grad_compression == "int8") {
+  if (cfg_.grad_compression != "none") {
     for (Bucket& b : buckets_) reduce_compressed(b);
     return;
   }
@@ -179,6 +190,8 @@ std::string DDP::describe() const {
                                     : "after backward";
   std::string how = cfg_.grad_comm_dtype;
   if (cfg_.grad_compression == "int8") how = "int8-compressed (error feedback)";
+  if (cfg_.grad_compression == "powersgd")
+    how = "powersgd-compressed (rank " + std::to_string(cfg_.powersgd_rank) + ", error feedback, warm start)";
   if (cfg_.hierarchical)
     how += " hierarchical (nodes of " + std::to_string(dp_.ranks_per_node()) + " dp ranks)";
   char buf[320];

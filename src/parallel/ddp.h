@@ -24,7 +24,9 @@
 // parallel.hierarchical: each bucket goes through the dp group's hierarchical all-reduce
 // (Communicator::allreduce_hierarchical_async, nodes set on the group by the trainer),
 // bit-identical to the flat one. parallel.grad_compression = int8: each bucket is reduced
-// by an Int8Reduction (parallel/compress.h) after backward, with error feedback.
+// by an Int8Reduction (parallel/compress.h) after backward, with error feedback; powersgd:
+// by a PowerSGDReduction (parallel/powersgd.h) of rank parallel.powersgd_rank over the
+// bucket's 2-D parameters, the other elements uncompressed.
 //
 // Mixed precision (training.precision bf16 / fp16): the units' w are 16-bit working copies;
 // DDP keeps the fp32 master parameters (MemTag::optim, as the ZeRO analysis counts them),
@@ -39,6 +41,7 @@
 #include "parallel/compress.h"
 #include "parallel/data_parallel.h"
 #include "parallel/parallel_config.h"
+#include "parallel/powersgd.h"
 
 namespace mt {
 
@@ -65,6 +68,7 @@ class DDP final : public DataParallel {
   uint64_t bytes_sent() const override { return dp_.bytes_sent(); }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   bool overlapping() const { return overlap_; }
+  const PowerSGDReduction* powersgd(int bucket) const { return buckets_[bucket].psgd.get(); }
   // Reduce during backward (true) or after it, whatever the cores: for tests.
   void set_overlap(bool on) { overlap_ = on; }
 
@@ -77,6 +81,7 @@ class DDP final : public DataParallel {
     Tensor buffer;           // [numel] in the communication dtype, when not in place
     WorkPtr work;
     std::unique_ptr<Int8Reduction> int8;  // grad_compression = int8
+    std::unique_ptr<PowerSGDReduction> psgd;  // grad_compression = powersgd
   };
   void launch(Bucket& b);
   void reduce_compressed(Bucket& b);

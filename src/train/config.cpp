@@ -160,6 +160,7 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("parallel.ranks_per_node", &C::parallel, &ParallelConfig::ranks_per_node));
     v.push_back(str_key("parallel.grad_compression", &C::parallel, &ParallelConfig::grad_compression,
                         {"none", "int8", "powersgd"}));
+    v.push_back(int_key("parallel.powersgd_rank", &C::parallel, &ParallelConfig::powersgd_rank));
     v.push_back(bool_key("parallel.debug_collectives", &C::parallel, &ParallelConfig::debug_collectives));
     v.push_back(num_key("parallel.timeout_s", &C::parallel, &ParallelConfig::timeout_s));
     v.push_back(int_key("parallel.zero", &C::parallel, &ParallelConfig::zero));
@@ -354,12 +355,12 @@ void Config::check_cheaper_comm() const {
   MT_CHECK(!p.hierarchical || p.zero == 0,
            "parallel.hierarchical=true applies to DDP's gradient all-reduce, but parallel.zero = "
                << p.zero << " reduce-scatters and all-gathers instead; use parallel.zero=0 or hierarchical=false");
-  MT_CHECK(p.grad_compression != "powersgd",
-           "parallel.grad_compression = powersgd is not implemented; use int8 (or none)");
+  MT_CHECK(p.powersgd_rank >= 1, "parallel.powersgd_rank = " << p.powersgd_rank
+                                 << " must be at least 1 (the rank of PowerSGD's approximation; default 4)");
   if (p.grad_compression == "none") return;
   MT_CHECK(p.zero == 0, "parallel.grad_compression = " << p.grad_compression << " compresses DDP's gradient "
                         << "reduction, but parallel.zero = " << p.zero << "; use parallel.zero=0 or grad_compression=none");
-  MT_CHECK(p.grad_comm_dtype == "fp32", "parallel.grad_compression = " << p.grad_compression << " quantizes fp32 "
+  MT_CHECK(p.grad_comm_dtype == "fp32", "parallel.grad_compression = " << p.grad_compression << " compresses fp32 "
                                         << "gradients itself; leave parallel.grad_comm_dtype = fp32 (got "
                                         << p.grad_comm_dtype << ")");
   MT_CHECK(!p.hierarchical, "parallel.grad_compression = " << p.grad_compression << " has its own exchange and does "
