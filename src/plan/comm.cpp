@@ -95,6 +95,48 @@ std::vector<double> unit_numels(const ModelConfig& model, int tp) {
   return n;
 }
 
+BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double D,
+                                 const TrafficOptions& opt, double es) {
+  const std::vector<Unit> layout = model_layout(model, TpShard{tp, 0});
+  double n = 0;
+  for (int u : units) n += static_cast<double>(layout[u].numel);
+  BucketReduction r;
+  if (opt.grad_compression == "int8") {
+    // Int8Reduction (parallel/compress.h): an all-to-all and an all-gather of one range's
+    // block (m int8 values, a float scale per 1024) per rank; residuals [n] and [m] floats.
+    const double K = 1024, m = std::max(1.0, std::ceil(n / (D * K))) * K, block = m + 4 * (m / K);
+    r.bytes = 2 * (D - 1) * block;
+    r.messages = 2;
+    r.buffers = 4 * n + 4 * m + 2 * D * block;
+    return r;
+  }
+  if (opt.grad_compression == "powersgd") {
+    // PowerSGDReduction (parallel/powersgd.h): all-reduces of the P factors with the
+    // uncompressed elements, and of the Q factors; the residuals of the compressed matrices.
+    const double k = opt.powersgd_rank;
+    double p = 0, q = 0, e = 0;
+    for (int u : units)
+      for (const ParamSpec& ps : layout[u].params) {
+        if (ps.shape.size() != 2 || k >= std::min(ps.shape[0], ps.shape[1])) continue;
+        p += ps.shape[0] * k, q += ps.shape[1] * k, e += static_cast<double>(ps.shape[0]) * ps.shape[1];
+      }
+    const double first = p + n - e;
+    r.bytes = 2 * (D - 1) / D * 4 * first + 2 * (D - 1) / D * 4 * q;
+    r.messages = 2;
+    r.buffers = 4 * (std::max(1.0, first) + std::max(1.0, q) + std::max(1.0, e));
+    r.staging = 4 * std::ceil(std::max(first, q) / D) * (D - 1);
+    return r;
+  }
+  // Communicator::allreduce_hierarchical: rank 0 sends its pieces of the node's other shards
+  // and its shard back to each, and (with a node after it) its partial sum in float; it
+  // stages the node's pieces of the largest shard and one partial sum.
+  const double L = opt.ranks_per_node > 0 ? opt.ranks_per_node : D, m0 = std::floor(n / L), m = std::ceil(n / L);
+  r.bytes = (n - m0 + (L - 1) * m0) * es + (D > L ? 4 * m0 : 0);
+  r.messages = 3;
+  r.staging = 4 * (std::ceil((L - 1) * m * es / 4) + m);
+  return r;
+}
+
 std::vector<HeldUnit> held_units(const ModelConfig& model, const std::vector<ChunkShare>& chunks) {
   std::vector<HeldUnit> held;
   bool embed = false;
@@ -185,12 +227,21 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
   p.scalars = allgather(D, 8);  // the loss's sum over the data group
   if (layout.zero == 0) {  // DDP: buckets of whole units in backward order, about bucket_mb each
     const double cap = opt.bucket_mb * 1024 * 1024 / 4, bytes = dtype_bytes(opt.grad_comm_dtype);
+    const bool plain = opt.grad_compression == "none" && !opt.hierarchical;
     double bucket = 0;
+    std::vector<int> units;
     for (size_t i = 0; i < held.size(); ++i) {
       bucket += numel[held[i].unit];
+      units.push_back(held[i].unit);
       if (bucket < cap && i + 1 < held.size()) continue;
-      p.reductions.push_back({held[i].chunk, allreduce(D, bucket * bytes)});
+      if (plain) {
+        p.reductions.push_back({held[i].chunk, allreduce(D, bucket * bytes)});
+      } else {
+        const BucketReduction r = bucket_reduction(model, layout.tp, units, D, opt, bytes);
+        p.reductions.push_back({held[i].chunk, {r.bytes, r.messages}});
+      }
       bucket = 0;
+      units.clear();
     }
     return p;
   }

@@ -48,7 +48,21 @@ struct TrafficOptions {
   std::string grad_comm_dtype = "fp32";  // parallel.grad_comm_dtype: DDP's all-reduce (fp32 | bf16 | fp16)
   bool reshard_after_forward = true;     // parallel.reshard_after_forward (ZeRO 3 without pipelining)
   double bucket_mb = 25;                 // parallel.bucket_mb: DDP's buckets (messages, the last one's tail)
+  bool hierarchical = false;             // parallel.hierarchical: DDP's buckets by node
+  int ranks_per_node = 0;                // its nodes' data-parallel ranks; 0: all of them on one node
+  std::string grad_compression = "none";  // parallel.grad_compression: none | int8 | powersgd (DDP)
+  int powersgd_rank = 4;                 // parallel.powersgd_rank
 };
+
+// DDP's reduction of one bucket (the units `units` as tp rank 0 holds them) over a data
+// group of D ranks under grad_compression int8 or powersgd, or hierarchically by node: the
+// bytes data-parallel rank 0 sends (as the communicator counts them), its collectives, the
+// buffers it keeps for the bucket, and the communicator's staging it needs (bytes).
+struct BucketReduction {
+  double bytes = 0, messages = 0, buffers = 0, staging = 0;
+};
+BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double D,
+                                 const TrafficOptions& opt, double elem_bytes);
 
 // Bytes one rank sends per optimizer step on each axis: per axis the most any pipeline rank
 // sends. Throws mt::Error when the layout cannot run the model (a tp that does not divide

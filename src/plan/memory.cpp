@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "nn/model.h"
+#include "plan/comm.h"
 #include "nn/tp.h"
 #include "optim/optimizer.h"
 #include "parallel/pipeline.h"
@@ -375,30 +376,28 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
     const double cb = s.knobs.grad_comm_dtype == "fp32" ? gb : 2;
     const int64_t cap = static_cast<int64_t>(s.knobs.bucket_mb * 1024 * 1024 / 4);
     std::vector<int64_t> buckets;
+    std::vector<std::vector<int>> units;  // each bucket's units
     for (int u = static_cast<int>(r.numel.size()) - 1; u >= 0; --u) {
       if (r.numel[u] == 0) continue;
-      if (buckets.empty() || buckets.back() >= cap) buckets.push_back(0);
+      if (buckets.empty() || buckets.back() >= cap) buckets.push_back(0), units.emplace_back();
       buckets.back() += r.numel[u];
+      units.back().push_back(u);
     }
+    TrafficOptions how;
+    how.hierarchical = s.knobs.hierarchical, how.ranks_per_node = s.knobs.ranks_per_node;
+    how.grad_compression = s.knobs.grad_compression, how.powersgd_rank = s.knobs.powersgd_rank;
     double staging = 0;
-    for (int64_t n : buckets) {
-      if (s.knobs.grad_compression == "int8") {
-        // Int8Reduction (parallel/compress.h): residuals [n] and [m] floats, the int8 blocks
-        // (m values, a float scale per 1024) to and from every rank; no ring staging.
-        const int64_t K = 1024, m = std::max<int64_t>(1, ceil_div(n, s.R * K)) * K;
-        bytes += 4.0 * n + 4.0 * m + 2.0 * s.R * (m + 4 * (m / K));
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      const int64_t n = buckets[b];
+      if (how.grad_compression == "none" && cb != gb) bytes += n * cb;  // a 16-bit copy of the bucket
+      if (how.grad_compression == "none" && !how.hierarchical) {
+        staging = std::max(staging, staging_bytes(ceil_div(n, s.R) * (s.R - 1.0), cb));
         continue;
       }
-      if (cb != gb) bytes += n * cb;  // a 16-bit copy of the bucket
-      if (s.knobs.hierarchical) {
-        // Communicator::allreduce_hierarchical: the node's other pieces of this rank's
-        // shard [(L - 1) m] in the bucket's dtype, then the partial sum [m] in float.
-        const int L = s.knobs.ranks_per_node > 0 ? s.knobs.ranks_per_node : s.R;
-        const double m = static_cast<double>(ceil_div(n, L));
-        staging = std::max(staging, 4 * (std::ceil((L - 1) * m * cb / 4) + m));
-      } else {
-        staging = std::max(staging, staging_bytes(ceil_div(n, s.R) * (s.R - 1.0), cb));
-      }
+      // int8 (compress.h), powersgd (powersgd.h) or the hierarchical all-reduce
+      const BucketReduction red = bucket_reduction(s.cfg, s.lay.tp, units[b], s.R, how, cb);
+      bytes += red.buffers;
+      staging = std::max(staging, red.staging);
     }
     bytes += staging;
   }

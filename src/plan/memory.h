@@ -73,7 +73,8 @@ struct MemoryKnobs {
   int send_copies_in_flight = 0;         // pipeline: send copies a rank keeps at once; 0: the schedule's bound
   bool hierarchical = false;             // parallel.hierarchical: DDP's buckets by node (staging per node)
   int ranks_per_node = 0;                // its nodes' data-parallel ranks; 0: all of them on one node
-  std::string grad_compression = "none";  // parallel.grad_compression = int8: residuals and int8 blocks per bucket
+  std::string grad_compression = "none";  // parallel.grad_compression: int8 / powersgd buffers per bucket
+  int powersgd_rank = 4;                 // parallel.powersgd_rank
 };
 
 // Bytes per rank by tag for the rank that needs the most (see above). optim: "adamw" or

@@ -51,6 +51,10 @@ TrafficOptions traffic(const Config& c) {
   t.grad_comm_dtype = c.parallel.grad_comm_dtype;
   t.reshard_after_forward = c.parallel.reshard_after_forward;
   t.bucket_mb = c.parallel.bucket_mb;
+  t.hierarchical = c.parallel.hierarchical;
+  t.ranks_per_node = c.parallel.ranks_per_node;
+  t.grad_compression = c.parallel.grad_compression;
+  t.powersgd_rank = c.parallel.powersgd_rank;
   return t;
 }
 
@@ -64,6 +68,7 @@ MemoryKnobs knobs(const Config& c) {
   k.hierarchical = c.parallel.hierarchical;
   k.ranks_per_node = c.parallel.ranks_per_node;
   k.grad_compression = c.parallel.grad_compression;
+  k.powersgd_rank = c.parallel.powersgd_rank;
   return k;
 }
 
