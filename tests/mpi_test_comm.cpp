@@ -289,6 +289,49 @@ TEST(Hierarchical, SendsRanksPerNodeTimesFewerBytesBetweenNodes) {
   EXPECT_THROW(group->set_ranks_per_node(P + 1), Error);
 }
 
+// The hierarchical reduce-scatter (ZeRO's gradients) sums every element in rank order, as
+// the flat one: bit-identical for every node size, dtype and chunk length, into a separate
+// output and in place (the output is this rank's chunk of the input, as ZeRO 1 reduces).
+// Bytes between nodes, summed over the group, against the closed forms (communicator.h):
+// flat P (P - L) es c, hierarchical L (N - 1)(4 N + es) c.
+TEST(Hierarchical, ReduceScatterIsBitIdenticalToTheFlatOne) {
+  Communicator& w = *g_world;
+  CpuAllocator a;
+  auto group = w.split(0, w.rank(), "hier_rs");
+  const int P = w.size();
+  for (int L = 1; L <= P; ++L) {
+    if (P % L) continue;
+    group->set_ranks_per_node(L);
+    const int N = P / L;
+    for (DType dt : {DType::f32, DType::bf16, DType::f16})
+      for (int64_t c : {1, 3, 1000}) {
+        const int64_t len = c * P;
+        const double es = static_cast<double>(dtype_size(dt));
+        Tensor in = Tensor::empty({len}, dt, a, MemTag::comm), flat = Tensor::empty({c}, dt, a, MemTag::comm);
+        Philox rng{93};
+        for (int64_t i = 0; i < len; ++i) {
+          const float v = static_cast<float>(rng.normal(w.rank(), i) * std::pow(10.0, (i + w.rank()) % 5 - 2));
+          if (dt == DType::f32) in.f32()[i] = v;
+          else in.data<uint16_t>()[i] = dt == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+        }
+        Tensor inplace = Tensor::empty({len}, dt, a, MemTag::comm), hier = Tensor::empty({c}, dt, a, MemTag::comm);
+        inplace.copy_from(in);
+        const uint64_t b0 = group->bytes_between_nodes();
+        group->reduce_scatter(in, flat);
+        const uint64_t b1 = group->bytes_between_nodes();
+        group->reduce_scatter_hierarchical_async(in, hier)->wait();
+        const uint64_t b2 = group->bytes_between_nodes();
+        const Tensor mine = inplace.view(w.rank() * c, {c});
+        group->reduce_scatter_hierarchical_async(inplace, mine)->wait();
+        const std::string what = "nodes of " + std::to_string(L) + ", " + dtype_name(dt) + " x " + std::to_string(c);
+        ASSERT_EQ(0, std::memcmp(flat.raw(), hier.raw(), flat.nbytes())) << what;
+        ASSERT_EQ(0, std::memcmp(flat.raw(), mine.raw(), flat.nbytes())) << what << ", in place";
+        EXPECT_EQ(sum_doubles(*group, double(b1 - b0)), P * (P - L) * es * c) << what;
+        EXPECT_EQ(sum_doubles(*group, double(b2 - b1)), L * (N - 1) * (4.0 * N + es) * c) << what;
+      }
+  }
+}
+
 // The test job runs on one machine: one node of every rank.
 TEST(Hierarchical, MachinesFromTheSharedMemorySplit) {
   Communicator& w = *g_world;

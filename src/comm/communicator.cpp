@@ -100,6 +100,7 @@ const char* comm_op_name(CommOp op) {
     case CommOp::barrier: return "barrier";
     case CommOp::allreduce_hierarchical: return "allreduce_hierarchical";
     case CommOp::alltoall: return "alltoall";
+    case CommOp::reduce_scatter_hierarchical: return "reduce_scatter_hierarchical";
   }
   return "?";
 }
@@ -572,6 +573,72 @@ void Communicator::allreduce_hierarchical_run(const Tensor& t, int L) {
     sends.push_back({shard, m * es, first + i});
     recvs.push_back({base + b[i] * es, static_cast<size_t>(b[i + 1] - b[i]) * es, first + i});
   }
+  run();
+}
+
+WorkPtr Communicator::reduce_scatter_hierarchical_async(const Tensor& in, const Tensor& out) {
+  MT_CHECK(is_reducible(in.dtype()) && in.dtype() == out.dtype(),
+           "reduce_scatter needs f32, bf16 or f16 tensors of one dtype");
+  MT_CHECK(in.numel() == out.numel() * size_, "reduce_scatter on group '" << name_ << "': input of " << in.numel()
+                                                                         << " elements is not " << size_
+                                                                         << " x the output's " << out.numel());
+  const int L = ranks_per_node_;
+  MT_CHECK(L > 0, "internal: hierarchical reduce-scatter on group '" << name_ << "' before set_ranks_per_node");
+  CommRecord rec{0, CommOp::reduce_scatter_hierarchical, in.dtype(), in.numel()};
+  return submit(rec, [this, in, out, L] { reduce_scatter_hierarchical_run(in, out, L); });
+}
+
+// Node a holds ranks aL ... aL + L - 1; chunk k (c elements) belongs to rank k. Rank aL + j
+// handles the chunks of position j, bL + j for every node b: their terms from its node,
+// their partial sums from node a - 1. `out` may be this rank's chunk of `in`.
+void Communicator::reduce_scatter_hierarchical_run(const Tensor& in, const Tensor& out, int L) {
+  const int nodes = size_ / L, node = rank_ / L, j = rank_ % L, first = node * L;
+  const bool last = node == nodes - 1;
+  const int64_t c = out.numel();
+  const size_t es = dtype_size(in.dtype());
+  const char* base = static_cast<const char*>(in.raw());
+  auto chunk = [&](int k) { return const_cast<char*>(base) + k * c * es; };
+  // staging: the node's pieces [(L - 1) x nodes x c] in in's dtype, the partial sums
+  // [nodes x c] in float, and (last node) the finished chunks [nodes x c] in in's dtype
+  const int64_t piece_words = ((L - 1) * nodes * c * static_cast<int64_t>(es) + 3) / 4;
+  const int64_t done_words = (nodes * c * static_cast<int64_t>(es) + 3) / 4;
+  Tensor st = staging(piece_words + nodes * c + done_words, DType::f32);
+  char* pieces = static_cast<char*>(st.raw());
+  float* carry = st.f32() + piece_words;
+  char* done = reinterpret_cast<char*>(carry + nodes * c);
+  auto slot = [&](int i, int b) { return pieces + ((i < j ? i : i - 1) * nodes + b) * c * es; };
+  std::vector<Message> sends, recvs;
+  auto run = [&] {
+    for (const Message& m : sends) bytes_sent_ += m.bytes;
+    exchange(sends, recvs);
+    sends.clear(), recvs.clear();
+  };
+  // 1. Inside the node: each peer's position's chunks of this rank's input to that peer;
+  // the partial sums of this position's chunks from the previous node.
+  for (int i = 0; i < L; ++i) {
+    if (i == j) continue;
+    for (int b = 0; b < nodes; ++b) {
+      sends.push_back({chunk(b * L + i), c * es, first + i});
+      recvs.push_back({slot(i, b), c * es, first + i});
+    }
+  }
+  if (node > 0) recvs.push_back({carry, nodes * c * sizeof(float), rank_ - L});
+  run();
+  // 2. This node's terms added to each partial, in rank order: to pass on, or finished
+  // (this rank's own chunk straight into out).
+  for (int b = 0; b < nodes; ++b) {
+    std::vector<const void*> terms;
+    for (int i = 0; i < L; ++i) terms.push_back(i == j ? chunk(b * L + j) : slot(i, b));
+    float* partial = carry + b * c;
+    void* finished = b == node ? out.raw() : done + b * c * es;
+    sum_in_order(in.dtype(), node > 0 ? partial : nullptr, terms, last ? nullptr : partial, finished, c);
+  }
+  // 3. Between nodes: the partials on to the next node; each finished chunk to its owner.
+  if (!last) {
+    sends.push_back({carry, nodes * c * sizeof(float), rank_ + L});
+    recvs.push_back({out.raw(), c * es, (nodes - 1) * L + j});
+  }
+  for (int b = 0; last && b < nodes - 1; ++b) sends.push_back({done + b * c * es, c * es, b * L + j});
   run();
 }
 

@@ -47,7 +47,10 @@
 
 namespace mt {
 
-enum class CommOp { allreduce, reduce_scatter, allgather, broadcast, send, recv, barrier, allreduce_hierarchical, alltoall };
+enum class CommOp {
+  allreduce, reduce_scatter, allgather, broadcast, send, recv, barrier, allreduce_hierarchical, alltoall,
+  reduce_scatter_hierarchical
+};
 const char* comm_op_name(CommOp op);
 
 // One entry of the flight recorder.
@@ -145,6 +148,16 @@ class Communicator {
   // flat all-reduce's 2 (N - 1) / N x the tensor: ranks_per_node times less. The partial
   // sums travel in float (bf16/f16 are summed in float and rounded once, as flat).
   WorkPtr allreduce_hierarchical_async(const Tensor& t);
+  // The same sums as reduce_scatter_async, bit for bit, by node (ZeRO's gradients): chunk k
+  // of in, summed over ranks, arrives in rank k's out. Rank j of a node collects from its
+  // node the pieces of every chunk that position j owns on some node; the partial sums of
+  // those chunks travel from node to node in order, each node adding its ranks' terms (so
+  // every element is summed in rank order, as flat); the last node sends each finished
+  // chunk to its owner. Between nodes, per position (N nodes of L ranks, chunks of c), the
+  // partials of N chunks cross N - 1 boundaries in float and N - 1 finished chunks go home:
+  // (N - 1)(4 N + es) c bytes, against the flat reduce-scatter's N L (N - 1) es c (every
+  // rank's piece for every rank of the other nodes): L N / (N + 1) times fewer in fp32.
+  WorkPtr reduce_scatter_hierarchical_async(const Tensor& in, const Tensor& out);
   // A barrier that may wait longer than the watchdog's limit (x `slack`): for ranks waiting
   // while one of them does slow one-sided work such as writing a checkpoint.
   void barrier_slow(double slack = 10);
@@ -232,6 +245,7 @@ class Communicator {
   void exchange(const std::vector<Message>& sends, const std::vector<Message>& recvs, int tag = kCollectiveTag);
   void allgather_raw(const void* in, void* out, size_t bytes_per_rank);
   void allreduce_hierarchical_run(const Tensor& t, int ranks_per_node);
+  void reduce_scatter_hierarchical_run(const Tensor& in, const Tensor& out, int ranks_per_node);
   // Rank j owns elements [bounds[j], bounds[j + 1]) of `in` (size + 1 bounds): every rank
   // sends each owner its range, and out = the sum over ranks, in rank order, of this
   // rank's range. `out` may be that range of `in` itself.

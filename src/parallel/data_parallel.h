@@ -43,6 +43,9 @@ class DataParallel : public UnitHooks {
   virtual bool writes_checkpoint() const = 0;
   virtual std::string describe() const = 0;  // one line for the run header
   virtual uint64_t bytes_sent() const = 0;   // by this strategy's groups so far
+  // Bytes sent between nodes so far by groups the strategy split off the data group (which
+  // counts its own), where nodes are set (parallel.ranks_per_node, parallel.hierarchical).
+  virtual uint64_t bytes_between_nodes() const { return 0; }
 };
 
 // FNV-1a of a float buffer, to compare parameters across ranks.

@@ -15,6 +15,12 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
   shard_ = dp.split(d / S_, d % S_, "shard");
   replicate_ = dp.split(d % S_, d / S_, "replicate");
   k_ = shard_->rank();
+  // parallel.hierarchical: the gradients' reduce-scatters by node (reduce_scatter_hierarchical).
+  MT_CHECK(!cfg.hierarchical || S_ == dp.size(),
+           "parallel.hierarchical=true with ZeRO reduce-scatters over all dp ranks by node, but parallel.shard_group = "
+               << S_ << " shards over groups of " << S_ << " of the " << dp.size()
+               << " (HYBRID_SHARD, itself a layout by node); use one or the other");
+  if (dp.ranks_per_node() > 0 && S_ == dp.size()) shard_->set_ranks_per_node(dp.ranks_per_node());
   wd_ = working_dtype(model.config());
   const bool mixed = wd_ != DType::f32;
   auto& units = model.units();
@@ -131,12 +137,15 @@ void ZeRO::before_backward(int unit) {
 
 void ZeRO::launch_reduce(int u) {
   UnitState& s = st_[u];
+  auto reduce_scatter = [&](const Tensor& in, const Tensor& out) {
+    return cfg_.hierarchical ? shard_->reduce_scatter_hierarchical_async(in, out) : shard_->reduce_scatter_async(in, out);
+  };
   if (stage_ == 1) {  // in place: chunk k of the full gradient receives the sum
-    s.reduce = shard_->reduce_scatter_async(s.full_g, s.full_g.view(k_ * s.chunk, {s.chunk}));
+    s.reduce = reduce_scatter(s.full_g, s.full_g.view(k_ * s.chunk, {s.chunk}));
     return;
   }
   s.reduced = Tensor::empty({s.chunk}, DType::f32, alloc_, MemTag::comm);
-  s.reduce = shard_->reduce_scatter_async(s.full_g, s.reduced);
+  s.reduce = reduce_scatter(s.full_g, s.reduced);
   model_.units()[u].g = Tensor();
 }
 

@@ -75,6 +75,7 @@ class ZeRO final : public DataParallel {
   bool writes_checkpoint() const override { return replicate_->rank() == 0; }  // one shard group writes
   std::string describe() const override;
   uint64_t bytes_sent() const override { return dp_.bytes_sent() + shard_->bytes_sent() + replicate_->bytes_sent(); }
+  uint64_t bytes_between_nodes() const override { return shard_->bytes_between_nodes(); }
 
   int stage() const { return stage_; }
   Communicator& shard_group() { return *shard_; }

@@ -254,7 +254,12 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
   for (const HeldUnit& h : held) {
     const double chunk = std::ceil(numel[h.unit] / S);
     if (S > 1) {
-      p.reductions.push_back({h.chunk, reduce_scatter(S, chunk * S * prec.grad)});
+      if (opt.hierarchical) {  // Communicator::reduce_scatter_hierarchical, as data rank 0 sends it
+        const double L = opt.ranks_per_node > 0 ? opt.ranks_per_node : S, nodes = S / L;
+        p.reductions.push_back({h.chunk, {(L - 1) * nodes * chunk * prec.grad + (nodes > 1 ? 4 * nodes * chunk : 0), 2}});
+      } else {
+        p.reductions.push_back({h.chunk, reduce_scatter(S, chunk * S * prec.grad)});
+      }
       const Flow gather = allgather(S, chunk * prec.param);
       if (layout.zero < 3) {
         p.after_step += gather;

@@ -404,7 +404,14 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
   if (s.lay.zero > 0) {
     double chunk = 0;
     for (int64_t n : r.numel) chunk = std::max(chunk, static_cast<double>(ceil_div(n, s.N)));
-    bytes += staging_bytes(chunk * (s.N - 1), gb);  // reduce-scatter into [c]: (N - 1) pieces
+    if (s.knobs.hierarchical) {
+      // reduce_scatter_hierarchical: the node's pieces [(L - 1) x nodes x c] in the gradients'
+      // dtype, the partial sums [nodes x c] in float, the finished chunks [nodes x c]
+      const double L = s.knobs.ranks_per_node > 0 ? s.knobs.ranks_per_node : s.N, nodes = s.N / L;
+      bytes += 4 * (std::ceil((L - 1) * nodes * chunk * gb / 4) + nodes * chunk + std::ceil(nodes * chunk * gb / 4));
+    } else {
+      bytes += staging_bytes(chunk * (s.N - 1), gb);  // reduce-scatter into [c]: (N - 1) pieces
+    }
     if (s.R > 1) bytes += staging_bytes(ceil_div(static_cast<int64_t>(chunk), s.R) * (s.R - 1.0), gb);  // HYBRID
   }
   // A tied head on another rank than the embedding: the pair all-reduces the embedding's

@@ -347,14 +347,12 @@ std::string values_where(int lo, int hi, const std::function<bool(int)>& ok) {
 
 }  // namespace
 
-// Hierarchical all-reduce and gradient compression are ways of DDP's gradient reduction.
+// Hierarchical reductions (DDP's all-reduce, ZeRO's reduce-scatters) and gradient
+// compression (DDP's).
 void Config::check_cheaper_comm() const {
   const ParallelConfig& p = parallel;
   MT_CHECK(p.ranks_per_node >= 0, "parallel.ranks_per_node = " << p.ranks_per_node
                                                                << " must not be negative (0: the machines MPI finds)");
-  MT_CHECK(!p.hierarchical || p.zero == 0,
-           "parallel.hierarchical=true applies to DDP's gradient all-reduce, but parallel.zero = "
-               << p.zero << " reduce-scatters and all-gathers instead; use parallel.zero=0 or hierarchical=false");
   MT_CHECK(p.powersgd_rank >= 1, "parallel.powersgd_rank = " << p.powersgd_rank
                                  << " must be at least 1 (the rank of PowerSGD's approximation; default 4)");
   if (p.grad_compression == "none") return;
@@ -447,6 +445,11 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
   } else if (parallel.shard_group == 0) {
     parallel.shard_group = data;
   }
+  MT_CHECK(!parallel.hierarchical || parallel.zero == 0 || parallel.shard_group == data,
+           "parallel.hierarchical=true with ZeRO reduce-scatters over all " << data_name << " ranks by node, but "
+               << "parallel.shard_group = " << parallel.shard_group << " shards over groups of "
+               << parallel.shard_group << " of the " << data << " (HYBRID_SHARD, itself a layout by node); use one "
+               << "or the other");
   MT_CHECK(parallel.ranks_per_node == 0 || data % parallel.ranks_per_node == 0,
            data_name << " = " << data << " is not a multiple of parallel.ranks_per_node = " << parallel.ranks_per_node
                      << " (nodes of consecutive " << data_name << " ranks); set parallel.ranks_per_node to one of "

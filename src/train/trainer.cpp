@@ -448,7 +448,7 @@ void run_steps(Run& run, Progress& p) {
     const auto t0 = Clock::now();
     if (run.profiler) run.profiler->step_begin();  // the same span as step_ms
     const uint64_t bytes_before = run.strategy.bytes_sent(), tp_before = run.tp.bytes_sent();
-    const uint64_t cp_before = run.mesh.cp().bytes_sent(), nodes_before = run.data.bytes_between_nodes();
+    const uint64_t cp_before = run.mesh.cp().bytes_sent(), nodes_before = run.data.bytes_between_nodes() + run.strategy.bytes_between_nodes();
     if (run.trace) run.pp.barrier();  // the pipeline ranks' timelines start together
     const auto pp_sent = [&] { return run.pp.bytes_sent() + (run.tie ? run.tie->bytes_sent() : 0); };
     const uint64_t pp_before = pp_sent();
@@ -471,7 +471,7 @@ void run_steps(Run& run, Progress& p) {
     j["mem_model_state"] = model_state_bytes(a.peaks);
     j["mem_model_state_predicted"] = run.predicted;
     j["comm_bytes"] = run.strategy.bytes_sent() - bytes_before;  // this rank's, this step
-    if (run.data.ranks_per_node() > 0) j["comm_bytes_internode"] = run.data.bytes_between_nodes() - nodes_before;
+    if (run.data.ranks_per_node() > 0) j["comm_bytes_internode"] = run.data.bytes_between_nodes() + run.strategy.bytes_between_nodes() - nodes_before;
     if (c.parallel.cp > 1) {
       j["comm_bytes_cp"] = run.mesh.cp().bytes_sent() - cp_before;
       j["comm_bytes_cp_predicted"] = cp_bytes_per_step(run);
