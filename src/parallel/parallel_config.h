@@ -16,7 +16,7 @@ struct ParallelConfig {
   double bucket_mb = 25;               // DDP gradient bucket size (MiB of float32 gradients)
   std::string grad_comm_dtype = "fp32";  // fp32 | bf16 | fp16: dtype of the gradient reduction
   bool overlap = true;                 // reduce buckets during backward where that pays (ddp.h)
-  bool hierarchical = false;           // DDP: all-reduce inside nodes, then between them (communicator.h)
+  bool hierarchical = false;           // DDP all-reduce / ZeRO reduce-scatter by node (communicator.h)
   int ranks_per_node = 0;              // dp ranks per node, consecutive; 0: as MPI finds the machines
   std::string grad_compression = "none";  // none | int8 | powersgd: DDP's gradient reduction (parallel/compress.h, powersgd.h)
   int powersgd_rank = 4;               // grad_compression = powersgd: the rank r of each matrix's approximation
