@@ -85,8 +85,9 @@ std::vector<double> reference(const OptimConfig& o, const Data& d, int steps) {
         const double r = wn > 0 && un > 0 ? wn / un : 1.0;
         for (int i = b; i < e; ++i) w[i] -= o.lr * r * u[i];
       } else {  // lars
-        std::vector<double> gd(g.begin(), g.end());
-        const double wn = std::sqrt(sumsq(w, b, e)), gn = std::sqrt(sumsq(gd, b, e));
+        double gs = 0;
+        for (int i = b; i < e; ++i) gs += double(g[i]) * g[i];
+        const double wn = std::sqrt(sumsq(w, b, e)), gn = std::sqrt(gs);
         const bool adapt = s.decay && wn > 0 && gn > 0;
         const double local = adapt ? o.trust_coef * wn / (gn + o.weight_decay * wn + o.eps) : 1.0;
         for (int i = b; i < e; ++i) {
