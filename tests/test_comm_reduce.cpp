@@ -23,13 +23,12 @@ using namespace mt::test;
 
 namespace {
 
-std::vector<nlohmann::json> steps_of(const TempDir& d, const std::string& name) {
-  std::vector<nlohmann::json> r;
-  for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
-    auto j = nlohmann::json::parse(l);
-    if (!j.contains("event")) r.push_back(j);
-  }
-  return r;
+// The built-in tasks on Llama with 2 blocks, 40 steps, every gradient in one bucket: the
+// compression tests' runs.
+std::string tasks_options() {
+  return std::string("--config ") + MESHTRAIN_SOURCE_DIR + "/configs/llama_tasks.toml" +
+         " --training.steps=40 --training.val_every=0 --model.n_layer=2 --training.micro_batch=0" +
+         " --parallel.bucket_mb=1000";
 }
 
 int64_t parameters(const RunResult& r) {
@@ -111,16 +110,12 @@ TEST(Hierarchical, WithTensorAndPipelineParallelism) {
 // 2 (P - 1) m (1 + 4 / 1024), against the fp32 all-reduce's 2 (P - 1) / P x 4Ψ.
 TEST(Int8Compression, TracksTheUncompressedRunWithAQuarterOfTheBytes) {
   TempDir d;
-  const std::string o = std::string("--config ") + MESHTRAIN_SOURCE_DIR + "/configs/llama_tasks.toml" +
-                        " --training.steps=40 --training.val_every=0 --model.n_layer=2 --training.micro_batch=0" +
-                        " --parallel.bucket_mb=1000";
+  const std::string o = tasks_options();
   RunResult fp32 = train_run(d, "fp32", 2, o);
   RunResult int8 = train_run(d, "int8", 2, o + " --parallel.grad_compression=int8");
   ASSERT_EQ(int8.loss.size(), 40u);
   EXPECT_LT(int8.loss.back(), 0.6 * int8.loss.front()) << "int8 learns";
-  double worst = 0;
-  for (size_t s = 0; s < fp32.loss.size(); ++s)
-    worst = std::max(worst, std::fabs(int8.loss[s] - fp32.loss[s]) / fp32.loss[s]);
+  const double worst = max_rel_loss_diff(fp32, int8);
   std::printf("int8 against fp32: largest loss difference %.2e relative; final %.4f vs %.4f\n", worst,
               int8.loss.back(), fp32.loss.back());
   EXPECT_LT(worst, 1e-2);
@@ -152,9 +147,7 @@ TEST(Int8Compression, TracksTheUncompressedRunWithAQuarterOfTheBytes) {
 // 4 (sum rows 4 + Ψ_plain) + 4 (sum cols 4), plus the 8-byte loss sum.
 TEST(PowerSGDCompression, TracksTheUncompressedRunWithTheExpectedBytes) {
   TempDir d;
-  const std::string o = std::string("--config ") + MESHTRAIN_SOURCE_DIR + "/configs/llama_tasks.toml" +
-                        " --training.steps=40 --training.val_every=0 --model.n_layer=2 --training.micro_batch=0" +
-                        " --parallel.bucket_mb=1000";
+  const std::string o = tasks_options();
   RunResult fp32 = train_run(d, "fp32", 2, o);
   RunResult psgd = train_run(d, "psgd", 2, o + " --parallel.grad_compression=powersgd");
   RunResult psgd8 = train_run(d, "psgd8", 2, o + " --parallel.grad_compression=powersgd --parallel.powersgd_rank=8");
@@ -163,8 +156,7 @@ TEST(PowerSGDCompression, TracksTheUncompressedRunWithTheExpectedBytes) {
     const RunResult& run = k == 0 ? psgd : psgd8;
     ASSERT_EQ(run.loss.size(), 40u);
     EXPECT_LT(run.loss.back(), 0.6 * run.loss.front()) << "PowerSGD learns";
-    for (size_t s = 0; s < fp32.loss.size(); ++s)
-      worst[k] = std::max(worst[k], std::fabs(run.loss[s] - fp32.loss[s]) / fp32.loss[s]);
+    worst[k] = max_rel_loss_diff(fp32, run);
     std::printf("powersgd (rank %d) against fp32: largest loss difference %.2e relative; final %.4f vs %.4f\n",
                 k == 0 ? 4 : 8, worst[k], run.loss.back(), fp32.loss.back());
   }

@@ -246,12 +246,8 @@ TEST(LinearScaling, RunReportsTheScaledRate) {
   const std::string data = " --data.path=" + write_tokens(d, "t.bin", 3000, 37);
   RunResult r = train_run(d, "scaled", 1, options("gpt2", 8, 0) + data +
                                               " --optim.lr_base_batch=2 --optim.warmup_steps=2 --optim.schedule=constant");
-  const std::vector<std::string> lines = read_lines(d / "scaled.jsonl");
   std::vector<double> lr;
-  for (const std::string& l : lines) {
-    const auto j = nlohmann::json::parse(l);
-    if (!j.contains("event")) lr.push_back(j["lr"]);
-  }
+  for (const nlohmann::json& j : steps_of(d, "scaled")) lr.push_back(j["lr"]);
   ASSERT_EQ(lr.size(), 6u);
   const double peak = 3e-3 * 8 / 2;
   EXPECT_DOUBLE_EQ(lr[0], peak / 2);  // warmup step 1 of 2

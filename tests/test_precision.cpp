@@ -137,13 +137,6 @@ PrecisionRuns& precision_runs() {
   return r;
 }
 
-double max_rel_loss_diff(const RunResult& a, const RunResult& b) {
-  double d = 0;
-  for (size_t s = 0; s < a.loss.size() && s < b.loss.size(); ++s)
-    d = std::max(d, std::fabs(a.loss[s] - b.loss[s]) / std::fabs(a.loss[s]));
-  return d;
-}
-
 // The largest parameter difference over the run's units, relative to each unit's largest magnitude.
 double max_rel_param_diff(const RunResult& a, const RunResult& b) {
   double d = 0;
@@ -216,19 +209,6 @@ TEST(Precision, HalfPrecisionRunsTrackFp32) {
         << p << ": the optimizer state gains the fp32 masters";
   }
 }
-
-namespace {
-
-std::vector<nlohmann::json> steps_of(const TempDir& d, const std::string& name) {
-  std::vector<nlohmann::json> r;
-  for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
-    auto j = nlohmann::json::parse(l);
-    if (!j.contains("event")) r.push_back(j);
-  }
-  return r;
-}
-
-}  // namespace
 
 // Overflows injected on rank 1 of dp 2 (ZeRO 2: the gradients are reduce-scattered during
 // backward) at steps 2 and 5: exactly those steps are skipped, on both ranks (the metrics are

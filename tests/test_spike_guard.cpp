@@ -41,15 +41,6 @@ TEST(SpikeGuard, JudgesAgainstTheRecentMeanOnceItHasAHistory) {
 
 namespace {
 
-std::vector<nlohmann::json> steps_of(const TempDir& d, const std::string& name) {
-  std::vector<nlohmann::json> r;
-  for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
-    auto j = nlohmann::json::parse(l);
-    if (!j.contains("event")) r.push_back(j);
-  }
-  return r;
-}
-
 // GPT-2 on random tokens, 20 steps, dp 2 with ZeRO 2 (gradients reduce-scattered during
 // backward, so a spike on one rank reaches the other through the reduction).
 std::string spike_options(const TempDir& d) {

@@ -190,6 +190,24 @@ inline void expect_memory_as_predicted(const RunResult& r, const std::string& na
   EXPECT_EQ(r.summary["mem_model_state"].get<double>(), r.summary["mem_model_state_predicted"].get<double>()) << name;
 }
 
+// The largest loss difference over the steps both runs have, relative to a's loss.
+inline double max_rel_loss_diff(const RunResult& a, const RunResult& b) {
+  double d = 0;
+  for (size_t s = 0; s < a.loss.size() && s < b.loss.size(); ++s)
+    d = std::max(d, std::fabs(a.loss[s] - b.loss[s]) / std::fabs(a.loss[s]));
+  return d;
+}
+
+// The step lines of run `name`'s metrics (its events left out), in step order.
+inline std::vector<nlohmann::json> steps_of(const TempDir& d, const std::string& name) {
+  std::vector<nlohmann::json> r;
+  for (const std::string& l : read_lines(d / (name + ".jsonl"))) {
+    auto j = nlohmann::json::parse(l);
+    if (!j.contains("event")) r.push_back(j);
+  }
+  return r;
+}
+
 // Every step's comm_bytes_<axis> of run `name` is its comm_bytes_<axis>_predicted, within
 // rel x predicted + abs bytes.
 inline void expect_comm_bytes_as_predicted(const TempDir& d, const std::string& name, const std::string& axis,
