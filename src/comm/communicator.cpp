@@ -439,12 +439,16 @@ WorkPtr Communicator::allreduce_async(const Tensor& t) {
   });
 }
 
-WorkPtr Communicator::reduce_scatter_async(const Tensor& in, const Tensor& out) {
+void Communicator::check_reduce_scatter(const Tensor& in, const Tensor& out) const {
   MT_CHECK(is_reducible(in.dtype()) && in.dtype() == out.dtype(),
            "reduce_scatter needs f32, bf16 or f16 tensors of one dtype");
   MT_CHECK(in.numel() == out.numel() * size_, "reduce_scatter on group '" << name_ << "': input of " << in.numel()
                                                                          << " elements is not " << size_
                                                                          << " x the output's " << out.numel());
+}
+
+WorkPtr Communicator::reduce_scatter_async(const Tensor& in, const Tensor& out) {
+  check_reduce_scatter(in, out);
   CommRecord rec{0, CommOp::reduce_scatter, in.dtype(), in.numel()};
   return submit(rec, [this, in, out] {
     std::vector<int64_t> bounds(size_ + 1);
@@ -538,11 +542,6 @@ void Communicator::allreduce_hierarchical_run(const Tensor& t, int L) {
   char* pieces = static_cast<char*>(st.raw());
   float* carry = st.f32() + piece_words;
   std::vector<Message> sends, recvs;
-  auto run = [&] {
-    for (const Message& s : sends) bytes_sent_ += s.bytes;
-    exchange(sends, recvs);
-    sends.clear(), recvs.clear();
-  };
   // 1. Inside the node, each rank sends every peer its piece of that peer's shard; the
   // partial sum of ranks 0 ... first - 1 arrives from the previous node.
   std::vector<const void*> terms;  // in rank order
@@ -557,7 +556,7 @@ void Communicator::allreduce_hierarchical_run(const Tensor& t, int L) {
     terms.push_back(slot);
   }
   if (node > 0) recvs.push_back({carry, m * sizeof(float), rank_ - L});
-  run();
+  exchange_step(sends, recvs);
   // 2. This node's terms added to the partial, in rank order: to pass on, or finished.
   sum_in_order(t.dtype(), node > 0 ? carry : nullptr, terms, last ? nullptr : carry, shard, m);
   // 3. Between nodes: the partial to the next node; the finished shard back from the last.
@@ -566,22 +565,18 @@ void Communicator::allreduce_hierarchical_run(const Tensor& t, int L) {
     recvs.push_back({shard, m * es, (nodes - 1) * L + j});
   }
   for (int k = 0; last && k < nodes - 1; ++k) sends.push_back({shard, m * es, k * L + j});
-  run();
+  exchange_step(sends, recvs);
   // 4. Inside the node, every rank gathers the other shards.
   for (int i = 0; i < L; ++i) {
     if (i == j) continue;
     sends.push_back({shard, m * es, first + i});
     recvs.push_back({base + b[i] * es, static_cast<size_t>(b[i + 1] - b[i]) * es, first + i});
   }
-  run();
+  exchange_step(sends, recvs);
 }
 
 WorkPtr Communicator::reduce_scatter_hierarchical_async(const Tensor& in, const Tensor& out) {
-  MT_CHECK(is_reducible(in.dtype()) && in.dtype() == out.dtype(),
-           "reduce_scatter needs f32, bf16 or f16 tensors of one dtype");
-  MT_CHECK(in.numel() == out.numel() * size_, "reduce_scatter on group '" << name_ << "': input of " << in.numel()
-                                                                         << " elements is not " << size_
-                                                                         << " x the output's " << out.numel());
+  check_reduce_scatter(in, out);
   const int L = ranks_per_node_;
   MT_CHECK(L > 0, "internal: hierarchical reduce-scatter on group '" << name_ << "' before set_ranks_per_node");
   CommRecord rec{0, CommOp::reduce_scatter_hierarchical, in.dtype(), in.numel()};
@@ -591,6 +586,12 @@ WorkPtr Communicator::reduce_scatter_hierarchical_async(const Tensor& in, const 
 // Node a holds ranks aL ... aL + L - 1; chunk k (c elements) belongs to rank k. Rank aL + j
 // handles the chunks of position j, bL + j for every node b: their terms from its node,
 // their partial sums from node a - 1. `out` may be this rank's chunk of `in`.
+void Communicator::exchange_step(std::vector<Message>& sends, std::vector<Message>& recvs) {
+  for (const Message& m : sends) bytes_sent_ += m.bytes;
+  exchange(sends, recvs);
+  sends.clear(), recvs.clear();
+}
+
 void Communicator::reduce_scatter_hierarchical_run(const Tensor& in, const Tensor& out, int L) {
   const int nodes = size_ / L, node = rank_ / L, j = rank_ % L, first = node * L;
   const bool last = node == nodes - 1;
@@ -608,11 +609,6 @@ void Communicator::reduce_scatter_hierarchical_run(const Tensor& in, const Tenso
   char* done = reinterpret_cast<char*>(carry + nodes * c);
   auto slot = [&](int i, int b) { return pieces + ((i < j ? i : i - 1) * nodes + b) * c * es; };
   std::vector<Message> sends, recvs;
-  auto run = [&] {
-    for (const Message& m : sends) bytes_sent_ += m.bytes;
-    exchange(sends, recvs);
-    sends.clear(), recvs.clear();
-  };
   // 1. Inside the node: each peer's position's chunks of this rank's input to that peer;
   // the partial sums of this position's chunks from the previous node.
   for (int i = 0; i < L; ++i) {
@@ -623,7 +619,7 @@ void Communicator::reduce_scatter_hierarchical_run(const Tensor& in, const Tenso
     }
   }
   if (node > 0) recvs.push_back({carry, nodes * c * sizeof(float), rank_ - L});
-  run();
+  exchange_step(sends, recvs);
   // 2. This node's terms added to each partial, in rank order: to pass on, or finished
   // (this rank's own chunk straight into out).
   for (int b = 0; b < nodes; ++b) {
@@ -639,7 +635,7 @@ void Communicator::reduce_scatter_hierarchical_run(const Tensor& in, const Tenso
     recvs.push_back({out.raw(), c * es, (nodes - 1) * L + j});
   }
   for (int b = 0; last && b < nodes - 1; ++b) sends.push_back({done + b * c * es, c * es, b * L + j});
-  run();
+  exchange_step(sends, recvs);
 }
 
 WorkPtr Communicator::send_async(const Tensor& t, int peer) {

@@ -246,6 +246,10 @@ class Communicator {
   void allgather_raw(const void* in, void* out, size_t bytes_per_rank);
   void allreduce_hierarchical_run(const Tensor& t, int ranks_per_node);
   void reduce_scatter_hierarchical_run(const Tensor& in, const Tensor& out, int ranks_per_node);
+  void check_reduce_scatter(const Tensor& in, const Tensor& out) const;  // dtypes and sizes
+  // One step of the hierarchical collectives: counts the sends' bytes (these collectives
+  // count per message), exchanges, and empties both lists for the next step.
+  void exchange_step(std::vector<Message>& sends, std::vector<Message>& recvs);
   // Rank j owns elements [bounds[j], bounds[j + 1]) of `in` (size + 1 bounds): every rank
   // sends each owner its range, and out = the sum over ranks, in rank order, of this
   // rank's range. `out` may be that range of `in` itself.

@@ -16,10 +16,8 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
   replicate_ = dp.split(d % S_, d / S_, "replicate");
   k_ = shard_->rank();
   // parallel.hierarchical: the gradients' reduce-scatters by node (reduce_scatter_hierarchical).
-  MT_CHECK(!cfg.hierarchical || S_ == dp.size(),
-           "parallel.hierarchical=true with ZeRO reduce-scatters over all dp ranks by node, but parallel.shard_group = "
-               << S_ << " shards over groups of " << S_ << " of the " << dp.size()
-               << " (HYBRID_SHARD, itself a layout by node); use one or the other");
+  MT_CHECK(!cfg.hierarchical || S_ == dp.size(), "internal: hierarchical ZeRO with shard groups of " << S_
+                                                   << " of " << dp.size() << " (the configuration refuses it)");
   if (dp.ranks_per_node() > 0 && S_ == dp.size()) shard_->set_ranks_per_node(dp.ranks_per_node());
   wd_ = working_dtype(model.config());
   const bool mixed = wd_ != DType::f32;

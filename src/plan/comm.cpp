@@ -95,11 +95,8 @@ std::vector<double> unit_numels(const ModelConfig& model, int tp) {
   return n;
 }
 
-BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double D,
+BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double n, double D,
                                  const TrafficOptions& opt, double es) {
-  const std::vector<Unit> layout = model_layout(model, TpShard{tp, 0});
-  double n = 0;
-  for (int u : units) n += static_cast<double>(layout[u].numel);
   BucketReduction r;
   if (opt.grad_compression == "int8") {
     // Int8Reduction (parallel/compress.h): an all-to-all and an all-gather of one range's
@@ -113,6 +110,7 @@ BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::ve
   if (opt.grad_compression == "powersgd") {
     // PowerSGDReduction (parallel/powersgd.h): all-reduces of the P factors with the
     // uncompressed elements, and of the Q factors; the residuals of the compressed matrices.
+    const std::vector<Unit> layout = model_layout(model, TpShard{tp, 0});  // the matrices' shapes
     const double k = opt.powersgd_rank;
     double p = 0, q = 0, e = 0;
     for (int u : units)
@@ -237,7 +235,7 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
       if (plain) {
         p.reductions.push_back({held[i].chunk, allreduce(D, bucket * bytes)});
       } else {
-        const BucketReduction r = bucket_reduction(model, layout.tp, units, D, opt, bytes);
+        const BucketReduction r = bucket_reduction(model, layout.tp, units, bucket, D, opt, bytes);
         p.reductions.push_back({held[i].chunk, {r.bytes, r.messages}});
       }
       bucket = 0;

@@ -54,14 +54,15 @@ struct TrafficOptions {
   int powersgd_rank = 4;                 // parallel.powersgd_rank
 };
 
-// DDP's reduction of one bucket (the units `units` as tp rank 0 holds them) over a data
-// group of D ranks under grad_compression int8 or powersgd, or hierarchically by node: the
-// bytes data-parallel rank 0 sends (as the communicator counts them), its collectives, the
-// buffers it keeps for the bucket, and the communicator's staging it needs (bytes).
+// DDP's reduction of one bucket of n elements (the units `units` as tp rank 0 holds them)
+// over a data group of D ranks under grad_compression int8 or powersgd, or hierarchically
+// by node: the bytes data-parallel rank 0 sends (as the communicator counts them), its
+// collectives, the buffers it keeps for the bucket, and the communicator's staging it needs
+// (bytes).
 struct BucketReduction {
   double bytes = 0, messages = 0, buffers = 0, staging = 0;
 };
-BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double D,
+BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double n, double D,
                                  const TrafficOptions& opt, double elem_bytes);
 
 // Bytes one rank sends per optimizer step on each axis: per axis the most any pipeline rank

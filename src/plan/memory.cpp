@@ -395,7 +395,7 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
         continue;
       }
       // int8 (compress.h), powersgd (powersgd.h) or the hierarchical all-reduce
-      const BucketReduction red = bucket_reduction(s.cfg, s.lay.tp, units[b], s.R, how, cb);
+      const BucketReduction red = bucket_reduction(s.cfg, s.lay.tp, units[b], static_cast<double>(n), s.R, how, cb);
       bytes += red.buffers;
       staging = std::max(staging, red.staging);
     }
