@@ -74,8 +74,10 @@ TEST(Profiler, AsyncRowsAreKeptApart) {
   EXPECT_DOUBLE_EQ(p.async_rows()[0].self_s, 0.75);
 }
 
-// A GPT-2 of L = 2 blocks, d_model 64, T = 32: big enough that the ops, not the trainer's
-// bookkeeping, take the step, and under a few seconds a run on two cores.
+// A GPT-2 of L = 2 blocks, d_model 128, T = 64: big enough that the ops, not the trainer's
+// bookkeeping, take the step (at d_model 64, T = 32 a step took 5 ms, and a rank on a loaded
+// machine once left 6.7% of it outside the table's rows), and under a few seconds a run on
+// two cores.
 constexpr int kLayers = 2, kSteps = 8;
 
 struct ProfiledRun {
@@ -90,7 +92,7 @@ ProfiledRun run(const test::TempDir& d, const std::string& name, int ranks, int 
   const std::string cmd = std::string("OMP_NUM_THREADS=1 ") + MESHTRAIN_BIN +
                           (ranks > 1 ? " launch -n " + std::to_string(ranks) : "") + " train --data.path=" + tokens +
                           " --model.vocab_size=64 --model.n_layer=" + std::to_string(kLayers) +
-                          " --model.n_head=4 --model.d_model=64 --model.seq_len=32 --training.global_batch=8" +
+                          " --model.n_head=4 --model.d_model=128 --model.seq_len=64 --training.global_batch=8" +
                           " --training.micro_batch=" + std::to_string(micro) + " --training.steps=" +
                           std::to_string(kSteps) + " --training.val_every=0 --logging.progress=off --logging.metrics=" +
                           metrics + " " + extra;
