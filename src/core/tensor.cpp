@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/cuda.h"
 #include "core/error.h"
 #include "core/half.h"
 
@@ -118,19 +119,30 @@ Tensor Tensor::reshape(const Shape& shape) const {
 }
 
 void Tensor::zero_() const {
-  if (numel()) std::memset(raw(), 0, nbytes());
+  if (!numel()) return;
+  if (device() == Device::cuda) cuda_memset0(raw(), nbytes());
+  else std::memset(raw(), 0, nbytes());
 }
 
 void Tensor::copy_from(const Tensor& src) const {
   MT_CHECK(src.numel() == numel() && src.dtype() == dtype_,
            "copy of " << shape_str(src.shape()) << " " << dtype_name(src.dtype()) << " into "
                       << shape_str(shape_) << " " << dtype_name(dtype_));
-  if (numel()) std::memmove(raw(), src.raw(), nbytes());
+  if (!numel()) return;
+  if (device() == Device::cuda || src.device() == Device::cuda) cuda_memcpy(raw(), src.raw(), nbytes());
+  else std::memmove(raw(), src.raw(), nbytes());
 }
 
 void Tensor::convert_from(const Tensor& src) const {
   MT_CHECK(src.numel() == numel(), "conversion of " << shape_str(src.shape()) << " into " << shape_str(shape_));
-  if (numel()) convert(dtype_, raw(), src.dtype(), src.raw(), numel());
+  if (!numel()) return;
+  if (device() == Device::cuda && src.device() == Device::cuda) cuda_convert(dtype_, raw(), src.dtype(), src.raw(), numel());
+  else {
+    MT_CHECK(device() == src.device() || dtype_ == src.dtype(),
+             "conversion between host and device: copy first, then convert on one side");
+    if (dtype_ == src.dtype()) copy_from(src);
+    else convert(dtype_, raw(), src.dtype(), src.raw(), numel());
+  }
 }
 
 void convert(DType to, void* dst, DType from, const void* src, int64_t n) {

@@ -66,7 +66,9 @@ class Tensor {
   // Same elements, new shape (numel must match).
   Tensor reshape(const Shape& shape) const;
   void zero_() const;
-  void copy_from(const Tensor& src) const;  // same numel and dtype (handles are const; data is not)
+  // Same numel and dtype (handles are const; data is not). Either side may be on the GPU:
+  // a copy that involves the device returns when it is done (core/cuda.h).
+  void copy_from(const Tensor& src) const;
   // The same with a change of dtype between f32 and bf16 / f16 (to 16 bits: rounded to
   // nearest even, as half.h does; to f32: exact), or a plain copy when the dtypes match.
   void convert_from(const Tensor& src) const;

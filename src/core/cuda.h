@@ -1,0 +1,64 @@
+// The CUDA runtime pieces the engine uses outside kernels: whether CUDA is built and a GPU
+// present, the compute stream, the caching device allocator, copies and conversions
+// between host and device memory.
+//
+//   CudaAllocator gpu;                                       // training.device = cuda
+//   Tensor x = Tensor::empty({B, T, C}, DType::f32, gpu, MemTag::activations);
+//   x.copy_from(host_tensor);                                // host -> device, returns when done
+//
+// Every kernel runs on one compute stream (cuda_stream()), so work is ordered as it is
+// issued; copies to the host wait for it. Builds without CUDA (MESHTRAIN_CUDA off) have
+// the same functions: cuda_built() is false, cuda_device_count() 0, and the others fail
+// with a message saying how to build with CUDA.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "core/allocator.h"
+
+namespace mt {
+
+enum class DType;
+
+bool cuda_built();
+int cuda_device_count();               // 0 without a driver or a GPU
+std::string cuda_device_name(int dev);  // "NVIDIA H100 80GB HBM3"
+void cuda_set_device(int dev);          // before the first allocation on this process
+void* cuda_stream();                    // the compute stream (a cudaStream_t)
+void cuda_synchronize();                // waits for the compute stream
+
+// Copies between any two of host and device memory (unified addressing), after the work
+// queued on the compute stream; returns when the copy is done.
+void cuda_memcpy(void* dst, const void* src, size_t bytes);
+void cuda_memset0(void* p, size_t bytes);  // on the compute stream
+// dst[i] = src[i] between f32 and bf16 / f16 on the device (rounded to nearest even, as
+// convert() in core/tensor.h does on the host), n elements, on the compute stream.
+void cuda_convert(DType to, void* dst, DType from, const void* src, int64_t n);
+
+// Device memory, cached: freed blocks go to a free list by size and serve later requests
+// of the same rounded size without cudaMalloc (which synchronizes the device); when
+// cudaMalloc fails, the cache is returned to the driver and the allocation tried again.
+// Live bytes per tag are counted by the Allocator base as on the host.
+class CudaAllocator final : public Allocator {
+ public:
+  CudaAllocator();
+  ~CudaAllocator() override;
+  Device device() const override { return Device::cuda; }
+  size_t cached_bytes() const;  // held in the free lists
+  void release_cache();         // gives the free lists back to the driver
+
+ protected:
+  void* raw_allocate(size_t bytes) override;
+  void raw_deallocate(void* p) override;
+
+ private:
+  mutable std::mutex cache_mu_;
+  std::multimap<size_t, void*> free_;  // rounded size -> block
+  std::map<void*, size_t> sizes_;      // every block from cudaMalloc -> its rounded size
+  size_t cached_ = 0;
+};
+
+}  // namespace mt

@@ -1,0 +1,166 @@
+// core/cuda.h with CUDA: the compute stream, copies, conversions and the caching allocator.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "core/cuda.h"
+#include "core/error.h"
+#include "core/tensor.h"
+
+#define MT_CUDA_CHECK(call)                                                                    \
+  do {                                                                                         \
+    cudaError_t err_ = (call);                                                                 \
+    MT_CHECK(err_ == cudaSuccess, "CUDA error in " #call ": " << cudaGetErrorString(err_));    \
+  } while (0)
+
+namespace mt {
+
+bool cuda_built() { return true; }
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no GPU: not an error here
+    return 0;
+  }
+  return n;
+}
+
+std::string cuda_device_name(int dev) {
+  cudaDeviceProp p{};
+  MT_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
+  return p.name;
+}
+
+void cuda_set_device(int dev) { MT_CUDA_CHECK(cudaSetDevice(dev)); }
+
+void* cuda_stream() {
+  // Created on first use and kept for the process (destroying it at exit would race the
+  // driver's own teardown).
+  static cudaStream_t s = [] {
+    cudaStream_t st;
+    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    return st;
+  }();
+  return s;
+}
+
+static cudaStream_t stream() { return static_cast<cudaStream_t>(cuda_stream()); }
+
+void cuda_synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream())); }
+
+void cuda_memcpy(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream()));
+  MT_CUDA_CHECK(cudaStreamSynchronize(stream()));
+}
+
+void cuda_memset0(void* p, size_t bytes) {
+  if (bytes) MT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
+}
+
+namespace {
+
+template <class To, class From>
+__global__ void convert_kernel(To* dst, const From* src, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    if constexpr (std::is_same_v<To, float>) dst[i] = static_cast<float>(src[i]);
+    else if constexpr (std::is_same_v<To, __nv_bfloat16>) dst[i] = __float2bfloat16_rn(static_cast<float>(src[i]));
+    else dst[i] = __float2half_rn(static_cast<float>(src[i]));
+  }
+}
+
+template <class To, class From>
+void launch_convert(void* dst, const void* src, int64_t n) {
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
+  convert_kernel<<<blocks, threads, 0, stream()>>>(static_cast<To*>(dst), static_cast<const From*>(src), n);
+  MT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void cuda_convert(DType to, void* dst, DType from, const void* src, int64_t n) {
+  if (n == 0) return;
+  if (to == from) {
+    MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * dtype_size(to), cudaMemcpyDeviceToDevice, stream()));
+    return;
+  }
+  if (to == DType::f32 && from == DType::bf16) return launch_convert<float, __nv_bfloat16>(dst, src, n);
+  if (to == DType::f32 && from == DType::f16) return launch_convert<float, __half>(dst, src, n);
+  if (to == DType::bf16 && from == DType::f32) return launch_convert<__nv_bfloat16, float>(dst, src, n);
+  if (to == DType::f16 && from == DType::f32) return launch_convert<__half, float>(dst, src, n);
+  MT_FAIL("no device conversion from " << dtype_name(from) << " to " << dtype_name(to));
+}
+
+// Blocks are rounded to 512 bytes below 1 MiB and to 2 MiB above, so that sizes that
+// differ a little (the last micro-batch, a shard) share free lists.
+static size_t round_block(size_t bytes) {
+  const size_t q = bytes < (1u << 20) ? 512 : (2u << 20);
+  return (bytes + q - 1) / q * q;
+}
+
+CudaAllocator::CudaAllocator() {
+  MT_CHECK(cuda_device_count() > 0,
+           "training.device = cuda, but no GPU is visible (cudaGetDeviceCount found none); use training.device = cpu");
+}
+
+CudaAllocator::~CudaAllocator() {
+  cudaStreamSynchronize(stream());
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  for (auto& [p, size] : sizes_) cudaFree(p);
+}
+
+size_t CudaAllocator::cached_bytes() const {
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  return cached_;
+}
+
+void CudaAllocator::release_cache() {
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  cudaStreamSynchronize(stream());
+  for (auto& [size, p] : free_) {
+    cudaFree(p);
+    sizes_.erase(p);
+  }
+  free_.clear();
+  cached_ = 0;
+}
+
+void* CudaAllocator::raw_allocate(size_t bytes) {
+  const size_t size = round_block(bytes);
+  {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    auto it = free_.find(size);
+    if (it != free_.end()) {
+      void* p = it->second;
+      free_.erase(it);
+      cached_ -= size;
+      return p;
+    }
+  }
+  void* p = nullptr;
+  if (cudaMalloc(&p, size) != cudaSuccess) {
+    cudaGetLastError();
+    release_cache();
+    if (cudaMalloc(&p, size) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;  // the base class reports what ran out
+    }
+  }
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  sizes_[p] = size;
+  return p;
+}
+
+void CudaAllocator::raw_deallocate(void* p) {
+  // Kernels queued on the compute stream may still read the block; a later allocation
+  // that reuses it queues its work behind them on the same stream, so no wait is needed.
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  auto it = sizes_.find(p);
+  MT_CHECK(it != sizes_.end(), "internal: freeing device memory this allocator did not allocate");
+  free_.emplace(it->second, p);
+  cached_ += it->second;
+}
+
+}  // namespace mt

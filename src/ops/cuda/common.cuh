@@ -1,0 +1,44 @@
+// What every kernel file shares: error checks, the compute stream, grid sizes.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/cuda.h"
+#include "core/error.h"
+#include "core/tensor.h"
+
+// Throws mt::Error naming the call when a CUDA runtime call fails.
+#define MT_CUDA_CHECK(call)                                                                 \
+  do {                                                                                      \
+    cudaError_t err_ = (call);                                                              \
+    MT_CHECK(err_ == cudaSuccess, "CUDA error in " #call ": " << cudaGetErrorString(err_)); \
+  } while (0)
+// After each launch: a bad configuration fails here, naming the kernel.
+#define MT_CUDA_LAUNCHED(name)                                                                        \
+  do {                                                                                                \
+    cudaError_t err_ = cudaGetLastError();                                                            \
+    MT_CHECK(err_ == cudaSuccess, "CUDA kernel " << name << " failed to launch: " << cudaGetErrorString(err_)); \
+  } while (0)
+
+namespace mt::cuda {
+
+inline cudaStream_t stream() { return static_cast<cudaStream_t>(cuda_stream()); }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks for a grid-stride loop over n elements with `threads` per block.
+inline unsigned grid_for(int64_t n, int threads = 256) {
+  const int64_t b = ceil_div(n, threads);
+  return static_cast<unsigned>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
+}
+
+// The op's tensors must all be f32 on the device (the CPU ops' rule, plus the device).
+inline void check_device_f32(const Tensor& t, const char* what) {
+  MT_CHECK(t.device() == Device::cuda, what << ": tensor on " << device_name(t.device()) << ", expected cuda");
+  MT_CHECK(t.dtype() == DType::f32, what << ": dtype " << dtype_name(t.dtype()) << ", expected f32");
+}
+
+}  // namespace mt::cuda
