@@ -443,9 +443,12 @@ Tensor Model::param(const std::string& name) const {
 
 void Model::init(uint64_t seed) {
   for (size_t u = 0; u < units_.size(); ++u) {
+    const Tensor& dst = units_[u].w;
     std::vector<float> w(units_[u].numel);
     init_range(static_cast<int>(u), 0, units_[u].numel, w.data(), seed);
-    convert(units_[u].w.dtype(), units_[u].w.raw(), DType::f32, w.data(), units_[u].numel);
+    std::vector<char> narrow(dst.nbytes());  // in the working dtype, then to wherever w lives
+    convert(dst.dtype(), narrow.data(), DType::f32, w.data(), units_[u].numel);
+    dst.copy_from(Tensor::wrap(narrow.data(), dst.shape(), dst.dtype()));
   }
 }
 
@@ -560,12 +563,11 @@ namespace {
 
 // Ids in [lowest, vocab) into dst (targets may be -1: no loss at that position).
 void copy_ids(const Tensor& dst, const int32_t* src, int64_t n, int lowest, int vocab, const char* what) {
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i)
     MT_CHECK(src[i] >= lowest && src[i] < vocab,
              what << " id " << src[i] << " is outside the vocabulary [0, " << vocab
                   << "); set model.vocab_size above the largest token id in the data");
-    dst.i32()[i] = src[i];
-  }
+  dst.view(0, {n}).copy_from(Tensor::wrap(const_cast<int32_t*>(src), {n}, DType::i32));  // to the GPU too
 }
 
 }  // namespace

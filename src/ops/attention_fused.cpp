@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "core/profile.h"
+#include "ops/cuda/ops.h"
 #include "ops/attention.h"
 #include "ops/detail.h"
 
@@ -505,6 +506,7 @@ PartArgs part_args(const Tensor& qkv_q, AttentionRows q, const Tensor& qkv_kv, A
 
 // out[B, T, NH D]; lse[B, NH, T]: the part of all rows against all rows.
 void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head) {
+  MT_ON_CUDA(out, attention_fused_forward(out, lse, qkv, n_head, n_kv_head));
   ProfileScope profile_scope("attention");
   const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_fused_forward");
   check_f32(out, "attention_fused_forward: out");
@@ -517,6 +519,7 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
 
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, int n_head, int n_kv_head) {
+  MT_ON_CUDA(dqkv, attention_fused_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head));
   ProfileScope profile_scope("attention_backward");
   const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_fused_backward");
   check_f32(dqkv, "attention_fused_backward: dqkv");

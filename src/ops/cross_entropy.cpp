@@ -8,6 +8,7 @@
 #include <initializer_list>
 
 #include "core/profile.h"
+#include "ops/cuda/ops.h"
 #include "ops/detail.h"
 
 namespace mt {
@@ -52,6 +53,9 @@ void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, in
 
 // losses[N] = lse - logits[n, target] (0 where target == -1); lse[N] saved. Returns the sum.
 double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets) {
+#if MESHTRAIN_CUDA
+  if (logits.device() == Device::cuda) return cuda::cross_entropy_forward(losses, lse, logits, targets);
+#endif
   ProfileScope profile_scope("cross_entropy");
   int64_t N, V;
   check_ce(logits, targets, lse, N, V, "cross_entropy_forward: logits/targets/lse");
@@ -78,6 +82,7 @@ double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tens
 // dlogits[N, V] = (softmax(logits) - onehot(target)) * scale; may alias logits.
 void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
                             float scale) {
+  MT_ON_CUDA(dlogits, cross_entropy_backward(dlogits, logits, lse, targets, scale));
   ProfileScope profile_scope("cross_entropy_backward");
   int64_t N, V;
   check_ce(logits, targets, lse, N, V, "cross_entropy_backward: logits/targets/lse");

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/profile.h"
+#include "ops/cuda/ops.h"
 #include "ops/detail.h"
 
 namespace mt {
@@ -63,12 +64,14 @@ void rope_apply(const Tensor& x, int n_rot, float theta, const int32_t* pos, flo
 }  // namespace
 
 void rope_forward(const Tensor& x, int n_rot, float theta, const int32_t* pos) {
+  MT_ON_CUDA(x, rope_forward(x, n_rot, theta, pos));
   ProfileScope profile_scope("rope");
   rope_apply(x, n_rot, theta, pos, 1.0f, "rope_forward");
 }
 
 // The rotation by -angle is the transpose of the rotation by +angle.
 void rope_backward(const Tensor& dx, int n_rot, float theta, const int32_t* pos) {
+  MT_ON_CUDA(dx, rope_backward(dx, n_rot, theta, pos));
   ProfileScope profile_scope("rope_backward");
   rope_apply(dx, n_rot, theta, pos, -1.0f, "rope_backward");
 }

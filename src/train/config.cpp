@@ -10,6 +10,7 @@
 #include <functional>
 #include <toml++/toml.h>
 
+#include "core/cuda.h"
 #include "core/error.h"
 #include "nn/tp.h"
 #include "parallel/pipeline.h"
@@ -123,6 +124,7 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("training.val_every", &C::training, &TrainingConfig::val_every));
     v.push_back(int_key("training.val_batches", &C::training, &TrainingConfig::val_batches));
     v.push_back(int_key("training.threads", &C::training, &TrainingConfig::threads));
+    v.push_back(str_key("training.device", &C::training, &TrainingConfig::device, {"cpu", "cuda"}));
     v.push_back(num_key("training.skip_spikes", &C::training, &TrainingConfig::skip_spikes));
     v.push_back(int_key("training.max_skips", &C::training, &TrainingConfig::max_skips));
 
@@ -289,6 +291,7 @@ void Config::validate() const {
   MT_CHECK(training.val_every >= 0, "training.val_every must not be negative");
   MT_CHECK(training.val_batches >= 1, "training.val_batches must be at least 1");
   MT_CHECK(training.threads >= 0, "training.threads must not be negative (0: all cores)");
+  check_device();
   MT_CHECK(training.skip_spikes >= 0, "training.skip_spikes = " << training.skip_spikes << " must not be negative "
                                       << "(standard deviations above the recent mean; 0: off)");
   MT_CHECK(training.max_skips >= 1, "training.max_skips = " << training.max_skips << " must be at least 1 (skipped "
@@ -367,6 +370,21 @@ void Config::check_cheaper_comm() const {
 
 // Context parallelism cuts every sequence into 2 cp chunks (two per rank, one early and one
 // late); under sequence parallelism each rank's T / cp positions split tp ways again.
+void Config::check_device() const {
+  if (training.device != "cuda") return;
+  MT_CHECK(cuda_built(), "training.device = cuda, but this meshtrain was built without CUDA: install the CUDA toolkit "
+                         "and rebuild (MESHTRAIN_CUDA=ON), or use training.device = cpu");
+  const char* so_far = " (the CUDA engine runs one rank with AdamW so far)";
+  MT_CHECK(optim.name == "adamw", "training.device = cuda runs optim.name = adamw only, not " << optim.name << so_far);
+  MT_CHECK(parallel.dp <= 1 && parallel.tp == 1 && parallel.pp == 1 && parallel.cp == 1 && parallel.zero == 0,
+           "training.device = cuda runs one rank for now: set parallel.dp, tp, pp and cp to 1 and parallel.zero to 0"
+               << so_far);
+  MT_CHECK(model.fused_attention(), "training.device = cuda needs training.attention = fused (the GPU attention "
+                                    "never stores the [T, T] probabilities)");
+  MT_CHECK(checkpoint.dir.empty(), "training.device = cuda does not write checkpoints yet: leave checkpoint.dir empty"
+                                       << so_far);
+}
+
 void Config::check_context_parallel() const {
   const int cp = parallel.cp, T = model.seq_len;
   MT_CHECK(cp >= 1, "parallel.cp = " << cp << " must be at least 1");

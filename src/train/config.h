@@ -37,6 +37,9 @@ struct TrainingConfig {
   // the recent mean, or not finite (train/spike_guard.h); 0: off. Stop after max_skips in a row.
   double skip_spikes = 0;
   int64_t max_skips = 5;
+  // Where the engine computes: cpu, or cuda (core/cuda.h, ops/cuda/ops.h: the model, its
+  // gradients and the optimizer on the GPU; for now one rank, AdamW or SGD, no checkpoints).
+  std::string device = "cpu";
 };
 
 struct CheckpointConfig {
@@ -79,6 +82,7 @@ struct Config {
  private:
   void check_pipeline() const;
   void check_context_parallel() const;
+  void check_device() const;  // training.device = cuda: what the GPU engine runs so far
   void check_cheaper_comm() const;  // parallel.hierarchical, ranks_per_node, grad_compression
 };
 
