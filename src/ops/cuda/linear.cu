@@ -1,0 +1,420 @@
+// The linear layers on the GPU (ops/linear.h, add_bias of ops/activation.h) through cuBLASLt.
+//
+// Row-major through column-major: cuBLASLt describes matrices column-major. A row-major
+// matrix X[R, C] with leading dim ld is, read column-major, X^T[C, R] with the same ld. So
+// the row-major product C[M, N] = op(A)[M, K] op(B)[K, N] is computed as the column-major
+// product C^T[N, M] = op(B)^T[N, K] op(A)^T[K, M]: cuBLASLt's first operand is our B
+// (transposed iff tb), its second our A (transposed iff ta), m = N, n = M, k = K, and the
+// leading dims are unchanged. A bias over the columns of row-major C is a bias over the
+// rows of column-major C^T, which is what CUBLASLT_EPILOGUE_BIAS adds (length m = N).
+//
+// Precision: outside an Autocast scope, fp32 operands with CUBLAS_COMPUTE_32F (full fp32,
+// no TF32). Under a bf16 / f16 scope both operands are converted to 16-bit copies in
+// stream-ordered scratch (cudaMallocAsync) and multiplied with CUBLAS_COMPUTE_32F into an
+// fp32 C. Should cuBLASLt offer no 16-bit algorithm for a shape (odd leading dims), the
+// 16-bit copies are widened back to fp32 and multiplied in fp32: the same exact products
+// of the same rounded operands with fp32 accumulation.
+//
+// Determinism: one cuBLASLt handle and one 32 MiB workspace for the process; the algorithm
+// for a configuration (shape, leading dims, transposes, dtype, bias, pointer alignments) is
+// chosen once by cublasLtMatmulAlgoGetHeuristic and cached, so the same shape always runs
+// the same algorithm (which cuBLAS documents as bit-reproducible on one GPU model). The
+// bias gradient is a two-pass column sum with a fixed grid for a shape (no atomics).
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <map>
+#include <mutex>
+
+#include "ops/autocast.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/ops.h"
+
+namespace mt::cuda {
+
+namespace {
+
+#define MT_CUBLAS_CHECK(call)                                                                          \
+  do {                                                                                                 \
+    cublasStatus_t st_ = (call);                                                                       \
+    MT_CHECK(st_ == CUBLAS_STATUS_SUCCESS, "cuBLASLt error in " #call ": " << cublasLtGetStatusName(st_)); \
+  } while (0)
+
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+// ---- shape checks (the CPU ops' rules, with the tensors on the device) ----------------
+
+// The rows of t as a matrix [rows, cols] (leading dims fold into rows).
+int64_t rows_of(const Tensor& t, int64_t cols, const char* what) {
+  MT_CHECK(t.ndim() >= 1, what << " must have at least one dimension");
+  MT_CHECK(cols > 0, what << ": the row width must be positive, got " << cols);
+  MT_CHECK(t.dim(-1) == cols,
+           what << " has last dimension " << t.dim(-1) << " (shape " << shape_str(t.shape()) << "), expected " << cols);
+  return t.numel() / cols;
+}
+
+void check_numel(const Tensor& t, int64_t n, const char* what) {
+  MT_CHECK(t.numel() == n, what << " has " << t.numel() << " elements (shape " << shape_str(t.shape())
+                                << "), expected " << n);
+}
+
+// A weight's in and out dims: stored [out, in], or [in, out] (io).
+void weight_dims(const Tensor& w, bool io, int64_t& O, int64_t& I, const char* op) {
+  check_device_f32(w, op);
+  MT_CHECK(w.ndim() == 2,
+           op << ": w must be 2-D " << (io ? "[in, out]" : "[out, in]") << ", got " << shape_str(w.shape()));
+  O = io ? w.dim(1) : w.dim(0);
+  I = io ? w.dim(0) : w.dim(1);
+}
+
+// ---- scratch ---------------------------------------------------------------------------
+
+// Device memory for one op, stream-ordered: allocated on the compute stream and freed on it
+// after the work queued so far (so a later op may reuse it only after this one's kernels).
+class Scratch {
+ public:
+  explicit Scratch(size_t bytes) { MT_CUDA_CHECK(cudaMallocAsync(&p_, bytes < 256 ? 256 : bytes, stream())); }
+  ~Scratch() {
+    if (p_) cudaFreeAsync(p_, stream());
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  char* get() const { return static_cast<char*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+inline size_t round256(size_t b) { return (b + 255) / 256 * 256; }
+
+// ---- small kernels -----------------------------------------------------------------------
+
+// y[n, o] += b[o] for y [N, O] (numel total): grid-stride over the elements, grid_for(total).
+__global__ void add_bias_kernel(float* y, const float* b, int64_t total, int64_t O) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
+    y[i] += b[i % O];
+}
+
+void launch_add_bias(float* y, const float* b, int64_t N, int64_t O) {
+  const int64_t total = N * O;
+  if (total == 0) return;
+  add_bias_kernel<<<grid_for(total), 256, 0, stream()>>>(y, b, total, O);
+  MT_CUDA_LAUNCHED("add_bias_kernel");
+}
+
+constexpr int kColTile = 32;  // columns per block (one warp along a row: coalesced reads)
+constexpr int kRowLanes = 8;  // rows read at once per block
+
+// partial[r, o] = sum of dy[n, o] over the rows n of chunk r ([r * chunk, min(N, (r+1) * chunk))).
+// Grid (ceil(O / 32), R), block (32, 8): thread (tx, ty) sums rows r*chunk + ty, + 8, ... in
+// order for column blockIdx.x * 32 + tx; then thread ty = 0 adds the 8 lane sums in order.
+__global__ void colsum_partial_kernel(float* partial, const float* dy, int64_t N, int64_t O, int64_t chunk) {
+  __shared__ float lanes[kRowLanes][kColTile];
+  const int64_t o = (int64_t)blockIdx.x * kColTile + threadIdx.x;
+  const int64_t r = blockIdx.y;
+  const int64_t n0 = r * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+  float acc = 0.0f;
+  if (o < O)
+    for (int64_t n = n0 + threadIdx.y; n < n1; n += kRowLanes) acc += dy[n * O + o];
+  lanes[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && o < O) {
+    float t = 0.0f;
+    for (int j = 0; j < kRowLanes; ++j) t += lanes[j][threadIdx.x];
+    partial[r * O + o] = t;
+  }
+}
+
+// db[o] += sum over r = 0 .. R-1 of partial[r, o], in that order; one thread per column,
+// grid ceil(O / 256) blocks of 256.
+__global__ void colsum_finish_kernel(float* db, const float* partial, int64_t R, int64_t O) {
+  const int64_t o = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (o >= O) return;
+  float t = 0.0f;
+  for (int64_t r = 0; r < R; ++r) t += partial[r * O + o];
+  db[o] += t;
+}
+
+// db[O] += column sums of dy[N, O] (device pointers), deterministic: row chunks of at least
+// 64 rows, at most 512 chunks, so the grid depends only on the shape.
+void column_sum_add(float* db, const float* dy, int64_t N, int64_t O) {
+  if (N == 0 || O == 0) return;
+  const int64_t chunk = std::max<int64_t>(64, ceil_div(N, 512));
+  const int64_t R = ceil_div(N, chunk);  // <= 512
+  Scratch partial(sizeof(float) * R * O);  // [R, O]
+  float* pp = reinterpret_cast<float*>(partial.get());
+  const dim3 grid1(static_cast<unsigned>(ceil_div(O, kColTile)), static_cast<unsigned>(R));
+  const dim3 block1(kColTile, kRowLanes);
+  colsum_partial_kernel<<<grid1, block1, 0, stream()>>>(pp, dy, N, O, chunk);
+  MT_CUDA_LAUNCHED("colsum_partial_kernel");
+  colsum_finish_kernel<<<static_cast<unsigned>(ceil_div(O, 256)), 256, 0, stream()>>>(db, pp, R, O);
+  MT_CUDA_LAUNCHED("colsum_finish_kernel");
+}
+
+// ---- cuBLASLt ---------------------------------------------------------------------------
+
+// The byte alignment of a pointer (the largest power of two dividing it, at most 256), which
+// cuBLASLt's heuristic must be told: it assumes 256 by default, and tensors are often views
+// at arbitrary element offsets of a flat buffer.
+int64_t alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  int64_t al = 1;
+  while (al < 256 && (a % (2 * al)) == 0) al *= 2;
+  return al;
+}
+
+// One configuration's descriptors and chosen algorithm (found == false: cuBLASLt has none).
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool found = false;
+};
+
+// opA, opB, m, n, k, lda, ldb, ldc, ab dtype, bias?, align A, B, C, bias
+using PlanKey = std::array<int64_t, 14>;
+
+// The process's cuBLASLt handle, workspace and plans. Created on first use (thread-safe
+// static initialisation) and kept until exit, as the compute stream is. `mu` guards the
+// plans and each launch (a plan's bias pointer is set just before its launch).
+struct Lt {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  std::mutex mu;
+  std::map<PlanKey, Plan> plans;
+};
+
+Lt& lt() {
+  static Lt* s = [] {
+    Lt* l = new Lt;
+    MT_CUBLAS_CHECK(cublasLtCreate(&l->handle));
+    MT_CUDA_CHECK(cudaMalloc(&l->workspace, kWorkspaceBytes));
+    return l;
+  }();
+  return *s;
+}
+
+// Builds the plan of a column-major product D[m, n] = op(A)[m, k] op(B)[k, n] + beta C
+// (+ bias[m] over the columns), C == D fp32 with leading dim ldc.
+Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+               cudaDataType_t ab, const float* bias, const PlanKey& key) {
+  Plan p;
+  MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const int32_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
+  if (bias) {
+    const uint32_t epi = CUBLASLT_EPILOGUE_BIAS;
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    // The bias's dtype is left at its default, D's (fp32).
+    // The heuristic reads the bias pointer's alignment (the key holds it).
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  // Stored shapes (before op): A is [m, k] or, transposed, [k, m]; B is [k, n] or [n, k].
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, ab, ta ? k : m, ta ? m : k, lda));
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, ab, tb ? n : k, tb ? k : n, ldb));
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, m, n, ldc));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = kWorkspaceBytes;
+  const uint32_t al_a = static_cast<uint32_t>(key[10]), al_b = static_cast<uint32_t>(key[11]),
+                 al_c = static_cast<uint32_t>(key[12]);
+  cublasStatus_t st =
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof(al_a));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+  cublasLtMatmulHeuristicResult_t result{};
+  int returned = 0;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(l.handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &returned);
+  cublasLtMatmulPreferenceDestroy(pref);
+  // NOT_SUPPORTED (or no result) means no algorithm for this configuration: the caller
+  // falls back. Any other failure is an error.
+  MT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED,
+           "cuBLASLt heuristic failed: " << cublasLtGetStatusName(st));
+  p.found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS &&
+            result.workspaceSize <= kWorkspaceBytes;
+  if (p.found) p.algo = result.algo;
+  return p;
+}
+
+// Column-major D[m, n] (ldc) = op(A) op(B) + beta D (+ bias[m] broadcast over the columns),
+// on the compute stream. A and B hold dtype `ab` (fp32, bf16 or f16); D is fp32. Returns
+// false, launching nothing, when cuBLASLt has no algorithm for the configuration.
+bool lt_matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
+               int64_t ldb, cudaDataType_t ab, float beta, float* D, int64_t ldc, const float* bias) {
+  Lt& l = lt();
+  const PlanKey key{ta,   tb,  m,   n,         k,          lda,          ldb,         ldc, static_cast<int64_t>(ab),
+                    bias != nullptr, alignment(A), alignment(B), alignment(D), bias ? alignment(bias) : 0};
+  std::lock_guard<std::mutex> lock(l.mu);
+  auto it = l.plans.find(key);
+  if (it == l.plans.end()) it = l.plans.emplace(key, make_plan(l, ta, tb, m, n, k, lda, ldb, ldc, ab, bias, key)).first;
+  Plan& p = it->second;
+  if (!p.found) return false;
+  if (bias)
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  const float alpha = 1.0f;
+  MT_CUBLAS_CHECK(cublasLtMatmul(l.handle, p.desc, &alpha, A, p.a, B, p.b, &beta, D, p.c, D, p.c, &p.algo,
+                                 l.workspace, kWorkspaceBytes, stream()));
+  return true;
+}
+
+// Row-major C[M, N] (ldc) = op(A)[M, K] op(B)[K, N] + beta C (+ bias[N] on every row; C is
+// then contiguous, ldc == N): the column-major product C^T = op(B)^T op(A)^T (see the top
+// of the file). The bias is fused when cuBLASLt allows it (bias 16-byte aligned and an
+// algorithm with the epilogue exists), else added by add_bias_kernel after the product.
+// Returns false when no algorithm exists.
+bool gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,
+             int64_t ldb, cudaDataType_t ab, float beta, float* C, int64_t ldc, const float* bias) {
+  if (bias && alignment(bias) >= 16 && lt_matmul(tb, ta, N, M, K, B, ldb, A, lda, ab, beta, C, ldc, bias)) return true;
+  if (!lt_matmul(tb, ta, N, M, K, B, ldb, A, lda, ab, beta, C, ldc, nullptr)) return false;
+  if (bias) launch_add_bias(C, bias, M, N);
+  return true;
+}
+
+// Row-major C[M, N] = op(A) op(B) + beta C (+ bias) for fp32 device operands a (na
+// elements) and b (nb elements), in the thread's Autocast precision (see the top of the
+// file). K > 0, M > 0, N > 0.
+void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* a, int64_t na, int64_t lda,
+             const float* b, int64_t nb, int64_t ldb, float beta, float* c, int64_t ldc, const float* bias,
+             const char* op) {
+  const DType d = autocast_dtype();
+  if (d == DType::f32) {
+    MT_CHECK(gemm_rm(ta, tb, M, N, K, a, lda, b, ldb, CUDA_R_32F, beta, c, ldc, bias),
+             op << ": cuBLASLt has no fp32 algorithm for M=" << M << " N=" << N << " K=" << K);
+    return;
+  }
+  MT_CHECK(d == DType::bf16 || d == DType::f16, op << ": autocast dtype " << dtype_name(d) << " not supported");
+  const cudaDataType_t ab = d == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  // 16-bit copies of a and b, each at a 256-byte aligned offset: [na] then [nb].
+  const size_t off_b = round256(sizeof(uint16_t) * na);
+  Scratch half(off_b + sizeof(uint16_t) * nb);
+  void* ha = half.get();
+  void* hb = half.get() + off_b;
+  cuda_convert(d, ha, DType::f32, a, na);
+  cuda_convert(d, hb, DType::f32, b, nb);
+  if (gemm_rm(ta, tb, M, N, K, ha, lda, hb, ldb, ab, beta, c, ldc, bias)) return;
+  // No 16-bit algorithm for this shape: the rounded operands, widened back, in fp32.
+  const size_t off_b32 = round256(sizeof(float) * na);
+  Scratch wide(off_b32 + sizeof(float) * nb);
+  float* wa = reinterpret_cast<float*>(wide.get());
+  float* wb = reinterpret_cast<float*>(wide.get() + off_b32);
+  cuda_convert(DType::f32, wa, d, ha, na);
+  cuda_convert(DType::f32, wb, d, hb, nb);
+  MT_CHECK(gemm_rm(ta, tb, M, N, K, wa, lda, wb, ldb, CUDA_R_32F, beta, c, ldc, bias),
+           op << ": cuBLASLt has no algorithm for M=" << M << " N=" << N << " K=" << K);
+}
+
+// ---- the ops -------------------------------------------------------------------------------
+
+void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b, bool io) {
+  int64_t O, I;
+  weight_dims(w, io, O, I, "linear_forward: w");
+  check_device_f32(y, "linear_forward: y");
+  check_device_f32(x, "linear_forward: x");
+  const int64_t N = rows_of(x, I, "linear_forward: x (last dim must equal w's in-dim)");
+  MT_CHECK(rows_of(y, O, "linear_forward: y (last dim must equal w's out-dim)") == N,
+           "linear_forward: y has " << y.numel() / O << " rows but x has " << N);
+  if (b) {
+    check_device_f32(*b, "linear_forward: b");
+    check_numel(*b, O, "linear_forward: b");
+  }
+  if (N == 0) return;
+  // y[N, O] = x[N, I] @ w^T with w [O, I], or x @ w with w [I, O]
+  if (io) product(false, false, N, O, I, x.f32(), x.numel(), I, w.f32(), w.numel(), O, 0.0f, y.f32(), O,
+                  b ? b->f32() : nullptr, "linear_forward");
+  else product(false, true, N, O, I, x.f32(), x.numel(), I, w.f32(), w.numel(), I, 0.0f, y.f32(), O,
+               b ? b->f32() : nullptr, "linear_forward");
+}
+
+void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate, bool io) {
+  int64_t O, I;
+  weight_dims(w, io, O, I, "linear_backward_input: w");
+  check_device_f32(dx, "linear_backward_input: dx");
+  check_device_f32(dy, "linear_backward_input: dy");
+  const int64_t N = rows_of(dy, O, "linear_backward_input: dy (last dim must equal w's out-dim)");
+  MT_CHECK(rows_of(dx, I, "linear_backward_input: dx (last dim must equal w's in-dim)") == N,
+           "linear_backward_input: dx has " << dx.numel() / I << " rows but dy has " << N);
+  if (N == 0) return;
+  const float beta = accumulate ? 1.0f : 0.0f;
+  // dx[N, I] = dy[N, O] @ w with w [O, I], or dy @ w^T with w [I, O]
+  if (io) product(false, true, N, I, O, dy.f32(), dy.numel(), O, w.f32(), w.numel(), O, beta, dx.f32(), I, nullptr,
+                  "linear_backward_input");
+  else product(false, false, N, I, O, dy.f32(), dy.numel(), O, w.f32(), w.numel(), I, beta, dx.f32(), I, nullptr,
+               "linear_backward_input");
+}
+
+void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io) {
+  int64_t O, I;
+  weight_dims(dw, io, O, I, "linear_backward_weight: dw");
+  check_device_f32(dy, "linear_backward_weight: dy");
+  check_device_f32(x, "linear_backward_weight: x");
+  const int64_t N = rows_of(dy, O, "linear_backward_weight: dy (last dim must equal dw's out-dim)");
+  MT_CHECK(rows_of(x, I, "linear_backward_weight: x (last dim must equal dw's in-dim)") == N,
+           "linear_backward_weight: x has " << x.numel() / I << " rows but dy has " << N);
+  if (db) {
+    check_device_f32(*db, "linear_backward_weight: db");
+    check_numel(*db, O, "linear_backward_weight: db");
+  }
+  if (N == 0) return;
+  // dw[O, I] += dy[N, O]^T @ x[N, I], or dw[I, O] += x^T @ dy
+  if (io) product(true, false, I, O, N, x.f32(), x.numel(), I, dy.f32(), dy.numel(), O, 1.0f, dw.f32(), O, nullptr,
+                  "linear_backward_weight");
+  else product(true, false, O, I, N, dy.f32(), dy.numel(), O, x.f32(), x.numel(), I, 1.0f, dw.f32(), I, nullptr,
+               "linear_backward_weight");
+  if (db) column_sum_add(db->f32(), dy.f32(), N, O);  // from dy as it is (a sum, not a product)
+}
+
+}  // namespace
+
+// y[N, O] = x[N, I] @ w[O, I]^T (+ b[O])
+void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) { forward(y, x, w, b, false); }
+// y[N, O] = x[N, I] @ w[I, O] (+ b[O])
+void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) { forward(y, x, w, b, true); }
+
+// dx[N, I] (=, or += when accumulate) dy[N, O] @ w[O, I]
+void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate) {
+  backward_input(dx, dy, w, accumulate, false);
+}
+// dx[N, I] (=, or +=) dy[N, O] @ w[I, O]^T
+void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate) {
+  backward_input(dx, dy, w, accumulate, true);
+}
+
+// dw[O, I] += dy[N, O]^T @ x[N, I] ; db[O] += sum over rows of dy
+void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
+  backward_weight(dw, db, dy, x, false);
+}
+// dw[I, O] += x[N, I]^T @ dy[N, O] ; db[O] += sum over rows of dy
+void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
+  backward_weight(dw, db, dy, x, true);
+}
+
+// db[O] += sum over rows of dy[N, O]
+void bias_backward(const Tensor& db, const Tensor& dy) {
+  check_device_f32(db, "bias_backward: db");
+  check_device_f32(dy, "bias_backward: dy");
+  const int64_t O = db.numel();
+  const int64_t N = rows_of(dy, O, "bias_backward: dy (last dim must equal db's size)");
+  column_sum_add(db.f32(), dy.f32(), N, O);
+}
+
+// y[N, O] += b[O] on every row
+void add_bias(const Tensor& y, const Tensor& b) {
+  check_device_f32(y, "add_bias: y");
+  check_device_f32(b, "add_bias: b");
+  const int64_t O = b.numel();
+  MT_CHECK(O > 0 && y.numel() % O == 0, "add_bias: y " << shape_str(y.shape()) << " has no rows of " << O);
+  launch_add_bias(y.f32(), b.f32(), y.numel() / O, O);
+}
+
+}  // namespace mt::cuda

@@ -1,0 +1,295 @@
+// The CUDA linear layers (src/ops/cuda/linear.cu) against the CPU ops: every function, in
+// fp32 and under bf16 / f16 Autocast scopes, with and without bias, accumulate on and off,
+// odd shapes, N = 1, leading dims folded into rows, a GPT-2-sized product, views at
+// unaligned offsets; bit-identical reruns; bad shapes throw. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/cuda.h"
+#include "core/error.h"
+#include "core/tensor.h"
+#include "op_harness.h"
+#include "ops/activation.h"
+#include "ops/autocast.h"
+#include "ops/linear.h"
+#if MESHTRAIN_CUDA
+#include "ops/cuda/ops.h"
+#endif
+
+namespace mt {
+namespace {
+
+using test::kNaN;
+using test::randv;
+using test::tf;
+using test::VecF;
+
+#if MESHTRAIN_CUDA
+
+// Tolerances, relative Frobenius error ||gpu - cpu|| / ||cpu||:
+// - fp32: both sides multiply the same fp32 operands with fp32 accumulation (no TF32);
+//   only the summation order differs, ~sqrt(K) * 2^-24 relative for random signs (about
+//   2e-6 at K = 768), so 1e-5 leaves a margin of five.
+// - bf16 / f16: both sides multiply the same rounded operands exactly and accumulate in
+//   fp32, but tensor cores do not round each fp32 accumulation to nearest (they truncate
+//   within a multi-term add), which can bias the error to ~(K / 16) * 2^-23 (~6e-6 at
+//   K = 768); 3e-5 still catches any real fault (an unrounded or wrongly rounded operand
+//   moves the result by ~2^-9 in bf16, ~2^-12 in f16).
+constexpr double kTol32 = 1e-5, kTol16 = 3e-5;
+
+CudaAllocator& gpu() {
+  static CudaAllocator a;
+  return a;
+}
+
+Tensor to_dev(VecF v, const Shape& s) {
+  Tensor t = Tensor::empty(s, DType::f32, gpu(), MemTag::activations);
+  t.copy_from(tf(v, s));
+  return t;
+}
+VecF to_host(const Tensor& t) {
+  VecF v(t.numel());
+  tf(v, t.shape()).copy_from(t);
+  return v;
+}
+// A device output filled with NaN, so that elements the op fails to write fail the test.
+Tensor poisoned(const Shape& s) { return to_dev(VecF(shape_numel(s), kNaN), s); }
+
+double rel_err(const VecF& got, const VecF& ref) {
+  if (got.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
+    const double d = (double)got[i] - ref[i];
+    num += d * d;
+    den += (double)ref[i] * ref[i];
+  }
+  return std::sqrt(num) / std::sqrt(den + 1e-300);
+}
+
+bool same_bits(const VecF& a, const VecF& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+Shape with_last(Shape lead, int64_t last) {
+  lead.push_back(last);
+  return lead;
+}
+
+struct LinearCase {
+  Shape lead;  // x is lead + [I], y is lead + [O]; N = prod(lead)
+  int64_t I, O;
+};
+
+// Every linear function for one case, precision, layout and bias choice: the GPU results
+// against the CPU op's, twice on the GPU (bit-identical), and the fp32 forward against
+// the float64 reference.
+void check_linear_case(const LinearCase& c, DType d, bool io, bool bias, unsigned seed) {
+  SCOPED_TRACE(::testing::Message() << "lead " << shape_str(c.lead) << " I=" << c.I << " O=" << c.O << " "
+                                    << dtype_name(d) << (io ? " io" : "") << (bias ? " bias" : ""));
+  const int64_t N = shape_numel(c.lead), I = c.I, O = c.O;
+  std::mt19937 g(seed);
+  VecF x = randv(N * I, g), w = randv(O * I, g), b = randv(O, g), dy = randv(N * O, g);
+  VecF dx0 = randv(N * I, g), dw0 = randv(O * I, g), db0 = randv(O, g);
+  if (d != DType::f32) round_to(d, w.data(), w.data(), (int64_t)w.size());  // weights hold 16-bit values
+  const Shape xs = with_last(c.lead, I), ys = with_last(c.lead, O);
+  const Shape ws = io ? Shape{I, O} : Shape{O, I};
+  const double tol = d == DType::f32 ? kTol32 : kTol16;
+
+  Autocast scope(d);  // f32: no rounding
+  auto fwd_cpu = io ? &mt::linear_io_forward : &mt::linear_forward;
+  auto bin_cpu = io ? &mt::linear_io_backward_input : &mt::linear_backward_input;
+  auto bw_cpu = io ? &mt::linear_io_backward_weight : &mt::linear_backward_weight;
+  auto fwd_gpu = io ? &mt::cuda::linear_io_forward : &mt::cuda::linear_forward;
+  auto bin_gpu = io ? &mt::cuda::linear_io_backward_input : &mt::cuda::linear_backward_input;
+  auto bw_gpu = io ? &mt::cuda::linear_io_backward_weight : &mt::cuda::linear_backward_weight;
+
+  // CPU: y, dx (overwrite), dxa (accumulate onto dx0), dw and db (accumulate onto dw0, db0).
+  VecF y_c(N * O), dx_c(N * I), dxa_c = dx0, dw_c = dw0, db_c = db0;
+  {
+    Tensor bt = tf(b, {O}), dbt = tf(db_c, {O});
+    fwd_cpu(tf(y_c, ys), tf(x, xs), tf(w, ws), bias ? &bt : nullptr);
+    bin_cpu(tf(dx_c, xs), tf(dy, ys), tf(w, ws), false);
+    bin_cpu(tf(dxa_c, xs), tf(dy, ys), tf(w, ws), true);
+    bw_cpu(tf(dw_c, ws), bias ? &dbt : nullptr, tf(dy, ys), tf(x, xs));
+  }
+
+  auto run_gpu = [&]() {
+    Tensor xd = to_dev(x, xs), wd = to_dev(w, ws), bd = to_dev(b, {O}), dyd = to_dev(dy, ys);
+    Tensor yd = poisoned(ys), dxd = poisoned(xs), dxad = to_dev(dx0, xs), dwd = to_dev(dw0, ws), dbd = to_dev(db0, {O});
+    fwd_gpu(yd, xd, wd, bias ? &bd : nullptr);
+    bin_gpu(dxd, dyd, wd, false);
+    bin_gpu(dxad, dyd, wd, true);
+    bw_gpu(dwd, bias ? &dbd : nullptr, dyd, xd);
+    return std::vector<VecF>{to_host(yd), to_host(dxd), to_host(dxad), to_host(dwd), to_host(dbd)};
+  };
+  const std::vector<VecF> got = run_gpu(), again = run_gpu();
+  const char* names[] = {"y", "dx", "dx (accumulate)", "dw", "db"};
+  const VecF* refs[] = {&y_c, &dx_c, &dxa_c, &dw_c, &db_c};
+  for (int k = 0; k < 5; ++k) {
+    EXPECT_LT(rel_err(got[k], *refs[k]), tol) << names[k];
+    EXPECT_TRUE(same_bits(got[k], again[k])) << names[k] << ": two GPU runs differ";
+  }
+  if (!bias) EXPECT_TRUE(same_bits(got[4], db0)) << "db changed though no db was passed";
+
+  if (d == DType::f32) {  // the forward against float64 (w as [O, I] for the reference)
+    test::VecD w_oi(O * I);
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t i = 0; i < I; ++i) w_oi[o * I + i] = io ? w[i * O + o] : w[o * I + i];
+    const test::VecD bdd = test::to_d(b);
+    test::expect_close(got[0], test::linear_ref(test::to_d(x), w_oi, bias ? &bdd : nullptr, (int)N, (int)I, (int)O),
+                       "y vs float64");
+  }
+}
+
+const std::vector<LinearCase>& linear_cases() {
+  static const std::vector<LinearCase> cases = {
+      {{1}, 19, 23},      // N = 1
+      {{37}, 19, 23},     // nothing a multiple of 8, 16 or 32
+      {{3, 5}, 1, 7},     // K = 1, leading dims fold into rows
+      {{4, 16}, 64, 48},  // [B, T, C]
+      {{2, 48}, 128, 344},  // Llama-like: d_model 128, SwiGLU hidden 344
+      {{512}, 768, 2304},   // GPT-2's attention input projection at T = 512
+  };
+  return cases;
+}
+
+TEST(CudaLinear, Fp32MatchesCpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  unsigned seed = 1;
+  for (const auto& c : linear_cases())
+    for (bool io : {false, true})
+      for (bool bias : {false, true}) check_linear_case(c, DType::f32, io, bias, seed++);
+}
+
+TEST(CudaLinear, Bf16AutocastMatchesCpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  unsigned seed = 100;
+  for (const auto& c : linear_cases())
+    for (bool io : {false, true})
+      for (bool bias : {false, true}) check_linear_case(c, DType::bf16, io, bias, seed++);
+}
+
+TEST(CudaLinear, F16AutocastMatchesCpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  unsigned seed = 200;
+  for (const auto& c : linear_cases())
+    for (bool io : {false, true}) check_linear_case(c, DType::f16, io, true, seed++);
+}
+
+// Tensors that are views at odd element offsets of a larger buffer (4-byte aligned only, as
+// parameters inside a flat buffer can be): cuBLASLt must be told the alignment, and an
+// unaligned bias goes through the separate add_bias kernel.
+TEST(CudaLinear, UnalignedViews) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const int64_t N = 33, I = 40, O = 24;
+  std::mt19937 g(7);
+  VecF x = randv(N * I, g), w = randv(O * I, g), b = randv(O, g), dy = randv(N * O, g), dw0 = randv(O * I, g);
+  VecF y_c(N * O), dx_c(N * I), dw_c = dw0, db_c(O, 0.0f);
+  Tensor bt = tf(b, {O}), dbt = tf(db_c, {O});
+  linear_forward(tf(y_c, {N, O}), tf(x, {N, I}), tf(w, {O, I}), &bt);
+  linear_backward_input(tf(dx_c, {N, I}), tf(dy, {N, O}), tf(w, {O, I}), false);
+  linear_backward_weight(tf(dw_c, {O, I}), &dbt, tf(dy, {N, O}), tf(x, {N, I}));
+
+  // One device buffer; each tensor a view starting at an odd element offset.
+  const int64_t total = 1 + N * I + 3 + O * I + 5 + O + 1 + N * O + 3 + N * O + 1 + N * I + 3 + O * I + 1 + O;
+  Tensor buf = to_dev(VecF(total, kNaN), {total});
+  int64_t off = 1;
+  auto take = [&](int64_t n, const Shape& s, int64_t gap) {
+    Tensor t = buf.view(off, s);
+    off += n + gap;
+    return t;
+  };
+  Tensor xd = take(N * I, {N, I}, 3), wd = take(O * I, {O, I}, 5), bd = take(O, {O}, 1), dyd = take(N * O, {N, O}, 3);
+  Tensor yd = take(N * O, {N, O}, 1), dxd = take(N * I, {N, I}, 3), dwd = take(O * I, {O, I}, 1), dbd = take(O, {O}, 0);
+  ASSERT_LE(off, total);
+  xd.copy_from(tf(x, {N, I}));
+  wd.copy_from(tf(w, {O, I}));
+  bd.copy_from(tf(b, {O}));
+  dyd.copy_from(tf(dy, {N, O}));
+  dwd.copy_from(tf(dw0, {O, I}));
+  VecF zeros(O, 0.0f);
+  dbd.copy_from(tf(zeros, {O}));
+  cuda::linear_forward(yd, xd, wd, &bd);
+  cuda::linear_backward_input(dxd, dyd, wd, false);
+  cuda::linear_backward_weight(dwd, &dbd, dyd, xd);
+  EXPECT_LT(rel_err(to_host(yd), y_c), kTol32);
+  EXPECT_LT(rel_err(to_host(dxd), dx_c), kTol32);
+  EXPECT_LT(rel_err(to_host(dwd), dw_c), kTol32);
+  EXPECT_LT(rel_err(to_host(dbd), db_c), kTol32);
+}
+
+// bias_backward (db += column sums) and add_bias (y += b on every row) against the CPU ops;
+// row counts that give one chunk, many chunks, and the 512-chunk cap of the column sum.
+TEST(CudaLinear, BiasBackwardAndAddBias) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  struct Case {
+    int64_t N, O;
+  };
+  unsigned seed = 300;
+  for (Case c : {Case{1, 23}, Case{37, 19}, Case{64, 1}, Case{5000, 33}, Case{40000, 96}, Case{512, 2304}}) {
+    SCOPED_TRACE(::testing::Message() << "N=" << c.N << " O=" << c.O);
+    std::mt19937 g(seed++);
+    VecF dy = randv(c.N * c.O, g), db0 = randv(c.O, g), b = randv(c.O, g), y0 = randv(c.N * c.O, g);
+    VecF db_c = db0, y_c = y0;
+    bias_backward(tf(db_c, {c.O}), tf(dy, {c.N, c.O}));
+    add_bias(tf(y_c, {c.N, c.O}), tf(b, {c.O}));
+    auto run = [&]() {
+      Tensor dbd = to_dev(db0, {c.O}), yd = to_dev(y0, {c.N, c.O});
+      cuda::bias_backward(dbd, to_dev(dy, {c.N, c.O}));
+      cuda::add_bias(yd, to_dev(b, {c.O}));
+      return std::vector<VecF>{to_host(dbd), to_host(yd)};
+    };
+    const auto got = run(), again = run();
+    // db: db0 plus sums of up to 40000 terms, in another order than the CPU's row order.
+    // For random signs the summation error is ~sqrt(N / 2) * 2^-24 relative to the sum
+    // on either side (3e-6 at N = 5000, 9e-6 at N = 40000): 1e-5 up to N = 5000, 1e-4 above
+    // (a tenfold margin).
+    EXPECT_LT(rel_err(got[0], db_c), c.N > 1000 ? 1e-4 : kTol32) << "db";
+    // y: one addition per element, the same on both sides: exact.
+    EXPECT_TRUE(same_bits(got[1], y_c)) << "add_bias";
+    EXPECT_TRUE(same_bits(got[0], again[0])) << "bias_backward: two GPU runs differ";
+    // db against float64: the column sums plus db0.
+    test::VecD ref(c.O);
+    for (int64_t o = 0; o < c.O; ++o) {
+      double s = db0[o];
+      for (int64_t n = 0; n < c.N; ++n) s += dy[n * c.O + o];
+      ref[o] = s;
+    }
+    // Per element with kRtol / kAtol * max|ref| (op_harness.h), up to N = 5000 where the
+    // fp32 sums' own error (~3e-6 relative) is well inside it.
+    if (c.N <= 5000) test::expect_close(got[0], ref, "db vs float64");
+  }
+}
+
+TEST(CudaLinear, BadShapesThrow) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  VecF v(16, 1.0f);
+  Tensor a44 = to_dev(v, {4, 4}), a43 = to_dev(VecF(12, 1.0f), {4, 3}), a24 = to_dev(VecF(8, 1.0f), {2, 4});
+  Tensor a34 = to_dev(VecF(12, 1.0f), {3, 4}), b5 = to_dev(VecF(5, 1.0f), {5}), b4 = to_dev(VecF(4, 1.0f), {4});
+  Tensor host44 = tf(v, {4, 4});
+  EXPECT_THROW(cuda::linear_forward(a44, a43, a44, nullptr), Error);  // x in-dim != w in-dim
+  EXPECT_THROW(cuda::linear_forward(a24, a44, a44, nullptr), Error);  // y rows != x rows
+  EXPECT_THROW(cuda::linear_forward(a44, a44, a44, &b5), Error);      // bias size != out-dim
+  EXPECT_THROW(cuda::linear_forward(a44, host44, a44, nullptr), Error);  // x on the host
+  EXPECT_THROW(cuda::linear_io_forward(a44, a44, a43, nullptr), Error);  // w [in, out] = [4, 3] but y has 4 cols
+  EXPECT_THROW(cuda::linear_backward_input(a43, a44, a44, false), Error);
+  EXPECT_THROW(cuda::linear_io_backward_input(a44, a44, a43, true), Error);
+  EXPECT_THROW(cuda::linear_backward_weight(a44, nullptr, a34, a44), Error);  // dy rows != x rows
+  EXPECT_THROW(cuda::linear_io_backward_weight(a44, &b5, a44, a44), Error);   // db size
+  EXPECT_THROW(cuda::bias_backward(b5, a44), Error);
+  EXPECT_THROW(cuda::add_bias(a43, b5), Error);
+  EXPECT_THROW(cuda::add_bias(host44, b4), Error);
+}
+
+#else
+TEST(CudaLinear, NotBuilt) { GTEST_SKIP() << "built without CUDA"; }
+#endif
+
+}  // namespace
+}  // namespace mt
