@@ -544,6 +544,16 @@ Tensor Model::logits(int s) const {
 void Model::predictions(int32_t* out, int s) {
   Slot& sl = slot(head_chunk(), s);
   const int64_t n = int64_t{sl.B} * sl.T, V = dims_.V;
+  if (sl.logits.device() == Device::cuda) {  // one rank holds the whole vocabulary: on the host
+    MT_CHECK(tp_.shard().size == 1, "internal: predictions on the GPU under tensor parallelism");
+    std::vector<float> host(n * V);
+    Tensor::wrap(host.data(), {n, V}, DType::f32).copy_from(logits(s).view(0, {n, V}));
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = host.data() + i * V;
+      out[i] = static_cast<int32_t>(std::max_element(row, row + dims_.vocab_valid) - row);  // the first maximum
+    }
+    return;
+  }
   const Tensor m = sl.row_max.view(0, {n}), first = sl.target_logit.view(0, {n});  // workspaces here
   cross_entropy_row_max(m, logits(s), dims_.vocab_valid);
   tp_.max(m);

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "ops/cuda/ops.h"
 
 namespace mt {
 
@@ -196,8 +197,23 @@ void Optimizer::step_lars(double lr, const SumFn& sum_over_holders) {
   }
 }
 
+// Segments in GPU memory (training.device = cuda): AdamW in one launch per segment.
+static bool on_gpu(const std::vector<OptimSegment>& segments) {
+  return !segments.empty() && segments[0].w.device() == Device::cuda;
+}
+
 void Optimizer::step(double lr, const SumFn& sum_over_holders) {
   ++t_;
+#if MESHTRAIN_CUDA
+  if (on_gpu(segments_)) {
+    MT_CHECK(cfg_.name == "adamw", "optim.name = " << cfg_.name << " has no GPU implementation yet; use adamw");
+    for (size_t si = 0; si < segments_.size(); ++si)
+      if (segments_[si].w.numel())
+        cuda::adamw_step(segments_[si].w, segments_[si].g, m_[si], v_[si], segments_[si].decay_ranges, lr, cfg_.beta1,
+                         cfg_.beta2, cfg_.eps, cfg_.weight_decay, t_);
+    return;
+  }
+#endif
   if (cfg_.name == "lamb") return step_lamb(lr, sum_over_holders);
   if (cfg_.name == "lars") return step_lars(lr, sum_over_holders);
   const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(t_));
@@ -256,6 +272,15 @@ std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments) {
   // Fixed chunks summed in order: the result does not depend on the thread count.
   constexpr int64_t kChunk = 1 << 14;
   std::vector<double> each;
+#if MESHTRAIN_CUDA
+  if (on_gpu(segments)) {
+    for (const OptimSegment& s : segments) {
+      MT_CHECK(s.replica_ranges.empty(), "internal: replicated ranges in a GPU segment (one rank only so far)");
+      each.push_back(s.g.numel() ? cuda::sumsq(s.g) : 0.0);
+    }
+    return each;
+  }
+#endif
   for (const OptimSegment& s : segments) {
     double& total = each.emplace_back(0.0);
     const float* g = s.g.f32();
@@ -293,6 +318,13 @@ void grad_clip(const std::vector<OptimSegment>& segments, double norm, double ma
   const double coef = max_norm > 0 ? std::min(1.0, max_norm / (norm + 1e-6)) : 1.0;
   if (coef * unscale == 1.0) return;
   const float c = static_cast<float>(coef * unscale);
+#if MESHTRAIN_CUDA
+  if (on_gpu(segments)) {
+    for (const OptimSegment& s : segments)
+      if (s.g.numel()) cuda::scale_inplace(s.g, c);
+    return;
+  }
+#endif
   for (const OptimSegment& s : segments) {
     float* g = s.g.f32();
     const int64_t n = s.g.numel();

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "comm/mesh.h"
+#include "core/cuda.h"
 #include "core/error.h"
 #include "data/loader.h"
 #include "nn/hf.h"
@@ -139,7 +140,7 @@ struct Run {
   Optimizer& opt;
   LossScaler& scaler;  // fp16's loss scale (1 otherwise)
   SpikeGuard& spikes;  // training.skip_spikes
-  CpuAllocator& alloc;
+  Allocator& alloc;  // where the model, its gradients and the optimizer state live (training.device)
   MetricsLog& log;
   const TokenLoader& train_data;
   const TokenLoader* val_data;  // null without validation data
@@ -198,10 +199,23 @@ void set_nodes(const ParallelConfig& p, Communicator& data) {
   data.set_ranks_per_node(n);
 }
 
+// fill(slices) for parameters that may live on the GPU: filled in host memory, then copied.
+template <class Fill>
+void fill_on_device(const std::vector<ParamSlice>& slices, Device device, const Fill& fill) {
+  if (device == Device::cpu) return fill(slices);
+  for (const ParamSlice& r : slices) {
+    std::vector<float> staged(r.end - r.begin);
+    ParamSlice h = r;
+    h.params = staged.data();
+    fill(std::vector<ParamSlice>{h});
+    cuda_memcpy(r.params, staged.data(), staged.size() * sizeof(float));
+  }
+}
+
 // The data-parallel strategy, with the parameters each rank keeps (whole units without
 // ZeRO or at stages 1-2, its chunks at stage 3) filled from the checkpoint `from`, a
 // Hugging Face file (model.init_from) or the seed. *start: the checkpoint's step.
-std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Communicator& dp, CpuAllocator& alloc,
+std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Communicator& dp, Allocator& alloc,
                                             const std::string& from, int64_t* start) {
   const std::vector<Unit> whole_layout = model_layout(c.model);  // files hold whole units
   std::optional<HfImporter> hf;
@@ -232,7 +246,7 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
   };
   if (c.parallel.zero > 0) return std::make_unique<ZeRO>(model, dp, alloc, c.parallel, fill);
   auto ddp = std::make_unique<DDP>(model, dp, alloc, c.parallel);
-  fill(ddp->owned());  // whole units (their fp32 masters under mixed precision)
+  fill_on_device(ddp->owned(), alloc.device(), fill);  // whole units (their fp32 masters under mixed precision)
   ddp->after_step();   // mixed precision: the working copies from the masters
   return ddp;
 }
@@ -289,8 +303,12 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
                 run.world.size() > 1 ? "s" : "", R, c.parallel.cp, run.tp.size(), run.pp.size(), omp_get_max_threads());
   run.log.message(head);
   if (run.world.size() > 1) run.log.message(run.mesh.table());
-  run.log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
-                  " threads, fixed tile grid");
+  if (run.alloc.device() == Device::cuda)
+    run.log.message("device: " + cuda_device_name(0) + " (training.device = cuda): cuBLASLt matrix products, " +
+                    "fused attention and loss, AdamW on the GPU; deterministic kernels");
+  else
+    run.log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
+                    " threads, fixed tile grid");
   if (const std::string w = blas_kernel_warning(); !w.empty()) run.log.message("warning: " + w);
   std::snprintf(head, sizeof head, "data: %s, %lld tokens | global batch %lld x %d tokens = %lld micro-batch%s of %d per rank",
                 run.builtin ? "built-in tasks" : c.data.path.c_str(), static_cast<long long>(run.train_data.num_tokens()),
@@ -670,7 +688,12 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   const auto t_start = Clock::now();
   MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every, world.rank() == 0);  // rank 0 prints
 
-  CpuAllocator alloc;
+  // training.device: the model, its gradients and the optimizer state in host or GPU memory;
+  // communication buffers stay on the host.
+  CpuAllocator host_alloc;
+  std::unique_ptr<CudaAllocator> gpu_alloc;
+  if (c.training.device == "cuda") gpu_alloc = std::make_unique<CudaAllocator>();
+  Allocator& alloc = gpu_alloc ? static_cast<Allocator&>(*gpu_alloc) : host_alloc;
   // The caller's world gets this run's checks and limits (restored on the way out); the
   // mesh's groups also count their buffers in this run's allocator.
   struct Restore {
@@ -686,7 +709,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   std::optional<Profiler> profiler;
   if (c.logging.profile) profiler.emplace(now_seconds(), c.logging.trace.empty() ? 0 : StepTrace::kMaxSteps);
   Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.cp);
-  mesh.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &alloc});
+  mesh.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &host_alloc});
   Communicator& dp = mesh.dp();
   set_nodes(c.parallel, mesh.data());
 
