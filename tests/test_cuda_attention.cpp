@@ -1,0 +1,219 @@
+// The CUDA fused attention (src/ops/cuda/attention.cu) against the CPU fused attention
+// (ops/attention_fused.cpp, itself checked against float64 and finite differences in
+// tests/test_attention.cpp) and against a float64 reference here: forward (out, lse) and
+// backward (dqkv), on shapes that cross the kernels' 32-row tiles or stop short of them,
+// with grouped-query heads and head dims from 3 to 128; bit-identical reruns; and the
+// shape errors (D above 128 among them). Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cuda.h"
+#include "core/error.h"
+#include "core/tensor.h"
+#include "op_harness.h"
+#include "ops/attention.h"
+#if MESHTRAIN_CUDA
+#include "ops/cuda/ops.h"
+#endif
+
+using namespace mt;
+using namespace mt::test;
+
+#if MESHTRAIN_CUDA
+
+namespace {
+
+// Float64 causal GQA attention over qkv [B, T, W]: out [B, T, NH D], lse [B, NH, T], and,
+// given dout [B, T, NH D], the gradient dqkv [B, T, W] of sum(out * dout).
+struct Ref {
+  VecD out, lse, dqkv;
+};
+Ref attention_ref(const VecD& qkv, const VecD& dout, int B, int T, int NH, int NKV, int D) {
+  const int W = (NH + 2 * NKV) * D, OW = NH * D, G = NH / NKV;
+  const double scale = 1.0 / std::sqrt((double)D);
+  Ref r{VecD(B * T * OW, 0.0), VecD(B * NH * T, 0.0), VecD(B * T * W, 0.0)};
+  VecD p(T), dp(T);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h) {
+      const int kc = (NH + h / G) * D, vc = kc + NKV * D;
+      for (int t = 0; t < T; ++t) {
+        const double* q = &qkv[(b * T + t) * W + h * D];
+        const double* dO = &dout[(b * T + t) * OW + h * D];
+        double* o = &r.out[(b * T + t) * OW + h * D];
+        double m = -INFINITY, z = 0, delta = 0;
+        for (int s = 0; s <= t; ++s) {
+          double d = 0;
+          for (int i = 0; i < D; ++i) d += q[i] * qkv[(b * T + s) * W + kc + i];
+          p[s] = d * scale;
+          m = std::max(m, p[s]);
+        }
+        for (int s = 0; s <= t; ++s) z += (p[s] = std::exp(p[s] - m));
+        r.lse[(b * NH + h) * T + t] = m + std::log(z);
+        for (int s = 0; s <= t; ++s) {
+          p[s] /= z;
+          for (int i = 0; i < D; ++i) o[i] += p[s] * qkv[(b * T + s) * W + vc + i];
+        }
+        for (int s = 0; s <= t; ++s) {
+          dp[s] = 0;
+          for (int i = 0; i < D; ++i) dp[s] += dO[i] * qkv[(b * T + s) * W + vc + i];
+          delta += p[s] * dp[s];
+        }
+        for (int s = 0; s <= t; ++s) {
+          const double ds = p[s] * (dp[s] - delta) * scale;
+          for (int i = 0; i < D; ++i) {
+            r.dqkv[(b * T + t) * W + h * D + i] += ds * qkv[(b * T + s) * W + kc + i];
+            r.dqkv[(b * T + s) * W + kc + i] += ds * q[i];
+            r.dqkv[(b * T + s) * W + vc + i] += p[s] * dO[i];
+          }
+        }
+      }
+    }
+  return r;
+}
+
+// ||got - ref|| / ||ref|| (NaN anywhere in got makes it NaN, which fails every bound).
+double rel_err(const VecF& got, const VecF& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = (double)got[i] - (double)ref[i];
+    num += d * d;
+    den += (double)ref[i] * ref[i];
+  }
+  return std::sqrt(num) / std::sqrt(den);
+}
+
+struct Gpu {
+  CudaAllocator alloc;
+  Tensor upload(VecF& host, const Shape& shape) {
+    Tensor t = Tensor::empty(shape, DType::f32, alloc, MemTag::activations);
+    t.copy_from(tf(host, shape));
+    return t;
+  }
+  // A device tensor filled with NaN, so elements the op does not write fail the checks.
+  Tensor poisoned(const Shape& shape) {
+    VecF nan(shape_numel(shape), kNaN);
+    return upload(nan, shape);
+  }
+  static VecF download(const Tensor& t) {
+    VecF v(t.numel());
+    tf(v, t.shape()).copy_from(t);
+    return v;
+  }
+};
+
+// The GPU's out, lse (forward) and dqkv (backward from the GPU's own out and lse).
+struct GpuResult {
+  VecF out, lse, dqkv;
+};
+GpuResult run_gpu(Gpu& gpu, VecF& qkv, VecF& dout, int B, int T, int NH, int NKV, int D) {
+  const int W = (NH + 2 * NKV) * D;
+  Tensor qkv_d = gpu.upload(qkv, {B, T, W}), dout_d = gpu.upload(dout, {B, T, NH * D});
+  Tensor out_d = gpu.poisoned({B, T, NH * D}), lse_d = gpu.poisoned({B, NH, T}), dqkv_d = gpu.poisoned({B, T, W});
+  cuda::attention_fused_forward(out_d, lse_d, qkv_d, NH, NKV);
+  cuda::attention_fused_backward(dqkv_d, dout_d, qkv_d, out_d, lse_d, NH, NKV);
+  return {Gpu::download(out_d), Gpu::download(lse_d), Gpu::download(dqkv_d)};
+}
+
+}  // namespace
+
+// The shapes: T = 1 (one row, one key); T = 37 (a second, 5-row query tile) with three
+// query heads on one kv head; T = 64 (whole tiles) with G = 2; T = 130 (5 tiles, the last
+// of 2 rows) at GPT-2's D = 64; T = 256 at the largest D = 128 (the raised shared-memory
+// limit); D = 100 (the 4th column group partly used) and D = 3 (odd, under a warp).
+TEST(CudaAttention, MatchesCpuAndFloat64) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  Gpu gpu;
+  std::mt19937 g(2026);
+  struct Case { int B, T, NH, NKV, D; };
+  for (Case cs : {Case{2, 1, 2, 2, 8}, {1, 37, 3, 1, 16}, {2, 64, 4, 2, 32}, {1, 130, 2, 2, 64}, {1, 256, 2, 2, 128},
+                  {1, 45, 4, 1, 100}, {2, 33, 2, 1, 3}}) {
+    const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D);
+    VecF qkv = randv(B * T * W, g, -2, 2), dout = randv(B * T * NH * D, g);
+
+    // CPU fused attention on host copies.
+    VecF out_c(B * T * NH * D, kNaN), lse_c(B * NH * T, kNaN), dqkv_c(B * T * W, kNaN);
+    attention_fused_forward(tf(out_c, {B, T, NH * D}), tf(lse_c, {B, NH, T}), tf(qkv, {B, T, W}), NH, NKV);
+    attention_fused_backward(tf(dqkv_c, {B, T, W}), tf(dout, {B, T, NH * D}), tf(qkv, {B, T, W}),
+                             tf(out_c, {B, T, NH * D}), tf(lse_c, {B, NH, T}), NH, NKV);
+
+    const GpuResult r = run_gpu(gpu, qkv, dout, B, T, NH, NKV, D);
+
+    // Both sides are fp32 with errors of a few ulps per dot product / softmax step (u = 6e-8
+    // times sqrt of the terms, D <= 128 and T <= 256 here), summed in different orders; the
+    // norm-relative difference is expected near 1e-7 to 1e-6. The gradient's dS = P (dP -
+    // delta) cancels somewhat, which costs at most a small factor; 1e-5 leaves that room
+    // and still catches any indexing error (those give O(1) differences).
+    EXPECT_LT(rel_err(r.out, out_c), 1e-5) << "out vs CPU";
+    EXPECT_LT(rel_err(r.lse, lse_c), 1e-5) << "lse vs CPU";
+    EXPECT_LT(rel_err(r.dqkv, dqkv_c), 1e-5) << "dqkv vs CPU";
+
+    // Elementwise against float64 with the harness's tolerance (kRtol relative plus kAtol of
+    // the largest magnitude: the same bound the CPU kernel meets in test_attention.cpp).
+    const Ref ref = attention_ref(to_d(qkv), to_d(dout), B, T, NH, NKV, D);
+    expect_close(r.out, ref.out, "out vs float64");
+    expect_close(r.lse, ref.lse, "lse vs float64");
+    expect_close(r.dqkv, ref.dqkv, "dqkv vs float64");
+  }
+}
+
+// Same inputs, same bits: no atomics, a fixed grid and fixed summation orders.
+TEST(CudaAttention, Deterministic) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  Gpu gpu;
+  std::mt19937 g(7);
+  struct Case { int B, T, NH, NKV, D; };
+  for (Case cs : {Case{1, 37, 3, 1, 16}, {2, 130, 4, 2, 64}}) {
+    const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D);
+    VecF qkv = randv(B * T * W, g, -2, 2), dout = randv(B * T * NH * D, g);
+    const GpuResult a = run_gpu(gpu, qkv, dout, B, T, NH, NKV, D), b = run_gpu(gpu, qkv, dout, B, T, NH, NKV, D);
+    EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float))) << "out";
+    EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float))) << "lse";
+    EXPECT_EQ(0, std::memcmp(a.dqkv.data(), b.dqkv.data(), a.dqkv.size() * sizeof(float))) << "dqkv";
+  }
+}
+
+// Bad shapes throw mt::Error naming the op: D = 160 (above the kernels' 128), a width that
+// is not (NH + 2 NKV) D, NH not a multiple of NKV, out / lse / dqkv of the wrong size.
+TEST(CudaAttention, RejectsBadShapes) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  Gpu gpu;
+  std::mt19937 g(3);
+  auto dev = [&](const Shape& s) {
+    VecF v = randv(shape_numel(s), g);
+    return gpu.upload(v, s);
+  };
+  {  // D = 160
+    const int B = 1, T = 4, NH = 2, NKV = 1, D = 160, W = (NH + 2 * NKV) * D;
+    Tensor qkv = dev({B, T, W}), out = dev({B, T, NH * D}), lse = dev({B, NH, T}), dqkv = dev({B, T, W});
+    EXPECT_THROW(cuda::attention_fused_forward(out, lse, qkv, NH, NKV), Error);
+    EXPECT_THROW(cuda::attention_fused_backward(dqkv, out, qkv, out, lse, NH, NKV), Error);
+    try {
+      cuda::attention_fused_forward(out, lse, qkv, NH, NKV);
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("head dim D = 160"), std::string::npos) << e.what();
+    }
+  }
+  const int B = 2, T = 5, NH = 4, NKV = 2, D = 8, W = (NH + 2 * NKV) * D;
+  Tensor qkv = dev({B, T, W}), out = dev({B, T, NH * D}), lse = dev({B, NH, T}), dqkv = dev({B, T, W});
+  EXPECT_THROW(cuda::attention_fused_forward(out, lse, dev({B, T, W + 1}), NH, NKV), Error);
+  EXPECT_THROW(cuda::attention_fused_forward(out, lse, qkv, 3, 2), Error);
+  EXPECT_THROW(cuda::attention_fused_forward(dev({B, T, NH * D + 1}), lse, qkv, NH, NKV), Error);
+  EXPECT_THROW(cuda::attention_fused_forward(out, dev({B, NH, T + 1}), qkv, NH, NKV), Error);
+  EXPECT_THROW(cuda::attention_fused_backward(dev({B, T, W - 1}), out, qkv, out, lse, NH, NKV), Error);
+  EXPECT_THROW(cuda::attention_fused_backward(dqkv, dev({B, T, NH * D - 1}), qkv, out, lse, NH, NKV), Error);
+  EXPECT_THROW(cuda::attention_fused_backward(dqkv, out, qkv, out, dev({B, NH, T - 1}), NH, NKV), Error);
+  // a host tensor where the device is expected
+  VecF host(B * T * NH * D, 0.5f);
+  EXPECT_THROW(cuda::attention_fused_forward(tf(host, {B, T, NH * D}), lse, qkv, NH, NKV), Error);
+}
+
+#else
+TEST(CudaAttention, NotBuilt) { GTEST_SKIP() << "built without CUDA"; }
+#endif
