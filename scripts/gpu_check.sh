@@ -3,7 +3,7 @@
 # GPT-2 benchmark beside PyTorch (bench/gpu.sh). Logs go to $OUT (or ./gpu-check) so that
 # they survive the machine.
 #
-#   bash scripts/gpu_check.sh [tests|bench|all]     # default all
+#   bash scripts/gpu_check.sh [tests|train|bench|all]     # default all
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -20,6 +20,7 @@ echo "build: $(($(date +%s) - start)) s"
 status=0
 if [[ $what == tests || $what == all ]]; then
   for t in build-gpu/tests/test_cuda_*; do
+    [[ -f $t && -x $t && $t != *.cmake ]] || continue
     name=$(basename "$t")
     if "$t" --gtest_brief=1 > "$out/$name.log" 2>&1; then
       echo "$name: $(grep -E '^\[  PASSED  \]' "$out/$name.log")"
@@ -29,6 +30,23 @@ if [[ $what == tests || $what == all ]]; then
       grep -E "Failure|error|Expected|Which is|actual|got|FAILED|mt::Error|what\(\)" "$out/$name.log" | head -40
     fi
   done
+fi
+if [[ $what == train || $what == all ]]; then
+  # The built-in tasks on the GPU and on the CPU: the same losses step by step (fp32).
+  for dev in cuda cpu; do
+    build-gpu/meshtrain train --training.device=$dev --training.steps=30 --logging.progress=off \
+      --logging.metrics="$out/train_$dev.jsonl" > "$out/train_$dev.log" 2>&1 || { status=1; tail -5 "$out/train_$dev.log"; }
+  done
+  python3 - "$out" <<'PY' || status=1
+import json, sys
+d = sys.argv[1]
+rows = {dev: [json.loads(l) for l in open(f"{d}/train_{dev}.jsonl") if '"loss"' in l and '"event"' not in l] for dev in ("cuda", "cpu")}
+diff = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows["cuda"], rows["cpu"]))
+print(f"train: {len(rows['cuda'])} steps, loss {rows['cuda'][0]['loss']:.4f} -> {rows['cuda'][-1]['loss']:.4f} on the GPU, "
+      f"largest relative difference from the CPU run {diff:.2e}; step {rows['cuda'][-1]['step_ms']:.1f} ms (GPU) "
+      f"vs {rows['cpu'][-1]['step_ms']:.1f} ms (CPU)")
+sys.exit(0 if diff < 1e-3 else 1)
+PY
 fi
 if [[ $what == bench || $what == all ]]; then
   bash bench/gpu.sh build-gpu 2>&1 | tee "$out/bench.log" | tail -8
