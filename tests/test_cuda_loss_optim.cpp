@@ -229,10 +229,12 @@ void adamw_case(int n, const std::vector<std::pair<int64_t, int64_t>>& decay, ui
     const VecF cw = download(seg.w), cm = download(state[0].second), cv = download(state[1].second);
     const VecF gw = download(dw), gm = download(dm), gv = download(dv);
     // Same float constants and operation order as the CPU (no fused multiply-add on the
-    // GPU; the CPU compiler may contract): at most an ulp or so apart, 1e-6 relative.
-    EXPECT_LT(rel_err(gw, cw), 1e-6);
-    EXPECT_LT(rel_err(gm, cm), 1e-6);
-    EXPECT_LT(rel_err(gv, cv), 1e-6);
+    // GPU; the CPU compiler contracts under -march=native): an ulp or so apart per step,
+    // which the moments' sums over 5 steps carry (measured on an H100: 3.1e-6 relative on m),
+    // so 1e-5; a wrong formula or constant is off by far more.
+    EXPECT_LT(rel_err(gw, cw), 1e-5);
+    EXPECT_LT(rel_err(gm, cm), 1e-5);
+    EXPECT_LT(rel_err(gv, cv), 1e-5);
     expect_close(gw, to_d(cw), "w");
     expect_close(gm, to_d(cm), "m");
     expect_close(gv, to_d(cv), "v");

@@ -159,6 +159,11 @@ double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tenso
 
 void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                                   const Tensor& targets, float scale, int64_t begin, int64_t valid) {
+  if (dlogits.device() == Device::cuda) {  // the whole vocabulary on one rank only, so far
+    MT_CHECK(begin == 0 && logits.ndim() >= 1 && valid == logits.dim(-1),
+             "cross_entropy_backward: a vocabulary split over tensor-parallel ranks has no GPU implementation yet");
+    MT_ON_CUDA(dlogits, cross_entropy_backward(dlogits, logits, lse, targets, scale));
+  }
   ProfileScope profile_scope("cross_entropy_backward");
   int64_t N = 0, V = 0;
   check_shard(logits, &targets, {&lse}, valid, N, V, "cross_entropy_backward");
