@@ -10,6 +10,7 @@
 #include "core/rng.h"
 #include "nn/model.h"
 #include "optim/optimizer.h"
+#include "train_runs.h"
 #if MESHTRAIN_CUDA
 #include "ops/cuda/ops.h"
 #endif
@@ -68,6 +69,13 @@ double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return d / m;
 }
 
+// max over steps of |a - b| / |a|
+double loss_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double d = 0;
+  for (size_t s = 0; s < a.size() && s < b.size(); ++s) d = std::max(d, std::fabs(a[s] - b[s]) / std::fabs(a[s]));
+  return d;
+}
+
 struct Pair {
   CpuAllocator cpu_alloc;
   CudaAllocator gpu_alloc;
@@ -118,9 +126,12 @@ TEST_P(CudaModel, Fp32ForwardBackwardMatchesCpu) {
 }
 
 // Five AdamW steps on each device (the CPU optimizer against cuda::adamw_step over the same
-// segments): the parameters stay within 1e-5 of their largest magnitude and the losses
-// within 1e-5 relative (AdamW's update is lr-sized per element whatever the gradient's
-// last bits, so differences do not grow over a few steps).
+// segments). The losses stay within 1e-5 relative. The parameters are compared to 1e-3 of
+// their largest magnitude (measured on an H100: 1.4e-4 for GPT-2, 9.4e-5 for Llama): Adam
+// divides each gradient by its own running size, so an element whose gradient is at the
+// level of rounding takes a step of up to lr (1e-2 here) in a direction the rounding
+// decides, on either device; a wrong update (no bias correction, decay on the wrong
+// ranges) moves most elements by a sizeable fraction of lr.
 TEST_P(CudaModel, Fp32AdamWStepsMatchCpu) {
   const ModelConfig cfg = small(GetParam());
   const int B = 2, T = 32, N = B * T;
@@ -156,7 +167,7 @@ TEST_P(CudaModel, Fp32AdamWStepsMatchCpu) {
                        oc.weight_decay, step);
     }
   }
-  EXPECT_LT(rel_diff(all(p.cpu, false), all(p.gpu, false)), 1e-5);
+  EXPECT_LT(rel_diff(all(p.cpu, false), all(p.gpu, false)), 1e-3);
 }
 
 // bf16 working parameters and 16-bit operands in the linear layers on both devices: the
@@ -194,6 +205,45 @@ TEST_P(CudaModel, GpuStepIsDeterministic) {
     m->backward(1.0f / N);
   }
   EXPECT_EQ(all(a, true), all(b, true));
+}
+
+// The whole command with training.device = cuda against the CPU run (fp32, 8 steps, the
+// tiny configuration of the parallel tests, whose eps = 1e-4 keeps Adam from magnifying
+// rounding-level gradients): the losses agree to 1e-4 relative and the parameters to 1e-4
+// of the largest, for float sums in different orders over 8 updates. Then the GPU's
+// checkpoint (written through host copies) resumes on the CPU and continues as the GPU
+// run does, and a CPU checkpoint resumes on the GPU.
+TEST_P(CudaModel, TrainingOnGpuMatchesCpuAndCheckpointsCrossDevices) {
+  test::TempDir d;
+  const std::string data = test::write_tokens(d, "t.bin", 3000, 37);
+  // A constant rate, so that the 8-step runs' schedule is the 12-step run's first 8 steps.
+  const std::string opts = test::options(GetParam(), 8, 4) + " --optim.schedule=constant --data.path=" + data;
+  using test::train_run;
+  const test::RunResult cpu = train_run(d, "cpu", 1, opts + " --training.steps=8");
+  const test::RunResult gpu = train_run(d, "gpu", 1, opts + " --training.steps=8 --training.device=cuda");
+  ASSERT_EQ(gpu.loss.size(), 8u) << gpu.output;
+  EXPECT_LT(loss_diff(cpu.loss, gpu.loss), 1e-4);
+  ASSERT_EQ(cpu.units.size(), gpu.units.size());
+  std::vector<float> a, b;
+  for (size_t u = 0; u < cpu.units.size(); ++u) {
+    a.insert(a.end(), cpu.units[u].begin(), cpu.units[u].end());
+    b.insert(b.end(), gpu.units[u].begin(), gpu.units[u].end());
+  }
+  EXPECT_LT(rel_diff(a, b), 1e-4);
+
+  // 12 steps straight on the GPU; 8 on the GPU then 4 more on the CPU from its checkpoint;
+  // 8 on the CPU then 4 more on the GPU.
+  const test::RunResult straight = train_run(d, "straight", 1, opts + " --training.steps=12 --training.device=cuda");
+  std::filesystem::remove(d / "gpu.jsonl");  // the resumed runs' metrics alone
+  std::filesystem::remove(d / "cpu.jsonl");
+  const test::RunResult to_cpu = train_run(d, "gpu", 1, opts + " --training.steps=12 --checkpoint.resume=true");
+  const test::RunResult to_gpu =
+      train_run(d, "cpu", 1, opts + " --training.steps=12 --checkpoint.resume=true --training.device=cuda");
+  ASSERT_EQ(to_cpu.loss.size(), 4u) << to_cpu.output;
+  ASSERT_EQ(to_gpu.loss.size(), 4u) << to_gpu.output;
+  const std::vector<double> tail(straight.loss.begin() + 8, straight.loss.end());
+  EXPECT_LT(loss_diff(tail, to_cpu.loss), 1e-4);
+  EXPECT_LT(loss_diff(tail, to_gpu.loss), 1e-4);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, CudaModel, ::testing::Values("gpt2", "llama"));

@@ -420,6 +420,7 @@ WorkPtr Communicator::allreduce_async(const Tensor& t) {
   MT_CHECK(is_reducible(t.dtype()), "allreduce of " << dtype_name(t.dtype()) << ": only f32, bf16 and f16 reduce");
   CommRecord rec{0, CommOp::allreduce, t.dtype(), t.numel()};
   return submit(rec, [this, t] {
+    if (size_ == 1) return;  // the sum over one rank is its own data (which may be on the GPU)
     // Rank j owns elements [n j / size, n (j + 1) / size): it sums them, then sends the
     // sum to every other rank, which receives it in place.
     const int64_t n = t.numel();

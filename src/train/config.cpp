@@ -381,8 +381,6 @@ void Config::check_device() const {
                << so_far);
   MT_CHECK(model.fused_attention(), "training.device = cuda needs training.attention = fused (the GPU attention "
                                     "never stores the [T, T] probabilities)");
-  MT_CHECK(checkpoint.dir.empty(), "training.device = cuda does not write checkpoints yet: leave checkpoint.dir empty"
-                                       << so_far);
 }
 
 void Config::check_context_parallel() const {

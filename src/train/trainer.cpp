@@ -74,15 +74,34 @@ StepAgreement agree_step(Communicator& world, const MemStats& mine, int stop_sig
   return r;
 }
 
+// Checkpoint files are read and written from host memory: state in GPU memory goes through
+// host copies, fetched before a save and written back after a load.
+struct HostCopies {
+  explicit HostCopies(bool gpu) : on_gpu(gpu) {}
+  bool on_gpu;
+  std::vector<std::vector<float>> bufs;
+  std::vector<float*> device;  // where each buffer's elements live
+  float* host(float* p, int64_t n, bool fetch) {
+    if (!on_gpu) return p;
+    std::vector<float>& b = bufs.emplace_back(n);
+    if (fetch) cuda_memcpy(b.data(), p, n * sizeof(float));
+    device.push_back(p);
+    return b.data();
+  }
+  void write_back() {
+    for (size_t i = 0; i < bufs.size(); ++i) cuda_memcpy(device[i], bufs[i].data(), bufs[i].size() * sizeof(float));
+  }
+};
+
 // The optimizer state of segment i (unit i) next to the strategy's parameter range, as
 // slices of the whole units; saving leaves out what another tp rank saves.
 std::vector<CheckpointSlice> state_slices(const std::vector<ParamSlice>& params, const Optimizer& opt,
-                                          const std::vector<Unit>& units, bool saving) {
+                                          const std::vector<Unit>& units, bool saving, HostCopies& copies) {
   std::vector<CheckpointSlice> r;
   for (const ParamSlice& p : params) {
     std::vector<std::pair<std::string, float*>> tensors;
-    if (saving) tensors.emplace_back("params", p.params);
-    for (auto& [name, t] : opt.state(p.unit)) tensors.emplace_back(name, t.f32());
+    if (saving) tensors.emplace_back("params", copies.host(p.params, p.end - p.begin, true));
+    for (auto& [name, t] : opt.state(p.unit)) tensors.emplace_back(name, copies.host(t.f32(), t.numel(), saving));
     for (CheckpointSlice& s : checkpoint_unit_slices(units[p.unit], p.begin, p.end, tensors, saving))
       r.push_back(std::move(s));
   }
@@ -451,8 +470,9 @@ nlohmann::json step_run(Run& run, int64_t s) {
 std::string checkpoint_write(Run& run, int64_t step) {
   std::vector<ParamSlice> mine = run.strategy.writes_checkpoint() ? run.strategy.owned() : std::vector<ParamSlice>{};
   if (run.tie && run.pp.rank() > 0) std::erase_if(mine, [](const ParamSlice& p) { return p.unit == 0; });  // the first stage saves it
+  HostCopies copies(run.alloc.device() == Device::cuda);
   return checkpoint_save(run.c.checkpoint.dir, step, run.c, model_layout(run.c.model),
-                         state_slices(mine, run.opt, run.model.units(), true),
+                         state_slices(mine, run.opt, run.model.units(), true, copies),
                          {run.opt.steps_taken(), run.scaler.enabled() ? run.scaler.scale() : 0, run.scaler.clean_steps()},
                          run.world, run.c.checkpoint.keep);
 }
@@ -754,7 +774,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   SpikeGuard spikes(c.training.skip_spikes, static_cast<int>(c.training.max_skips));
   if (!resumed_from.empty()) {
     OptimizerProgress saved;
-    checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false), &saved);
+    HostCopies copies(alloc.device() == Device::cuda);
+    checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false, copies), &saved);
+    copies.write_back();
     opt.set_steps_taken(saved.steps_taken);
     if (saved.loss_scale > 0) scaler.restore(saved.loss_scale, saved.loss_scale_clean);  // an fp16 run goes on as it was
   }
