@@ -21,8 +21,8 @@ constexpr float kGeluA = 0.044715f;
 
 // out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); out may alias x.
 void gelu_forward(const Tensor& out, const Tensor& x) {
-  MT_ON_CUDA(out, gelu_forward(out, x));
   ProfileScope profile_scope("gelu");
+  MT_ON_CUDA(out, gelu_forward(out, x));
   check_f32(out, "gelu_forward: out");
   check_f32(x, "gelu_forward: x");
   check_numel(out, x.numel(), "gelu_forward: out (must match x)");
@@ -45,8 +45,8 @@ void gelu_forward(const Tensor& out, const Tensor& x) {
 
 // dx = dout * gelu'(x); dx may alias dout (each element is read before it is written).
 void gelu_backward(const Tensor& dx, const Tensor& x, const Tensor& dout) {
-  MT_ON_CUDA(dx, gelu_backward(dx, x, dout));
   ProfileScope profile_scope("gelu_backward");
+  MT_ON_CUDA(dx, gelu_backward(dx, x, dout));
   check_f32(dx, "gelu_backward: dx");
   check_f32(x, "gelu_backward: x");
   check_f32(dout, "gelu_backward: dout");
@@ -85,8 +85,8 @@ void check_swiglu(const Tensor& out, const Tensor& gu, int64_t& N, int64_t& F, c
 
 // out[N, F] = silu(gate) * up, gate = gu[:, :F], up = gu[:, F:]
 void swiglu_forward(const Tensor& out, const Tensor& gu) {
-  MT_ON_CUDA(out, swiglu_forward(out, gu));
   ProfileScope profile_scope("swiglu");
+  MT_ON_CUDA(out, swiglu_forward(out, gu));
   check_f32(out, "swiglu_forward: out");
   check_f32(gu, "swiglu_forward: gu");
   int64_t N, F;
@@ -109,8 +109,8 @@ void swiglu_forward(const Tensor& out, const Tensor& gu) {
 // dgate = dout * up * sig (1 + gate (1 - sig)),  dup = dout * silu(gate)   (overwrites dgu;
 // dgu may alias gu)
 void swiglu_backward(const Tensor& dgu, const Tensor& gu, const Tensor& dout) {
-  MT_ON_CUDA(dgu, swiglu_backward(dgu, gu, dout));
   ProfileScope profile_scope("swiglu_backward");
+  MT_ON_CUDA(dgu, swiglu_backward(dgu, gu, dout));
   check_f32(dgu, "swiglu_backward: dgu");
   check_f32(gu, "swiglu_backward: gu");
   check_f32(dout, "swiglu_backward: dout");
@@ -140,8 +140,8 @@ void swiglu_backward(const Tensor& dgu, const Tensor& gu, const Tensor& dout) {
 
 // a += b
 void add_inplace(const Tensor& a, const Tensor& b) {
-  MT_ON_CUDA(a, add_inplace(a, b));
   ProfileScope profile_scope("add");
+  MT_ON_CUDA(a, add_inplace(a, b));
   check_f32(a, "add_inplace: a");
   check_f32(b, "add_inplace: b");
   check_numel(b, a.numel(), "add_inplace: b (must match a)");
@@ -157,8 +157,8 @@ void add_inplace(const Tensor& a, const Tensor& b) {
 }
 
 void add_bias(const Tensor& y, const Tensor& b) {
-  MT_ON_CUDA(y, add_bias(y, b));
   ProfileScope profile_scope("add_bias");
+  MT_ON_CUDA(y, add_bias(y, b));
   check_f32(y, "add_bias: y");
   check_f32(b, "add_bias: b");
   const int64_t O = b.numel();

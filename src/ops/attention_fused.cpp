@@ -506,8 +506,8 @@ PartArgs part_args(const Tensor& qkv_q, AttentionRows q, const Tensor& qkv_kv, A
 
 // out[B, T, NH D]; lse[B, NH, T]: the part of all rows against all rows.
 void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head) {
-  MT_ON_CUDA(out, attention_fused_forward(out, lse, qkv, n_head, n_kv_head));
   ProfileScope profile_scope("attention");
+  MT_ON_CUDA(out, attention_fused_forward(out, lse, qkv, n_head, n_kv_head));
   const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_fused_forward");
   check_f32(out, "attention_fused_forward: out");
   check_f32(lse, "attention_fused_forward: lse");
@@ -519,8 +519,8 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
 
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, int n_head, int n_kv_head) {
-  MT_ON_CUDA(dqkv, attention_fused_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head));
   ProfileScope profile_scope("attention_backward");
+  MT_ON_CUDA(dqkv, attention_fused_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head));
   const AttentionShape s = attention_shape(qkv, n_head, n_kv_head, "attention_fused_backward");
   check_f32(dqkv, "attention_fused_backward: dqkv");
   check_f32(dout, "attention_fused_backward: dout");

@@ -53,10 +53,10 @@ void check_ce(const Tensor& logits, const Tensor& targets, const Tensor& lse, in
 
 // losses[N] = lse - logits[n, target] (0 where target == -1); lse[N] saved. Returns the sum.
 double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets) {
+  ProfileScope profile_scope("cross_entropy");
 #if MESHTRAIN_CUDA
   if (logits.device() == Device::cuda) return cuda::cross_entropy_forward(losses, lse, logits, targets);
 #endif
-  ProfileScope profile_scope("cross_entropy");
   int64_t N, V;
   check_ce(logits, targets, lse, N, V, "cross_entropy_forward: logits/targets/lse");
   check_f32(losses, "cross_entropy_forward: losses");
@@ -82,8 +82,8 @@ double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tens
 // dlogits[N, V] = (softmax(logits) - onehot(target)) * scale; may alias logits.
 void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
                             float scale) {
-  MT_ON_CUDA(dlogits, cross_entropy_backward(dlogits, logits, lse, targets, scale));
   ProfileScope profile_scope("cross_entropy_backward");
+  MT_ON_CUDA(dlogits, cross_entropy_backward(dlogits, logits, lse, targets, scale));
   int64_t N, V;
   check_ce(logits, targets, lse, N, V, "cross_entropy_backward: logits/targets/lse");
   cross_entropy_backward_shard(dlogits, logits, lse, targets, scale, 0, V);
@@ -159,12 +159,12 @@ double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tenso
 
 void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                                   const Tensor& targets, float scale, int64_t begin, int64_t valid) {
+  ProfileScope profile_scope("cross_entropy_backward");
   if (dlogits.device() == Device::cuda) {  // the whole vocabulary on one rank only, so far
     MT_CHECK(begin == 0 && logits.ndim() >= 1 && valid == logits.dim(-1),
              "cross_entropy_backward: a vocabulary split over tensor-parallel ranks has no GPU implementation yet");
     MT_ON_CUDA(dlogits, cross_entropy_backward(dlogits, logits, lse, targets, scale));
   }
-  ProfileScope profile_scope("cross_entropy_backward");
   int64_t N = 0, V = 0;
   check_shard(logits, &targets, {&lse}, valid, N, V, "cross_entropy_backward");
   check_f32(dlogits, "cross_entropy_backward: dlogits");

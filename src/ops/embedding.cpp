@@ -74,8 +74,8 @@ void add_positions(float* dwpe, const float* g, int64_t B, int64_t T, int64_t C,
 
 // out[B, T, C] = wte[tokens[b, t]] (+ wpe[t])
 void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor* wpe) {
-  MT_ON_CUDA(out, embedding_forward(out, tokens, wte, wpe));
   ProfileScope profile_scope("embedding");
+  MT_ON_CUDA(out, embedding_forward(out, tokens, wte, wpe));
   check_f32(out, "embedding_forward: out");
   check_f32(wte, "embedding_forward: wte");
   MT_CHECK(wte.ndim() == 2, "embedding_forward: wte must be [V, C], got " << shape_str(wte.shape()));
@@ -109,8 +109,8 @@ void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wt
 
 // dwte[V, C] += scatter of dout[B, T, C] by token ; dwpe[maxT, C] += sum over b of dout
 void embedding_backward(const Tensor& dwte, const Tensor* dwpe, const Tensor& dout, const Tensor& tokens) {
-  MT_ON_CUDA(dwte, embedding_backward(dwte, dwpe, dout, tokens));
   ProfileScope profile_scope("embedding_backward");
+  MT_ON_CUDA(dwte, embedding_backward(dwte, dwpe, dout, tokens));
   check_f32(dwte, "embedding_backward: dwte");
   check_f32(dout, "embedding_backward: dout");
   MT_CHECK(dwte.ndim() == 2, "embedding_backward: dwte must be [V, C], got " << shape_str(dwte.shape()));
@@ -131,8 +131,8 @@ void embedding_backward(const Tensor& dwte, const Tensor* dwpe, const Tensor& do
 // The vocabulary-parallel lookup: out[b, t] = wte[id - begin] for ids in [begin, begin + valid), else 0.
 void embedding_shard_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, int64_t begin, int64_t valid,
                              int64_t vocab) {
-  MT_ON_CUDA(out, embedding_shard_forward(out, tokens, wte, begin, valid, vocab));
   ProfileScope profile_scope("embedding");
+  MT_ON_CUDA(out, embedding_shard_forward(out, tokens, wte, begin, valid, vocab));
   check_f32(out, "embedding_shard_forward: out");
   check_f32(wte, "embedding_shard_forward: wte");
   MT_CHECK(wte.ndim() == 2 && valid <= wte.dim(0), "embedding_shard_forward: wte must be [>= " << valid << ", C], got "
@@ -156,8 +156,8 @@ void embedding_shard_forward(const Tensor& out, const Tensor& tokens, const Tens
 // dwte[id - begin] += dout[b, t] for the ids held, in (b, t) order per element.
 void embedding_shard_backward(const Tensor& dwte, const Tensor& dout, const Tensor& tokens, int64_t begin,
                               int64_t valid, int64_t vocab) {
-  MT_ON_CUDA(dwte, embedding_shard_backward(dwte, dout, tokens, begin, valid, vocab));
   ProfileScope profile_scope("embedding_backward");
+  MT_ON_CUDA(dwte, embedding_shard_backward(dwte, dout, tokens, begin, valid, vocab));
   check_f32(dwte, "embedding_shard_backward: dwte");
   check_f32(dout, "embedding_shard_backward: dout");
   MT_CHECK(dwte.ndim() == 2 && valid <= dwte.dim(0), "embedding_shard_backward: dwte must be [>= " << valid
@@ -177,8 +177,8 @@ static void check_positions(const int32_t* pos, int64_t T, int64_t maxT, const c
 }
 
 void position_forward(const Tensor& out, const Tensor& wpe, const int32_t* pos) {
-  MT_ON_CUDA(out, position_forward(out, wpe, pos));
   ProfileScope profile_scope("position");
+  MT_ON_CUDA(out, position_forward(out, wpe, pos));
   check_f32(out, "position_forward: out");
   check_f32(wpe, "position_forward: wpe");
   MT_CHECK(out.ndim() == 3 && wpe.ndim() == 2 && wpe.dim(1) == out.dim(2) && wpe.dim(0) >= out.dim(1),
@@ -198,8 +198,8 @@ void position_forward(const Tensor& out, const Tensor& wpe, const int32_t* pos) 
 
 // dwpe[t] += sum over b of dout[b, t], in b order
 void position_backward(const Tensor& dwpe, const Tensor& dout, const int32_t* pos) {
-  MT_ON_CUDA(dwpe, position_backward(dwpe, dout, pos));
   ProfileScope profile_scope("position_backward");
+  MT_ON_CUDA(dwpe, position_backward(dwpe, dout, pos));
   check_f32(dwpe, "position_backward: dwpe");
   check_f32(dout, "position_backward: dout");
   MT_CHECK(dout.ndim() == 3 && dwpe.ndim() == 2 && dwpe.dim(1) == dout.dim(2) && dwpe.dim(0) >= dout.dim(1),

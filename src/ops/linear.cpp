@@ -88,34 +88,52 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
 
 // y[N, O] = x[N, I] @ w[O, I]^T (+ b[O])
 void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) {
-  MT_ON_CUDA(y, linear_forward(y, x, w, b));
+  if (y.device() == Device::cuda) {
+    ProfileScope profile_scope("linear");
+    MT_ON_CUDA(y, linear_forward(y, x, w, b));
+  }
   forward(y, x, w, b, false);
 }
 // y[N, O] = x[N, I] @ w[I, O] (+ b[O])
 void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) {
-  MT_ON_CUDA(y, linear_io_forward(y, x, w, b));
+  if (y.device() == Device::cuda) {
+    ProfileScope profile_scope("linear");
+    MT_ON_CUDA(y, linear_io_forward(y, x, w, b));
+  }
   forward(y, x, w, b, true);
 }
 
 // dx[N, I] (=, or += when accumulate) dy[N, O] @ w[O, I]
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate) {
-  MT_ON_CUDA(dx, linear_backward_input(dx, dy, w, accumulate));
+  if (dx.device() == Device::cuda) {
+    ProfileScope profile_scope("linear_backward_input");
+    MT_ON_CUDA(dx, linear_backward_input(dx, dy, w, accumulate));
+  }
   backward_input(dx, dy, w, accumulate, false);
 }
 // dx[N, I] (=, or +=) dy[N, O] @ w[I, O]^T
 void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate) {
-  MT_ON_CUDA(dx, linear_io_backward_input(dx, dy, w, accumulate));
+  if (dx.device() == Device::cuda) {
+    ProfileScope profile_scope("linear_backward_input");
+    MT_ON_CUDA(dx, linear_io_backward_input(dx, dy, w, accumulate));
+  }
   backward_input(dx, dy, w, accumulate, true);
 }
 
 // dw[O, I] += dy[N, O]^T @ x[N, I] ; db[O] += sum over rows of dy
 void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
-  MT_ON_CUDA(dw, linear_backward_weight(dw, db, dy, x));
+  if (dw.device() == Device::cuda) {
+    ProfileScope profile_scope("linear_backward_weight");
+    MT_ON_CUDA(dw, linear_backward_weight(dw, db, dy, x));
+  }
   backward_weight(dw, db, dy, x, false);
 }
 // dw[I, O] += x[N, I]^T @ dy[N, O] ; db[O] += sum over rows of dy
 void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
-  MT_ON_CUDA(dw, linear_io_backward_weight(dw, db, dy, x));
+  if (dw.device() == Device::cuda) {
+    ProfileScope profile_scope("linear_backward_weight");
+    MT_ON_CUDA(dw, linear_io_backward_weight(dw, db, dy, x));
+  }
   backward_weight(dw, db, dy, x, true);
 }
 
@@ -146,8 +164,8 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
 // db[O] += sum over rows of dy[N, O]: parallel over blocks of columns, each db element
 // summed by one thread over the rows in order, so the result does not depend on the thread count.
 void bias_backward(const Tensor& db, const Tensor& dy) {
-  MT_ON_CUDA(db, bias_backward(db, dy));
   ProfileScope profile_scope("bias_backward");
+  MT_ON_CUDA(db, bias_backward(db, dy));
   check_f32(db, "bias_backward: db");
   check_f32(dy, "bias_backward: dy");
   const int64_t O = db.numel();

@@ -92,8 +92,8 @@ void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t&
 // out[N, C] = (x - mean) * rstd * w + b ; saves mean[N], rstd[N]
 void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
                        const Tensor& w, const Tensor& b, float eps) {
-  MT_ON_CUDA(out, layernorm_forward(out, mean, rstd, x, w, b, eps));
   ProfileScope profile_scope("layernorm");
+  MT_ON_CUDA(out, layernorm_forward(out, mean, rstd, x, w, b, eps));
   int64_t N, C;
   check_norm_io(out, x, w, N, C, "layernorm_forward: out/x/w (x's last dim must equal w's size)");
   check_f32(b, "layernorm_forward: b");
@@ -131,8 +131,8 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
 // dx += dL/dx ; dw += sum_n dout * xhat ; db += sum_n dout
 void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dout,
                         const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd) {
-  MT_ON_CUDA(dx, layernorm_backward(dx, dw, db, dout, x, w, mean, rstd));
   ProfileScope profile_scope("layernorm_backward");
+  MT_ON_CUDA(dx, layernorm_backward(dx, dw, db, dout, x, w, mean, rstd));
   int64_t N, C;
   check_norm_io(dout, x, w, N, C, "layernorm_backward: dout/x/w (x's last dim must equal w's size)");
   check_f32(dx, "layernorm_backward: dx");
@@ -163,8 +163,8 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
 // out[N, C] = (x * rstd) * w with rstd = 1 / sqrt(mean(x^2) + eps) ; saves rstd[N]
 // (the order of Hugging Face's LlamaRMSNorm: normalise in float32, then scale by w).
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps) {
-  MT_ON_CUDA(out, rmsnorm_forward(out, rstd, x, w, eps));
   ProfileScope profile_scope("rmsnorm");
+  MT_ON_CUDA(out, rmsnorm_forward(out, rstd, x, w, eps));
   int64_t N, C;
   check_norm_io(out, x, w, N, C, "rmsnorm_forward: out/x/w (x's last dim must equal w's size)");
   check_f32(rstd, "rmsnorm_forward: rstd");
@@ -185,8 +185,8 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, con
 //   dx += r (w dout - xhat mean(w dout xhat)),  xhat = x r ;  dw += sum_n dout xhat
 void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, const Tensor& x, const Tensor& w,
                       const Tensor& rstd) {
-  MT_ON_CUDA(dx, rmsnorm_backward(dx, dw, dout, x, w, rstd));
   ProfileScope profile_scope("rmsnorm_backward");
+  MT_ON_CUDA(dx, rmsnorm_backward(dx, dw, dout, x, w, rstd));
   int64_t N, C;
   check_norm_io(dout, x, w, N, C, "rmsnorm_backward: dout/x/w (x's last dim must equal w's size)");
   check_f32(dx, "rmsnorm_backward: dx");

@@ -64,15 +64,15 @@ void rope_apply(const Tensor& x, int n_rot, float theta, const int32_t* pos, flo
 }  // namespace
 
 void rope_forward(const Tensor& x, int n_rot, float theta, const int32_t* pos) {
-  MT_ON_CUDA(x, rope_forward(x, n_rot, theta, pos));
   ProfileScope profile_scope("rope");
+  MT_ON_CUDA(x, rope_forward(x, n_rot, theta, pos));
   rope_apply(x, n_rot, theta, pos, 1.0f, "rope_forward");
 }
 
 // The rotation by -angle is the transpose of the rotation by +angle.
 void rope_backward(const Tensor& dx, int n_rot, float theta, const int32_t* pos) {
-  MT_ON_CUDA(dx, rope_backward(dx, n_rot, theta, pos));
   ProfileScope profile_scope("rope_backward");
+  MT_ON_CUDA(dx, rope_backward(dx, n_rot, theta, pos));
   rope_apply(dx, n_rot, theta, pos, -1.0f, "rope_backward");
 }
 
