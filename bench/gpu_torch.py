@@ -1,4 +1,4 @@
-"""The PyTorch peer of bench_gpu_step: the same GPT-2 (or Llama-free GPT-2 only) model,
+"""The PyTorch peer of bench_gpu_step: the same GPT-2 model,
 batch and step on one GPU, in bf16 autocast with fused AdamW and flash attention
 (scaled_dot_product_attention), eager and under torch.compile.
 
@@ -43,9 +43,15 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(C)
         self.lm_head = nn.Linear(C, V, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as GPT-2
-        for p in self.parameters():
+        # meshtrain's initialisation (GPT-2's): weights N(0, 0.02), the two residual
+        # projections N(0, 0.02 / sqrt(2 L)), positions N(0, 0.01), biases 0, norm weights 1.
+        for name, p in self.named_parameters():
             if p.dim() >= 2:
-                nn.init.normal_(p, std=0.02)
+                proj = name.endswith("c_proj.weight") or name.endswith("mlp_proj.weight")
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * L) if proj else 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        nn.init.normal_(self.wpe.weight, std=0.01)  # learned positions: N(0, 0.01)
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))

@@ -50,6 +50,14 @@ run() {  # runs a command line (README quoting kept) and fails with its output i
   eval "$1" > "log.$n" 2>&1 || { cat "log.$n"; fail "$1"; }
 }
 skip() { echo "- skipped: $cmd ($1)"; }
+# A GPU command: runs small where a GPU is, else must stop with the message that says why.
+gpu_or_clear_error() {
+  n=$((n + 1))
+  echo "+ $cmd"
+  eval "$cmd $few" > "log.$n" 2>&1 && return
+  grep -q -e "no GPU is visible" -e "built without CUDA" "log.$n" || { cat "log.$n"; fail "$cmd"; }
+  echo "  (no GPU here: $(tail -1 "log.$n"))"
+}
 
 # A text of made-up words, enough for `prepare` to train an 8192-piece SentencePiece model.
 corpus() {
@@ -120,6 +128,11 @@ declare -A how=(
   ["./build/meshtrain launch -n 4 train --parallel.zero=3"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 4 train --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2"]='run "$cmd $few"'
   ["./build/meshtrain train --training.precision=bf16"]='run "$cmd $few"'
+  ["./build/meshtrain train --training.device=cuda --training.precision=bf16"]='gpu_or_clear_error'
+  ["bash scripts/gpu_deps.sh"]='skip "downloads packages for a GPU machine"'
+  ["bash scripts/gpu_build.sh"]='skip "builds a second tree for a GPU machine (the CUDA code is built in build/ already)"'
+  ["bash scripts/gpu_check.sh"]='skip "needs a GPU"'
+  ["bash bench/gpu.sh"]='skip "needs a GPU and PyTorch with CUDA"'
   ["./build/meshtrain launch -n 2 train --training.precision=fp16 --parallel.zero=2"]='run "$cmd $few"'
   ["./build/meshtrain train --training.skip_spikes=6 --training.max_skips=5"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 2 train --parallel.tp=2"]='run "$cmd $few"'

@@ -246,6 +246,33 @@ TEST_P(CudaModel, TrainingOnGpuMatchesCpuAndCheckpointsCrossDevices) {
   EXPECT_LT(loss_diff(tail, to_gpu.loss), 1e-4);
 }
 
+// Two ranks sharing the GPU (DDP, gradients reduced through host memory) against one rank
+// on the GPU, both reading the same global batch of 8 (one rank accumulates its four
+// micro-batches in turn, two ranks add two each and then each other's sums: the same terms
+// in another order). fp32: losses and parameters within 1e-5. bf16: the bounds the CPU's
+// layouts meet (tests/test_precision.cpp): a master weight that lands on the other side
+// of a bf16 rounding boundary moves its working copy by 2^-8, so 1e-4 in loss and 3e-3 in
+// parameters.
+TEST_P(CudaModel, TwoRanksSharingTheGpuMatchOneRank) {
+  test::TempDir d;
+  const std::string data = test::write_tokens(d, "t.bin", 3000, 37);
+  const std::string opts = test::options(GetParam(), 8, 2) + " --training.device=cuda --data.path=" + data;
+  for (const std::string precision : {"fp32", "bf16"}) {
+    const std::string o = opts + " --training.precision=" + precision;
+    const test::RunResult one = test::train_run(d, "one_" + precision, 1, o);
+    const test::RunResult two = test::train_run(d, "two_" + precision, 2, o + " --parallel.dp=2");
+    ASSERT_EQ(two.loss.size(), one.loss.size()) << two.output;
+    const bool fp32 = precision == "fp32";
+    EXPECT_LT(loss_diff(one.loss, two.loss), fp32 ? 1e-5 : 1e-4) << precision;
+    std::vector<float> a, b;
+    for (size_t u = 0; u < one.units.size(); ++u) {
+      a.insert(a.end(), one.units[u].begin(), one.units[u].end());
+      b.insert(b.end(), two.units[u].begin(), two.units[u].end());
+    }
+    EXPECT_LT(rel_diff(a, b), fp32 ? 1e-5 : 3e-3) << precision;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, CudaModel, ::testing::Values("gpt2", "llama"));
 
 #else

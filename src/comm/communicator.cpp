@@ -352,6 +352,16 @@ void Communicator::check_same_everywhere(const CommRecord& rec) {
   throw Error(os.str());
 }
 
+Tensor Communicator::host_stage(int64_t numel, DType dtype) {
+  const int64_t words = (numel * static_cast<int64_t>(dtype_size(dtype)) + 3) / 4;
+  if (!host_stage_.defined() || host_stage_.numel() < words) {
+    host_stage_ = Tensor();
+    static CpuAllocator uncounted;  // communicators made without an allocator (tests)
+    host_stage_ = Tensor::empty({words}, DType::f32, task_opts_.alloc ? *task_opts_.alloc : uncounted, MemTag::comm);
+  }
+  return Tensor::wrap(host_stage_.raw(), {numel}, dtype);
+}
+
 Tensor Communicator::staging(int64_t numel, DType dtype) {
   const int64_t words = (numel * static_cast<int64_t>(dtype_size(dtype)) + 3) / 4;
   if (!staging_.defined() || staging_.numel() < words) {
@@ -421,23 +431,34 @@ WorkPtr Communicator::allreduce_async(const Tensor& t) {
   CommRecord rec{0, CommOp::allreduce, t.dtype(), t.numel()};
   return submit(rec, [this, t] {
     if (size_ == 1) return;  // the sum over one rank is its own data (which may be on the GPU)
-    // Rank j owns elements [n j / size, n (j + 1) / size): it sums them, then sends the
-    // sum to every other rank, which receives it in place.
-    const int64_t n = t.numel();
-    const size_t es = dtype_size(t.dtype());
-    std::vector<int64_t> bounds(size_ + 1);
-    for (int j = 0; j <= size_; ++j) bounds[j] = n * j / size_;
-    const int64_t mine = bounds[rank_], len = bounds[rank_ + 1] - mine;
-    reduce_ranges(t, bounds, t.view(mine, {len}));
-    char* base = static_cast<char*>(t.raw());
-    std::vector<Message> sends, recvs;
-    for (int k = 0; k < size_; ++k) {
-      if (k == rank_) continue;
-      sends.push_back({base + mine * es, len * es, k});
-      recvs.push_back({base + bounds[k] * es, (bounds[k + 1] - bounds[k]) * es, k});
+    if (t.device() == Device::cuda) {  // through host memory (ranks sharing a GPU, before NCCL)
+      const Tensor h = host_stage(t.numel(), t.dtype());
+      h.copy_from(t);
+      allreduce_run(h);
+      t.copy_from(h);
+      return;
     }
-    exchange(sends, recvs);
+    allreduce_run(t);
   });
+}
+
+void Communicator::allreduce_run(const Tensor& t) {
+  // Rank j owns elements [n j / size, n (j + 1) / size): it sums them, then sends the
+  // sum to every other rank, which receives it in place.
+  const int64_t n = t.numel();
+  const size_t es = dtype_size(t.dtype());
+  std::vector<int64_t> bounds(size_ + 1);
+  for (int j = 0; j <= size_; ++j) bounds[j] = n * j / size_;
+  const int64_t mine = bounds[rank_], len = bounds[rank_ + 1] - mine;
+  reduce_ranges(t, bounds, t.view(mine, {len}));
+  char* base = static_cast<char*>(t.raw());
+  std::vector<Message> sends, recvs;
+  for (int k = 0; k < size_; ++k) {
+    if (k == rank_) continue;
+    sends.push_back({base + mine * es, len * es, k});
+    recvs.push_back({base + bounds[k] * es, (bounds[k + 1] - bounds[k]) * es, k});
+  }
+  exchange(sends, recvs);
 }
 
 void Communicator::check_reduce_scatter(const Tensor& in, const Tensor& out) const {

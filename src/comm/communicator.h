@@ -257,6 +257,9 @@ class Communicator {
   // Receive buffer of at least numel elements, kept and grown across operations (fresh
   // allocations would page-fault on every large message).
   Tensor staging(int64_t numel, DType dtype);
+  // A GPU tensor's host copy for the collectives that run on host memory (comm thread only).
+  Tensor host_stage(int64_t numel, DType dtype);
+  void allreduce_run(const Tensor& t);  // the flat all-reduce, on the communication thread
 
   int rank_, size_, world_rank_, ranks_on_node_;
   bool spans_machines_;
@@ -280,6 +283,7 @@ class Communicator {
   std::shared_ptr<Waiters> waiters_ = std::make_shared<Waiters>();
   std::thread thread_, watchdog_;
   Tensor staging_;  // used only on the communication thread
+  Tensor host_stage_;  // likewise
 };
 
 // A group of one rank: every operation is a local copy (or nothing).

@@ -12,10 +12,16 @@ uint64_t params_hash(const float* p, int64_t n, uint64_t h) {
   return h;
 }
 
+std::vector<float> host_floats(const Tensor& t) {
+  std::vector<float> h((t.nbytes() + 3) / 4);
+  Tensor::wrap(h.data(), {t.numel()}, t.dtype()).copy_from(t.reshape({t.numel()}));
+  return h;
+}
+
 void check_same_units(Communicator& group, const std::vector<Unit>& units) {
   uint64_t h = params_hash(nullptr, 0);
   for (const Unit& u : units)  // any dtype: the bytes of its numel elements
-    if (u.numel > 0) h = params_hash(static_cast<const float*>(u.w.raw()), u.w.nbytes() / 4, h);
+    if (u.numel > 0) h = params_hash(host_floats(u.w).data(), u.w.nbytes() / 4, h);
   check_same_hash(group, h, "parameters");
 }
 

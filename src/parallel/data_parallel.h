@@ -51,6 +51,8 @@ class DataParallel : public UnitHooks {
 // FNV-1a of a float buffer, to compare parameters across ranks.
 uint64_t params_hash(const float* p, int64_t n, uint64_t h = 1469598103934665603ull);
 // Fails unless every rank of `group` holds bit-identical whole units.
+// A tensor's bytes in host memory, as floats (a copy, from the GPU too): for hashes.
+std::vector<float> host_floats(const Tensor& t);
 void check_same_units(Communicator& group, const std::vector<Unit>& units);
 // Fails naming the first rank of `group` whose hash differs from rank 0's; `what` is what
 // was hashed, `fix` what to do about it.

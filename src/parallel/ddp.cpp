@@ -55,7 +55,7 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
     if (dp.size() == 1) break;
     // fp32 gradients of consecutive units that lie back to back (the model allocates them
     // in backward order) are reduced in place; otherwise through a staging buffer.
-    bool contiguous = dtype_ == DType::f32;
+    bool contiguous = dtype_ == DType::f32 && units[b.units[0]].g.device() == Device::cpu;  // GPU: the buffer
     for (size_t i = 1; i < b.units.size() && contiguous; ++i)
       contiguous = units[b.units[i]].g.f32() == units[b.units[i - 1]].g.f32() + units[b.units[i - 1]].numel;
     b.in_place = contiguous;
@@ -156,7 +156,7 @@ void DDP::after_step() {
 void DDP::check_same_parameters() {
   check_same_units(dp_, model_.units());
   uint64_t h = params_hash(nullptr, 0);
-  for (const Tensor& m : master_) h = params_hash(m.f32(), m.numel(), h);
+  for (const Tensor& m : master_) h = params_hash(host_floats(m).data(), m.numel(), h);
   if (!master_.empty()) check_same_hash(dp_, h, "fp32 master parameters");
 }
 

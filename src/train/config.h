@@ -38,7 +38,8 @@ struct TrainingConfig {
   double skip_spikes = 0;
   int64_t max_skips = 5;
   // Where the engine computes: cpu, or cuda (core/cuda.h, ops/cuda/ops.h: the model, its
-  // gradients and the optimizer on the GPU; for now one rank, AdamW or SGD, no checkpoints).
+  // gradients and the optimizer on the GPU; for now AdamW with DDP, the ranks' gradients
+  // reduced through host memory).
   std::string device = "cpu";
 };
 

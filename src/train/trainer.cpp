@@ -218,6 +218,13 @@ void set_nodes(const ParallelConfig& p, Communicator& data) {
   data.set_ranks_per_node(n);
 }
 
+// This process's rank among the job's ranks on its machine (the launcher's variable; 0 alone).
+int local_rank() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  return 0;
+}
+
 // fill(slices) for parameters that may live on the GPU: filled in host memory, then copied.
 template <class Fill>
 void fill_on_device(const std::vector<ParamSlice>& slices, Device device, const Fill& fill) {
@@ -712,7 +719,10 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   // communication buffers stay on the host.
   CpuAllocator host_alloc;
   std::unique_ptr<CudaAllocator> gpu_alloc;
-  if (c.training.device == "cuda") gpu_alloc = std::make_unique<CudaAllocator>();
+  if (c.training.device == "cuda") {
+    if (const int gpus = cuda_device_count(); gpus > 1) cuda_set_device(local_rank() % gpus);  // ranks share them round robin
+    gpu_alloc = std::make_unique<CudaAllocator>();
+  }
   Allocator& alloc = gpu_alloc ? static_cast<Allocator&>(*gpu_alloc) : host_alloc;
   // The caller's world gets this run's checks and limits (restored on the way out); the
   // mesh's groups also count their buffers in this run's allocator.
