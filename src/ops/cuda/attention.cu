@@ -2,6 +2,8 @@
 // online softmax over key tiles keeps only each row's log-sum-exp; the backward recomputes
 // the probabilities tile by tile. Nothing T x T is ever stored. Semantics as in
 // ops/attention.h (attention_fused_forward / attention_fused_backward).
+// Under a bf16 / f16 Autocast scope with D % 16 == 0 (D <= 128) the tensor-core kernels of
+// attention_tc.cu run instead (16-bit operands, fp32 accumulation and statistics).
 //
 // Layout: qkv[B, T, W], W = (NH + 2 NKV) D; query head h of token t of batch b at
 // qkv + (b T + t) W + h D, its kv head kh = h / G with K at column (NH + kh) D and V at
@@ -26,6 +28,8 @@
 #include <cstdint>
 
 #include "ops/attention.h"
+#include "ops/autocast.h"
+#include "ops/cuda/attention_tc.h"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/ops.h"
 
@@ -407,6 +411,8 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
   MT_CHECK(lse.numel() == s.B * s.NH * s.T,
            op << ": lse has shape " << shape_str(lse.shape()) << ", expected [B, NH, T] = " << s.B * s.NH * s.T
               << " elements");
+  if (autocast_dtype() != DType::f32 && attention_tc_supported(s.D))
+    return attention_tc_forward(out, lse, qkv, s, autocast_dtype());  // 16-bit tensor cores
   if (s.B == 0 || s.T == 0) return;
   const Dims z = make_dims(s);
   const size_t bytes = shared_bytes(attention_forward_kernel, z, 3, 0);
@@ -433,6 +439,8 @@ void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tens
   MT_CHECK(lse.numel() == s.B * s.NH * s.T,
            op << ": lse has shape " << shape_str(lse.shape()) << ", expected [B, NH, T] = " << s.B * s.NH * s.T
               << " elements");
+  if (autocast_dtype() != DType::f32 && attention_tc_supported(s.D))
+    return attention_tc_backward(dqkv, dout, qkv, out, lse, s, autocast_dtype());  // 16-bit tensor cores
   if (s.B == 0 || s.T == 0) return;
   const Dims z = make_dims(s);
   const int64_t rows = s.B * s.NH * s.T;

@@ -1,0 +1,30 @@
+// Tensor-core (WMMA) fused causal grouped-query attention for 16-bit training: the path
+// attention_fused_forward / attention_fused_backward (ops/cuda/attention.cu) take when the
+// thread's Autocast scope (ops/autocast.h) is bf16 or f16 and the head dim allows it.
+//
+// Semantics as PyTorch's bf16 / f16 autocast of scaled_dot_product_attention: q, k, v (and
+// in backward dout, the probabilities P and dS) are rounded to the scope's 16-bit type as
+// matrix operands; products accumulate in fp32; softmax statistics (max, sum, lse), out,
+// lse and dqkv stay fp32 in memory (tiles are converted while loading into shared memory).
+#pragma once
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "ops/attention.h"
+
+namespace mt::cuda {
+
+// Whether the tensor-core kernels take head dim D: D % 16 == 0 and 16 <= D <= 128.
+bool attention_tc_supported(int64_t D);
+
+// out[B, T, NH D], lse[B, NH, T] from qkv[B, T, (NH + 2 NKV) D]; all f32 on the device, the
+// shapes already checked by the caller (s from attention_shape). dt: bf16 or f16, the
+// operands' 16-bit type.
+void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt);
+
+// dqkv[B, T, (NH + 2 NKV) D] (overwritten) from dout[B, T, NH D], qkv and the forward's out
+// and lse; shapes already checked by the caller, dt as above.
+void attention_tc_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                           const Tensor& lse, const AttentionShape& s, DType dt);
+
+}  // namespace mt::cuda
