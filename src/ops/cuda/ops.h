@@ -10,7 +10,9 @@
 // - The linear layers follow the thread's Autocast scope (ops/autocast.h): under bf16 or
 //   f16 their activation operands are rounded to 16 bits and multiplied on the tensor
 //   cores with fp32 accumulation and an fp32 result, as on the CPU. Outside a scope they
-//   multiply in full fp32 (no TF32).
+//   multiply in full fp32 (no TF32). The fused attention follows the scope too: under bf16
+//   or f16 its products take 16-bit operands on the tensor cores (attention_tc.h), as
+//   PyTorch's autocast runs attention, where the CPU keeps them fp32.
 // - Host pointers (rope's and position's `pos`) are copied to the device by the op.
 #pragma once
 #include <cstdint>
