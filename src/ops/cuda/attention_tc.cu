@@ -11,14 +11,15 @@
 // WMMA fragments (T16 = __nv_bfloat16 or half operands, float accumulators). Operand tiles
 // live in shared memory as T16 with row stride ldh = D + 8 (a multiple of 8 elements, as
 // WMMA wants for 16-bit types); fp32 score tiles with stride kLdS = 68, 16-bit probability
-// tiles with kLdP = 72, fp32 staging with ldo = D + 4 (forward) or 16 (backward). Every
-// array starts 128-byte aligned, so every fragment pointer (row multiple of 16, column
-// multiple of 16) is 32-byte aligned. The kernels are templated on D (16 .. 128, a switch on
+// tiles with kLdP = 72, fp32 staging with ldo = D + 4 (forward; 68 in the score tile at
+// D <= 64) or 16 (backward). Every array starts 128-byte aligned, so every fragment
+// pointer (row multiple of 16, column multiple of 16) is 32-byte aligned. The kernels are templated on D (16 .. 128, a switch on
 // the host) so the running accumulators (O; dK, dV; dQ: D / 16 fragments per warp) live in
 // registers across the whole loop; the forward rescales O through shared memory only when
 // its lazily updated row max moves (see the forward kernel).
 //
-// Shared memory: forward 71,680 bytes at D = 64 and 112,640 at D = 128; both backward
+// Shared memory: forward 54,272 bytes at D = 64 (O staged in the score tile) and 112,640 at
+// D = 128; both backward
 // kernels 49,664 at D = 64 and 82,432 at D = 128 (the limit is raised with
 // cudaFuncSetAttribute; the H100 allows 227 KB per block and 228 KB per SM).
 //
@@ -71,8 +72,11 @@ __host__ __device__ inline size_t carve(size_t& off, size_t bytes) {
 struct FwdLayout {
   size_t q, k, v, s, p, o, bytes;
 };
+// The forward's O staging (rescale, final store) has row stride ld_fo(D); at D <= 64 it fits
+// in the warp's own rows of the score tile (D + 4 <= kLdS) and shares its memory.
+__host__ __device__ inline int ld_fo(int D) { return D <= kTile ? kLdS : ld_o(D); }
 __host__ __device__ inline FwdLayout fwd_layout(int D) {
-  const size_t h16 = (size_t)kTile * ld_h(D) * 2, f32 = (size_t)kTile * ld_o(D) * 4;
+  const size_t h16 = (size_t)kTile * ld_h(D) * 2;
   FwdLayout L;
   size_t off = 0;
   L.q = carve(off, h16);
@@ -80,7 +84,7 @@ __host__ __device__ inline FwdLayout fwd_layout(int D) {
   L.v = carve(off, h16);
   L.s = carve(off, (size_t)kTile * kLdS * 4);
   L.p = carve(off, (size_t)kTile * kLdP * 2);
-  L.o = carve(off, f32);
+  L.o = D <= kTile ? L.s : carve(off, (size_t)kTile * ld_o(D) * 4);
   L.bytes = off;
   return L;
 }
@@ -154,18 +158,19 @@ __device__ __forceinline__ void warp_abt16(float* C, const T16* A, const T16* B,
 // for the rows < T (exactly the softmax: any reference m gives the same out and lse).
 constexpr float kSlack = 8.0f;
 template <class T16, int D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2)
     attention_tc_forward_kernel(float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ qkv,
                                 TcDims z) {
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int ldh = D + 8, ldo = D + 4, NF = D / kF;
+  constexpr int ldh = D + 8, NF = D / kF;
+  const int ldo = ld_fo(D);
   const FwdLayout L = fwd_layout(D);
   T16* Qs = reinterpret_cast<T16*>(smem + L.q);      // [64, ldh]
   T16* Ks = reinterpret_cast<T16*>(smem + L.k);      // [64, ldh]
   T16* Vs = reinterpret_cast<T16*>(smem + L.v);      // [64, ldh]
   float* Ss = reinterpret_cast<float*>(smem + L.s);  // [64, kLdS] scores
   T16* Ps = reinterpret_cast<T16*>(smem + L.p);      // [64, kLdP] probabilities
-  float* Os = reinterpret_cast<float*>(smem + L.o);  // [64, ldo] O staging (rescale, final store)
+  float* Os = reinterpret_cast<float*>(smem + L.o);  // [64, ldo] O staging (rescale, final store); may alias Ss
   const int q0 = blockIdx.x * kTile, h = blockIdx.y, b = blockIdx.z, kh = h / z.G;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * kF;
   const float* base = qkv + (int64_t)b * z.T * z.W;
@@ -216,6 +221,7 @@ __global__ void __launch_bounds__(kThreads)
       Ps[i * kLdP + lane + 32] = to16<T16>(p1);
     }
     if (rescale) {  // warp-uniform
+      __syncwarp();  // the warp's reads of its Ss rows are done (Os may alias them)
       #pragma unroll
       for (int n = 0; n < NF; ++n) wmma::store_matrix_sync(Os + r0 * ldo + n * kF, o[n], ldo, wmma::mem_row_major);
       __syncwarp();
@@ -241,6 +247,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncwarp();  // the warp's reads of Ss, Ps are done before the next tile rewrites them
   }
+  // (the loop ended with __syncwarp: the warp's Ss / Ps reads are done, Os may alias Ss)
   #pragma unroll
   for (int n = 0; n < NF; ++n) wmma::store_matrix_sync(Os + r0 * ldo + n * kF, o[n], ldo, wmma::mem_row_major);
   __syncwarp();
@@ -302,6 +309,11 @@ __device__ __forceinline__ void warp_store_rows(float* dst, int64_t ld, int row0
   }
 }
 
+// Blocks per SM the backward kernels ask ptxas to fit by registers (65536 / (128 threads x
+// blocks) registers per thread: 128 at D <= 64, 170 at D <= 96, 255 above), matching what
+// their shared memory allows (4, 3, 2 blocks of the H100's 228 KB).
+constexpr int bwd_min_blocks(int D) { return D <= 64 ? 4 : D <= 96 ? 3 : 2; }
+
 // Backward shared memory: the four [64, D + 8] T16 operand tiles, lse and delta of the
 // query tile, and per warp the [16, 16] staging tiles S, dP (fp32) and P, dS (T16). D = 64:
 // 49,664 bytes; D = 128: 82,432 (both kernels use this layout; dQ leaves P unused).
@@ -335,7 +347,7 @@ inline BwdLayout bwd_layout(int D) {
 // query < T) as T16, then dV_w += P^T dO_c, dK_w += dS^T Q_c into register fragments.
 // Writes the block's dK and dV rows < T (overwriting).
 template <class T16, int D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, bwd_min_blocks(D))
     attention_tc_dkv_kernel(float* __restrict__ dqkv, const float* __restrict__ qkv, const float* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ delta, TcDims z, BwdLayout L) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -416,7 +428,7 @@ __global__ void __launch_bounds__(kThreads)
 // dK/dV, then dQ_w += dS K_c into register fragments. Writes the rows < T of the query
 // columns of dqkv (overwriting).
 template <class T16, int D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, bwd_min_blocks(D))
     attention_tc_dq_kernel(float* __restrict__ dqkv, const float* __restrict__ qkv, const float* __restrict__ dout,
                            const float* __restrict__ lse, const float* __restrict__ delta, TcDims z, BwdLayout L) {
   extern __shared__ __align__(128) unsigned char smem[];
