@@ -3,7 +3,8 @@
 // scope: out, lse and dqkv against a float64 reference computed from the 16-bit-ROUNDED q,
 // k, v and dout, and against the fp32 GPU kernels (outside the scope) on the same rounded
 // inputs; shapes that cross the 64-row tiles or stop short of them, grouped-query heads,
-// D = 16 .. 128 and GPT-2's shape; bit-identical reruns; D = 40 falling back to the fp32
+// every templated D = 16, 32, ..., 128 and GPT-2's shape; the forward's rescale path (a row
+// max that jumps between key tiles); bit-identical reruns; D = 40 falling back to the fp32
 // kernels bit for bit; the shape errors. Skips without a GPU (the host-side checks of
 // attention_tc_supported and the tensor-core entry points' argument checks run anyway).
 #include <gtest/gtest.h>

@@ -501,11 +501,14 @@ TcDims make_dims(const AttentionShape& s) {
   return z;
 }
 
-// Raises the kernel's dynamic shared-memory limit when `bytes` exceed the default 48 KB.
+// Raises the kernel's dynamic shared-memory limit when `bytes` exceed the default 48 KB, and
+// asks for the largest shared-memory carveout (a hint) so the blocks the registers allow fit.
 template <class Kernel>
 size_t with_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024)
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     (int)cudaSharedmemCarveoutMaxShared));
   return bytes;
 }
 
