@@ -95,11 +95,6 @@ template <class T16> __device__ __forceinline__ float from16(T16 x);
 template <> __device__ __forceinline__ float from16<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <> __device__ __forceinline__ float from16<half>(half x) { return __half2float(x); }
 
-__device__ __forceinline__ float warp_max(float v) {
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 __device__ __forceinline__ float warp_sum(float v) {
   #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -148,13 +143,13 @@ __device__ __forceinline__ void warp_abt16(float* C, const T16* A, const T16* B,
 // Forward. Grid (ceil(T / 64), NH, B), 128 threads: the block takes query rows
 // [q0, q0 + 64) of head h of batch b and walks the key tiles k0 = 0, 64, ..., q0 (the last
 // is the diagonal tile). Per tile, warp w on its 16 rows: S = Q K^T (WMMA, staged in shared);
-// per row (lanes take keys lane and lane + 32) the tile's max; P = exp(scale S - m) as T16
-// and l += sum P; then O += P V into register fragments (D / 16 per warp). m is a lazily
-// updated reference max: it moves only when a tile's max exceeds it by more than kSlack
-// (P <= e^kSlack: harmless in fp32, relative for the 16-bit rounding of P, and below f16's
-// 65504 as long as kSlack < 11), and
-// only then (almost always on the first tiles only, where O is still zero) the warp's O
-// fragments go through shared memory to be rescaled per row. out = O / l, lse = m + log l
+// per row (a pair of lanes, 32 keys each, in a fixed per-lane order, then one shuffle) the
+// tile's max; P = exp(scale S - m) as T16 and l += sum P; then O += P V into register
+// fragments (D / 16 per warp). m is a lazily updated reference max: it moves only when a
+// tile's max exceeds it by more than kSlack (P <= e^kSlack: harmless in fp32, relative for
+// the 16-bit rounding of P, and below f16's 65504 as long as kSlack < 11), and only then
+// (almost always on the first tiles only, where O is still zero) the warp's O fragments go
+// through shared memory to be rescaled per row. out = O / l, lse = m + log l
 // for the rows < T (exactly the softmax: any reference m gives the same out and lse).
 constexpr float kSlack = 8.0f;
 template <class T16, int D>
@@ -181,13 +176,13 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2)
   FragAcc o[NF];  // the warp's O [16 rows, D], column blocks of 16
   #pragma unroll
   for (int n = 0; n < NF; ++n) wmma::fill_fragment(o[n], 0.0f);
-  // the warp's rows' reference max and sum (every lane holds the same values)
-  float m[kF], l[kF];
-  #pragma unroll
-  for (int r = 0; r < kF; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-  }
+  // Softmax lanes: lanes 2 r and 2 r + 1 take row r0 + r of the warp, lane half hf the keys
+  // [32 hf, 32 hf + 32) of each tile, visited from a per-lane rotation rot so that the 32
+  // lanes' reads of Ss hit 32 different banks (bank = 4 r + rot + j mod 32, rot = 2 hf + r / 8).
+  // m, l: the row's reference max and sum (the same in both lanes of the pair).
+  const int sr = lane / 2, hf = lane % 2, rot = 2 * hf + sr / 8;
+  const int si = r0 + sr, st = q0 + si;  // the lane's row in the tile, its query
+  float m = -INFINITY, l = 0.0f;
   for (int k0 = 0; k0 <= q0; k0 += kTile) {
     __syncthreads();  // every warp is done with the previous K, V (and Q is loaded)
     load_rows16<T16, D>(Ks, Kg, z.W, k0, z.T);
@@ -196,38 +191,46 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2)
     #pragma unroll 1
     for (int n = 0; n < kTile; n += kF) warp_abt16<T16, D>(Ss + r0 * kLdS + n, Qs + r0 * ldh, Ks + n * ldh, kLdS);
     __syncwarp();
-    float a[kF];  // the rows' rescale factors (1: m unchanged)
-    bool rescale = false;
-    #pragma unroll
-    for (int r = 0; r < kF; ++r) {
-      const int i = r0 + r, t = q0 + i;
-      const int key0 = k0 + lane, key1 = key0 + 32;
-      const bool seen0 = key0 <= t && key0 < z.T, seen1 = key1 <= t && key1 < z.T;
-      const float s0 = seen0 ? Ss[i * kLdS + lane] * z.scale : -INFINITY;
-      const float s1 = seen1 ? Ss[i * kLdS + lane + 32] * z.scale : -INFINITY;
-      // key k0 <= q0 <= t and k0 < T: every row sees a key of every tile, so mt is finite
-      const float mt = warp_max(fmaxf(s0, s1));
-      a[r] = 1.0f;
-      if (mt > m[r] + kSlack) {  // warp-uniform (m[r], mt are the same in every lane)
-        if (m[r] != -INFINITY) {  // O and l hold earlier tiles: rescale them
-          a[r] = expf(m[r] - mt);
-          rescale = true;
-        }
-        m[r] = mt;
+    float rescale_a;  // the lane's row's rescale factor
+    bool rescale;     // whether any row of the warp rescales
+    {
+      const float* srow = Ss + si * kLdS + 32 * hf;  // the lane's 32 scores
+      T16* prow = Ps + si * kLdP + 32 * hf;          // the lane's 32 probabilities
+      const int key0 = k0 + 32 * hf;                 // the lane's first key
+      // the tile's row max; key k0 <= q0 <= st and k0 < T: every row sees a key of every
+      // tile, so the pair's max mt is finite (one half may see none: -inf there)
+      float mx = -INFINITY;
+      for (int j = 0; j < 32; ++j) {
+        const int x = (j + rot) & 31, key = key0 + x;
+        if (key <= st && key < z.T) mx = fmaxf(mx, srow[x] * z.scale);
       }
-      const float p0 = seen0 ? expf(s0 - m[r]) : 0.0f, p1 = seen1 ? expf(s1 - m[r]) : 0.0f;
-      l[r] = a[r] * l[r] + warp_sum(p0 + p1);
-      Ps[i * kLdP + lane] = to16<T16>(p0);
-      Ps[i * kLdP + lane + 32] = to16<T16>(p1);
+      const float mt = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      float a = 1.0f;  // the row's rescale factor (1: m unchanged)
+      bool need = false;
+      if (mt > m + kSlack) {  // the same in both lanes of the pair
+        if (m != -INFINITY) {  // O and l hold earlier tiles: rescale them
+          a = expf(m - mt);
+          need = true;
+        }
+        m = mt;
+      }
+      float sum = 0.0f;
+      for (int j = 0; j < 32; ++j) {
+        const int x = (j + rot) & 31, key = key0 + x;
+        const float p = key <= st && key < z.T ? expf(srow[x] * z.scale - m) : 0.0f;
+        sum += p;
+        prow[x] = to16<T16>(p);
+      }
+      l = a * l + (sum + __shfl_xor_sync(0xffffffffu, sum, 1));  // a + b = b + a: same bits in the pair
+      rescale_a = a;
+      rescale = __any_sync(0xffffffffu, need);  // warp-uniform
     }
     if (rescale) {  // warp-uniform
       __syncwarp();  // the warp's reads of its Ss rows are done (Os may alias them)
       #pragma unroll
       for (int n = 0; n < NF; ++n) wmma::store_matrix_sync(Os + r0 * ldo + n * kF, o[n], ldo, wmma::mem_row_major);
       __syncwarp();
-      #pragma unroll
-      for (int r = 0; r < kF; ++r)
-        for (int d = lane; d < D; d += 32) Os[(r0 + r) * ldo + d] *= a[r];
+      for (int d = hf; d < D; d += 2) Os[si * ldo + d] *= rescale_a;  // the pair's row
       __syncwarp();
       #pragma unroll
       for (int n = 0; n < NF; ++n) wmma::load_matrix_sync(o[n], Os + r0 * ldo + n * kF, ldo, wmma::mem_row_major);
@@ -251,14 +254,15 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2)
   #pragma unroll
   for (int n = 0; n < NF; ++n) wmma::store_matrix_sync(Os + r0 * ldo + n * kF, o[n], ldo, wmma::mem_row_major);
   __syncwarp();
+  if (hf == 0 && st < z.T) lse[((int64_t)b * z.NH + h) * z.T + st] = m + logf(l);
   #pragma unroll
   for (int r = 0; r < kF; ++r) {
     const int i = r0 + r, t = q0 + i;
+    const float lr = __shfl_sync(0xffffffffu, l, 2 * r);  // row r's sum (every lane takes part)
     if (t >= z.T) continue;
-    const float inv = 1.0f / l[r];  // every row < T sees key 0, so l > 0
+    const float inv = 1.0f / lr;  // every row < T sees key 0, so l > 0
     float* orow = out + ((int64_t)b * z.T + t) * z.OW + (int64_t)h * D;
     for (int d = lane; d < D; d += 32) orow[d] = Os[i * ldo + d] * inv;
-    if (lane == 0) lse[((int64_t)b * z.NH + h) * z.T + t] = m[r] + logf(l[r]);
   }
 }
 
