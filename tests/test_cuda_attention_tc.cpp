@@ -3,7 +3,8 @@
 // scope: out, lse and dqkv against a float64 reference computed from the 16-bit-ROUNDED q,
 // k, v and dout, and against the fp32 GPU kernels (outside the scope) on the same rounded
 // inputs; shapes that cross the 64-row tiles or stop short of them, grouped-query heads,
-// D = 16 .. 128 and GPT-2's shape; bit-identical reruns; D = 40 falling back to the fp32
+// every templated D = 16, 32, ..., 128 and GPT-2's shape; the forward's rescale path (a row
+// max that jumps between key tiles); bit-identical reruns; D = 40 falling back to the fp32
 // kernels bit for bit; the shape errors. Skips without a GPU (the host-side checks of
 // attention_tc_supported and the tensor-core entry points' argument checks run anyway).
 #include <gtest/gtest.h>
@@ -152,7 +153,8 @@ struct Case {
 // The shapes: T = 64 (one whole tile) with G = 2 at D = 32; T = 130 (3 tiles, the last of 2
 // rows) at D = 64; GPT-2's B 2, T 1024, 12 heads of 64 (16 tiles); T = 77 with four query
 // heads on one kv head at the largest D = 128 (the largest shared memory); T = 1 at the
-// smallest D = 16; and T = 130 again with f16 operands.
+// smallest D = 16; T = 130 again with f16 operands; and the other head dims the kernels are
+// compiled for (48, 80, 96, 112: each is its own template instance) at awkward T.
 //
 // Tolerances. The reference uses the same 16-bit-rounded q, k, v, dout the kernels use, so
 // what remains is the kernels' own 16-bit rounding of P (forward's P V, backward's P^T dO)
@@ -173,7 +175,9 @@ TEST(CudaAttentionTc, MatchesFloat64AndFp32Kernel) {
   Gpu gpu;
   std::mt19937 g(2027);
   for (Case cs : {Case{2, 64, 4, 2, 32, DType::bf16}, {1, 130, 2, 2, 64, DType::bf16}, {2, 1024, 12, 12, 64, DType::bf16},
-                  {1, 77, 4, 1, 128, DType::bf16}, {1, 1, 2, 2, 16, DType::bf16}, {1, 130, 2, 2, 64, DType::f16}}) {
+                  {1, 77, 4, 1, 128, DType::bf16}, {1, 1, 2, 2, 16, DType::bf16}, {1, 130, 2, 2, 64, DType::f16},
+                  {1, 100, 2, 1, 48, DType::bf16}, {1, 90, 3, 3, 80, DType::f16}, {2, 70, 2, 2, 96, DType::bf16},
+                  {1, 140, 2, 1, 112, DType::bf16}}) {
     const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
     SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D
                                     << " " << dtype_name(cs.dt));
@@ -191,6 +195,32 @@ TEST(CudaAttentionTc, MatchesFloat64AndFp32Kernel) {
     EXPECT_LT(rel_err(r.out, f.out), 1e-2) << "out vs fp32 kernel";
     EXPECT_LT(rel_err(r.lse, f.lse), 1e-3) << "lse vs fp32 kernel";
     EXPECT_LT(rel_err(r.dqkv, f.dqkv), 2e-2) << "dqkv vs fp32 kernel";
+  }
+}
+
+// The forward's lazily updated row max: the first key tile's scores are ~N(0, 1.3) but every
+// later key adds 10 to its scores (q[0] = 4 for every query, k[0] = 20 for keys >= 64, 0
+// before, scale 1/8), so for the rows >= 64 the max jumps by ~10 > kSlack = 8 at the second
+// tile and the warp's O fragments go through the per-row rescale; the softmax stays spread
+// over the later keys (not one-hot), so the main test's bounds and reasoning apply as is.
+TEST(CudaAttentionTc, RescaleWhenTheMaxJumps) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  Gpu gpu;
+  std::mt19937 g(31);
+  const int B = 1, T = 200, NH = 2, NKV = 1, D = 64, W = (NH + 2 * NKV) * D;
+  VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
+  for (int t = 0; t < T; ++t) {
+    for (int h = 0; h < NH; ++h) qkv[(size_t)t * W + h * D] = 4.0f;  // q[0]
+    qkv[(size_t)t * W + NH * D] = t >= 64 ? 20.0f : 0.0f;             // k[0]
+  }
+  for (DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    VecF qkv16 = rounded(dt, qkv), dout16 = rounded(dt, dout);
+    const GpuResult r = run_gpu(gpu, dt, qkv, dout, B, T, NH, NKV, D);
+    const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
+    EXPECT_LT(rel_err(r.out, ref.out), 1e-2) << "out vs float64";
+    EXPECT_LT(rel_err(r.lse, ref.lse), 1e-3) << "lse vs float64";
+    EXPECT_LT(rel_err(r.dqkv, ref.dqkv), 2e-2) << "dqkv vs float64";
   }
 }
 

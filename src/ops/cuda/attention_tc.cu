@@ -11,22 +11,28 @@
 // WMMA fragments (T16 = __nv_bfloat16 or half operands, float accumulators). Operand tiles
 // live in shared memory as T16 with row stride ldh = D + 8 (a multiple of 8 elements, as
 // WMMA wants for 16-bit types); fp32 score tiles with stride kLdS = 68, 16-bit probability
-// tiles with kLdP = 72, fp32 accumulators (O, dK, dV, dQ) with ldo = D + 4. Every array
-// starts 128-byte aligned, so every fragment pointer (row multiple of 16, column multiple of
-// 16) is 32-byte aligned. Running accumulators stay in shared fp32 and go through
-// load_matrix_sync / mma_sync / store_matrix_sync each step (the forward rescales O per row
-// in shared memory, which fragment registers would not allow).
+// tiles with kLdP = 72, fp32 staging with ldo = D + 4 (forward; 68 in the score tile at
+// D <= 64) or 16 (backward). Every array starts 128-byte aligned, so every fragment
+// pointer (row multiple of 16, column multiple of 16) is 32-byte aligned. The kernels are templated on D (16 .. 128, a switch on
+// the host) so the running accumulators (O; dK, dV; dQ: D / 16 fragments per warp) live in
+// registers across the whole loop; the forward rescales O through shared memory only when
+// its lazily updated row max moves (see the forward kernel).
 //
-// Shared memory at D = 128: forward 112,640 bytes, dK/dV 190,976, dQ 147,968 (the limit is
-// raised with cudaFuncSetAttribute; the H100 allows 227 KB per block).
+// Shared memory: forward 54,272 bytes at D = 64 (O staged in the score tile) and 112,640 at
+// D = 128; both backward
+// kernels 49,664 at D = 64 and 82,432 at D = 128 (the limit is raised with
+// cudaFuncSetAttribute; the H100 allows 227 KB per block and 228 KB per SM).
 //
 // Determinism: no atomics. Warp reductions are butterflies; every fragment product sums
 // its k-steps in a fixed order, accumulators run over key tiles (forward, dQ) or query
-// heads of the group then query tiles (dK/dV) in order. The grid depends only on shapes.
+// heads of the group then query tiles (dK/dV) in order, 16-row / 16-key chunks in order
+// within a tile; whether a chunk is skipped (wholly masked) or O is rescaled depends only on
+// the shapes and the data. The grid depends only on shapes.
 #include <mma.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ops/cuda/attention_tc.h"
 #include "ops/cuda/common.cuh"
@@ -66,8 +72,11 @@ __host__ __device__ inline size_t carve(size_t& off, size_t bytes) {
 struct FwdLayout {
   size_t q, k, v, s, p, o, bytes;
 };
+// The forward's O staging (rescale, final store) has row stride ld_fo(D); at D <= 64 it fits
+// in the warp's own rows of the score tile (D + 4 <= kLdS) and shares its memory.
+__host__ __device__ inline int ld_fo(int D) { return D <= kTile ? kLdS : ld_o(D); }
 __host__ __device__ inline FwdLayout fwd_layout(int D) {
-  const size_t h16 = (size_t)kTile * ld_h(D) * 2, f32 = (size_t)kTile * ld_o(D) * 4;
+  const size_t h16 = (size_t)kTile * ld_h(D) * 2;
   FwdLayout L;
   size_t off = 0;
   L.q = carve(off, h16);
@@ -75,34 +84,10 @@ __host__ __device__ inline FwdLayout fwd_layout(int D) {
   L.v = carve(off, h16);
   L.s = carve(off, (size_t)kTile * kLdS * 4);
   L.p = carve(off, (size_t)kTile * kLdP * 2);
-  L.o = carve(off, f32);
+  L.o = D <= kTile ? L.s : carve(off, (size_t)kTile * ld_o(D) * 4);
   L.bytes = off;
   return L;
 }
-// dK/dV kernel (all fields) and dQ kernel (no p, dk, dv: with_dkv false).
-struct BwdLayout {
-  size_t q, dout, k, v, s, dp, p, ds, acc0, acc1, lse, delta, bytes;
-};
-__host__ __device__ inline BwdLayout bwd_layout(int D, bool with_dkv) {
-  const size_t h16 = (size_t)kTile * ld_h(D) * 2, f32 = (size_t)kTile * ld_o(D) * 4;
-  BwdLayout L;
-  size_t off = 0;
-  L.q = carve(off, h16);
-  L.dout = carve(off, h16);
-  L.k = carve(off, h16);
-  L.v = carve(off, h16);
-  L.s = carve(off, (size_t)kTile * kLdS * 4);
-  L.dp = carve(off, (size_t)kTile * kLdS * 4);
-  L.p = with_dkv ? carve(off, (size_t)kTile * kLdP * 2) : 0;
-  L.ds = carve(off, (size_t)kTile * kLdP * 2);
-  L.acc0 = carve(off, f32);                  // dK (dK/dV kernel) or dQ (dQ kernel)
-  L.acc1 = with_dkv ? carve(off, f32) : 0;   // dV
-  L.lse = carve(off, kTile * 4);
-  L.delta = carve(off, kTile * 4);
-  L.bytes = off;
-  return L;
-}
-
 template <class T16> __device__ __forceinline__ T16 to16(float x);
 template <> __device__ __forceinline__ __nv_bfloat16 to16<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ half to16<half>(float x) { return __float2half_rn(x); }
@@ -110,26 +95,10 @@ template <class T16> __device__ __forceinline__ float from16(T16 x);
 template <> __device__ __forceinline__ float from16<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <> __device__ __forceinline__ float from16<half>(half x) { return __half2float(x); }
 
-__device__ __forceinline__ float warp_max(float v) {
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 __device__ __forceinline__ float warp_sum(float v) {
   #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
-}
-
-// dst[64, ldh] (shared, T16) = rows [r0, r0 + 64) of a [T, D] fp32 matrix at src with row
-// stride ld_src (global), rounded to T16; rows >= T are zeros. All threads take part.
-template <class T16>
-__device__ void load_tile16(T16* dst, const float* src, int64_t ld_src, int r0, const TcDims& z) {
-  const int ldh = ld_h(z.D);
-  for (int idx = threadIdx.x; idx < kTile * z.D; idx += blockDim.x) {
-    const int r = idx / z.D, d = idx % z.D, row = r0 + r;
-    dst[r * ldh + d] = to16<T16>(row < z.T ? src[(int64_t)row * ld_src + d] : 0.0f);
-  }
 }
 
 // dst[64] (shared) = src[r0 .. r0 + 64) (global), zeros past T.
@@ -141,108 +110,159 @@ using FragAcc = wmma::fragment<wmma::accumulator, kF, kF, kF, float>;
 template <class T16, class Layout> using FragA = wmma::fragment<wmma::matrix_a, kF, kF, kF, T16, Layout>;
 template <class T16, class Layout> using FragB = wmma::fragment<wmma::matrix_b, kF, kF, kF, T16, Layout>;
 
-// One warp: S[r0 .. r0 + 16, 0 .. 64) (fp32, stride kLdS) = A[r0 .., :D] B[0 .. 64, :D]^T,
-// A and B [64, ldh] T16 tiles (rows of A against rows of B; k-steps over D in order).
-template <class T16>
-__device__ void warp_abt(float* S, const T16* A, const T16* B, int r0, int D) {
-  const int ldh = ld_h(D);
-  for (int n = 0; n < kTile; n += kF) {
-    FragAcc acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (int kk = 0; kk < D; kk += kF) {
-      FragA<T16, wmma::row_major> a;
-      FragB<T16, wmma::col_major> b;  // B^T[kk.., n..] read from B's rows n..
-      wmma::load_matrix_sync(a, A + r0 * ldh + kk, ldh);
-      wmma::load_matrix_sync(b, B + n * ldh + kk, ldh);
-      wmma::mma_sync(acc, a, b, acc);
-    }
-    wmma::store_matrix_sync(S + r0 * kLdS + n, acc, kLdS, wmma::mem_row_major);
+// dst[64, D + 8] (shared, T16) = rows [r0, r0 + 64) of a [T, D] fp32 matrix at src with row
+// stride ld_src (global), rounded to T16; rows >= T are zeros. All threads take part.
+template <class T16, int D>
+__device__ __forceinline__ void load_rows16(T16* dst, const float* src, int64_t ld_src, int r0, int T) {
+  constexpr int ldh = D + 8;
+  #pragma unroll 4
+  for (int idx = threadIdx.x; idx < kTile * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D, row = r0 + r;
+    dst[r * ldh + d] = to16<T16>(row < T ? src[(int64_t)row * ld_src + d] : 0.0f);
   }
+}
+
+// One warp: C[16, 16] (fp32, row stride ldc, shared) = A[16, :D] B[16, :D]^T, A and B 16-row
+// slices of [*, D + 8] T16 tiles (k-steps over D in order).
+template <class T16, int D>
+__device__ __forceinline__ void warp_abt16(float* C, const T16* A, const T16* B, int ldc) {
+  constexpr int ldh = D + 8;
+  FragAcc acc;
+  wmma::fill_fragment(acc, 0.0f);
+  #pragma unroll
+  for (int kk = 0; kk < D; kk += kF) {
+    FragA<T16, wmma::row_major> a;
+    FragB<T16, wmma::col_major> b;  // B^T[kk.., 0..16) read from B's rows
+    wmma::load_matrix_sync(a, A + kk, ldh);
+    wmma::load_matrix_sync(b, B + kk, ldh);
+    wmma::mma_sync(acc, a, b, acc);
+  }
+  wmma::store_matrix_sync(C, acc, ldc, wmma::mem_row_major);
 }
 
 // Forward. Grid (ceil(T / 64), NH, B), 128 threads: the block takes query rows
 // [q0, q0 + 64) of head h of batch b and walks the key tiles k0 = 0, 64, ..., q0 (the last
-// is the diagonal tile). Per tile, warp w on its 16 rows: S = Q K^T (WMMA); per row (lanes
-// take keys lane and lane + 32) the running max m and sum l are updated with the fp32
-// probabilities, O's row is rescaled and P is written as T16; then O += P V (WMMA).
-// Finally out = O / l and lse = m + log l for the rows < T.
-template <class T16>
-__global__ void __launch_bounds__(kThreads)
+// is the diagonal tile). Per tile, warp w on its 16 rows: S = Q K^T (WMMA, staged in shared);
+// per row (a pair of lanes, 32 keys each, in a fixed per-lane order, then one shuffle) the
+// tile's max; P = exp(scale S - m) as T16 and l += sum P; then O += P V into register
+// fragments (D / 16 per warp). m is a lazily updated reference max: it moves only when a
+// tile's max exceeds it by more than kSlack (P <= e^kSlack: harmless in fp32, relative for
+// the 16-bit rounding of P, and below f16's 65504 as long as kSlack < 11), and only then
+// (almost always on the first tiles only, where O is still zero) the warp's O fragments go
+// through shared memory to be rescaled per row. out = O / l, lse = m + log l
+// for the rows < T (exactly the softmax: any reference m gives the same out and lse).
+constexpr float kSlack = 8.0f;
+template <class T16, int D>
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2)
     attention_tc_forward_kernel(float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ qkv,
                                 TcDims z) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const FwdLayout L = fwd_layout(z.D);
-  T16* Qs = reinterpret_cast<T16*>(smem + L.q);   // [64, ldh]
-  T16* Ks = reinterpret_cast<T16*>(smem + L.k);   // [64, ldh]
-  T16* Vs = reinterpret_cast<T16*>(smem + L.v);   // [64, ldh]
+  constexpr int ldh = D + 8, NF = D / kF;
+  const int ldo = ld_fo(D);
+  const FwdLayout L = fwd_layout(D);
+  T16* Qs = reinterpret_cast<T16*>(smem + L.q);      // [64, ldh]
+  T16* Ks = reinterpret_cast<T16*>(smem + L.k);      // [64, ldh]
+  T16* Vs = reinterpret_cast<T16*>(smem + L.v);      // [64, ldh]
   float* Ss = reinterpret_cast<float*>(smem + L.s);  // [64, kLdS] scores
-  T16* Ps = reinterpret_cast<T16*>(smem + L.p);   // [64, kLdP] probabilities
-  float* Os = reinterpret_cast<float*>(smem + L.o);  // [64, ldo] running output
-  const int ldh = ld_h(z.D), ldo = ld_o(z.D);
+  T16* Ps = reinterpret_cast<T16*>(smem + L.p);      // [64, kLdP] probabilities
+  float* Os = reinterpret_cast<float*>(smem + L.o);  // [64, ldo] O staging (rescale, final store); may alias Ss
   const int q0 = blockIdx.x * kTile, h = blockIdx.y, b = blockIdx.z, kh = h / z.G;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * kF;
   const float* base = qkv + (int64_t)b * z.T * z.W;
-  const float* Kg = base + (int64_t)(z.NH + kh) * z.D;
-  const float* Vg = base + (int64_t)(z.NH + z.NKV + kh) * z.D;
-  load_tile16(Qs, base + (int64_t)h * z.D, z.W, q0, z);
-  for (int idx = threadIdx.x; idx < kTile * ldo; idx += kThreads) Os[idx] = 0.0f;
+  const float* Kg = base + (int64_t)(z.NH + kh) * D;
+  const float* Vg = base + (int64_t)(z.NH + z.NKV + kh) * D;
+  load_rows16<T16, D>(Qs, base + (int64_t)h * D, z.W, q0, z.T);
 
-  // the warp's rows' running max and sum (every lane holds the same values)
-  float m[kF], l[kF];
+  FragAcc o[NF];  // the warp's O [16 rows, D], column blocks of 16
   #pragma unroll
-  for (int r = 0; r < kF; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-  }
+  for (int n = 0; n < NF; ++n) wmma::fill_fragment(o[n], 0.0f);
+  // Softmax lanes: lanes 2 r and 2 r + 1 take row r0 + r of the warp, lane half hf the keys
+  // [32 hf, 32 hf + 32) of each tile, visited from a per-lane rotation rot so that the 32
+  // lanes' reads of Ss hit 32 different banks (bank = 4 r + rot + j mod 32, rot = 2 hf + r / 8).
+  // m, l: the row's reference max and sum (the same in both lanes of the pair).
+  const int sr = lane / 2, hf = lane % 2, rot = 2 * hf + sr / 8;
+  const int si = r0 + sr, st = q0 + si;  // the lane's row in the tile, its query
+  float m = -INFINITY, l = 0.0f;
   for (int k0 = 0; k0 <= q0; k0 += kTile) {
-    __syncthreads();  // the previous tile's readers are done (and Qs, Os are ready)
-    load_tile16(Ks, Kg, z.W, k0, z);
-    load_tile16(Vs, Vg, z.W, k0, z);
+    __syncthreads();  // every warp is done with the previous K, V (and Q is loaded)
+    load_rows16<T16, D>(Ks, Kg, z.W, k0, z.T);
+    load_rows16<T16, D>(Vs, Vg, z.W, k0, z.T);
     __syncthreads();
-    warp_abt(Ss, Qs, Ks, r0, z.D);
+    #pragma unroll 1
+    for (int n = 0; n < kTile; n += kF) warp_abt16<T16, D>(Ss + r0 * kLdS + n, Qs + r0 * ldh, Ks + n * ldh, kLdS);
     __syncwarp();
-    #pragma unroll
-    for (int r = 0; r < kF; ++r) {
-      const int i = r0 + r, t = q0 + i;
-      const int key0 = k0 + lane, key1 = key0 + 32;
-      const bool seen0 = key0 <= t && key0 < z.T, seen1 = key1 <= t && key1 < z.T;
-      const float s0 = seen0 ? Ss[i * kLdS + lane] * z.scale : -INFINITY;
-      const float s1 = seen1 ? Ss[i * kLdS + lane + 32] * z.scale : -INFINITY;
-      // key k0 <= q0 <= t and k0 < T: every row sees a key of every tile, so mn is finite
-      const float mn = fmaxf(m[r], warp_max(fmaxf(s0, s1)));
-      const float a = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);  // rescales earlier tiles
-      const float p0 = seen0 ? expf(s0 - mn) : 0.0f, p1 = seen1 ? expf(s1 - mn) : 0.0f;
-      l[r] = a * l[r] + warp_sum(p0 + p1);
-      m[r] = mn;
-      Ps[i * kLdP + lane] = to16<T16>(p0);
-      Ps[i * kLdP + lane + 32] = to16<T16>(p1);
-      for (int d = lane; d < z.D; d += 32) Os[i * ldo + d] *= a;
-    }
-    __syncwarp();
-    // O[r0 .., :] += P[r0 .., 0 .. 64) V
-    for (int n = 0; n < z.D; n += kF) {
-      FragAcc c;
-      wmma::load_matrix_sync(c, Os + r0 * ldo + n, ldo, wmma::mem_row_major);
-      #pragma unroll
-      for (int kk = 0; kk < kTile; kk += kF) {
-        FragA<T16, wmma::row_major> a;
-        FragB<T16, wmma::row_major> bv;
-        wmma::load_matrix_sync(a, Ps + r0 * kLdP + kk, kLdP);
-        wmma::load_matrix_sync(bv, Vs + kk * ldh + n, ldh);
-        wmma::mma_sync(c, a, bv, c);
+    float rescale_a;  // the lane's row's rescale factor
+    bool rescale;     // whether any row of the warp rescales
+    {
+      const float* srow = Ss + si * kLdS + 32 * hf;  // the lane's 32 scores
+      T16* prow = Ps + si * kLdP + 32 * hf;          // the lane's 32 probabilities
+      const int key0 = k0 + 32 * hf;                 // the lane's first key
+      // the tile's row max; key k0 <= q0 <= st and k0 < T: every row sees a key of every
+      // tile, so the pair's max mt is finite (one half may see none: -inf there)
+      float mx = -INFINITY;
+      for (int j = 0; j < 32; ++j) {
+        const int x = (j + rot) & 31, key = key0 + x;
+        if (key <= st && key < z.T) mx = fmaxf(mx, srow[x] * z.scale);
       }
-      wmma::store_matrix_sync(Os + r0 * ldo + n, c, ldo, wmma::mem_row_major);
+      const float mt = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      float a = 1.0f;  // the row's rescale factor (1: m unchanged)
+      bool need = false;
+      if (mt > m + kSlack) {  // the same in both lanes of the pair
+        if (m != -INFINITY) {  // O and l hold earlier tiles: rescale them
+          a = expf(m - mt);
+          need = true;
+        }
+        m = mt;
+      }
+      float sum = 0.0f;
+      for (int j = 0; j < 32; ++j) {
+        const int x = (j + rot) & 31, key = key0 + x;
+        const float p = key <= st && key < z.T ? expf(srow[x] * z.scale - m) : 0.0f;
+        sum += p;
+        prow[x] = to16<T16>(p);
+      }
+      l = a * l + (sum + __shfl_xor_sync(0xffffffffu, sum, 1));  // a + b = b + a: same bits in the pair
+      rescale_a = a;
+      rescale = __any_sync(0xffffffffu, need);  // warp-uniform
+    }
+    if (rescale) {  // warp-uniform
+      __syncwarp();  // the warp's reads of its Ss rows are done (Os may alias them)
+      #pragma unroll
+      for (int n = 0; n < NF; ++n) wmma::store_matrix_sync(Os + r0 * ldo + n * kF, o[n], ldo, wmma::mem_row_major);
+      __syncwarp();
+      for (int d = hf; d < D; d += 2) Os[si * ldo + d] *= rescale_a;  // the pair's row
+      __syncwarp();
+      #pragma unroll
+      for (int n = 0; n < NF; ++n) wmma::load_matrix_sync(o[n], Os + r0 * ldo + n * kF, ldo, wmma::mem_row_major);
     }
     __syncwarp();
+    // O[r0 .., :] += P[r0 .., 0 .. 64) V (k-steps over the tile's keys in order)
+    #pragma unroll
+    for (int kk = 0; kk < kTile; kk += kF) {
+      FragA<T16, wmma::row_major> pa;
+      wmma::load_matrix_sync(pa, Ps + r0 * kLdP + kk, kLdP);
+      #pragma unroll
+      for (int n = 0; n < NF; ++n) {
+        FragB<T16, wmma::row_major> bv;
+        wmma::load_matrix_sync(bv, Vs + kk * ldh + n * kF, ldh);
+        wmma::mma_sync(o[n], pa, bv, o[n]);
+      }
+    }
+    __syncwarp();  // the warp's reads of Ss, Ps are done before the next tile rewrites them
   }
+  // (the loop ended with __syncwarp: the warp's Ss / Ps reads are done, Os may alias Ss)
+  #pragma unroll
+  for (int n = 0; n < NF; ++n) wmma::store_matrix_sync(Os + r0 * ldo + n * kF, o[n], ldo, wmma::mem_row_major);
+  __syncwarp();
+  if (hf == 0 && st < z.T) lse[((int64_t)b * z.NH + h) * z.T + st] = m + logf(l);
   #pragma unroll
   for (int r = 0; r < kF; ++r) {
     const int i = r0 + r, t = q0 + i;
+    const float lr = __shfl_sync(0xffffffffu, l, 2 * r);  // row r's sum (every lane takes part)
     if (t >= z.T) continue;
-    const float inv = 1.0f / l[r];  // every row < T sees key 0, so l > 0
-    float* o = out + ((int64_t)b * z.T + t) * z.OW + (int64_t)h * z.D;
-    for (int d = lane; d < z.D; d += 32) o[d] = Os[i * ldo + d] * inv;
-    if (lane == 0) lse[((int64_t)b * z.NH + h) * z.T + t] = m[r] + logf(l[r]);
+    const float inv = 1.0f / lr;  // every row < T sees key 0, so l > 0
+    float* orow = out + ((int64_t)b * z.T + t) * z.OW + (int64_t)h * D;
+    for (int d = lane; d < D; d += 32) orow[d] = Os[i * ldo + d] * inv;
   }
 }
 
@@ -263,160 +283,213 @@ __global__ void attention_tc_delta_kernel(float* __restrict__ delta, const float
   if (lane == 0) delta[row] = s;
 }
 
-// The backward's per-pair values, all threads over the [64, 64] tile (query i, key j):
-// P = exp(scale S - lse_i), dS = scale P (dP - delta_i), 0 unless key <= query < T; written
-// as T16 to Ps (when given) and dSs.
-template <class T16>
-__device__ void pair_grads(T16* Ps, T16* dSs, const float* Ss, const float* dPs, const float* Ls, const float* Ds,
-                           int q0, int k0, const TcDims& z) {
-  for (int idx = threadIdx.x; idx < kTile * kTile; idx += blockDim.x) {
-    const int i = idx / kTile, j = idx % kTile, t = q0 + i, key = k0 + j;
-    const bool seen = key <= t && t < z.T;
-    const float p = seen ? expf(Ss[i * kLdS + j] * z.scale - Ls[i]) : 0.0f;
-    const float ds = seen ? p * (dPs[i * kLdS + j] - Ds[i]) * z.scale : 0.0f;
-    if (Ps) Ps[i * kLdP + j] = to16<T16>(p);
-    dSs[i * kLdP + j] = to16<T16>(ds);
+// ---- Backward ----------------------------------------------------------------------------
+// Both backward kernels keep their fp32 accumulators (dK and dV, or dQ: the warp's 16 rows x
+// D columns, D / 16 fragments each) in WMMA accumulator fragments in registers for the whole
+// loop: no rescaling is needed (P is recomputed from the final lse), so nothing goes through
+// shared memory until the one store at the end. Each warp works on 16 x 16 chunks of the
+// score matrix that involve only its own 16 rows, staged through a per-warp 16 x 16 shared
+// tile (fp32 S, dP; 16-bit P, dS) to apply the elementwise softmax gradient (the fragment
+// layout is opaque), so within a tile only __syncwarp is needed; __syncthreads only guards
+// the operand tiles every warp reads (Q / dO in dK/dV, K / V in dQ).
+
+// One warp: global rows row0 .. row0 + 16 (those < T) at dst (row stride ld), columns
+// 0 .. D = the accumulator fragments acc[D / 16] (column blocks in order), staged through the
+// warp's fp32 [16, 16] tile St.
+template <int D>
+__device__ __forceinline__ void warp_store_rows(float* dst, int64_t ld, int row0, int T, const FragAcc (&acc)[D / kF],
+                                                float* St) {
+  const int lane = threadIdx.x % 32;
+  #pragma unroll
+  for (int n = 0; n < D / kF; ++n) {
+    __syncwarp();  // the previous readers of St are done
+    wmma::store_matrix_sync(St, acc[n], kF, wmma::mem_row_major);
+    __syncwarp();
+    #pragma unroll
+    for (int e = 0; e < kF * kF / 32; ++e) {
+      const int idx = lane + 32 * e, r = idx / kF, j = idx % kF;
+      if (row0 + r < T) dst[(int64_t)(row0 + r) * ld + n * kF + j] = St[idx];
+    }
   }
 }
 
+// Blocks per SM the backward kernels ask ptxas to fit by registers (65536 / (128 threads x
+// blocks) registers per thread: 128 at D <= 64, 170 at D <= 96, 255 above), matching what
+// their shared memory allows (4, 3, 2 blocks of the H100's 228 KB).
+constexpr int bwd_min_blocks(int D) { return D <= 64 ? 4 : D <= 96 ? 3 : 2; }
+
+// Backward shared memory: the four [64, D + 8] T16 operand tiles, lse and delta of the
+// query tile, and per warp the [16, 16] staging tiles S, dP (fp32) and P, dS (T16). D = 64:
+// 49,664 bytes; D = 128: 82,432 (both kernels use this layout; dQ leaves P unused).
+constexpr int kStage = kF * kF;  // elements of one per-warp staging tile
+struct BwdLayout {
+  size_t q, dout, k, v, lse, delta, s, dp, p, ds, bytes;
+};
+inline BwdLayout bwd_layout(int D) {
+  const size_t h16 = (size_t)kTile * ld_h(D) * 2;
+  BwdLayout L;
+  size_t off = 0;
+  L.q = carve(off, h16);
+  L.dout = carve(off, h16);
+  L.k = carve(off, h16);
+  L.v = carve(off, h16);
+  L.lse = carve(off, kTile * 4);
+  L.delta = carve(off, kTile * 4);
+  L.s = carve(off, (size_t)kWarps * kStage * 4);
+  L.dp = carve(off, (size_t)kWarps * kStage * 4);
+  L.p = carve(off, (size_t)kWarps * kStage * 2);
+  L.ds = carve(off, (size_t)kWarps * kStage * 2);
+  L.bytes = off;
+  return L;
+}
 // dK, dV. Grid (ceil(T / 64), NKV, B), 128 threads: the block owns keys [k0, k0 + 64) of kv
-// head kh of batch b. For each query head h of the group (in order), each query tile
-// q0 = k0, k0 + 64, ... < T: S = Q K^T and dP = dO V^T (warp w: query rows 16 w ..), then
-// P and dS (all threads), then warp w on its 16 keys: dV += P^T dO, dK += dS^T Q (k-steps
-// over the tile's queries in order). Writes the block's dK and dV rows < T (overwriting).
-template <class T16>
-__global__ void __launch_bounds__(kThreads)
+// head kh of batch b, warp w the 16 keys k0 + 16 w ... For each query head h of the group
+// (in order) and query tile q0 = k0, k0 + 64, ... < T (all threads load Q, dO, lse, delta),
+// warp w walks the tile's four 16-query chunks c in order (skipping those wholly before its
+// keys, which contribute exact zeros): S^T = K_w Q_c^T, dP^T = V_w dO_c^T (WMMA), then per
+// element P^T = exp(scale S^T - lse_q), dS^T = scale P^T (dP^T - delta_q) (0 unless key <=
+// query < T) as T16, then dV_w += P^T dO_c, dK_w += dS^T Q_c into register fragments.
+// Writes the block's dK and dV rows < T (overwriting).
+template <class T16, int D>
+__global__ void __launch_bounds__(kThreads, bwd_min_blocks(D))
     attention_tc_dkv_kernel(float* __restrict__ dqkv, const float* __restrict__ qkv, const float* __restrict__ dout,
-                            const float* __restrict__ lse, const float* __restrict__ delta, TcDims z) {
+                            const float* __restrict__ lse, const float* __restrict__ delta, TcDims z, BwdLayout L) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const BwdLayout L = bwd_layout(z.D, true);
-  T16* Qs = reinterpret_cast<T16*>(smem + L.q);       // [64, ldh] query tile
-  T16* dOs = reinterpret_cast<T16*>(smem + L.dout);   // [64, ldh]
-  T16* Ks = reinterpret_cast<T16*>(smem + L.k);       // [64, ldh] the block's keys
-  T16* Vs = reinterpret_cast<T16*>(smem + L.v);       // [64, ldh]
-  float* Ss = reinterpret_cast<float*>(smem + L.s);   // [64 queries, kLdS]
-  float* dPs = reinterpret_cast<float*>(smem + L.dp); // [64 queries, kLdS]
-  T16* Ps = reinterpret_cast<T16*>(smem + L.p);       // [64 queries, kLdP]
-  T16* dSs = reinterpret_cast<T16*>(smem + L.ds);     // [64 queries, kLdP]
-  float* dKs = reinterpret_cast<float*>(smem + L.acc0);  // [64 keys, ldo]
-  float* dVs = reinterpret_cast<float*>(smem + L.acc1);  // [64 keys, ldo]
+  constexpr int ldh = D + 8, NF = D / kF;
+  T16* Qs = reinterpret_cast<T16*>(smem + L.q);       // [64 queries, ldh]
+  T16* dOs = reinterpret_cast<T16*>(smem + L.dout);   // [64 queries, ldh]
+  T16* Ks = reinterpret_cast<T16*>(smem + L.k);       // [64 keys, ldh] the block's keys
+  T16* Vs = reinterpret_cast<T16*>(smem + L.v);       // [64 keys, ldh]
   float* Ls = reinterpret_cast<float*>(smem + L.lse);    // [64]
   float* Ds = reinterpret_cast<float*>(smem + L.delta);  // [64]
-  const int ldh = ld_h(z.D), ldo = ld_o(z.D);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * kF;
+  float* Sst = reinterpret_cast<float*>(smem + L.s) + warp * kStage;    // [16 keys, 16 queries]
+  float* dPst = reinterpret_cast<float*>(smem + L.dp) + warp * kStage;  // [16 keys, 16 queries]
+  T16* Pst = reinterpret_cast<T16*>(smem + L.p) + warp * kStage;        // [16 keys, 16 queries]
+  T16* dSst = reinterpret_cast<T16*>(smem + L.ds) + warp * kStage;      // [16 keys, 16 queries]
   const int k0 = blockIdx.x * kTile, kh = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, r0 = warp * kF;
   const float* base = qkv + (int64_t)b * z.T * z.W;
-  load_tile16(Ks, base + (int64_t)(z.NH + kh) * z.D, z.W, k0, z);
-  load_tile16(Vs, base + (int64_t)(z.NH + z.NKV + kh) * z.D, z.W, k0, z);
-  for (int idx = threadIdx.x; idx < kTile * ldo; idx += kThreads) dKs[idx] = dVs[idx] = 0.0f;
+  load_rows16<T16, D>(Ks, base + (int64_t)(z.NH + kh) * D, z.W, k0, z.T);
+  load_rows16<T16, D>(Vs, base + (int64_t)(z.NH + z.NKV + kh) * D, z.W, k0, z.T);
 
+  FragAcc dk[NF], dv[NF];  // the warp's dK, dV [16 keys, D], column blocks of 16
+  #pragma unroll
+  for (int n = 0; n < NF; ++n) {
+    wmma::fill_fragment(dk[n], 0.0f);
+    wmma::fill_fragment(dv[n], 0.0f);
+  }
   for (int g = 0; g < z.G; ++g) {
     const int h = kh * z.G + g;
     const int64_t bh = (int64_t)b * z.NH + h;
     for (int q0 = k0; q0 < z.T; q0 += kTile) {
-      __syncthreads();  // readers of the previous Q / dO / P / dS tiles are done
-      load_tile16(Qs, base + (int64_t)h * z.D, z.W, q0, z);
-      load_tile16(dOs, dout + (int64_t)b * z.T * z.OW + (int64_t)h * z.D, z.OW, q0, z);
+      __syncthreads();  // every warp is done with the previous Q / dO / lse / delta (and K, V loaded)
+      load_rows16<T16, D>(Qs, base + (int64_t)h * D, z.W, q0, z.T);
+      load_rows16<T16, D>(dOs, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
       load_vec(Ls, lse + bh * z.T, q0, z.T);
       load_vec(Ds, delta + bh * z.T, q0, z.T);
       __syncthreads();
-      warp_abt(Ss, Qs, Ks, r0, z.D);
-      warp_abt(dPs, dOs, Vs, r0, z.D);
-      __syncthreads();
-      pair_grads(Ps, dSs, Ss, dPs, Ls, Ds, q0, k0, z);
-      __syncthreads();
-      // keys r0 ..: dV += P^T dO, dK += dS^T Q; P^T, dS^T read column-major from P, dS
-      for (int n = 0; n < z.D; n += kF) {
-        FragAcc cv, ck;
-        wmma::load_matrix_sync(cv, dVs + r0 * ldo + n, ldo, wmma::mem_row_major);
-        wmma::load_matrix_sync(ck, dKs + r0 * ldo + n, ldo, wmma::mem_row_major);
+      #pragma unroll 1
+      for (int c = 0; c < kTile / kF; ++c) {
+        const int qc = c * kF;  // the chunk's first query row in the tile
+        if (q0 + qc + kF - 1 < k0 + r0) continue;  // every query precedes every key of the warp: P = 0
+        warp_abt16<T16, D>(Sst, Ks + r0 * ldh, Qs + qc * ldh, kF);
+        warp_abt16<T16, D>(dPst, Vs + r0 * ldh, dOs + qc * ldh, kF);
+        __syncwarp();
         #pragma unroll
-        for (int kk = 0; kk < kTile; kk += kF) {
-          FragA<T16, wmma::col_major> a;
-          FragB<T16, wmma::row_major> bm;
-          wmma::load_matrix_sync(a, Ps + kk * kLdP + r0, kLdP);
-          wmma::load_matrix_sync(bm, dOs + kk * ldh + n, ldh);
-          wmma::mma_sync(cv, a, bm, cv);
-          wmma::load_matrix_sync(a, dSs + kk * kLdP + r0, kLdP);
-          wmma::load_matrix_sync(bm, Qs + kk * ldh + n, ldh);
-          wmma::mma_sync(ck, a, bm, ck);
+        for (int e = 0; e < kStage / 32; ++e) {
+          const int idx = lane + 32 * e, r = idx / kF, j = idx % kF;
+          const int key = k0 + r0 + r, t = q0 + qc + j;
+          const bool seen = key <= t && t < z.T;
+          const float p = seen ? expf(Sst[idx] * z.scale - Ls[qc + j]) : 0.0f;
+          const float ds = seen ? p * (dPst[idx] - Ds[qc + j]) * z.scale : 0.0f;
+          Pst[idx] = to16<T16>(p);
+          dSst[idx] = to16<T16>(ds);
         }
-        wmma::store_matrix_sync(dVs + r0 * ldo + n, cv, ldo, wmma::mem_row_major);
-        wmma::store_matrix_sync(dKs + r0 * ldo + n, ck, ldo, wmma::mem_row_major);
+        __syncwarp();
+        FragA<T16, wmma::row_major> pa, dsa;
+        wmma::load_matrix_sync(pa, Pst, kF);
+        wmma::load_matrix_sync(dsa, dSst, kF);
+        #pragma unroll
+        for (int n = 0; n < NF; ++n) {
+          FragB<T16, wmma::row_major> bm;
+          wmma::load_matrix_sync(bm, dOs + qc * ldh + n * kF, ldh);
+          wmma::mma_sync(dv[n], pa, bm, dv[n]);
+          wmma::load_matrix_sync(bm, Qs + qc * ldh + n * kF, ldh);
+          wmma::mma_sync(dk[n], dsa, bm, dk[n]);
+        }
       }
     }
   }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < kTile * z.D; idx += kThreads) {
-    const int r = idx / z.D, d = idx % z.D, key = k0 + r;
-    if (key >= z.T) continue;
-    float* row = dqkv + ((int64_t)b * z.T + key) * z.W;
-    row[(int64_t)(z.NH + kh) * z.D + d] = dKs[r * ldo + d];
-    row[(int64_t)(z.NH + z.NKV + kh) * z.D + d] = dVs[r * ldo + d];
-  }
+  float* rows = dqkv + (int64_t)b * z.T * z.W;
+  warp_store_rows<D>(rows + (int64_t)(z.NH + kh) * D, z.W, k0 + r0, z.T, dk, Sst);
+  warp_store_rows<D>(rows + (int64_t)(z.NH + z.NKV + kh) * D, z.W, k0 + r0, z.T, dv, dPst);
 }
 
 // dQ. Grid (ceil(T / 64), NH, B), 128 threads: the block owns query rows [q0, q0 + 64) of
-// head h of batch b. For each key tile k0 = 0, 64, ..., q0: S = Q K^T, dP = dO V^T (warp w:
-// rows 16 w ..), dS (all threads), then warp w: dQ[rows] += dS K (k-steps over the tile's
-// keys in order). Writes the rows < T of the query columns of dqkv (overwriting).
-template <class T16>
-__global__ void __launch_bounds__(kThreads)
+// head h of batch b, warp w the 16 rows q0 + 16 w ... For each key tile k0 = 0, 64, ..., q0
+// (all threads load K, V), warp w walks the tile's 16-key chunks c in order (stopping at the
+// first wholly after its rows): S = Q_w K_c^T, dP = dO_w V_c^T (WMMA), dS per element as in
+// dK/dV, then dQ_w += dS K_c into register fragments. Writes the rows < T of the query
+// columns of dqkv (overwriting).
+template <class T16, int D>
+__global__ void __launch_bounds__(kThreads, bwd_min_blocks(D))
     attention_tc_dq_kernel(float* __restrict__ dqkv, const float* __restrict__ qkv, const float* __restrict__ dout,
-                           const float* __restrict__ lse, const float* __restrict__ delta, TcDims z) {
+                           const float* __restrict__ lse, const float* __restrict__ delta, TcDims z, BwdLayout L) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const BwdLayout L = bwd_layout(z.D, false);
-  T16* Qs = reinterpret_cast<T16*>(smem + L.q);       // [64, ldh] the block's queries
-  T16* dOs = reinterpret_cast<T16*>(smem + L.dout);   // [64, ldh]
-  T16* Ks = reinterpret_cast<T16*>(smem + L.k);       // [64, ldh] key tile
-  T16* Vs = reinterpret_cast<T16*>(smem + L.v);       // [64, ldh]
-  float* Ss = reinterpret_cast<float*>(smem + L.s);   // [64 queries, kLdS]
-  float* dPs = reinterpret_cast<float*>(smem + L.dp); // [64 queries, kLdS]
-  T16* dSs = reinterpret_cast<T16*>(smem + L.ds);     // [64 queries, kLdP]
-  float* dQs = reinterpret_cast<float*>(smem + L.acc0);  // [64 queries, ldo]
+  constexpr int ldh = D + 8, NF = D / kF;
+  T16* Qs = reinterpret_cast<T16*>(smem + L.q);       // [64 queries, ldh] the block's queries
+  T16* dOs = reinterpret_cast<T16*>(smem + L.dout);   // [64 queries, ldh]
+  T16* Ks = reinterpret_cast<T16*>(smem + L.k);       // [64 keys, ldh] key tile
+  T16* Vs = reinterpret_cast<T16*>(smem + L.v);       // [64 keys, ldh]
   float* Ls = reinterpret_cast<float*>(smem + L.lse);    // [64]
   float* Ds = reinterpret_cast<float*>(smem + L.delta);  // [64]
-  const int ldh = ld_h(z.D), ldo = ld_o(z.D);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * kF;
+  float* Sst = reinterpret_cast<float*>(smem + L.s) + warp * kStage;    // [16 queries, 16 keys]
+  float* dPst = reinterpret_cast<float*>(smem + L.dp) + warp * kStage;  // [16 queries, 16 keys]
+  T16* dSst = reinterpret_cast<T16*>(smem + L.ds) + warp * kStage;      // [16 queries, 16 keys]
   const int q0 = blockIdx.x * kTile, h = blockIdx.y, b = blockIdx.z, kh = h / z.G;
-  const int warp = threadIdx.x / 32, r0 = warp * kF;
   const int64_t bh = (int64_t)b * z.NH + h;
   const float* base = qkv + (int64_t)b * z.T * z.W;
-  load_tile16(Qs, base + (int64_t)h * z.D, z.W, q0, z);
-  load_tile16(dOs, dout + (int64_t)b * z.T * z.OW + (int64_t)h * z.D, z.OW, q0, z);
+  load_rows16<T16, D>(Qs, base + (int64_t)h * D, z.W, q0, z.T);
+  load_rows16<T16, D>(dOs, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
   load_vec(Ls, lse + bh * z.T, q0, z.T);
   load_vec(Ds, delta + bh * z.T, q0, z.T);
-  for (int idx = threadIdx.x; idx < kTile * ldo; idx += kThreads) dQs[idx] = 0.0f;
 
+  FragAcc dq[NF];  // the warp's dQ [16 queries, D], column blocks of 16
+  #pragma unroll
+  for (int n = 0; n < NF; ++n) wmma::fill_fragment(dq[n], 0.0f);
   for (int k0 = 0; k0 <= q0; k0 += kTile) {
-    __syncthreads();  // readers of the previous K / V / dS tiles are done (and Q, dO loaded)
-    load_tile16(Ks, base + (int64_t)(z.NH + kh) * z.D, z.W, k0, z);
-    load_tile16(Vs, base + (int64_t)(z.NH + z.NKV + kh) * z.D, z.W, k0, z);
+    __syncthreads();  // every warp is done with the previous K / V (and Q, dO, lse, delta loaded)
+    load_rows16<T16, D>(Ks, base + (int64_t)(z.NH + kh) * D, z.W, k0, z.T);
+    load_rows16<T16, D>(Vs, base + (int64_t)(z.NH + z.NKV + kh) * D, z.W, k0, z.T);
     __syncthreads();
-    warp_abt(Ss, Qs, Ks, r0, z.D);
-    warp_abt(dPs, dOs, Vs, r0, z.D);
-    __syncthreads();
-    pair_grads<T16>(nullptr, dSs, Ss, dPs, Ls, Ds, q0, k0, z);
-    __syncthreads();
-    // dQ[r0 .., :] += dS[r0 .., 0 .. 64) K
-    for (int n = 0; n < z.D; n += kF) {
-      FragAcc c;
-      wmma::load_matrix_sync(c, dQs + r0 * ldo + n, ldo, wmma::mem_row_major);
+    #pragma unroll 1
+    for (int c = 0; c < kTile / kF; ++c) {
+      const int kc = c * kF;  // the chunk's first key in the tile
+      if (k0 + kc > q0 + r0 + kF - 1) break;  // every key follows every query of the warp (so do later chunks)
+      warp_abt16<T16, D>(Sst, Qs + r0 * ldh, Ks + kc * ldh, kF);
+      warp_abt16<T16, D>(dPst, dOs + r0 * ldh, Vs + kc * ldh, kF);
+      __syncwarp();
       #pragma unroll
-      for (int kk = 0; kk < kTile; kk += kF) {
-        FragA<T16, wmma::row_major> a;
-        FragB<T16, wmma::row_major> bk;
-        wmma::load_matrix_sync(a, dSs + r0 * kLdP + kk, kLdP);
-        wmma::load_matrix_sync(bk, Ks + kk * ldh + n, ldh);
-        wmma::mma_sync(c, a, bk, c);
+      for (int e = 0; e < kStage / 32; ++e) {
+        const int idx = lane + 32 * e, r = idx / kF, j = idx % kF;
+        const int t = q0 + r0 + r, key = k0 + kc + j;
+        const bool seen = key <= t && t < z.T;
+        const float p = seen ? expf(Sst[idx] * z.scale - Ls[r0 + r]) : 0.0f;
+        dSst[idx] = to16<T16>(seen ? p * (dPst[idx] - Ds[r0 + r]) * z.scale : 0.0f);
       }
-      wmma::store_matrix_sync(dQs + r0 * ldo + n, c, ldo, wmma::mem_row_major);
+      __syncwarp();
+      FragA<T16, wmma::row_major> dsa;
+      wmma::load_matrix_sync(dsa, dSst, kF);
+      #pragma unroll
+      for (int n = 0; n < NF; ++n) {
+        FragB<T16, wmma::row_major> bk;
+        wmma::load_matrix_sync(bk, Ks + kc * ldh + n * kF, ldh);
+        wmma::mma_sync(dq[n], dsa, bk, dq[n]);
+      }
     }
   }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < kTile * z.D; idx += kThreads) {
-    const int r = idx / z.D, d = idx % z.D, t = q0 + r;
-    if (t < z.T) dqkv[((int64_t)b * z.T + t) * z.W + (int64_t)h * z.D + d] = dQs[r * ldo + d];
-  }
+  warp_store_rows<D>(dqkv + (int64_t)b * z.T * z.W + (int64_t)h * D, z.W, q0 + r0, z.T, dq, Sst);
 }
 
 TcDims make_dims(const AttentionShape& s) {
@@ -432,11 +505,14 @@ TcDims make_dims(const AttentionShape& s) {
   return z;
 }
 
-// Raises the kernel's dynamic shared-memory limit when `bytes` exceed the default 48 KB.
+// Raises the kernel's dynamic shared-memory limit when `bytes` exceed the default 48 KB, and
+// asks for the largest shared-memory carveout (a hint) so the blocks the registers allow fit.
 template <class Kernel>
 size_t with_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024)
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     (int)cudaSharedmemCarveoutMaxShared));
   return bytes;
 }
 
@@ -449,13 +525,79 @@ void check_tc(const AttentionShape& s, DType dt, const char* op) {
               << " outside the CUDA grid (B, NH <= 65535, T <= 2^30)");
 }
 
+template <class T16, int D>
+void forward_d(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
+  const TcDims z = make_dims(s);
+  const size_t bytes = with_smem(attention_tc_forward_kernel<T16, D>, fwd_layout(D).bytes);
+  const dim3 grid((unsigned)ceil_div(s.T, kTile), (unsigned)s.NH, (unsigned)s.B);
+  attention_tc_forward_kernel<T16, D><<<grid, kThreads, bytes, stream()>>>(out.f32(), lse.f32(), qkv.f32(), z);
+  MT_CUDA_LAUNCHED("attention_tc_forward_kernel");
+}
+
+// The dK/dV and dQ kernels at compile-time head dim D (fragment arrays need a fixed size).
+template <class T16, int D>
+void backward_d(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse, const float* delta,
+                const TcDims& z, const AttentionShape& s) {
+  const BwdLayout L = bwd_layout(D);
+  const unsigned tiles = (unsigned)ceil_div(s.T, kTile);
+  const size_t dkv_bytes = with_smem(attention_tc_dkv_kernel<T16, D>, L.bytes);
+  attention_tc_dkv_kernel<T16, D><<<dim3(tiles, (unsigned)s.NKV, (unsigned)s.B), kThreads, dkv_bytes, stream()>>>(
+      dqkv.f32(), qkv.f32(), dout.f32(), lse.f32(), delta, z, L);
+  MT_CUDA_LAUNCHED("attention_tc_dkv_kernel");
+  const size_t dq_bytes = with_smem(attention_tc_dq_kernel<T16, D>, L.bytes);
+  attention_tc_dq_kernel<T16, D><<<dim3(tiles, (unsigned)s.NH, (unsigned)s.B), kThreads, dq_bytes, stream()>>>(
+      dqkv.f32(), qkv.f32(), dout.f32(), lse.f32(), delta, z, L);
+  MT_CUDA_LAUNCHED("attention_tc_dq_kernel");
+}
+
+// Calls f(std::integral_constant<int, D>) for the run-time head dim D (the kernels are
+// templated on it so their fragment arrays have a compile-time size).
+template <class F>
+void with_head_dim(int64_t D, const char* op, F&& f) {
+  switch (D) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 48: return f(std::integral_constant<int, 48>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 80: return f(std::integral_constant<int, 80>{});
+    case 96: return f(std::integral_constant<int, 96>{});
+    case 112: return f(std::integral_constant<int, 112>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    default: MT_CHECK(false, op << ": head dim D = " << D << " has no tensor-core kernel");
+  }
+}
+
 template <class T16>
 void forward_typed(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
-  const TcDims z = make_dims(s);
-  const size_t bytes = with_smem(attention_tc_forward_kernel<T16>, fwd_layout(z.D).bytes);
-  const dim3 grid((unsigned)ceil_div(s.T, kTile), (unsigned)s.NH, (unsigned)s.B);
-  attention_tc_forward_kernel<T16><<<grid, kThreads, bytes, stream()>>>(out.f32(), lse.f32(), qkv.f32(), z);
-  MT_CUDA_LAUNCHED("attention_tc_forward_kernel");
+  with_head_dim(s.D, "attention_tc_forward", [&](auto d) { forward_d<T16, decltype(d)::value>(out, lse, qkv, s); });
+}
+
+template <class T16>
+void backward_kernels(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse, const float* delta,
+                      const TcDims& z, const AttentionShape& s) {
+  with_head_dim(s.D, "attention_tc_backward",
+                [&](auto d) { backward_d<T16, decltype(d)::value>(dqkv, dout, qkv, lse, delta, z, s); });
+}
+
+// Blocks per SM of the three kernels at head dim D (their shared-memory limits raised first).
+template <class T16>
+AttentionTcOccupancy occupancy_typed(int64_t D) {
+  AttentionTcOccupancy r{};
+  with_head_dim(D, "attention_tc_occupancy", [&](auto d) {
+    constexpr int Dc = decltype(d)::value;
+    r.forward_smem = (int64_t)fwd_layout(Dc).bytes;
+    r.backward_smem = (int64_t)bwd_layout(Dc).bytes;
+    auto fk = attention_tc_forward_kernel<T16, Dc>;
+    auto kk = attention_tc_dkv_kernel<T16, Dc>;
+    auto qk = attention_tc_dq_kernel<T16, Dc>;
+    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r.forward, fk, kThreads,
+                                                                with_smem(fk, (size_t)r.forward_smem)));
+    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r.dkv, kk, kThreads,
+                                                                with_smem(kk, (size_t)r.backward_smem)));
+    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&r.dq, qk, kThreads,
+                                                                with_smem(qk, (size_t)r.backward_smem)));
+  });
+  return r;
 }
 
 template <class T16>
@@ -470,17 +612,7 @@ void backward_typed(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, c
                                                                                              out.f32(), rows, z);
   MT_CUDA_LAUNCHED("attention_tc_delta_kernel");
 
-  const unsigned tiles = (unsigned)ceil_div(s.T, kTile);
-  const size_t dkv_bytes = with_smem(attention_tc_dkv_kernel<T16>, bwd_layout(z.D, true).bytes);
-  attention_tc_dkv_kernel<T16><<<dim3(tiles, (unsigned)s.NKV, (unsigned)s.B), kThreads, dkv_bytes, stream()>>>(
-      dqkv.f32(), qkv.f32(), dout.f32(), lse.f32(), delta, z);
-  MT_CUDA_LAUNCHED("attention_tc_dkv_kernel");
-
-  const size_t dq_bytes = with_smem(attention_tc_dq_kernel<T16>, bwd_layout(z.D, false).bytes);
-  attention_tc_dq_kernel<T16><<<dim3(tiles, (unsigned)s.NH, (unsigned)s.B), kThreads, dq_bytes, stream()>>>(
-      dqkv.f32(), qkv.f32(), dout.f32(), lse.f32(), delta, z);
-  MT_CUDA_LAUNCHED("attention_tc_dq_kernel");
-
+  backward_kernels<T16>(dqkv, dout, qkv, lse, delta, z, s);
   MT_CUDA_CHECK(cudaFreeAsync(delta, stream()));
 }
 
@@ -505,6 +637,12 @@ void attention_tc_backward(const Tensor& dqkv, const Tensor& dout, const Tensor&
     backward_typed<__nv_bfloat16>(dqkv, dout, qkv, out, lse, s);
   else
     backward_typed<half>(dqkv, dout, qkv, out, lse, s);
+}
+
+AttentionTcOccupancy attention_tc_occupancy(int64_t D, DType dt) {
+  MT_CHECK(attention_tc_supported(D), "attention_tc_occupancy: head dim D = " << D << " not supported");
+  MT_CHECK(dt == DType::bf16 || dt == DType::f16, "attention_tc_occupancy: 16-bit dtype expected, got " << dtype_name(dt));
+  return dt == DType::bf16 ? occupancy_typed<__nv_bfloat16>(D) : occupancy_typed<half>(D);
 }
 
 }  // namespace mt::cuda

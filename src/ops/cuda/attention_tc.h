@@ -27,4 +27,13 @@ void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qk
 void attention_tc_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                            const Tensor& lse, const AttentionShape& s, DType dt);
 
+// Resident blocks per SM of the tensor-core kernels (forward, dK/dV, dQ) at head dim D for
+// the 16-bit type dt (cudaOccupancyMaxActiveBlocksPerMultiprocessor, 128 threads and their
+// dynamic shared memory, in bytes), for the benchmarks. Needs a GPU.
+struct AttentionTcOccupancy {
+  int forward, dkv, dq;
+  int64_t forward_smem, backward_smem;
+};
+AttentionTcOccupancy attention_tc_occupancy(int64_t D, DType dt);
+
 }  // namespace mt::cuda
