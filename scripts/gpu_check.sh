@@ -11,7 +11,7 @@ out=${OUT:-gpu-check}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 start=$(date +%s)
-targets="meshtrain bench_gpu_step $(cd tests && ls test_cuda_*.cpp | sed 's/\.cpp$//' | tr '\n' ' ')"
+targets="meshtrain bench_gpu_step bench_gpu_attention $(cd tests && ls test_cuda_*.cpp | sed 's/\.cpp$//' | tr '\n' ' ')"
 if ! GPU_BUILD_TARGETS="$targets" bash scripts/gpu_build.sh build-gpu > "$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
   exit 1
@@ -49,6 +49,7 @@ sys.exit(0 if diff < 1e-3 else 1)
 PY
 fi
 if [[ $what == bench || $what == all ]]; then
+  build-gpu/bench/bench_gpu_attention 2>&1 | tee "$out/attention.log"
   bash bench/gpu.sh build-gpu 2>&1 | tee "$out/bench.log" | tail -8
 fi
 exit $status
