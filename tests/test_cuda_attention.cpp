@@ -15,6 +15,7 @@
 #include "core/cuda.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "cuda_harness.h"
 #include "op_harness.h"
 #include "ops/attention.h"
 #if MESHTRAIN_CUDA
@@ -76,47 +77,18 @@ Ref attention_ref(const VecD& qkv, const VecD& dout, int B, int T, int NH, int N
   return r;
 }
 
-// ||got - ref|| / ||ref|| (NaN anywhere in got makes it NaN, which fails every bound).
-double rel_err(const VecF& got, const VecF& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = (double)got[i] - (double)ref[i];
-    num += d * d;
-    den += (double)ref[i] * ref[i];
-  }
-  return std::sqrt(num) / std::sqrt(den);
-}
-
-struct Gpu {
-  CudaAllocator alloc;
-  Tensor upload(VecF& host, const Shape& shape) {
-    Tensor t = Tensor::empty(shape, DType::f32, alloc, MemTag::activations);
-    t.copy_from(tf(host, shape));
-    return t;
-  }
-  // A device tensor filled with NaN, so elements the op does not write fail the checks.
-  Tensor poisoned(const Shape& shape) {
-    VecF nan(shape_numel(shape), kNaN);
-    return upload(nan, shape);
-  }
-  static VecF download(const Tensor& t) {
-    VecF v(t.numel());
-    tf(v, t.shape()).copy_from(t);
-    return v;
-  }
-};
 
 // The GPU's out, lse (forward) and dqkv (backward from the GPU's own out and lse).
 struct GpuResult {
   VecF out, lse, dqkv;
 };
-GpuResult run_gpu(Gpu& gpu, VecF& qkv, VecF& dout, int B, int T, int NH, int NKV, int D) {
+GpuResult run_gpu(VecF& qkv, VecF& dout, int B, int T, int NH, int NKV, int D) {
   const int W = (NH + 2 * NKV) * D;
-  Tensor qkv_d = gpu.upload(qkv, {B, T, W}), dout_d = gpu.upload(dout, {B, T, NH * D});
-  Tensor out_d = gpu.poisoned({B, T, NH * D}), lse_d = gpu.poisoned({B, NH, T}), dqkv_d = gpu.poisoned({B, T, W});
+  Tensor qkv_d = to_dev(qkv, {B, T, W}), dout_d = to_dev(dout, {B, T, NH * D});
+  Tensor out_d = poisoned({B, T, NH * D}), lse_d = poisoned({B, NH, T}), dqkv_d = poisoned({B, T, W});
   cuda::attention_fused_forward(out_d, lse_d, qkv_d, NH, NKV);
   cuda::attention_fused_backward(dqkv_d, dout_d, qkv_d, out_d, lse_d, NH, NKV);
-  return {Gpu::download(out_d), Gpu::download(lse_d), Gpu::download(dqkv_d)};
+  return {to_host(out_d), to_host(lse_d), to_host(dqkv_d)};
 }
 
 }  // namespace
@@ -127,7 +99,6 @@ GpuResult run_gpu(Gpu& gpu, VecF& qkv, VecF& dout, int B, int T, int NH, int NKV
 // limit); D = 100 (the 4th column group partly used) and D = 3 (odd, under a warp).
 TEST(CudaAttention, MatchesCpuAndFloat64) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  Gpu gpu;
   std::mt19937 g(2026);
   struct Case { int B, T, NH, NKV, D; };
   for (Case cs : {Case{2, 1, 2, 2, 8}, {1, 37, 3, 1, 16}, {2, 64, 4, 2, 32}, {1, 130, 2, 2, 64}, {1, 256, 2, 2, 128},
@@ -142,7 +113,7 @@ TEST(CudaAttention, MatchesCpuAndFloat64) {
     attention_fused_backward(tf(dqkv_c, {B, T, W}), tf(dout, {B, T, NH * D}), tf(qkv, {B, T, W}),
                              tf(out_c, {B, T, NH * D}), tf(lse_c, {B, NH, T}), NH, NKV);
 
-    const GpuResult r = run_gpu(gpu, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult r = run_gpu(qkv, dout, B, T, NH, NKV, D);
 
     // Both sides are fp32 with errors of a few ulps per dot product / softmax step (u = 6e-8
     // times sqrt of the terms, D <= 128 and T <= 256 here), summed in different orders; the
@@ -165,14 +136,13 @@ TEST(CudaAttention, MatchesCpuAndFloat64) {
 // Same inputs, same bits: no atomics, a fixed grid and fixed summation orders.
 TEST(CudaAttention, Deterministic) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  Gpu gpu;
   std::mt19937 g(7);
   struct Case { int B, T, NH, NKV, D; };
   for (Case cs : {Case{1, 37, 3, 1, 16}, {2, 130, 4, 2, 64}}) {
     const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
     SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D);
     VecF qkv = randv(B * T * W, g, -2, 2), dout = randv(B * T * NH * D, g);
-    const GpuResult a = run_gpu(gpu, qkv, dout, B, T, NH, NKV, D), b = run_gpu(gpu, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult a = run_gpu(qkv, dout, B, T, NH, NKV, D), b = run_gpu(qkv, dout, B, T, NH, NKV, D);
     EXPECT_EQ(0, std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(float))) << "out";
     EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float))) << "lse";
     EXPECT_EQ(0, std::memcmp(a.dqkv.data(), b.dqkv.data(), a.dqkv.size() * sizeof(float))) << "dqkv";
@@ -183,11 +153,10 @@ TEST(CudaAttention, Deterministic) {
 // is not (NH + 2 NKV) D, NH not a multiple of NKV, out / lse / dqkv of the wrong size.
 TEST(CudaAttention, RejectsBadShapes) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  Gpu gpu;
   std::mt19937 g(3);
   auto dev = [&](const Shape& s) {
     VecF v = randv(shape_numel(s), g);
-    return gpu.upload(v, s);
+    return to_dev(v, s);
   };
   {  // D = 160
     const int B = 1, T = 4, NH = 2, NKV = 1, D = 160, W = (NH + 2 * NKV) * D;

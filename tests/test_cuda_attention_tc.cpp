@@ -18,6 +18,7 @@
 #include "core/cuda.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "cuda_harness.h"
 #include "op_harness.h"
 #include "ops/attention.h"
 #include "ops/autocast.h"
@@ -85,56 +86,22 @@ Ref attention_ref(const VecD& qkv, const VecD& dout, int B, int T, int NH, int N
   return r;
 }
 
-// ||got - ref|| / ||ref|| (NaN anywhere in got makes it NaN, which fails every bound).
-template <class V>
-double rel_err(const VecF& got, const V& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = (double)got[i] - (double)ref[i];
-    num += d * d;
-    den += (double)ref[i] * ref[i];
-  }
-  return std::sqrt(num) / std::sqrt(den);
-}
-
-bool same_bits(const VecF& a, const VecF& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-struct Gpu {
-  CudaAllocator alloc;
-  Tensor upload(VecF& host, const Shape& shape) {
-    Tensor t = Tensor::empty(shape, DType::f32, alloc, MemTag::activations);
-    t.copy_from(tf(host, shape));
-    return t;
-  }
-  // A device tensor filled with NaN, so elements the op does not write fail the checks.
-  Tensor poisoned(const Shape& shape) {
-    VecF nan(shape_numel(shape), kNaN);
-    return upload(nan, shape);
-  }
-  static VecF download(const Tensor& t) {
-    VecF v(t.numel());
-    tf(v, t.shape()).copy_from(t);
-    return v;
-  }
-};
 
 // The GPU's out, lse (forward) and dqkv (backward from the GPU's own out and lse), under an
 // Autocast scope of dtype dt (f32: no scope, the fp32 kernels).
 struct GpuResult {
   VecF out, lse, dqkv;
 };
-GpuResult run_gpu(Gpu& gpu, DType dt, VecF& qkv, VecF& dout, int B, int T, int NH, int NKV, int D) {
+GpuResult run_gpu(DType dt, VecF& qkv, VecF& dout, int B, int T, int NH, int NKV, int D) {
   const int W = (NH + 2 * NKV) * D;
-  Tensor qkv_d = gpu.upload(qkv, {B, T, W}), dout_d = gpu.upload(dout, {B, T, NH * D});
-  Tensor out_d = gpu.poisoned({B, T, NH * D}), lse_d = gpu.poisoned({B, NH, T}), dqkv_d = gpu.poisoned({B, T, W});
+  Tensor qkv_d = to_dev(qkv, {B, T, W}), dout_d = to_dev(dout, {B, T, NH * D});
+  Tensor out_d = poisoned({B, T, NH * D}), lse_d = poisoned({B, NH, T}), dqkv_d = poisoned({B, T, W});
   {
     Autocast scope(dt);
     cuda::attention_fused_forward(out_d, lse_d, qkv_d, NH, NKV);
     cuda::attention_fused_backward(dqkv_d, dout_d, qkv_d, out_d, lse_d, NH, NKV);
   }
-  return {Gpu::download(out_d), Gpu::download(lse_d), Gpu::download(dqkv_d)};
+  return {to_host(out_d), to_host(lse_d), to_host(dqkv_d)};
 }
 
 VecF rounded(DType dt, const VecF& v) {
@@ -172,7 +139,6 @@ struct Case {
 // that comparison would measure the rounding of the inputs, not these kernels.)
 TEST(CudaAttentionTc, MatchesFloat64AndFp32Kernel) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  Gpu gpu;
   std::mt19937 g(2027);
   for (Case cs : {Case{2, 64, 4, 2, 32, DType::bf16}, {1, 130, 2, 2, 64, DType::bf16}, {2, 1024, 12, 12, 64, DType::bf16},
                   {1, 77, 4, 1, 128, DType::bf16}, {1, 1, 2, 2, 16, DType::bf16}, {1, 130, 2, 2, 64, DType::f16},
@@ -185,13 +151,13 @@ TEST(CudaAttentionTc, MatchesFloat64AndFp32Kernel) {
     VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
     VecF qkv16 = rounded(cs.dt, qkv), dout16 = rounded(cs.dt, dout);
 
-    const GpuResult r = run_gpu(gpu, cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult r = run_gpu(cs.dt, qkv, dout, B, T, NH, NKV, D);
     const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
     EXPECT_LT(rel_err(r.out, ref.out), 1e-2) << "out vs float64";
     EXPECT_LT(rel_err(r.lse, ref.lse), 1e-3) << "lse vs float64";
     EXPECT_LT(rel_err(r.dqkv, ref.dqkv), 2e-2) << "dqkv vs float64";
 
-    const GpuResult f = run_gpu(gpu, DType::f32, qkv16, dout16, B, T, NH, NKV, D);
+    const GpuResult f = run_gpu(DType::f32, qkv16, dout16, B, T, NH, NKV, D);
     EXPECT_LT(rel_err(r.out, f.out), 1e-2) << "out vs fp32 kernel";
     EXPECT_LT(rel_err(r.lse, f.lse), 1e-3) << "lse vs fp32 kernel";
     EXPECT_LT(rel_err(r.dqkv, f.dqkv), 2e-2) << "dqkv vs fp32 kernel";
@@ -205,7 +171,6 @@ TEST(CudaAttentionTc, MatchesFloat64AndFp32Kernel) {
 // over the later keys (not one-hot), so the main test's bounds and reasoning apply as is.
 TEST(CudaAttentionTc, RescaleWhenTheMaxJumps) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  Gpu gpu;
   std::mt19937 g(31);
   const int B = 1, T = 200, NH = 2, NKV = 1, D = 64, W = (NH + 2 * NKV) * D;
   VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
@@ -216,7 +181,7 @@ TEST(CudaAttentionTc, RescaleWhenTheMaxJumps) {
   for (DType dt : {DType::bf16, DType::f16}) {
     SCOPED_TRACE(dtype_name(dt));
     VecF qkv16 = rounded(dt, qkv), dout16 = rounded(dt, dout);
-    const GpuResult r = run_gpu(gpu, dt, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult r = run_gpu(dt, qkv, dout, B, T, NH, NKV, D);
     const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
     EXPECT_LT(rel_err(r.out, ref.out), 1e-2) << "out vs float64";
     EXPECT_LT(rel_err(r.lse, ref.lse), 1e-3) << "lse vs float64";
@@ -227,14 +192,13 @@ TEST(CudaAttentionTc, RescaleWhenTheMaxJumps) {
 // Same inputs, same bits: no atomics, a fixed grid and fixed summation orders.
 TEST(CudaAttentionTc, Deterministic) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  Gpu gpu;
   std::mt19937 g(8);
   for (Case cs : {Case{1, 77, 4, 1, 128, DType::bf16}, {2, 200, 4, 2, 64, DType::f16}}) {
     const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
     SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D);
     VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
-    const GpuResult a = run_gpu(gpu, cs.dt, qkv, dout, B, T, NH, NKV, D);
-    const GpuResult b = run_gpu(gpu, cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult a = run_gpu(cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult b = run_gpu(cs.dt, qkv, dout, B, T, NH, NKV, D);
     EXPECT_TRUE(same_bits(a.out, b.out)) << "out";
     EXPECT_TRUE(same_bits(a.lse, b.lse)) << "lse";
     EXPECT_TRUE(same_bits(a.dqkv, b.dqkv)) << "dqkv";
@@ -245,13 +209,12 @@ TEST(CudaAttentionTc, Deterministic) {
 // the fp32 kernels' outside any scope bit for bit.
 TEST(CudaAttentionTc, UnsupportedHeadDimFallsBackToFp32) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  Gpu gpu;
   std::mt19937 g(9);
   const int B = 2, T = 70, NH = 4, NKV = 2, D = 40, W = (NH + 2 * NKV) * D;
   ASSERT_FALSE(cuda::attention_tc_supported(D));
   VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
-  const GpuResult a = run_gpu(gpu, DType::bf16, qkv, dout, B, T, NH, NKV, D);
-  const GpuResult f = run_gpu(gpu, DType::f32, qkv, dout, B, T, NH, NKV, D);
+  const GpuResult a = run_gpu(DType::bf16, qkv, dout, B, T, NH, NKV, D);
+  const GpuResult f = run_gpu(DType::f32, qkv, dout, B, T, NH, NKV, D);
   EXPECT_TRUE(same_bits(a.out, f.out)) << "out";
   EXPECT_TRUE(same_bits(a.lse, f.lse)) << "lse";
   EXPECT_TRUE(same_bits(a.dqkv, f.dqkv)) << "dqkv";
@@ -261,11 +224,10 @@ TEST(CudaAttentionTc, UnsupportedHeadDimFallsBackToFp32) {
 // dispatch): a width that is not (NH + 2 NKV) D, D = 160, out / lse / dqkv of the wrong size.
 TEST(CudaAttentionTc, RejectsBadShapes) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  Gpu gpu;
   std::mt19937 g(4);
   auto dev = [&](const Shape& s) {
     VecF v = randv(shape_numel(s), g);
-    return gpu.upload(v, s);
+    return to_dev(v, s);
   };
   const int B = 2, T = 5, NH = 4, NKV = 2, D = 16, W = (NH + 2 * NKV) * D;
   Tensor qkv = dev({B, T, W}), out = dev({B, T, NH * D}), lse = dev({B, NH, T}), dqkv = dev({B, T, W});

@@ -13,6 +13,7 @@
 #include "core/cuda.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "cuda_harness.h"
 #include "op_harness.h"
 #include "ops/activation.h"
 #include "ops/autocast.h"
@@ -42,39 +43,12 @@ using test::VecF;
 //   moves the result by ~2^-9 in bf16, ~2^-12 in f16).
 constexpr double kTol32 = 1e-5, kTol16 = 3e-5;
 
-CudaAllocator& gpu() {
-  static CudaAllocator a;
-  return a;
-}
+using test::poisoned;
+using test::rel_err;
+using test::same_bits;
+using test::to_dev;
+using test::to_host;
 
-Tensor to_dev(VecF v, const Shape& s) {
-  Tensor t = Tensor::empty(s, DType::f32, gpu(), MemTag::activations);
-  t.copy_from(tf(v, s));
-  return t;
-}
-VecF to_host(const Tensor& t) {
-  VecF v(t.numel());
-  tf(v, t.shape()).copy_from(t);
-  return v;
-}
-// A device output filled with NaN, so that elements the op fails to write fail the test.
-Tensor poisoned(const Shape& s) { return to_dev(VecF(shape_numel(s), kNaN), s); }
-
-double rel_err(const VecF& got, const VecF& ref) {
-  if (got.size() != ref.size()) return std::numeric_limits<double>::infinity();
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(got[i])) return std::numeric_limits<double>::infinity();
-    const double d = (double)got[i] - ref[i];
-    num += d * d;
-    den += (double)ref[i] * ref[i];
-  }
-  return std::sqrt(num) / std::sqrt(den + 1e-300);
-}
-
-bool same_bits(const VecF& a, const VecF& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 Shape with_last(Shape lead, int64_t last) {
   lead.push_back(last);

@@ -14,6 +14,7 @@
 #include "core/tensor.h"
 #include "ops/cross_entropy.h"
 #include "optim/optimizer.h"
+#include "cuda_harness.h"
 #include "op_harness.h"
 #if MESHTRAIN_CUDA
 #include "ops/cuda/ops.h"
@@ -26,46 +27,6 @@ using namespace mt::test;
 
 namespace {
 
-Tensor upload(CudaAllocator& gpu, const VecF& h, const Shape& s) {
-  Tensor d = Tensor::empty(s, DType::f32, gpu, MemTag::other);
-  VecF copy = h;
-  d.copy_from(tf(copy, s));
-  return d;
-}
-Tensor upload_i32(CudaAllocator& gpu, const std::vector<int32_t>& h, const Shape& s) {
-  Tensor d = Tensor::empty(s, DType::i32, gpu, MemTag::other);
-  std::vector<int32_t> copy = h;
-  d.copy_from(ti(copy, s));
-  return d;
-}
-VecF download(const Tensor& d) {
-  VecF h(d.numel());
-  tf(h, d.shape()).copy_from(d);
-  return h;
-}
-// Fills a device tensor with NaN, so that an element the op does not write fails the test.
-void poison(const Tensor& d) {
-  VecF nan(d.numel(), kNaN);
-  d.copy_from(tf(nan, d.shape()));
-}
-Tensor poisoned(CudaAllocator& gpu, const Shape& s) {
-  Tensor d = Tensor::empty(s, DType::f32, gpu, MemTag::other);
-  poison(d);
-  return d;
-}
-// ||got - ref|| / ||ref|| in double (NaN anywhere makes it NaN, which fails any `<` bound).
-double rel_err(const VecF& got, const VecF& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = (double)got[i] - ref[i];
-    num += d * d;
-    den += (double)ref[i] * ref[i];
-  }
-  return std::sqrt(num) / std::sqrt(den);
-}
-bool same_bits(const VecF& a, const VecF& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 // ---- cross entropy ----
 
@@ -86,7 +47,7 @@ std::vector<int32_t> make_targets(int N, int V, bool ignore, std::mt19937& g) {
 
 TEST(CudaLoss, CrossEntropyMatchesCpu) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  CudaAllocator gpu;
+  CudaAllocator& gpu = test::gpu();
   std::mt19937 rng(11);
   // GPT-2's padded vocabulary with 8 rows, an odd small vocabulary, one row, sizes that are
   // not multiples of the block (256) with ignored rows, Llama's 32000.
@@ -104,11 +65,11 @@ TEST(CudaLoss, CrossEntropyMatchesCpu) {
     cross_entropy_backward(tf(dl, {N, V}), tf(logits, {N, V}), tf(lse, {N}), ti(tg, {N}), scale);
 
     // GPU
-    Tensor dlog = upload(gpu, logits, {N, V}), dtg = upload_i32(gpu, tg, {N});
-    Tensor dloss = poisoned(gpu, {N}), dlse = poisoned(gpu, {N}), ddl = poisoned(gpu, {N, V});
+    Tensor dlog = to_dev(logits, {N, V}), dtg = to_dev_i(tg, {N});
+    Tensor dloss = poisoned({N}), dlse = poisoned({N}), ddl = poisoned({N, V});
     const double gtotal = cuda::cross_entropy_forward(dloss, dlse, dlog, dtg);
     cuda::cross_entropy_backward(ddl, dlog, dlse, dtg, scale);
-    const VecF glosses = download(dloss), glse = download(dlse), gdl = download(ddl);
+    const VecF glosses = to_host(dloss), glse = to_host(dlse), gdl = to_host(ddl);
 
     // The loss sum: both add fp32 losses in double; the per-row losses differ by a few fp32
     // ulps (GPU expf/logf vs the CPU's polynomial exp, other summation order): 1e-6 relative.
@@ -140,49 +101,49 @@ TEST(CudaLoss, CrossEntropyMatchesCpu) {
     }
 
     // Determinism: the same inputs give the same bits.
-    Tensor dloss2 = poisoned(gpu, {N}), dlse2 = poisoned(gpu, {N}), ddl2 = poisoned(gpu, {N, V});
+    Tensor dloss2 = poisoned({N}), dlse2 = poisoned({N}), ddl2 = poisoned({N, V});
     const double gtotal2 = cuda::cross_entropy_forward(dloss2, dlse2, dlog, dtg);
     cuda::cross_entropy_backward(ddl2, dlog, dlse2, dtg, scale);
     EXPECT_EQ(0, std::memcmp(&gtotal, &gtotal2, sizeof(double)));
-    EXPECT_TRUE(same_bits(download(dloss2), glosses));
-    EXPECT_TRUE(same_bits(download(dlse2), glse));
-    EXPECT_TRUE(same_bits(download(ddl2), gdl));
+    EXPECT_TRUE(same_bits(to_host(dloss2), glosses));
+    EXPECT_TRUE(same_bits(to_host(dlse2), glse));
+    EXPECT_TRUE(same_bits(to_host(ddl2), gdl));
 
     // In place (dlogits aliases logits): the same bits as the separate output.
     cuda::cross_entropy_backward(dlog, dlog, dlse, dtg, scale);
-    EXPECT_TRUE(same_bits(download(dlog), gdl)) << "in-place backward differs";
+    EXPECT_TRUE(same_bits(to_host(dlog), gdl)) << "in-place backward differs";
   }
 }
 
 TEST(CudaLoss, CrossEntropyRejectsBadOperands) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  CudaAllocator gpu;
+  CudaAllocator& gpu = test::gpu();
   std::mt19937 rng(12);
   const int N = 8, V = 8;
   VecF logits = randv(N * V, rng);
-  Tensor dlog = upload(gpu, logits, {N, V});
-  Tensor dloss = poisoned(gpu, {N}), dlse = poisoned(gpu, {N});
+  Tensor dlog = to_dev(logits, {N, V});
+  Tensor dloss = poisoned({N}), dlse = poisoned({N});
   std::vector<int32_t> good = {0, 1, 2, 3, 4, 5, 6, -1};
-  Tensor dtg = upload_i32(gpu, good, {N});
+  Tensor dtg = to_dev_i(good, {N});
   EXPECT_NO_THROW(cuda::cross_entropy_forward(dloss, dlse, dlog, dtg));
   for (int32_t bad : {8, 99, -2}) {
     std::vector<int32_t> tg = good;
     tg[3] = bad;
-    Tensor dbad = upload_i32(gpu, tg, {N});
+    Tensor dbad = to_dev_i(tg, {N});
     EXPECT_THROW(cuda::cross_entropy_forward(dloss, dlse, dlog, dbad), Error) << "target " << bad;
     EXPECT_THROW(cuda::cross_entropy_backward(dlog, dlog, dlse, dbad, 1.0f), Error) << "target " << bad;
   }
   // targets: wrong count, f32 instead of i32, on the host
-  Tensor short_tg = upload_i32(gpu, {0, 1, 2, 3, 4, 5, 6}, {7});
+  Tensor short_tg = to_dev_i({0, 1, 2, 3, 4, 5, 6}, {7});
   EXPECT_THROW(cuda::cross_entropy_forward(dloss, dlse, dlog, short_tg), Error);
-  Tensor f32_tg = upload(gpu, VecF(N, 1.0f), {N});
+  Tensor f32_tg = to_dev(VecF(N, 1.0f), {N});
   EXPECT_THROW(cuda::cross_entropy_forward(dloss, dlse, dlog, f32_tg), Error);
   EXPECT_THROW(cuda::cross_entropy_forward(dloss, dlse, dlog, ti(good, {N})), Error);
   // losses / lse / dlogits of the wrong size, logits on the host
-  Tensor small = poisoned(gpu, {N - 1});
+  Tensor small = poisoned({N - 1});
   EXPECT_THROW(cuda::cross_entropy_forward(small, dlse, dlog, dtg), Error);
   EXPECT_THROW(cuda::cross_entropy_forward(dloss, small, dlog, dtg), Error);
-  Tensor small_dl = poisoned(gpu, {N, V - 1});
+  Tensor small_dl = poisoned({N, V - 1});
   EXPECT_THROW(cuda::cross_entropy_backward(small_dl, dlog, dlse, dtg, 1.0f), Error);
   EXPECT_THROW(cuda::cross_entropy_forward(dloss, dlse, tf(logits, {N, V}), dtg), Error);
 }
@@ -194,7 +155,7 @@ namespace {
 // Several AdamW steps of one segment on the CPU optimizer and on the GPU, with new
 // gradients each step and a learning rate that changes; w, m and v compared after each.
 void adamw_case(int n, const std::vector<std::pair<int64_t, int64_t>>& decay, uint32_t seed) {
-  CudaAllocator gpu;
+  CudaAllocator& gpu = test::gpu();
   CpuAllocator cpu;
   std::mt19937 rng(seed);
   OptimConfig cfg;
@@ -211,7 +172,7 @@ void adamw_case(int n, const std::vector<std::pair<int64_t, int64_t>>& decay, ui
   seg.w.copy_from(tf(w0, {n}));
   seg.decay_ranges = decay;
   Optimizer opt(cfg, {seg}, cpu);
-  Tensor dw = upload(gpu, w0, {n}), dg = poisoned(gpu, {n});
+  Tensor dw = to_dev(w0, {n}), dg = poisoned({n});
   Tensor dm = Tensor::empty({n}, DType::f32, gpu, MemTag::optim);
   Tensor dv = Tensor::empty({n}, DType::f32, gpu, MemTag::optim);
   dm.zero_();
@@ -226,8 +187,8 @@ void adamw_case(int n, const std::vector<std::pair<int64_t, int64_t>>& decay, ui
     opt.step(lr);
     cuda::adamw_step(dw, dg, dm, dv, decay, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, t);
     const auto state = opt.state(0);
-    const VecF cw = download(seg.w), cm = download(state[0].second), cv = download(state[1].second);
-    const VecF gw = download(dw), gm = download(dm), gv = download(dv);
+    const VecF cw = to_host(seg.w), cm = to_host(state[0].second), cv = to_host(state[1].second);
+    const VecF gw = to_host(dw), gm = to_host(dm), gv = to_host(dv);
     // Same float constants and operation order as the CPU (no fused multiply-add on the
     // GPU; the CPU compiler contracts under -march=native): an ulp or so apart per step,
     // which the moments' sums over 5 steps carry (measured on an H100: 3.1e-6 relative on m),
@@ -241,7 +202,7 @@ void adamw_case(int n, const std::vector<std::pair<int64_t, int64_t>>& decay, ui
     last_w = gw;
   }
   // Determinism: a second run from the same start gives the same bits.
-  Tensor dw2 = upload(gpu, w0, {n});
+  Tensor dw2 = to_dev(w0, {n});
   Tensor dm2 = Tensor::empty({n}, DType::f32, gpu, MemTag::optim);
   Tensor dv2 = Tensor::empty({n}, DType::f32, gpu, MemTag::optim);
   dm2.zero_();
@@ -254,7 +215,7 @@ void adamw_case(int n, const std::vector<std::pair<int64_t, int64_t>>& decay, ui
     cuda::adamw_step(dw2, dg, dm2, dv2, decay, cfg.lr * (1.0 - 0.1 * t), cfg.beta1, cfg.beta2, cfg.eps,
                      cfg.weight_decay, t);
   }
-  EXPECT_TRUE(same_bits(download(dw2), last_w)) << "AdamW is not deterministic";
+  EXPECT_TRUE(same_bits(to_host(dw2), last_w)) << "AdamW is not deterministic";
 }
 
 }  // namespace
@@ -275,10 +236,10 @@ TEST(CudaOptim, AdamWMatchesCpuOptimizer) {
 
 TEST(CudaOptim, AdamWRejectsBadOperands) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  CudaAllocator gpu;
+  CudaAllocator& gpu = test::gpu();
   const int n = 100;
-  Tensor w = poisoned(gpu, {n}), g = poisoned(gpu, {n}), m = poisoned(gpu, {n}), v = poisoned(gpu, {n});
-  Tensor short_v = poisoned(gpu, {n - 1});
+  Tensor w = poisoned({n}), g = poisoned({n}), m = poisoned({n}), v = poisoned({n});
+  Tensor short_v = poisoned({n - 1});
   EXPECT_THROW(cuda::adamw_step(w, g, m, short_v, {}, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1), Error);
   EXPECT_THROW(cuda::adamw_step(w, g, m, v, {{50, 40}}, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1), Error);   // reversed
   EXPECT_THROW(cuda::adamw_step(w, g, m, v, {{50, 101}}, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1), Error);  // past the end
@@ -292,7 +253,7 @@ TEST(CudaOptim, AdamWRejectsBadOperands) {
 
 TEST(CudaOptim, SumsqMatchesDoubleSum) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  CudaAllocator gpu;
+  CudaAllocator& gpu = test::gpu();
   std::mt19937 rng(21);
   for (int n : {1, 255, 257, 100003, (1 << 20) + 7, 300 * 1024 * 1024 / 256 + 5}) {
     SCOPED_TRACE(testing::Message() << "n=" << n);
@@ -300,7 +261,7 @@ TEST(CudaOptim, SumsqMatchesDoubleSum) {
     long double acc = 0;  // 64-bit mantissa: the reference's own rounding is negligible
     for (float v : x) acc += (long double)v * v;
     const double ref = (double)acc;
-    Tensor dx = upload(gpu, x, {n});
+    Tensor dx = to_dev(x, {n});
     const double got = cuda::sumsq(dx);
     // Squares of fp32 values are exact in double; only the summation (order, rounding at
     // 2^-53 per add, a few adds per thread then trees) errs: ~1e-12 relative is far above it.
@@ -308,21 +269,21 @@ TEST(CudaOptim, SumsqMatchesDoubleSum) {
     const double again = cuda::sumsq(dx);
     EXPECT_EQ(0, std::memcmp(&got, &again, sizeof(double))) << "sumsq is not deterministic";
   }
-  EXPECT_THROW(cuda::sumsq(upload_i32(gpu, {1, 2}, {2})), Error);  // not f32
+  EXPECT_THROW(cuda::sumsq(to_dev_i({1, 2}, {2})), Error);  // not f32
 }
 
 TEST(CudaOptim, ScaleInplace) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
-  CudaAllocator gpu;
+  CudaAllocator& gpu = test::gpu();
   std::mt19937 rng(22);
   for (int n : {1, 257, 100003}) {
     VecF x = randv(n, rng);
-    Tensor dx = upload(gpu, x, {n});
+    Tensor dx = to_dev(x, {n});
     const float s = 0.37f;
     cuda::scale_inplace(dx, s);
     VecF ref(n);
     for (int i = 0; i < n; ++i) ref[i] = x[i] * s;
-    EXPECT_TRUE(same_bits(download(dx), ref)) << "n=" << n << ": one fp32 multiply must match exactly";
+    EXPECT_TRUE(same_bits(to_host(dx), ref)) << "n=" << n << ": one fp32 multiply must match exactly";
   }
   VecF host(4, 1.0f);
   EXPECT_THROW(cuda::scale_inplace(tf(host, {4}), 2.0f), Error);

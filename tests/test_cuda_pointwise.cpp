@@ -30,6 +30,7 @@
 #include "ops/embedding.h"
 #include "ops/norm.h"
 #include "ops/rope.h"
+#include "cuda_harness.h"
 #include "op_harness.h"
 #if MESHTRAIN_CUDA
 #include "ops/cuda/ops.h"
@@ -43,33 +44,6 @@ using namespace mt::test;
 namespace {
 
 constexpr double kRelTol = 1e-5;
-
-// One device allocator for the whole program (never destroyed: its blocks may outlive
-// the tests' statics).
-CudaAllocator& gpu() {
-  static auto* a = new CudaAllocator();
-  return *a;
-}
-
-Tensor to_dev(const VecF& v, const Shape& s) {
-  Tensor t = Tensor::empty(s, DType::f32, gpu(), MemTag::other);
-  VecF c = v;
-  t.copy_from(tf(c, s));
-  return t;
-}
-Tensor to_dev_i(const std::vector<int32_t>& v, const Shape& s) {
-  Tensor t = Tensor::empty(s, DType::i32, gpu(), MemTag::other);
-  std::vector<int32_t> c = v;
-  t.copy_from(ti(c, s));
-  return t;
-}
-// A device tensor full of NaN: an element the op fails to write stays NaN.
-Tensor poisoned(const Shape& s) { return to_dev(VecF(shape_numel(s), kNaN), s); }
-VecF to_host(const Tensor& t) {
-  VecF v(t.numel());
-  tf(v, t.shape()).copy_from(t);
-  return v;
-}
 
 // The rule in the header: relative norm within kRelTol and every element within
 // kRtol / kAtol; NaN fails both.
