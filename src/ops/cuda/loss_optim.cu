@@ -47,43 +47,26 @@ double fetch_double(const double* d) {
 // The tree adds buf[i] and buf[i + s] for s = kThreads/2 ... 1: a fixed order. The result is
 // read by every thread, then the block syncs so that buf may be reused at once.
 
+template <class T, class Combine>
+__device__ T block_reduce(T x, T* buf, Combine combine) {
+  const int tid = threadIdx.x;
+  buf[tid] = x;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s >>= 1) {
+    if (tid < s) buf[tid] = combine(buf[tid], buf[tid + s]);
+    __syncthreads();
+  }
+  const T r = buf[0];
+  __syncthreads();
+  return r;
+}
+
 __device__ float block_max(float x, float* buf) {
-  const int tid = threadIdx.x;
-  buf[tid] = x;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (tid < s) buf[tid] = buf[tid] > buf[tid + s] ? buf[tid] : buf[tid + s];
-    __syncthreads();
-  }
-  const float r = buf[0];
-  __syncthreads();
-  return r;
+  return block_reduce(x, buf, [](float a, float b) { return a > b ? a : b; });
 }
-
-__device__ float block_sum(float x, float* buf) {
-  const int tid = threadIdx.x;
-  buf[tid] = x;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (tid < s) buf[tid] = buf[tid] + buf[tid + s];
-    __syncthreads();
-  }
-  const float r = buf[0];
-  __syncthreads();
-  return r;
-}
-
-__device__ double block_sum_d(double x, double* buf) {
-  const int tid = threadIdx.x;
-  buf[tid] = x;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (tid < s) buf[tid] = buf[tid] + buf[tid + s];
-    __syncthreads();
-  }
-  const double r = buf[0];
-  __syncthreads();
-  return r;
+template <class T>
+__device__ T block_sum(T x, T* buf) {
+  return block_reduce(x, buf, [](T a, T b) { return a + b; });
 }
 
 // ---- cross entropy --------------------------------------------------------------------
@@ -116,7 +99,7 @@ __global__ void ce_total_kernel(double* out, const float* __restrict__ losses, i
   __shared__ double buf[kThreads];
   double acc = 0.0;
   for (int64_t n = threadIdx.x; n < N; n += kThreads) acc += static_cast<double>(losses[n]);
-  acc = block_sum_d(acc, buf);
+  acc = block_sum(acc, buf);
   if (threadIdx.x == 0) out[0] = acc;
 }
 
@@ -337,7 +320,7 @@ __global__ void sumsq_partial_kernel(double* __restrict__ part, const float* __r
     const double xi = x[i];
     acc += xi * xi;
   }
-  acc = block_sum_d(acc, buf);
+  acc = block_sum(acc, buf);
   if (threadIdx.x == 0) part[blockIdx.x] = acc;
 }
 
@@ -347,7 +330,7 @@ __global__ void sum_parts_kernel(double* out, const double* __restrict__ part, i
   __shared__ double buf[kThreads];
   double acc = 0.0;
   for (int k = threadIdx.x; k < count; k += kThreads) acc += part[k];
-  acc = block_sum_d(acc, buf);
+  acc = block_sum(acc, buf);
   if (threadIdx.x == 0) out[0] = acc;
 }
 
