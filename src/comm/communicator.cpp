@@ -352,29 +352,19 @@ void Communicator::check_same_everywhere(const CommRecord& rec) {
   throw Error(os.str());
 }
 
-Tensor Communicator::host_stage(int64_t numel, DType dtype) {
+// A view of numel elements at the start of `buffer`, grown first when it is too small.
+Tensor Communicator::buffer_of(Tensor& buffer, int64_t numel, DType dtype) {
   const int64_t words = (numel * static_cast<int64_t>(dtype_size(dtype)) + 3) / 4;
-  if (!host_stage_.defined() || host_stage_.numel() < words) {
-    host_stage_ = Tensor();
-    static CpuAllocator uncounted;  // communicators made without an allocator (tests)
-    host_stage_ = Tensor::empty({words}, DType::f32, task_opts_.alloc ? *task_opts_.alloc : uncounted, MemTag::comm);
+  if (!buffer.defined() || buffer.numel() < words) {
+    buffer = Tensor();  // free the old buffer first
+    static CpuAllocator uncounted;  // only for communicators made without an allocator (tests)
+    buffer = Tensor::empty({words}, DType::f32, task_opts_.alloc ? *task_opts_.alloc : uncounted, MemTag::comm);
   }
-  return Tensor::wrap(host_stage_.raw(), {numel}, dtype);
+  return Tensor::wrap(buffer.raw(), {numel}, dtype);
 }
 
-Tensor Communicator::staging(int64_t numel, DType dtype) {
-  const int64_t words = (numel * static_cast<int64_t>(dtype_size(dtype)) + 3) / 4;
-  if (!staging_.defined() || staging_.numel() < words) {
-    staging_ = Tensor();  // free the old buffer first
-    if (task_opts_.alloc) {
-      staging_ = Tensor::empty({words}, DType::f32, *task_opts_.alloc, MemTag::comm);
-    } else {
-      static CpuAllocator uncounted;  // only for communicators made without an allocator (tests)
-      staging_ = Tensor::empty({words}, DType::f32, uncounted, MemTag::comm);
-    }
-  }
-  return Tensor::wrap(staging_.raw(), {numel}, dtype);
-}
+Tensor Communicator::host_stage(int64_t numel, DType dtype) { return buffer_of(host_stage_, numel, dtype); }
+Tensor Communicator::staging(int64_t numel, DType dtype) { return buffer_of(staging_, numel, dtype); }
 
 void Communicator::exchange(const std::vector<Message>& sends, const std::vector<Message>& recvs, int tag) {
   if (const int L = ranks_per_node_; L > 0 && count_nodes_)

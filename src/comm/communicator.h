@@ -257,6 +257,7 @@ class Communicator {
   // Receive buffer of at least numel elements, kept and grown across operations (fresh
   // allocations would page-fault on every large message).
   Tensor staging(int64_t numel, DType dtype);
+  Tensor buffer_of(Tensor& buffer, int64_t numel, DType dtype);  // either one, grown as needed
   // A GPU tensor's host copy for the collectives that run on host memory (comm thread only).
   Tensor host_stage(int64_t numel, DType dtype);
   void allreduce_run(const Tensor& t);  // the flat all-reduce, on the communication thread
