@@ -21,13 +21,12 @@ inline int local_rank() {
 template <class Fill>
 void fill_on_device(const std::vector<ParamSlice>& slices, Device device, const Fill& fill) {
   if (device == Device::cpu) return fill(slices);
-  for (const ParamSlice& r : slices) {
-    std::vector<float> staged(r.end - r.begin);
-    ParamSlice h = r;
-    h.params = staged.data();
-    fill(std::vector<ParamSlice>{h});
-    cuda_memcpy(r.params, staged.data(), staged.size() * sizeof(float));
-  }
+  std::vector<std::vector<float>> staged;  // one fill (one pass over a checkpoint's files)
+  std::vector<ParamSlice> host = slices;
+  for (ParamSlice& h : host) h.params = staged.emplace_back(h.end - h.begin).data();
+  fill(host);
+  for (size_t i = 0; i < slices.size(); ++i)
+    cuda_memcpy(slices[i].params, staged[i].data(), staged[i].size() * sizeof(float));
 }
 
 // Checkpoint files are read and written from host memory: state in GPU memory goes through
