@@ -418,9 +418,13 @@ void Communicator::reduce_ranges(const Tensor& in, const std::vector<int64_t>& b
 
 WorkPtr Communicator::allreduce_async(const Tensor& t) {
   MT_CHECK(is_reducible(t.dtype()), "allreduce of " << dtype_name(t.dtype()) << ": only f32, bf16 and f16 reduce");
+  if (size_ == 1) {  // the sum over one rank is its own data (which may be on the GPU): nothing to queue
+    auto work = std::make_shared<Work>();
+    work->done_ = true;
+    return work;
+  }
   CommRecord rec{0, CommOp::allreduce, t.dtype(), t.numel()};
   return submit(rec, [this, t] {
-    if (size_ == 1) return;  // the sum over one rank is its own data (which may be on the GPU)
     if (t.device() == Device::cuda) {  // through host memory (ranks sharing a GPU, before NCCL)
       const Tensor h = host_stage(t.numel(), t.dtype());
       h.copy_from(t);
