@@ -18,9 +18,13 @@
 // 2 (P - 1) m (1 + 4 / kChunk), about a quarter of the fp32 all-reduce's 2 (P - 1) / P x 4n.
 //
 // Not exact by design: training tracks the uncompressed run within a band (README). The
-// residuals are per-rank state that checkpoints do not hold: a resumed run starts them at 0.
+// residuals are per-rank state: checkpoints keep each rank's (state()), and a run resumed
+// at the same layout continues bit for bit; at another layout they restart at 0.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "core/tensor.h"
@@ -36,6 +40,10 @@ class Int8Reduction {
   int64_t range() const { return m_; }  // elements each rank owns (padded)
   // Bytes of one rank's range on the wire: int8 values and one float scale per chunk.
   int64_t block_bytes() const { return m_ + 4 * (m_ / kChunk); }
+  // The error-feedback residuals e_w [n] and e_s [m], named, to checkpoint and restore.
+  std::vector<std::pair<std::string, Tensor>> state() const {
+    return {{"worker_residual", worker_residual_}, {"owner_residual", owner_residual_}};
+  }
 
  private:
   Communicator& group_;

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <sstream>
 #include <toml++/toml.h>
 
 #include "core/cuda.h"
@@ -366,6 +367,18 @@ void Config::check_cheaper_comm() const {
                                         << p.grad_comm_dtype << ")");
   MT_CHECK(!p.hierarchical, "parallel.grad_compression = " << p.grad_compression << " has its own exchange and does "
                             << "not run hierarchically; set parallel.hierarchical=false or grad_compression=none");
+}
+
+std::string compression_state_layout(const Config& c, int world_size) {
+  const ParallelConfig& p = c.parallel;
+  if (p.grad_compression == "none") return "";
+  std::ostringstream o;
+  o << p.grad_compression;
+  if (p.grad_compression == "powersgd") o << " rank " << p.powersgd_rank;
+  o << " over dp " << p.dp << " (" << world_size << " ranks: tp " << p.tp << ", cp " << p.cp << ", pp " << p.pp;
+  if (p.pp > 1) o << " with " << p.pp_chunks << " chunks, layers " << p.pp_layers;
+  o << "; zero " << p.zero << ", buckets of " << p.bucket_mb << " MiB)";
+  return o.str();
 }
 
 // Context parallelism cuts every sequence into 2 cp chunks (two per rank, one early and one
