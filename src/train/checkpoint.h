@@ -13,9 +13,10 @@
 //                                                 layout that wrote it (gradient compression's
 //                                                 residuals), beside the shards
 //
-// Integrity: meta.json records each shard's size and CRC-32 (checked when a shard is read)
-// and each rank-state file's, and its own CRC-32 ("meta_crc32", over its compact text without that key), so a flipped
-// byte anywhere is found; checkpoint_inspect checks them all without loading anything.
+// Integrity: meta.json records each shard's and rank-state file's size and CRC-32 (checked
+// when the file is read) and its own CRC-32 ("meta_crc32", over its compact text without
+// that key), so a flipped byte anywhere is found; checkpoint_inspect checks them all
+// without loading anything.
 //
 // Writing needs every rank's checkpoint.dir to be the same shared directory.
 //
@@ -113,8 +114,8 @@ struct CheckpointFile {
 };
 // A checkpoint directory read and checked without loading it: meta.json (format, version
 // and its own CRC-32), then every shard's and rank-state file's size and CRC-32 against
-// meta.json, and that the
-// shards' ranges cover every unit whole for every tensor kind they hold.
+// meta.json, and that the shards' ranges cover every unit whole for every tensor kind they
+// hold.
 struct CheckpointInfo {
   std::string dir;
   nlohmann::json meta;                          // meta.json as stored; null when unreadable

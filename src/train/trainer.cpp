@@ -763,7 +763,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     if (const std::string was = checkpoint_load_rank_state(resumed_from, world.rank(), state); was != state.layout)
       compress_note = "gradient compression state: the checkpoint holds " + (was.empty() ? "none" : "that of " + was) +
                       ", which does not map onto this run (" + (state.layout.empty() ? "no compression state" : state.layout) +
-                      "): " + (state.layout.empty() ? "left unused" : "it restarts at 0 (PowerSGD's Q at its seed)");
+                      "): " + (state.layout.empty()                       ? "left unused"
+                              : c.parallel.grad_compression == "powersgd" ? "residuals restart at 0, Q at its seed"
+                                                                          : "residuals restart at 0");
   }
   world.barrier_slow();  // ranks load at different speeds
   if (mesh.data().size() > 1) strategy->check_same_parameters();
