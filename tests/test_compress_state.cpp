@@ -1,9 +1,10 @@
 // Gradient compression's per-rank state (error-feedback residuals, PowerSGD's warm-start Q)
 // in checkpoints, through the command (meshtrain launch -> mpirun):
-// - int8 and powersgd at dp 2, stopped after 3 of 6 steps and resumed at the same layout,
-//   continue the uninterrupted run bit for bit (losses, gradient norms, final parameters);
-//   resumed with the state dropped (another bucket size: a layout it does not map onto),
-//   they do not, so the restored state is what makes the continuation exact;
+// - int8 and powersgd at dp 2 (DDP), and int8 under ZeRO 1, stopped after 3 of 6 steps and
+//   resumed at the same layout, continue the uninterrupted run bit for bit (losses,
+//   gradient norms, final parameters); resumed with the state dropped (another bucket size
+//   or stage: a layout it does not map onto), they do not, so the restored state is what
+//   makes the continuation exact;
 // - each rank's state is its own file, listed and checked by meshtrain checkpoint info; a
 //   damaged one is named there and stops a resume;
 // - resumed at dp 1 or without compression, the run prints one line saying the state
