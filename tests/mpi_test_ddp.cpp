@@ -14,6 +14,7 @@
 #include "parallel/compress.h"
 #include "parallel/ddp.h"
 #include "parallel/powersgd.h"
+#include "parallel/zero.h"
 
 using namespace mt;
 
@@ -169,6 +170,92 @@ TEST(Int8Reduction, ErrorFeedbackKeepsTheSumAndEveryRankAgrees) {
   EXPECT_EQ(red.range(), (n + P * 1024 - 1) / (P * 1024) * 1024);
   EXPECT_EQ(bytes, uint64_t(steps) * 2 * (P - 1) * red.block_bytes())
       << "an all-to-all and an all-gather of one block per rank";
+}
+
+// int8 for ZeRO 1 (Int8Reduction::Mode::reduce_scatter) on 3000 elements: each rank's range
+// is ZeRO's chunk, ceil(3000 / P) (not a multiple of 1024: a partial scale chunk). Each
+// rank's contribution is quantized with its own scale, max |x| / 127 <= 1.1 (r + 1) / 127
+// (the residual inside x), and rounding errs by half a step: per step the owner's float sum
+// is within 1.1 c / 254 of the true sum (c = P (P + 1) / 2; bound used: 1.1 c / 127). No
+// requantization: summed over the steps, the residuals telescope and the total is within the
+// last step's, 1.1 c / 254 (bound 1.1 c / 127), of the true total; the small elements' true
+// total, 40 x 0.001 x c, is 4.6 times that. Elements outside the rank's range are left as
+// they were. Bytes: one all-to-all of a block per rank, (P - 1) x block_bytes().
+TEST(Int8Reduction, ReduceScatterKeepsTheSumInTheOwnersRange) {
+  Communicator& w = *g_world;
+  CpuAllocator alloc;
+  const int P = w.size(), r = w.rank();
+  const int64_t n = 3000, m = (n + P - 1) / P;
+  Int8Reduction red(n, w, alloc, Int8Reduction::Mode::reduce_scatter);
+  ASSERT_EQ(red.range(), m);
+  EXPECT_EQ(red.block_bytes(), 4 * ((m + 1023) / 1024) + (m + 3) / 4 * 4);
+  auto v = [](int64_t i) { return i % 700 == 0 ? 1.0f : 0.001f * (1 + i % 3); };
+  const double c = P * (P + 1) / 2.0, bound = 1.1 * c / 127;
+  std::vector<float> g(n);
+  std::vector<double> total(n, 0.0);
+  const int steps = 40;
+  const uint64_t before = w.bytes_sent();
+  for (int t = 0; t < steps; ++t) {
+    for (int64_t i = 0; i < n; ++i) g[i] = (r + 1) * v(i);
+    red.reduce_scatter(g.data());
+    for (int64_t i = 0; i < n; ++i) {
+      if (i / m != r) {
+        ASSERT_EQ(g[i], (r + 1) * v(i)) << "outside the range, element " << i;
+        continue;
+      }
+      ASSERT_NEAR(g[i], c * v(i), bound) << "step " << t << " element " << i;
+      total[i] += g[i];
+    }
+  }
+  for (int64_t i = r * m; i < std::min(n, (r + 1) * m); ++i) ASSERT_NEAR(total[i], steps * c * v(i), bound) << i;
+  EXPECT_EQ(w.bytes_sent() - before, uint64_t(steps) * (P - 1) * red.block_bytes()) << "one all-to-all per step";
+}
+
+// ZeRO 1 with int8: every rank's chunk holds the compressed sum (within the bound above),
+// and after an update of the chunks and ZeRO 1's all-gather every rank holds identical
+// parameters. Bytes per step and unit of n: the all-to-all, (P - 1) x block, and the
+// parameters' all-gather, (P - 1) x 4 ceil(n / P).
+TEST(Int8Zero1, ChunksHoldTheSumAndEveryRankEndsIdentical) {
+  Communicator& w = *g_world;
+  CpuAllocator alloc;
+  const int P = w.size();
+  Model model(tiny(), alloc, 1, false, /*allocate_state=*/false);
+  ParallelConfig pc;
+  pc.zero = 1, pc.shard_group = P, pc.grad_compression = "int8";
+  ZeRO zero(model, w, alloc, pc, [](const std::vector<ParamSlice>& ranges) {
+    for (const ParamSlice& p : ranges)
+      for (int64_t i = p.begin; i < p.end; ++i) p.params[i - p.begin] = 0.01f * static_cast<float>(i % 17);
+  });
+  EXPECT_NE(zero.describe().find("int8-compressed reduce-scatter"), std::string::npos) << zero.describe();
+  auto value = [](int r, size_t u, int64_t i) { return (r + 1) * (i % 5 == 0 ? 1.0f : 0.01f * static_cast<float>(u + i % 7)); };
+  const double c = P * (P + 1) / 2.0, bound = 1.1 * c / 127;
+  const std::vector<OptimSegment> segs = zero.optim_segments();
+  const std::vector<ParamSlice> own = zero.owned();
+  uint64_t want_bytes = 0;
+  for (const Unit& u : model.units()) {
+    const int64_t chunk = (u.numel + P - 1) / P;
+    want_bytes += (P - 1) * (4 * ((chunk + 1023) / 1024) + (chunk + 3) / 4 * 4) + (P - 1) * 4 * chunk;
+  }
+  for (int step = 0; step < 3; ++step) {
+    zero.zero_grad();
+    for (size_t u = 0; u < model.units().size(); ++u)
+      for (int64_t i = 0; i < model.units()[u].numel; ++i) model.units()[u].g.f32()[i] = value(w.rank(), u, i);
+    const uint64_t before = zero.bytes_sent();
+    zero.set_sync(true);
+    for (int u = static_cast<int>(model.units().size()) - 1; u >= 0; --u) zero.after_backward(u);
+    zero.finish();
+    for (size_t u = 0; u < segs.size(); ++u)
+      for (int64_t i = 0; i < own[u].end - own[u].begin; ++i) {
+        const int64_t at = own[u].begin + i;
+        double want = 0;
+        for (int r = 0; r < P; ++r) want += value(r, u, at);
+        ASSERT_NEAR(segs[u].g.f32()[i], want, bound) << "unit " << u << " element " << at;
+        segs[u].w.f32()[i] -= 0.01f * segs[u].g.f32()[i];  // an update of this rank's chunk
+      }
+    zero.after_step();
+    EXPECT_EQ(zero.bytes_sent() - before, want_bytes) << "step " << step;
+    zero.check_same_parameters();  // throws naming the rank that differs
+  }
 }
 
 // A chunk holding an inf or NaN arrives as NaN on every rank (fp16 loss scaling then skips

@@ -694,6 +694,7 @@ TEST(PlanReport, PredictedBesideMeasured) {
        " --parallel.hierarchical=true --parallel.ranks_per_node=2 --parallel.grad_comm_dtype=bf16 --parallel.bucket_mb=0.02"},
       {"dp4_hier_zero2", "llama", 4, 4, 1, " --parallel.zero=2 --parallel.hierarchical=true --parallel.ranks_per_node=2"},
       {"dp2_int8", "llama", 2, 4, 1, " --parallel.grad_compression=int8 --parallel.bucket_mb=0.02"},
+      {"dp2_zero1_int8", "gpt2", 2, 4, 1, " --parallel.zero=1 --parallel.grad_compression=int8"},
       {"dp2_psgd", "gpt2", 2, 4, 1, " --parallel.grad_compression=powersgd --parallel.powersgd_rank=2 --parallel.bucket_mb=0.02"},
   };
   const TempDir d;

@@ -89,6 +89,7 @@ nlohmann::json info_json(const CheckpointInfo& info, const std::string& root) {
   const int64_t step = meta.at("step").get<int64_t>();
   j["step"] = step;
   j["optimizer"] = meta.at("optimizer");
+  if (meta.contains("rank_state")) j["rank_state"] = meta["rank_state"].at("layout");  // gradient compression's
   nlohmann::json layout = cj["parallel"];  // every parallel key the checkpoint's configuration has
   layout.erase("test_fault");
   layout["world_size"] = meta.value("world_size", 1);
@@ -190,10 +191,13 @@ void print_text(const nlohmann::json& j) {
                 static_cast<long long>(t["optimizer_state"]["elements"].get<int64_t>()),
                 bytes_text(t["optimizer_state"]["bytes"].get<double>()).c_str(), kinds.c_str());
   }
+  if (j.contains("rank_state"))
+    std::printf("rank state  gradient compression residuals, one file per rank: %s\n",
+                j["rank_state"].get<std::string>().c_str());
   std::printf("files       checked against meta.json (size, CRC-32)\n");
   for (const auto& f : j["files"]) {
     const std::string rank = f.contains("rank") ? "rank " + f["rank"].dump() : "";
-    std::printf("  %-26s %-9s %11s  %s\n", f["name"].get<std::string>().c_str(), rank.c_str(),
+    std::printf("  %-30s %-9s %11s  %s\n", f["name"].get<std::string>().c_str(), rank.c_str(),
                 bytes_text(f["bytes"].get<double>()).c_str(),
                 f["status"] == "ok" ? "OK" : f["problem"].get<std::string>().c_str());
   }

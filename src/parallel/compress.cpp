@@ -3,17 +3,19 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
+
 namespace mt {
 
 namespace {
 
 constexpr int64_t K = Int8Reduction::kChunk;
 
-// A range's block on the wire: [m / K float scales][m int8 values].
+// A range's block on the wire: [ceil(m / K) float scales][m int8 values].
 struct Block {
   float* scale;
   int8_t* q;
-  Block(void* p, int64_t m) : scale(static_cast<float*>(p)), q(reinterpret_cast<int8_t*>(scale + m / K)) {}
+  Block(void* p, int64_t m) : scale(static_cast<float*>(p)), q(reinterpret_cast<int8_t*>(scale + (m + K - 1) / K)) {}
   float at(int64_t i) const { return q[i] * scale[i / K]; }
 };
 
@@ -32,7 +34,7 @@ void quantize(float* x, int64_t count, int64_t m, Block b) {
     }
     const float scale = finite ? amax / 127 : NAN;
     b.scale[lo / K] = scale;
-    std::fill(b.q + lo, b.q + lo + K, int8_t{0});
+    std::fill(b.q + lo, b.q + std::min(lo + K, m), int8_t{0});
     if (!finite) {
       std::fill(x + lo, x + hi, 0.0f);
       continue;
@@ -48,43 +50,70 @@ void quantize(float* x, int64_t count, int64_t m, Block b) {
 
 }  // namespace
 
-Int8Reduction::Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc) : group_(group), n_(numel) {
+Int8Reduction::Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc, Mode mode)
+    : group_(group), mode_(mode), n_(numel) {
   const int P = group.size();
-  m_ = std::max<int64_t>(1, (numel + P * K - 1) / (P * K)) * K;
-  worker_residual_ = Tensor::empty({n_}, DType::f32, alloc, MemTag::comm);
-  owner_residual_ = Tensor::empty({m_}, DType::f32, alloc, MemTag::comm);
-  worker_residual_.zero_();
-  owner_residual_.zero_();
+  m_ = mode == Mode::reduce ? std::max<int64_t>(1, (numel + P * K - 1) / (P * K)) * K
+                            : std::max<int64_t>(1, (numel + P - 1) / P);
+  worker_residual_ = Tensor::zeros({n_}, DType::f32, alloc, MemTag::comm);
+  if (mode == Mode::reduce) owner_residual_ = Tensor::zeros({m_}, DType::f32, alloc, MemTag::comm);
   send_ = Tensor::empty({P * block_bytes() / 4}, DType::u32, alloc, MemTag::comm);
   recv_ = Tensor::empty({P * block_bytes() / 4}, DType::u32, alloc, MemTag::comm);
 }
 
+namespace {
+
+// Elements of range k within n elements cut into ranges of m.
+int64_t range_count(int64_t n, int64_t m, int k) { return std::clamp<int64_t>(n - k * m, 0, m); }
+
+}  // namespace
+
+void Int8Reduction::quantize_and_exchange() {
+  float* x = worker_residual_.f32();  // x = g + e_w, added by the caller
+  for (int k = 0; k < group_.size(); ++k) {
+    const int64_t count = range_count(n_, m_, k);
+    quantize(count > 0 ? x + k * m_ : x, count, m_, Block(send_.data<uint32_t>() + k * (block_bytes() / 4), m_));
+  }
+  group_.alltoall_async(send_, recv_)->wait();
+}
+
+float Int8Reduction::owner_sum(int64_t i) const {
+  const int64_t words = block_bytes() / 4;
+  float acc = Block(recv_.data<uint32_t>(), m_).at(i);
+  for (int k = 1; k < group_.size(); ++k) acc += Block(recv_.data<uint32_t>() + k * words, m_).at(i);
+  return acc;
+}
+
 void Int8Reduction::reduce(float* g) {
+  MT_CHECK(mode_ == Mode::reduce, "internal: Int8Reduction::reduce on a reduce-scatter");
   const int P = group_.size(), r = group_.rank();
   const int64_t words = block_bytes() / 4;
-  auto count = [&](int k) { return std::clamp<int64_t>(n_ - k * m_, 0, m_); };  // of range k within the bucket
   auto block = [&](const Tensor& t, int k) { return Block(t.data<uint32_t>() + k * words, m_); };
   // 1. x = g + e_w, quantized per owner range; the residual stays in e_w.
   float* x = worker_residual_.f32();
   for (int64_t i = 0; i < n_; ++i) x[i] += g[i];
-  for (int k = 0; k < P; ++k) quantize(count(k) > 0 ? x + k * m_ : x, count(k), m_, block(send_, k));
-  group_.alltoall_async(send_, recv_)->wait();
+  quantize_and_exchange();
   // 2. The owner's sum over ranks in rank order, plus its residual, requantized.
   float* s = owner_residual_.f32();
-  const int64_t mine = count(r);
-  for (int64_t i = 0; i < mine; ++i) {
-    float acc = block(recv_, 0).at(i);
-    for (int k = 1; k < P; ++k) acc += block(recv_, k).at(i);
-    s[i] += acc;  // = acc + e_s
-  }
+  const int64_t mine = range_count(n_, m_, r);
+  for (int64_t i = 0; i < mine; ++i) s[i] += owner_sum(i);  // = sum + e_s
   quantize(s, mine, m_, block(recv_, r));
   group_.allgather_async(recv_.view(r * words, {words}), recv_)->wait();
   // 3. Everyone's sums, dequantized: the same values on every rank.
   for (int k = 0; k < P; ++k) {
     const Block b = block(recv_, k);
     float* out = g + k * m_;
-    for (int64_t i = 0; i < count(k); ++i) out[i] = b.at(i);
+    for (int64_t i = 0; i < range_count(n_, m_, k); ++i) out[i] = b.at(i);
   }
+}
+
+void Int8Reduction::reduce_scatter(float* g) {
+  MT_CHECK(mode_ == Mode::reduce_scatter, "internal: Int8Reduction::reduce_scatter on an all-reduce");
+  float* x = worker_residual_.f32();
+  for (int64_t i = 0; i < n_; ++i) x[i] += g[i];
+  quantize_and_exchange();
+  float* out = g + group_.rank() * m_;
+  for (int64_t i = 0; i < range_count(n_, m_, group_.rank()); ++i) out[i] = owner_sum(i);
 }
 
 }  // namespace mt

@@ -1,9 +1,11 @@
-// int8 gradient compression for DDP (parallel.grad_compression = int8), with error feedback.
+// int8 gradient compression (parallel.grad_compression = int8), with error feedback: DDP's
+// all-reduce and ZeRO 1's reduce-scatter.
 //
-// One Int8Reduction per gradient bucket of n elements, over a dp group of P ranks. The
-// bucket is cut into P owner ranges of m elements (m = n / P rounded up to whole chunks of
-// kChunk elements; the tail past n counts as zeros). Each chunk has its own scale,
-// max |x| / 127, and each element travels as round(x / scale) in [-127, 127]:
+// One Int8Reduction per gradient bucket (DDP) or unit (ZeRO 1) of n elements, over a group
+// of P ranks. The n elements are cut into P owner ranges of m elements (the tail past n
+// counts as zeros); each chunk of kChunk elements of a range has its own scale,
+// max |x| / 127, and each element travels as round(x / scale) in [-127, 127]. DDP
+// (reduce): m = n / P rounded up to whole chunks,
 //
 //   1. worker:  x = g + e_w;  send q(x) range r to rank r;  e_w = x - deq(q(x))
 //   2. owner:   s = sum over ranks, in rank order, of deq(their q) + e_s  (float)
@@ -17,10 +19,21 @@
 // and bucket: an all-to-all and an all-gather of m (1 + 4 / kChunk) bytes per rank's range,
 // 2 (P - 1) m (1 + 4 / kChunk), about a quarter of the fp32 all-reduce's 2 (P - 1) / P x 4n.
 //
+// ZeRO 1 (reduce_scatter): m = ZeRO's chunk, ceil(n / P), so that range r is what rank r
+// owns and updates. Steps 1 and 2 without the requantization: the owner keeps its float
+// sum s (no e_s), and no rank needs the others' sums (ZeRO 1 all-gathers the parameters
+// after the step). Bytes per rank and unit: one all-to-all, (P - 1) block_bytes(), with
+// block_bytes() = 4 ceil(m / kChunk) + m rounded up to 4, about a quarter of the fp32
+// reduce-scatter's (P - 1) 4m.
+//
 // Not exact by design: training tracks the uncompressed run within a band (README). The
-// residuals are per-rank state that checkpoints do not hold: a resumed run starts them at 0.
+// residuals are per-rank state: checkpoints keep each rank's (state()), and a run resumed
+// at the same layout continues bit for bit; at another layout they restart at 0.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "core/tensor.h"
@@ -30,18 +43,34 @@ namespace mt {
 class Int8Reduction {
  public:
   static constexpr int64_t kChunk = 1024;  // elements per scale
-  Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc);
-  // g[numel]: this rank's gradient in, the compressed sum over the group out (blocking).
+  enum class Mode { reduce, reduce_scatter };
+  Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc, Mode mode = Mode::reduce);
+  // Mode::reduce: g[numel], this rank's gradient in, the compressed sum over the group out
+  // (blocking).
   void reduce(float* g);
+  // Mode::reduce_scatter: g[numel], this rank's gradient in; out, the group's sum of range
+  // r (this rank's) in g[r m, min((r + 1) m, numel)), the rest left as it was (blocking).
+  void reduce_scatter(float* g);
   int64_t range() const { return m_; }  // elements each rank owns (padded)
-  // Bytes of one rank's range on the wire: int8 values and one float scale per chunk.
-  int64_t block_bytes() const { return m_ + 4 * (m_ / kChunk); }
+  // Bytes of one rank's range on the wire: one float scale per chunk, then the int8
+  // values (padded to whole 4-byte words).
+  int64_t block_bytes() const { return 4 * ((m_ + kChunk - 1) / kChunk) + (m_ + 3) / 4 * 4; }
+  // The error-feedback residuals (e_w [n], and for reduce e_s [m]), named, to checkpoint and
+  // restore.
+  std::vector<std::pair<std::string, Tensor>> state() const {
+    if (mode_ == Mode::reduce_scatter) return {{"worker_residual", worker_residual_}};
+    return {{"worker_residual", worker_residual_}, {"owner_residual", owner_residual_}};
+  }
 
  private:
+  void quantize_and_exchange();  // step 1: x = g + e_w quantized, the all-to-all
+  float owner_sum(int64_t i) const;  // step 2: element i of this rank's range, summed in rank order
+
   Communicator& group_;
+  Mode mode_;
   int64_t n_, m_;
   Tensor worker_residual_;  // [n] this rank's e_w
-  Tensor owner_residual_;   // [m] e_s of the range this rank owns
+  Tensor owner_residual_;   // reduce: [m] e_s of the range this rank owns
   Tensor send_, recv_;      // [P x block] as u32 words: the ranges for their owners / from every rank
   Tensor sum_;              // [m] the owner's float sum
 };

@@ -3,6 +3,7 @@
 // the parameter ranges this rank saves in a checkpoint.
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -46,6 +47,10 @@ class DataParallel : public UnitHooks {
   // Bytes sent between nodes so far by groups the strategy split off the data group (which
   // counts its own), where nodes are set (parallel.ranks_per_node, parallel.hierarchical).
   virtual uint64_t bytes_between_nodes() const { return 0; }
+  // This rank's gradient-compression state (error-feedback residuals, PowerSGD's warm
+  // start), named: checkpoints keep it per rank and restore it at the same layout. The
+  // tensors are the live buffers (host memory, float32); none without compression.
+  virtual std::vector<std::pair<std::string, Tensor>> compression_state() { return {}; }
 };
 
 // FNV-1a of a float buffer, to compare parameters across ranks.

@@ -149,6 +149,18 @@ void DDP::finish() {
   }
 }
 
+std::vector<std::pair<std::string, Tensor>> DDP::compression_state() {
+  std::vector<std::pair<std::string, Tensor>> r;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    const Bucket& b = buckets_[i];
+    const std::string kind = b.int8 ? ".int8." : ".powersgd.";
+    if (b.int8 || b.psgd)
+      for (auto& [name, t] : b.int8 ? b.int8->state() : b.psgd->state())
+        r.emplace_back("bucket" + std::to_string(i) + kind + name, t);
+  }
+  return r;
+}
+
 void DDP::after_step() {
   for (size_t u = 0; u < master_.size(); ++u) model_.units()[u].w.convert_from(master_[u]);
 }

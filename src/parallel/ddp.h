@@ -66,6 +66,7 @@ class DDP final : public DataParallel {
   bool writes_checkpoint() const override { return dp_.rank() == 0; }  // replicas are identical
   std::string describe() const override;
   uint64_t bytes_sent() const override { return dp_.bytes_sent(); }
+  std::vector<std::pair<std::string, Tensor>> compression_state() override;  // "bucket3.int8.worker_residual", ...
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   bool overlapping() const { return overlap_; }
   const PowerSGDReduction* powersgd(int bucket) const { return buckets_[bucket].psgd.get(); }

@@ -31,9 +31,12 @@
 //
 // Bytes per rank and step: the all-reduces of sum (rows r) + uncompressed elements and of
 // sum (cols r), each 2 (D - 1) / D x 4 bytes per element. The residuals and Q are per-rank
-// state that checkpoints do not hold: a resumed run starts them afresh.
+// state: checkpoints keep each rank's (state()), and a run resumed at the same layout
+// continues bit for bit; at another layout they restart (0 and the seed's normals).
 #pragma once
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -60,6 +63,8 @@ class PowerSGDReduction {
   int compressed_matrices() const { return static_cast<int>(mats_.size()); }
   // Tests: turn the residuals off (E stays 0) to show what error feedback does.
   void set_error_feedback(bool on) { error_feedback_ = on; }
+  // The warm-start Q factors and the residuals, named, to checkpoint and restore.
+  std::vector<std::pair<std::string, Tensor>> state() const { return {{"q", q_}, {"residual", residual_}}; }
 
  private:
   struct Mat {

@@ -46,6 +46,8 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
     if (stage_ == 1) {
       s.full_g = Tensor::zeros({padded}, DType::f32, alloc, MemTag::grads);
       unit.g = s.full_g.view(0, {s.n});
+      if (cfg.grad_compression == "int8" && S_ > 1 && s.n > 0)
+        s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, alloc, Int8Reduction::Mode::reduce_scatter);
     } else {  // the whole gradient exists only during the unit's backward
       s.shard_g = Tensor::zeros({s.chunk}, DType::f32, alloc, MemTag::grads);
     }
@@ -149,7 +151,7 @@ void ZeRO::launch_reduce(int u) {
 
 void ZeRO::after_backward(int unit) {
   if (stage_ == 1) {
-    if (sync_) launch_reduce(unit);
+    if (sync_ && !st_[unit].int8) launch_reduce(unit);  // int8: in finish()
     return;
   }
   launch_reduce(unit);  // stages 2-3 reduce every micro-step: no full gradient is kept
@@ -180,6 +182,8 @@ void ZeRO::complete_reduce(UnitState& s) {
 
 void ZeRO::finish() {
   if (stage_ == 1) {
+    for (UnitState& s : st_)
+      if (s.int8) s.int8->reduce_scatter(s.full_g.f32());  // into chunk k, as the reduce-scatter
     for (UnitState& s : st_)
       if (s.reduce) {
         s.reduce->wait();
@@ -266,16 +270,25 @@ std::vector<ParamSlice> ZeRO::owned() {
   return r;
 }
 
+std::vector<std::pair<std::string, Tensor>> ZeRO::compression_state() {
+  std::vector<std::pair<std::string, Tensor>> r;
+  for (size_t u = 0; u < st_.size(); ++u)
+    if (st_[u].int8)
+      for (auto& [name, t] : st_[u].int8->state()) r.emplace_back("unit" + std::to_string(u) + ".int8." + name, t);
+  return r;
+}
+
 std::string ZeRO::describe() const {
   static const char* names[] = {"", "optimizer state", "optimizer state + gradients",
                                 "optimizer state + gradients + parameters"};
   char buf[256];
-  std::snprintf(buf, sizeof buf, "zero: stage %d (%s sharded) over %d rank%s%s%s", stage_, names[stage_], S_,
+  std::snprintf(buf, sizeof buf, "zero: stage %d (%s sharded) over %d rank%s%s%s%s", stage_, names[stage_], S_,
                 S_ > 1 ? "s" : "", replicate_->size() > 1 ? (", replicated x" + std::to_string(replicate_->size())).c_str() : "",
                 stage_ != 3   ? ""
                 : pipelined_ ? ", each unit gathered once per step (pipeline)"
                               : (std::string(cfg_.reshard_after_forward ? ", reshard after forward" : "") +
-                                 (cfg_.prefetch ? ", prefetch" : "")).c_str());
+                                 (cfg_.prefetch ? ", prefetch" : "")).c_str(),
+                stage_ == 1 && cfg_.grad_compression == "int8" ? ", int8-compressed reduce-scatter (error feedback)" : "");
   return buf;
 }
 

@@ -27,6 +27,11 @@
 // (stages 1-2) all-gathers the 16-bit chunks. Model state: 2Ψ + 4Ψ + 12Ψ/N at stage 1,
 // 2Ψ + (4 + 12)Ψ/N at stage 2, (2 + 4 + 12)Ψ/N at stage 3 (gradients stay fp32).
 //
+// parallel.grad_compression = int8 (stage 1 only): each unit's reduce-scatter is an
+// Int8Reduction (compress.h), blocking in finish(): this rank's full gradient plus its
+// residual quantized, an all-to-all of the chunks to their owners, the owner's float sum
+// in rank order landing in its chunk of full_g as the plain reduce-scatter's does.
+//
 // HYBRID_SHARD shards within groups of shard_group ranks and, after the reduce-scatter,
 // sums the gradient shards over the ranks that hold the same shard in other groups.
 // Communication per step: stages 1-2 move what DDP moves (reduce-scatter + all-gather =
@@ -38,6 +43,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "parallel/compress.h"
 #include "parallel/data_parallel.h"
 #include "parallel/parallel_config.h"
 
@@ -76,6 +82,7 @@ class ZeRO final : public DataParallel {
   std::string describe() const override;
   uint64_t bytes_sent() const override { return dp_.bytes_sent() + shard_->bytes_sent() + replicate_->bytes_sent(); }
   uint64_t bytes_between_nodes() const override { return shard_->bytes_between_nodes(); }
+  std::vector<std::pair<std::string, Tensor>> compression_state() override;  // "unit3.int8.worker_residual"
 
   int stage() const { return stage_; }
   Communicator& shard_group() { return *shard_; }
@@ -94,6 +101,7 @@ class ZeRO final : public DataParallel {
     WorkPtr reduce;  // pending reduce-scatter of full_g
     Tensor reduced;  // stages 2-3: [c] where the pending reduce-scatter lands
     Tensor master;   // mixed precision: [c] fp32 parameters of this rank's chunk (the w above are 16-bit)
+    std::unique_ptr<Int8Reduction> int8;  // stage 1, grad_compression = int8: the reduce-scatter
   };
   void ensure_gathered(int u);
   void start_gather(int u);

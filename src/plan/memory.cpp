@@ -409,6 +409,9 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
       // dtype, the partial sums [nodes x c] in float, the finished chunks [nodes x c]
       const double L = s.knobs.ranks_per_node > 0 ? s.knobs.ranks_per_node : s.N, nodes = s.N / L;
       bytes += 4 * (std::ceil((L - 1) * nodes * chunk * gb / 4) + nodes * chunk + std::ceil(nodes * chunk * gb / 4));
+    } else if (s.knobs.grad_compression == "int8" && s.lay.zero == 1 && s.N > 1) {
+      for (int64_t n : r.numel)  // per unit: Int8Reduction's residual and blocks (compress.h)
+        if (n > 0) bytes += int8_reduce_scatter(static_cast<double>(n), s.N).buffers;
     } else {
       bytes += staging_bytes(chunk * (s.N - 1), gb);  // reduce-scatter into [c]: (N - 1) pieces
     }

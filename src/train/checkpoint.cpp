@@ -74,6 +74,42 @@ std::string shard_name(int rank) {
   return buf;
 }
 
+std::string rank_state_name(int rank) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "rank_state_%05d.safetensors", rank);
+  return buf;
+}
+
+// What is wrong with a checkpoint file against the size and CRC-32 meta.json records for
+// it ("" when nothing).
+std::string file_problem(const std::string& path, const nlohmann::json& recorded) {
+  if (!fs::exists(path)) return "missing";
+  const uint64_t bytes = recorded.at("bytes").get<uint64_t>();
+  if (fs::file_size(path) != bytes)
+    return "corrupt: " + std::to_string(fs::file_size(path)) + " bytes, meta.json records " + std::to_string(bytes);
+  if (const uint32_t crc = crc32_file(path); crc != recorded.at("crc32").get<uint32_t>()) {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "corrupt: CRC-32 %08x, meta.json records %08x", crc, recorded.at("crc32").get<uint32_t>());
+    return buf;
+  }
+  return "";
+}
+
+// Writes this rank's state file into the temporary directory; returns what meta.json
+// records of it (null: none).
+nlohmann::json write_rank_state(const std::string& tmp, int rank, const RankState& state) {
+  if (state.tensors.empty()) return nullptr;
+  const std::string name = rank_state_name(rank);
+  std::vector<std::pair<std::string, Shape>> list;
+  for (const auto& [n, t] : state.tensors) list.emplace_back(n, Shape{t.numel()});
+  {
+    SafetensorsWriter w(tmp + "/" + name, list);
+    for (const auto& [n, t] : state.tensors) w.write(n, t.f32());
+    w.finish();
+  }
+  return {{"rank", rank}, {"file", name}, {"bytes", fs::file_size(tmp + "/" + name)}, {"crc32", crc32_file(tmp + "/" + name)}};
+}
+
 // meta.json of a checkpoint directory, parsed and checked. problem says what is wrong
 // ("" when nothing); damaged: the file is missing or corrupt (not merely another format).
 struct MetaRead {
@@ -135,7 +171,7 @@ std::vector<std::string> allgather_strings(Communicator& c, const std::string& m
 
 std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& layout,
                             const std::vector<CheckpointSlice>& slices, const OptimizerProgress& optimizer,
-                            Communicator& world, int keep) {
+                            Communicator& world, int keep, const RankState& rank_state) {
   const std::string final_dir = root + "/" + step_name(step);
   const std::string tmp = root + "/.tmp-" + step_name(step);
   const bool lead = world.rank() == 0;
@@ -183,12 +219,14 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
     side = {{"rank", world.rank()}, {"file", name}, {"bytes", fs::file_size(path)}, {"crc32", crc32_file(path)},
             {"ranges", ranges}};
   }
+  const nlohmann::json state_side = write_rank_state(tmp, world.rank(), rank_state);
   // parallel.test_fault = "slow_save:R": rank R pauses here, the temporary directory and
   // its shard in place, so that tests can signal or kill a job in the middle of a save.
   if (cfg.parallel.test_fault == "slow_save:" + std::to_string(world.rank()))
     std::this_thread::sleep_for(std::chrono::seconds(3));
   world.barrier_slow();  // the writers may take a while
   const std::vector<std::string> sides = allgather_strings(world, side.is_null() ? "" : side.dump());
+  const std::vector<std::string> state_sides = allgather_strings(world, state_side.is_null() ? "" : state_side.dump());
 
   if (lead) {
     nlohmann::json meta;
@@ -222,6 +260,10 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
       MT_CHECK(covered[u.name] == u.numel, "internal: checkpoint shards cover " << covered[u.name] << " of " << u.numel
                                                                              << " elements of unit " << u.name);
     meta["shards"] = shards;
+    nlohmann::json states = nlohmann::json::array();
+    for (const std::string& text : state_sides)
+      if (!text.empty()) states.push_back(nlohmann::json::parse(text));
+    if (!states.empty()) meta["rank_state"] = {{"layout", rank_state.layout}, {"files", states}};
     meta["meta_crc32"] = meta_crc(meta);
     {
       std::ofstream f(tmp + "/meta.json");
@@ -333,9 +375,9 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
     if (it != open.end()) return *it->second;
     MT_CHECK(fs::exists(path), "checkpoint shard " << path << " is missing; the checkpoint is incomplete — delete "
                                                    << dir << " to resume from an earlier one");
-    MT_CHECK(fs::file_size(path) == sh.at("bytes").get<uint64_t>() && crc32_file(path) == sh.at("crc32").get<uint32_t>(),
-             "checkpoint shard " << path << " is corrupt (size or CRC-32 differs from meta.json); delete " << dir
-                                 << " to resume from an earlier checkpoint");
+    const std::string problem = file_problem(path, sh);
+    MT_CHECK(problem.empty(), "checkpoint shard " << path << " is " << problem << "; delete " << dir
+                                                  << " to resume from an earlier checkpoint");
     return *(open[path] = std::make_unique<SafetensorsReader>(path));
   };
   for (const CheckpointSlice& want : slices) {
@@ -368,6 +410,33 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
   return meta.at("step").get<int64_t>();
 }
 
+std::string checkpoint_load_rank_state(const std::string& dir, int rank, const RankState& state) {
+  const nlohmann::json meta = read_meta(dir);
+  if (!meta.contains("rank_state")) return "";
+  const nlohmann::json& saved = meta["rank_state"];
+  const std::string layout = saved.at("layout").get<std::string>();
+  if (layout != state.layout || state.tensors.empty()) return layout;
+  const auto& files = saved.at("files");
+  const auto it = std::find_if(files.begin(), files.end(), [&](const nlohmann::json& f) { return f.at("rank") == rank; });
+  MT_CHECK(it != files.end(), "checkpoint " << dir << " holds no " << rank_state_name(rank) << " though rank " << rank
+                                            << " wrote state at this layout; delete " << dir
+                                            << " to resume from an earlier checkpoint");
+  const std::string path = dir + "/" + it->at("file").get<std::string>();
+  const std::string problem = file_problem(path, *it);
+  MT_CHECK(problem.empty(), "checkpoint file " << path << " is " << problem << "; delete " << dir
+                                               << " to resume from an earlier checkpoint");
+  SafetensorsReader reader(path);
+  MT_CHECK(reader.entries().size() == state.tensors.size(), "internal: " << path << " holds " << reader.entries().size()
+                                                                         << " tensors, this rank's state "
+                                                                         << state.tensors.size());
+  for (const auto& [name, t] : state.tensors) {
+    MT_CHECK(reader.has(name) && shape_numel(reader.entries().at(name).shape) == t.numel(),
+             "internal: " << path << " has no tensor " << name << " of " << t.numel() << " elements");
+    reader.read_f32(name, t.f32(), t.numel());
+  }
+  return layout;
+}
+
 CheckpointInfo checkpoint_inspect(const std::string& dir) {
   CheckpointInfo info;
   info.dir = dir;
@@ -382,17 +451,7 @@ CheckpointInfo checkpoint_inspect(const std::string& dir) {
   std::map<std::string, std::map<std::string, int64_t>> covered;  // unit -> kind -> elements
   for (const auto& sh : info.meta.at("shards")) {
     CheckpointFile f{sh.at("file").get<std::string>(), sh.at("rank").get<int>(), sh.at("bytes").get<uint64_t>(), ""};
-    const std::string path = dir + "/" + f.name;
-    if (!fs::exists(path)) {
-      f.problem = "missing";
-    } else if (fs::file_size(path) != f.bytes) {
-      f.problem = "corrupt: " + std::to_string(fs::file_size(path)) + " bytes, meta.json records " +
-                  std::to_string(f.bytes);
-    } else if (const uint32_t crc = crc32_file(path); crc != sh.at("crc32").get<uint32_t>()) {
-      char buf[96];
-      std::snprintf(buf, sizeof buf, "corrupt: CRC-32 %08x, meta.json records %08x", crc, sh.at("crc32").get<uint32_t>());
-      f.problem = buf;
-    }
+    f.problem = file_problem(dir + "/" + f.name, sh);
     info.files.push_back(f);
     for (const auto& rg : sh.at("ranges")) {
       const int64_t n = rg.at("end").get<int64_t>() - rg.at("begin").get<int64_t>();
@@ -402,6 +461,11 @@ CheckpointInfo checkpoint_inspect(const std::string& dir) {
       }
     }
   }
+  if (info.meta.contains("rank_state"))
+    for (const auto& st : info.meta["rank_state"].at("files")) {
+      const std::string name = st.at("file").get<std::string>();
+      info.files.push_back({name, st.at("rank").get<int>(), st.at("bytes").get<uint64_t>(), file_problem(dir + "/" + name, st)});
+    }
   for (const auto& u : info.meta.at("units"))
     for (const auto& [kind, total] : info.elements) {
       const int64_t got = covered[u.at("name").get<std::string>()][kind], want = u.at("numel").get<int64_t>();

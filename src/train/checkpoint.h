@@ -9,9 +9,14 @@
 //   <dir>/step_00000100/shard_00003.safetensors   "<unit>.params@<begin>", "<unit>.adam_m@<begin>", ...
 //                                                 each over one range [begin, end) of the whole unit
 //
-// Integrity: meta.json records each shard's size and CRC-32 (checked when a shard is read)
-// and its own CRC-32 ("meta_crc32", over its compact text without that key), so a flipped
-// byte anywhere is found; checkpoint_inspect checks them all without loading anything.
+//   <dir>/step_00000100/rank_state_00003.safetensors   rank 3's state that maps only onto the
+//                                                 layout that wrote it (gradient compression's
+//                                                 residuals), beside the shards
+//
+// Integrity: meta.json records each shard's and rank-state file's size and CRC-32 (checked
+// when the file is read) and its own CRC-32 ("meta_crc32", over its compact text without
+// that key), so a flipped byte anywhere is found; checkpoint_inspect checks them all
+// without loading anything.
 //
 // Writing needs every rank's checkpoint.dir to be the same shared directory.
 //
@@ -50,11 +55,21 @@ struct OptimizerProgress {
   int loss_scale_clean = 0;
 };
 
-// Collective over `world`: every rank passes its slices (empty: it writes no shard).
-// Saves step `step` (optimizer steps done) and keeps the newest `keep`; returns the directory.
+// Per-rank state that means something only at the layout that wrote it (each rank's
+// gradient-compression residuals): named float32 host tensors, and `layout`, a line that
+// says what it belongs to (the same on every rank; a resumed run restores the state only
+// where its own line is the same). Empty tensors: this rank has none.
+struct RankState {
+  std::string layout;
+  std::vector<std::pair<std::string, Tensor>> tensors;
+};
+
+// Collective over `world`: every rank passes its slices (empty: it writes no shard) and its
+// rank state (none: no file). Saves step `step` (optimizer steps done) and keeps the
+// newest `keep`; returns the directory.
 std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& layout,
                             const std::vector<CheckpointSlice>& slices, const OptimizerProgress& optimizer,
-                            Communicator& world, int keep);
+                            Communicator& world, int keep, const RankState& rank_state = {});
 // Slices covering every unit's parameters whole ("params" into each unit's w).
 std::vector<CheckpointSlice> checkpoint_param_slices(const std::vector<Unit>& units);
 // Checkpoints hold whole units (the tp = 1 layout). Local elements [begin, end) of unit u
@@ -83,20 +98,28 @@ Config checkpoint_config(const std::string& dir);
 int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
                         OptimizerProgress* optimizer = nullptr);
 
+// Rank `rank`'s state from checkpoint dir, into state.tensors, when the checkpoint's
+// state was saved with the same layout line (size and CRC-32 checked as for shards).
+// Returns the checkpoint's layout line ("" when it holds no rank state): the state was
+// restored exactly when that equals state.layout and is not empty, and is otherwise left
+// as it is. The same verdict on every rank (it depends on meta.json and the line only).
+std::string checkpoint_load_rank_state(const std::string& dir, int rank, const RankState& state);
+
 // One file of a checkpoint and what checking it found (meshtrain checkpoint info).
 struct CheckpointFile {
-  std::string name;     // "meta.json", "shard_00003.safetensors"
+  std::string name;     // "meta.json", "shard_00003.safetensors", "rank_state_00003.safetensors"
   int rank = -1;        // the rank that wrote it (-1: meta.json)
   uint64_t bytes = 0;   // its size (a shard's as meta.json records it)
   std::string problem;  // empty: intact; else what is wrong ("missing", "corrupt: CRC-32 ...")
 };
 // A checkpoint directory read and checked without loading it: meta.json (format, version
-// and its own CRC-32), then every shard's size and CRC-32 against meta.json, and that the
-// shards' ranges cover every unit whole for every tensor kind they hold.
+// and its own CRC-32), then every shard's and rank-state file's size and CRC-32 against
+// meta.json, and that the shards' ranges cover every unit whole for every tensor kind they
+// hold.
 struct CheckpointInfo {
   std::string dir;
   nlohmann::json meta;                          // meta.json as stored; null when unreadable
-  std::vector<CheckpointFile> files;            // meta.json first, then each shard
+  std::vector<CheckpointFile> files;            // meta.json first, then each shard, then each rank state
   std::map<std::string, int64_t> elements;      // per tensor kind ("params", "adam_m", ...): elements saved
   std::vector<std::string> coverage_problems;   // a unit some kind does not cover whole
   bool intact() const;

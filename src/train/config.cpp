@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <sstream>
 #include <toml++/toml.h>
 
 #include "core/cuda.h"
@@ -351,7 +352,7 @@ std::string values_where(int lo, int hi, const std::function<bool(int)>& ok) {
 }  // namespace
 
 // Hierarchical reductions (DDP's all-reduce, ZeRO's reduce-scatters) and gradient
-// compression (DDP's).
+// compression (DDP's; int8 also ZeRO 1's).
 void Config::check_cheaper_comm() const {
   const ParallelConfig& p = parallel;
   MT_CHECK(p.ranks_per_node >= 0, "parallel.ranks_per_node = " << p.ranks_per_node
@@ -359,13 +360,32 @@ void Config::check_cheaper_comm() const {
   MT_CHECK(p.powersgd_rank >= 1, "parallel.powersgd_rank = " << p.powersgd_rank
                                  << " must be at least 1 (the rank of PowerSGD's approximation; default 4)");
   if (p.grad_compression == "none") return;
-  MT_CHECK(p.zero == 0, "parallel.grad_compression = " << p.grad_compression << " compresses DDP's gradient "
-                        << "reduction, but parallel.zero = " << p.zero << "; use parallel.zero=0 or grad_compression=none");
+  if (p.grad_compression == "int8")
+    MT_CHECK(p.zero <= 1, "parallel.grad_compression = int8 compresses DDP's all-reduce and ZeRO 1's reduce-scatter, "
+                          << "but parallel.zero = " << p.zero << ": its error feedback keeps a full-size gradient "
+                          << "residual on every rank, which undoes the gradient sharding of ZeRO 2 and 3; use "
+                          << "parallel.zero=0 or 1, or grad_compression=none");
+  else
+    MT_CHECK(p.zero == 0, "parallel.grad_compression = " << p.grad_compression << " compresses DDP's gradient "
+                          << "reduction, but parallel.zero = " << p.zero << "; use parallel.zero=0 or grad_compression=none");
   MT_CHECK(p.grad_comm_dtype == "fp32", "parallel.grad_compression = " << p.grad_compression << " compresses fp32 "
                                         << "gradients itself; leave parallel.grad_comm_dtype = fp32 (got "
                                         << p.grad_comm_dtype << ")");
   MT_CHECK(!p.hierarchical, "parallel.grad_compression = " << p.grad_compression << " has its own exchange and does "
                             << "not run hierarchically; set parallel.hierarchical=false or grad_compression=none");
+}
+
+std::string compression_state_layout(const Config& c, int world_size) {
+  const ParallelConfig& p = c.parallel;
+  if (p.grad_compression == "none") return "";
+  std::ostringstream o;
+  o << p.grad_compression;
+  if (p.grad_compression == "powersgd") o << " rank " << p.powersgd_rank;
+  o << " over dp " << p.dp << " (" << world_size << " ranks: tp " << p.tp << ", cp " << p.cp << ", pp " << p.pp;
+  if (p.pp > 1) o << " with " << p.pp_chunks << " chunks, layers " << p.pp_layers;
+  if (p.zero == 0) o << "; DDP buckets of " << p.bucket_mb << " MiB)";
+  else o << "; ZeRO " << p.zero << ")";
+  return o.str();
 }
 
 // Context parallelism cuts every sequence into 2 cp chunks (two per rank, one early and one
@@ -469,6 +489,10 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
                << "parallel.shard_group = " << parallel.shard_group << " shards over groups of "
                << parallel.shard_group << " of the " << data << " (HYBRID_SHARD, itself a layout by node); use one "
                << "or the other");
+  MT_CHECK(parallel.grad_compression == "none" || parallel.zero == 0 || parallel.shard_group == data,
+           "parallel.grad_compression = " << parallel.grad_compression << " with ZeRO 1 compresses the reduce-scatter "
+               << "over all " << data << " " << data_name << " ranks, but parallel.shard_group = " << parallel.shard_group
+               << " shards over groups of " << parallel.shard_group << " (HYBRID_SHARD); use one or the other");
   MT_CHECK(parallel.ranks_per_node == 0 || data % parallel.ranks_per_node == 0,
            data_name << " = " << data << " is not a multiple of parallel.ranks_per_node = " << parallel.ranks_per_node
                      << " (nodes of consecutive " << data_name << " ranks); set parallel.ranks_per_node to one of "

@@ -87,6 +87,11 @@ struct Config {
   void check_cheaper_comm() const;  // parallel.hierarchical, ranks_per_node, grad_compression
 };
 
+// The line that says which layout a rank's gradient-compression state belongs to (its
+// residuals are per rank and bucket): the compression, the mesh and the buckets. A resumed
+// run restores the state only where its line is the checkpoint's. "" without compression.
+std::string compression_state_layout(const Config& c, int world_size);
+
 // Applies a TOML file (if non-empty) then the overrides ("section.key=value", no dashes).
 Config config_load(const std::string& toml_path, const std::vector<std::string>& overrides);
 // Applies one key = value (value as text, as on the command line).

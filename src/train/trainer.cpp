@@ -434,6 +434,13 @@ nlohmann::json step_run(Run& run, int64_t s) {
   return j;
 }
 
+// This rank's gradient-compression residuals, with the line of the layout they belong to.
+RankState compression_state(const Config& c, Communicator& world, DataParallel& strategy) {
+  RankState r{"", strategy.compression_state()};
+  if (!r.tensors.empty()) r.layout = compression_state_layout(c, world.size());
+  return r;
+}
+
 // A collective over the world: each writing rank saves its own ranges (one copy of each:
 // replicas do not write).
 std::string checkpoint_write(Run& run, int64_t step) {
@@ -443,7 +450,7 @@ std::string checkpoint_write(Run& run, int64_t step) {
   return checkpoint_save(run.c.checkpoint.dir, step, run.c, model_layout(run.c.model),
                          state_slices(mine, run.opt, run.model.units(), true, copies),
                          {run.opt.steps_taken(), run.scaler.enabled() ? run.scaler.scale() : 0, run.scaler.clean_steps()},
-                         run.world, run.c.checkpoint.keep);
+                         run.world, run.c.checkpoint.keep, compression_state(run.c, run.world, run.strategy));
 }
 
 // Steps from p.steps_done up to training.steps, or until the ranks agree to stop (a
@@ -744,6 +751,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   Optimizer opt(c.optim, std::move(segments), alloc);
   LossScaler scaler(c.model.precision == "fp16", c.optim.loss_scale, c.optim.loss_scale_window);
   SpikeGuard spikes(c.training.skip_spikes, static_cast<int>(c.training.max_skips));
+  std::string compress_note;  // resumed at another layout: the compression state restarts
   if (!resumed_from.empty()) {
     OptimizerProgress saved;
     HostCopies copies(alloc.device() == Device::cuda);
@@ -751,6 +759,13 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     copies.write_back();
     opt.set_steps_taken(saved.steps_taken);
     if (saved.loss_scale > 0) scaler.restore(saved.loss_scale, saved.loss_scale_clean);  // an fp16 run goes on as it was
+    const RankState state = compression_state(c, world, *strategy);
+    if (const std::string was = checkpoint_load_rank_state(resumed_from, world.rank(), state); was != state.layout)
+      compress_note = "gradient compression state: the checkpoint holds " + (was.empty() ? "none" : "that of " + was) +
+                      ", which does not map onto this run (" + (state.layout.empty() ? "no compression state" : state.layout) +
+                      "): " + (state.layout.empty()                       ? "left unused"
+                              : c.parallel.grad_compression == "powersgd" ? "residuals restart at 0, Q at its seed"
+                                                                          : "residuals restart at 0");
   }
   world.barrier_slow();  // ranks load at different speeds
   if (mesh.data().size() > 1) strategy->check_same_parameters();
@@ -765,6 +780,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
 
   log_header(run, resumed_from, p.steps_done);
   for (const std::string& note : resume_notes) log.message(note);
+  if (!compress_note.empty()) log.message(compress_note);
   run_steps(run, p);
   if (!p.stop.stop_signal) return report_end(run, p, baseline, seconds_since(t_start));
   report_stop(run, p);

@@ -1,0 +1,161 @@
+// Gradient compression's per-rank state (error-feedback residuals, PowerSGD's warm-start Q)
+// in checkpoints, through the command (meshtrain launch -> mpirun):
+// - int8 and powersgd at dp 2 (DDP), and int8 under ZeRO 1, stopped after 3 of 6 steps and
+//   resumed at the same layout, continue the uninterrupted run bit for bit (losses,
+//   gradient norms, final parameters); resumed with the state dropped (another bucket size
+//   or stage: a layout it does not map onto), they do not, so the restored state is what
+//   makes the continuation exact;
+// - each rank's state is its own file, listed and checked by meshtrain checkpoint info; a
+//   damaged one is named there and stops a resume;
+// - resumed at dp 1 or without compression, the run prints one line saying the state
+//   does not map and trains;
+// - int8 under ZeRO 1 tracks uncompressed ZeRO 1 within DDP int8's band, with the bytes per
+//   step of its formula exactly, and resumes bit for bit.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "train_runs.h"
+
+using namespace mt;
+using namespace mt::test;
+
+namespace {
+
+// The built-in tasks on Llama with 2 blocks, 6 steps, every gradient in one bucket.
+std::string tasks_options(int steps = 6) {
+  return std::string("--config ") + MESHTRAIN_SOURCE_DIR + "/configs/llama_tasks.toml" + " --training.steps=" +
+         std::to_string(steps) + " --training.val_every=0 --model.n_layer=2 --training.micro_batch=0" +
+         " --parallel.bucket_mb=1000";
+}
+
+// The uninterrupted run's last 3 steps.
+RunResult last3_of(const RunResult& r) {
+  RunResult t = r;
+  t.loss.erase(t.loss.begin(), t.loss.begin() + 3);
+  t.grad_norm.erase(t.grad_norm.begin(), t.grad_norm.begin() + 3);
+  return t;
+}
+
+// Trains 3 steps into checkpoint.dir d/name, then resumes it with `resume_opts` to step 6.
+RunResult stop_and_resume(const TempDir& d, const std::string& name, const std::string& opts, int ranks,
+                          const std::string& resume_opts) {
+  train_run(d, name, 2, opts + " --training.steps=3");
+  std::filesystem::remove(d / (name + ".jsonl"));
+  return train_run(d, name, ranks, opts + resume_opts + " --checkpoint.resume=true");
+}
+
+const char* kNote = "gradient compression state: the checkpoint holds";
+
+TEST(CompressionState, ResumedAtTheSameLayoutContinuesBitForBit) {
+  for (const std::string kind : {"int8", "powersgd", "int8 zero 1"}) {
+    TempDir d;
+    const std::string o = tasks_options() + (kind == "powersgd" ? " --parallel.grad_compression=powersgd"
+                                             : kind == "int8"   ? " --parallel.grad_compression=int8"
+                                                                : " --parallel.grad_compression=int8 --parallel.zero=1");
+    const RunResult straight = train_run(d, "straight", 2, o);
+    ASSERT_EQ(straight.loss.size(), 6u) << kind;
+    const RunResult want = last3_of(straight);
+
+    const RunResult same = stop_and_resume(d, "same", o, 2, "");
+    ASSERT_EQ(same.loss.size(), 3u) << kind << "\n" << same.output;
+    EXPECT_EQ(same.loss, want.loss) << kind;
+    EXPECT_EQ(same.grad_norm, want.grad_norm) << kind;
+    EXPECT_EQ(same.units, straight.units) << kind;
+    EXPECT_EQ(same.output.find(kNote), std::string::npos) << kind << "\n" << same.output;
+
+    // The same resume with the state dropped: another bucket size (DDP) or stage changes
+    // the layout line, so the residuals restart at 0 and the continuation differs.
+    const RunResult dropped =
+        stop_and_resume(d, "dropped", o, 2, kind == "int8 zero 1" ? " --parallel.zero=0" : " --parallel.bucket_mb=999");
+    ASSERT_EQ(dropped.loss.size(), 3u) << kind << "\n" << dropped.output;
+    EXPECT_NE(dropped.output.find(kNote), std::string::npos) << kind << "\n" << dropped.output;
+    EXPECT_NE(dropped.units, straight.units) << kind << ": dropping the state changed nothing";
+
+    // meshtrain checkpoint info lists and checks each rank's file.
+    std::string out;
+    EXPECT_EQ(run_command(std::string(MESHTRAIN_BIN) + " checkpoint info " + d / "same", &out), 0) << out;
+    for (const char* f : {"rank_state_00000.safetensors", "rank_state_00001.safetensors"})
+      EXPECT_NE(out.find(f), std::string::npos) << kind << "\n" << out;
+    EXPECT_NE(out.find("rank state  gradient compression residuals, one file per rank: " + kind.substr(0, 4)),
+              std::string::npos)
+        << out;
+  }
+}
+
+TEST(CompressionState, ADamagedStateFileIsNamedAndStopsTheResume) {
+  TempDir d;
+  const std::string o = tasks_options() + " --parallel.grad_compression=int8 --training.steps=3";
+  train_run(d, "ck", 2, o);
+  const std::string file = checkpoint_latest(d / "ck") + "/rank_state_00001.safetensors";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-5, std::ios::end);
+    f.put('\x7f');
+  }
+  std::string out;
+  EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " checkpoint info " + d / "ck", &out), 0);
+  EXPECT_NE(out.find("rank_state_00001.safetensors is corrupt: CRC-32"), std::string::npos) << out;
+  EXPECT_NE(run_command("OMP_NUM_THREADS=1 " + std::string(MESHTRAIN_BIN) + " launch -n 2 train " + o +
+                            " --training.steps=6 --checkpoint.resume=true --logging.progress=off --checkpoint.dir=" +
+                            d / "ck",
+                        &out),
+            0);
+  EXPECT_NE(out.find("rank_state_00001.safetensors is corrupt"), std::string::npos) << out;
+}
+
+// dp 1 keeps no state, and neither does a run without compression: the note, then training.
+TEST(CompressionState, ResumedAtAnotherLayoutSaysTheStateRestartsAndTrains) {
+  TempDir d;
+  const std::string o = tasks_options() + " --parallel.grad_compression=powersgd";
+  const std::vector<std::pair<int, std::string>> cases = {{1, ""}, {2, " --parallel.grad_compression=none"}};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const RunResult r = stop_and_resume(d, "other" + std::to_string(i), o, cases[i].first, cases[i].second);
+    EXPECT_EQ(r.loss.size(), 3u) << r.output;
+    const size_t at = r.output.find(kNote);
+    ASSERT_NE(at, std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find(kNote, at + 1), std::string::npos) << "one line\n" << r.output;
+    EXPECT_NE(r.output.find("powersgd rank 4 over dp 2"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("no compression state): left unused"), std::string::npos) << r.output;
+  }
+}
+
+// int8 under ZeRO 1 against uncompressed ZeRO 1 on the built-in tasks (40 steps, dp 2): the
+// band of DDP's int8 test (tests/test_comm_reduce.cpp), 1%. Bytes per step, exactly: per
+// unit of n elements with chunks c = ceil(n / 2), the all-to-all of one block,
+// 4 ceil(c / 1024) + 4 ceil(c / 4) bytes, instead of the fp32 reduce-scatter's 4c; the
+// parameters' all-gather, 4c; the loss's 8-byte sum and the gradient norm's per-unit sums,
+// 8 (n_layer + 2).
+TEST(Int8Zero1, TracksUncompressedZero1WithTheFormulasBytes) {
+  TempDir d;
+  const std::string o = tasks_options(40) + " --parallel.zero=1";
+  const RunResult fp32 = train_run(d, "fp32", 2, o);
+  const RunResult int8 = train_run(d, "int8", 2, o + " --parallel.grad_compression=int8");
+  ASSERT_EQ(int8.loss.size(), 40u) << int8.output;
+  EXPECT_LT(int8.loss.back(), 0.6 * int8.loss.front()) << "int8 learns";
+  const double worst = max_rel_loss_diff(fp32, int8);
+  std::printf("int8 zero 1 against zero 1: largest loss difference %.2e relative; final %.4f vs %.4f\n", worst,
+              int8.loss.back(), fp32.loss.back());
+  EXPECT_LT(worst, 1e-2);
+  EXPECT_GT(worst, 0) << "int8 changed nothing";
+  EXPECT_NE(int8.output.find("int8-compressed reduce-scatter (error feedback)"), std::string::npos) << int8.output;
+
+  double want_int8 = 8 + 8.0 * (int8.model.n_layer + 2), want_fp32 = want_int8;
+  for (const auto& u : int8.units) {
+    const double c = std::ceil(u.size() / 2.0);
+    want_int8 += 4 * std::ceil(c / 1024) + 4 * std::ceil(c / 4) + 4 * c;
+    want_fp32 += 4 * c + 4 * c;
+  }
+  const auto f = steps_of(d, "fp32"), q = steps_of(d, "int8");
+  ASSERT_EQ(q.size(), f.size());
+  for (size_t s = 0; s < q.size(); ++s) {
+    EXPECT_EQ(q[s]["comm_bytes"].get<double>(), want_int8) << "step " << s;
+    EXPECT_EQ(f[s]["comm_bytes"].get<double>(), want_fp32) << "step " << s;
+  }
+  EXPECT_EQ(int8.summary["plan_comm_bytes_dp"].get<double>(), int8.summary["comm_bytes_dp_step"].get<double>());
+  std::printf("bytes per step: zero 1 fp32 %.0f, int8 %.0f (%.4f)\n", want_fp32, want_int8, want_int8 / want_fp32);
+}
+
+}  // namespace
