@@ -362,7 +362,7 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
     // data-parallel bucket of consecutive units is one contiguous range, reduced in place.
     int64_t total = 0;
     for (const Unit& u : units_) total += u.numel;
-    Tensor grads = Tensor::zeros({total}, DType::f32, alloc, MemTag::grads);
+    Tensor grads = Tensor::zeros({total}, grad_dtype(cfg), alloc, MemTag::grads);
     int64_t off = total;
     for (Unit& u : units_) {
       u.w = Tensor::zeros({u.numel}, working_dtype(cfg), alloc, MemTag::params);
@@ -408,6 +408,10 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
     }
     wide_ = Tensor::empty({std::max<int64_t>(most, 1)}, DType::f32, alloc, MemTag::other);
     narrow_w_.resize(units_.size());
+    if (cfg.grad_working()) {  // the fp32 gradients one unit's backward computes, added into the 16-bit g after it
+      wide_g_ = Tensor::empty({std::max<int64_t>(most, 1)}, DType::f32, alloc, MemTag::other);
+      narrow_g_.resize(units_.size());
+    }
   }
 }
 
@@ -456,6 +460,8 @@ DType working_dtype(const ModelConfig& cfg) {
   return cfg.precision == "bf16" ? DType::bf16 : cfg.precision == "fp16" ? DType::f16 : DType::f32;
 }
 
+DType grad_dtype(const ModelConfig& cfg) { return cfg.grad_working() ? working_dtype(cfg) : DType::f32; }
+
 void Model::widen(int unit) {
   if (!wide_.defined()) return;
   int64_t off = 0;
@@ -476,6 +482,31 @@ void Model::narrow(int unit) {
   if (!wide_.defined()) return;
   for (int v : units_used(unit))
     if (narrow_w_[v].defined()) units_[v].w = std::move(narrow_w_[v]);  // moved-from: empty again
+}
+
+void Model::stage_grads(int unit) {
+  if (!wide_g_.defined()) return;
+  int64_t off = 0;
+  for (int v : units_used(unit)) {
+    Unit& u = units_[v];
+    if (u.numel == 0 || !u.g.defined()) continue;
+    const Tensor staged = wide_g_.view(off, {u.numel});
+    staged.zero_();
+    narrow_g_[v] = u.g;
+    u.g = staged;
+    off += u.numel;
+  }
+}
+
+void Model::unstage_grads(int unit) {
+  if (!wide_g_.defined()) return;
+  for (int v : units_used(unit)) {
+    if (!narrow_g_[v].defined()) continue;
+    Unit& u = units_[v];
+    const Tensor& g = narrow_g_[v];  // g = round(g + staged): one rounding per unit and micro-batch
+    accumulate(g.dtype(), g.raw(), DType::f32, u.g.raw(), u.numel);
+    u.g = std::move(narrow_g_[v]);  // moved-from: empty again
+  }
 }
 
 void Model::init_range(int unit, int64_t begin, int64_t end, float* dst, uint64_t seed) const {
@@ -661,6 +692,7 @@ void Model::backward_unit(int unit, Slot& sl, int i, float scale, Backward part)
   h.before_backward(unit);
   Autocast autocast(working_dtype(cfg_));
   if (unit != 0) widen(unit);  // the embedding's backward reads no parameters
+  stage_grads(unit);
   if (unit == L + 1) {
     if (input) final_backward(sl, scale, !split);
     if (weight && split) head_backward_weight(sl);
@@ -678,6 +710,7 @@ void Model::backward_unit(int unit, Slot& sl, int i, float scale, Backward part)
     if (weight && split) block_backward_weight(env(), units_[unit], a, *sl.pending[i], B_, T_);
   }
   narrow(unit);
+  unstage_grads(unit);
   if (!weight) return;
   h.after_backward(unit);
   // A tied head on a last stage without the embedding: the copy's gradient is complete too.
