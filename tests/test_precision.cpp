@@ -318,10 +318,14 @@ TEST(Precision, OptimizersRead16BitGradientsAsWidenedAndScaled) {
 namespace {
 
 // The memory of a run with 16-bit gradients: the model state is the formula's 2 + 2 + 12
-// bytes per parameter exactly, and the planner predicts the gradients' bytes exactly.
+// bytes per parameter exactly, and the planner predicts the gradients' and the
+// communication buffers' bytes and the bytes the dp group sends exactly.
 void expect_16bit_grads_memory(const RunResult& r, const std::string& name) {
   expect_memory_as_predicted(r, name);
-  EXPECT_EQ(r.summary["plan_mem_grads"].get<double>(), r.summary["mem_steps_grads"].get<double>()) << name;
+  for (const char* tag : {"grads", "comm"})
+    EXPECT_EQ(r.summary[std::string("plan_mem_") + tag].get<double>(), r.summary[std::string("mem_steps_") + tag].get<double>())
+        << name << ": " << tag;
+  EXPECT_EQ(r.summary["plan_comm_bytes_dp"].get<double>(), r.summary["comm_bytes_dp_step"].get<double>()) << name;
   EXPECT_NE(r.output.find("2 + 2 + 12 bytes per parameter"), std::string::npos) << name;
 }
 
