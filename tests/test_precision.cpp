@@ -21,6 +21,7 @@
 #include "core/half.h"
 #include "ops/autocast.h"
 #include "ops/linear.h"
+#include "train/config.h"
 #include "train_runs.h"
 
 using namespace mt;
@@ -275,6 +276,24 @@ TEST(Precision, Fp16LossScalingSkipsExactlyTheOverflowingSteps) {
 }
 
 // ---- training.grad_dtype: gradients kept in the working precision --------------------------
+
+// training.grad_dtype takes fp32 or the working precision, and what cannot carry 16-bit
+// gradients yet says so, naming the keys.
+TEST(Precision, GradDtypeErrorsNameTheKeys) {
+  EXPECT_EQ(config_load("", {"training.precision=fp16", "training.grad_dtype=fp16"}).model.grad_dtype, "fp16");
+  auto error = [](std::vector<std::string> keys) {
+    return error_of([&] { config_load("", keys); });
+  };
+  EXPECT_NE(error({"training.grad_dtype=bf16"}).find("training.grad_dtype = \"bf16\" under training.precision = fp32"),
+            std::string::npos);
+  EXPECT_NE(error({"training.precision=bf16", "training.grad_dtype=fp16"}).find("use fp32 or bf16"), std::string::npos);
+  EXPECT_NE(error({"training.precision=bf16", "training.grad_dtype=bf16", "parallel.grad_comm_dtype=fp16"})
+                .find("parallel.grad_comm_dtype = fp16 with training.grad_dtype = bf16"),
+            std::string::npos);
+  EXPECT_NE(error({"training.precision=bf16", "training.grad_dtype=bf16", "parallel.grad_compression=int8"})
+                .find("parallel.grad_compression = int8 compresses fp32 gradients"),
+            std::string::npos);
+}
 
 // The optimizer reads 16-bit gradients through its fp32 scratch, with the clip / unscale
 // factor applied there: AdamW, SGD, LAMB and LARS update exactly as they do over fp32

@@ -132,6 +132,7 @@ double norm_ratio(double a2, double b2) { return a2 > 0 && b2 > 0 ? std::sqrt(a2
 const float* Optimizer::grad(size_t si) const {
   const Tensor& g = segments_[si].g;
   if (g.dtype() == DType::f32 && grad_scale_ == 1.0f) return g.f32();
+  if (g.numel() == 0) return nullptr;  // a unit this rank holds none of
   MT_CHECK(scratch_.defined(), "internal: fp32 gradients scaled as read (clip them in place: grad_clip)");
   float* out = scratch_.f32();  // [g.numel()] the segment's gradients widened and scaled
   convert(DType::f32, out, g.dtype(), g.raw(), g.numel());
