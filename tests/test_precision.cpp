@@ -351,7 +351,8 @@ void expect_16bit_grads_memory(const RunResult& r, const std::string& name) {
 }  // namespace
 
 // bf16 gradients (training.grad_dtype = bf16) against the bf16 run with fp32 gradients, and
-// every data-parallel layout against one process with bf16 gradients.
+// the data-parallel layouts, a split-backward pipeline and tp against one process with bf16
+// gradients.
 TEST(Precision, Bf16GradientsHalveTheGradientBytesAndTrainWhatOneProcessTrains) {
   PrecisionRuns& rs = precision_runs();
   const std::string g16 = rs.base("bf16") + " --training.grad_dtype=bf16";
@@ -360,7 +361,7 @@ TEST(Precision, Bf16GradientsHalveTheGradientBytesAndTrainWhatOneProcessTrains) 
   expect_16bit_grads_memory(one, "one_g16");
   EXPECT_EQ(2 * one.summary["mem_grads"].get<double>(), f32g.summary["mem_grads"].get<double>());
   // The same model with each micro-batch's gradient rounded into bf16 (8 accumulations per
-  // step, each a relative error of at most 2^-9 per element): measured 3e-5 in loss.
+  // step, each a relative error of at most 2^-9 per element): measured 9e-6 in loss.
   const double dl_f32g = max_rel_loss_diff(f32g, one);
   std::printf("bf16 gradients against fp32 gradients: loss %.2e  params %.2e\n", dl_f32g, max_rel_param_diff(f32g, one));
   EXPECT_LT(dl_f32g, 1e-3);
@@ -373,6 +374,9 @@ TEST(Precision, Bf16GradientsHalveTheGradientBytesAndTrainWhatOneProcessTrains) 
       {"g16_zero1", " --parallel.dp=2 --parallel.zero=1", "g16_ddp"},
       {"g16_zero2", " --parallel.dp=2 --parallel.zero=2", ""},
       {"g16_zero3", " --parallel.dp=2 --parallel.zero=3", "g16_zero2"},
+      // the split backward stages each half's gradients: an untied pipeline changes no sum
+      {"g16_pp2_zbv", " --parallel.pp=2 --parallel.pp_schedule=zbv", "one_g16"},
+      {"g16_tp2_sp", " --parallel.tp=2 --parallel.sequence_parallel=true", ""},
   };
   for (const L& l : layouts) {
     const RunResult& r = rs.run(l.name, 2, g16 + l.keys);
@@ -386,9 +390,11 @@ TEST(Precision, Bf16GradientsHalveTheGradientBytesAndTrainWhatOneProcessTrains) 
     std::printf("%-14s loss %.2e  params %.2e\n", l.name.c_str(), dl, dp);
     // Each rank rounds its own 4 micro-batches' sum into bf16 and the ranks' sums are added
     // (rounded again), where one process rounds after each of 8: the gradients differ by a
-    // few bf16 steps (2^-8 relative), clipped AdamW moves each weight by at most about lr.
-    EXPECT_LT(dl, 1e-3) << l.name;
-    EXPECT_LT(dp, 3e-2) << l.name;
+    // few bf16 steps (2^-8 relative) and AdamW's normalised update turns that into parameter
+    // differences of a fraction of lr. Measured: 1.5e-5 in loss, 2.1e-3 in parameters (tp
+    // sums in another order too).
+    EXPECT_LT(dl, 1e-4) << l.name;
+    EXPECT_LT(dp, 1e-2) << l.name;
   }
 }
 
