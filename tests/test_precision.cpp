@@ -11,8 +11,7 @@
 // - training.grad_dtype = bf16 | fp16: gradients in 16 bits (2 + 2 + 12 bytes per parameter,
 //   exactly, and as the planner predicts), read by every optimizer through fp32 scratch; the
 //   run tracks fp32 gradients, dp 2 (DDP, ZeRO 1-3) and tp 2 track one process (a zbv
-//   pipeline bit for bit), and fp16 gradients
-//   skip exactly the overflowing steps.
+//   pipeline bit for bit), and fp16 gradients skip exactly the overflowing steps.
 #include <gtest/gtest.h>
 
 #include <cmath>
