@@ -134,6 +134,7 @@ declare -A how=(
   ["bash scripts/gpu_check.sh"]='skip "needs a GPU"'
   ["bash bench/gpu.sh"]='skip "needs a GPU and PyTorch with CUDA"'
   ["./build/meshtrain launch -n 2 train --training.precision=fp16 --parallel.zero=2"]='run "$cmd $few"'
+  ["./build/meshtrain launch -n 2 train --training.precision=bf16 --training.grad_dtype=bf16 --parallel.zero=1"]='run "$cmd $few"'
   ["./build/meshtrain train --training.skip_spikes=6 --training.max_skips=5"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 2 train --parallel.tp=2"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 4 train --parallel.tp=2 --parallel.zero=1 --parallel.sequence_parallel=true"]='run "$cmd $few"'

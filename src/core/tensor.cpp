@@ -172,4 +172,28 @@ void convert(DType to, void* dst, DType from, const void* src, int64_t n) {
   }
 }
 
+void accumulate(DType to, void* dst, DType from, const void* src, int64_t n) {
+  MT_CHECK((to == DType::f32 || to == DType::bf16 || to == DType::f16) && (from == DType::f32 || from == to),
+           "internal: no accumulation of " << dtype_name(from) << " into " << dtype_name(to));
+  if (to == DType::f32) {
+    float* d = static_cast<float*>(dst);
+    const float* s = static_cast<const float*>(src);
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) d[i] += s[i];
+    return;
+  }
+  constexpr int64_t kBlock = 4096;  // widened in blocks, summed, rounded back
+  const int64_t nblocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t lo = b * kBlock, len = std::min(kBlock, n - lo);
+    float d[kBlock], s[kBlock];
+    const size_t es = dtype_size(to), fs = dtype_size(from);
+    convert(DType::f32, d, to, static_cast<const char*>(dst) + lo * es, len);
+    convert(DType::f32, s, from, static_cast<const char*>(src) + lo * fs, len);
+    for (int64_t i = 0; i < len; ++i) d[i] += s[i];
+    convert(to, static_cast<char*>(dst) + lo * es, DType::f32, d, len);
+  }
+}
+
 }  // namespace mt

@@ -362,7 +362,7 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
     // data-parallel bucket of consecutive units is one contiguous range, reduced in place.
     int64_t total = 0;
     for (const Unit& u : units_) total += u.numel;
-    Tensor grads = Tensor::zeros({total}, DType::f32, alloc, MemTag::grads);
+    Tensor grads = Tensor::zeros({total}, grad_dtype(cfg), alloc, MemTag::grads);
     int64_t off = total;
     for (Unit& u : units_) {
       u.w = Tensor::zeros({u.numel}, working_dtype(cfg), alloc, MemTag::params);
@@ -408,6 +408,10 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
     }
     wide_ = Tensor::empty({std::max<int64_t>(most, 1)}, DType::f32, alloc, MemTag::other);
     narrow_w_.resize(units_.size());
+    if (cfg.grad_working()) {  // the fp32 gradients one unit's backward computes, added into the 16-bit g after it
+      wide_g_ = Tensor::empty({std::max<int64_t>(most, 1)}, DType::f32, alloc, MemTag::other);
+      narrow_g_.resize(units_.size());
+    }
   }
 }
 
@@ -450,32 +454,6 @@ void Model::init(uint64_t seed) {
     convert(dst.dtype(), narrow.data(), DType::f32, w.data(), units_[u].numel);
     dst.copy_from(Tensor::wrap(narrow.data(), dst.shape(), dst.dtype()));
   }
-}
-
-DType working_dtype(const ModelConfig& cfg) {
-  return cfg.precision == "bf16" ? DType::bf16 : cfg.precision == "fp16" ? DType::f16 : DType::f32;
-}
-
-void Model::widen(int unit) {
-  if (!wide_.defined()) return;
-  int64_t off = 0;
-  for (int v : units_used(unit)) {
-    Unit& u = units_[v];
-    if (u.numel == 0) continue;
-    MT_CHECK(u.w.dtype() == working_dtype(cfg_), "internal: unit " << u.name << " holds " << dtype_name(u.w.dtype())
-                                                                   << " parameters under " << cfg_.precision);
-    const Tensor wide = wide_.view(off, {u.numel});
-    wide.convert_from(u.w);
-    narrow_w_[v] = u.w;
-    u.w = wide;
-    off += u.numel;
-  }
-}
-
-void Model::narrow(int unit) {
-  if (!wide_.defined()) return;
-  for (int v : units_used(unit))
-    if (narrow_w_[v].defined()) units_[v].w = std::move(narrow_w_[v]);  // moved-from: empty again
 }
 
 void Model::init_range(int unit, int64_t begin, int64_t end, float* dst, uint64_t seed) const {
@@ -661,6 +639,7 @@ void Model::backward_unit(int unit, Slot& sl, int i, float scale, Backward part)
   h.before_backward(unit);
   Autocast autocast(working_dtype(cfg_));
   if (unit != 0) widen(unit);  // the embedding's backward reads no parameters
+  stage_grads(unit);
   if (unit == L + 1) {
     if (input) final_backward(sl, scale, !split);
     if (weight && split) head_backward_weight(sl);
@@ -678,6 +657,7 @@ void Model::backward_unit(int unit, Slot& sl, int i, float scale, Backward part)
     if (weight && split) block_backward_weight(env(), units_[unit], a, *sl.pending[i], B_, T_);
   }
   narrow(unit);
+  unstage_grads(unit);
   if (!weight) return;
   h.after_backward(unit);
   // A tied head on a last stage without the embedding: the copy's gradient is complete too.

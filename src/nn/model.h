@@ -34,10 +34,14 @@
 // half and before_backward and after_backward for its weight half.
 //
 // Mixed precision (training.precision = bf16 | fp16): units' w hold 16-bit working copies
-// (working_dtype), whoever provides them; gradients stay fp32. Inside a unit's hook brackets
-// the model widens the w of the units it reads into one fp32 staging buffer (MemTag::other,
-// allocated once for the largest set) and computes under an Autocast scope (ops/autocast.h),
-// so every linear layer multiplies 16-bit operands with fp32 accumulation.
+// (working_dtype), whoever provides them; gradients are fp32 unless training.grad_dtype keeps
+// them in the working dtype (grad_dtype). Inside a unit's hook brackets the model widens the w
+// of the units it reads into one fp32 staging buffer (MemTag::other, allocated once for the
+// largest set) and computes under an Autocast scope (ops/autocast.h), so every linear layer
+// multiplies 16-bit operands with fp32 accumulation. With 16-bit gradients the backward also
+// computes into a zeroed fp32 staging buffer of the same size (MemTag::other) and adds it
+// into the 16-bit g before after_backward: g = round(g + staged), one rounding per unit's
+// backward and micro-batch (a tied embedding takes two: the head's bracket and its own).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -130,6 +134,8 @@ class UnitHooks {
 
 // The dtype of the units' working parameters: f32, or bf16 / f16 under mixed precision.
 DType working_dtype(const ModelConfig& cfg);
+// The dtype of the units' gradients g: f32, or the working dtype (training.grad_dtype).
+DType grad_dtype(const ModelConfig& cfg);
 
 // The units and parameter specs of a configuration as tp rank `tp.rank` of `tp.size` holds
 // them (the TP plan: model.cpp), without allocating anything.
@@ -234,6 +240,10 @@ class Model {
   // units_ (widen), and the working copies back (narrow). No-ops in fp32.
   void widen(int unit);
   void narrow(int unit);
+  // 16-bit gradients: swaps zeroed fp32 staging in for the g of the units unit `unit` writes
+  // (stage_grads), then adds it into the 16-bit g and swaps them back (unstage_grads).
+  void stage_grads(int unit);
+  void unstage_grads(int unit);
 
   ModelConfig cfg_;
   TpMappings no_tp_;
@@ -256,6 +266,8 @@ class Model {
   std::unique_ptr<BlockScratch> scratch_;   // workspace shared by the blocks (forward and backward), embedding, final norm
   Tensor wide_;                    // mixed precision: [largest widened set] fp32 staging (MemTag::other)
   std::vector<Tensor> narrow_w_;   // per unit: its working w while widened
+  Tensor wide_g_;                  // 16-bit gradients: [largest set] fp32 staging (MemTag::other)
+  std::vector<Tensor> narrow_g_;   // per unit: its 16-bit g while staged
 };
 
 }  // namespace mt

@@ -33,6 +33,10 @@ void ModelConfig::validate() const {
   MT_CHECK(rope_theta > 0, "model.rope_theta = " << rope_theta << " must be positive");
   MT_CHECK(precision == "fp32" || precision == "bf16" || precision == "fp16",
            "training.precision = \"" << precision << "\" is not a precision; use fp32, bf16 or fp16");
+  MT_CHECK(grad_dtype == "fp32" || grad_dtype == precision,
+           "training.grad_dtype = \"" << grad_dtype << "\" under training.precision = " << precision
+                                       << ": gradients are kept in fp32 or in the working precision; use fp32"
+                                       << (precision == "fp32" ? "" : " or ") << (precision == "fp32" ? "" : precision));
   MT_CHECK(attention == "fused" || attention == "materialized",
            "training.attention = \"" << attention << "\" is not an attention path; use fused or materialized");
 }

@@ -27,9 +27,14 @@ struct ModelConfig {
   // fp16 with 16-bit working parameters and 16-bit operands in every linear layer's matrix
   // products (ops/autocast.h); the fp32 master parameters live with the data-parallel strategy.
   std::string precision = "fp32";  // fp32 | bf16 | fp16
+  // The dtype the units' gradients are kept in (set by the key training.grad_dtype): fp32, or
+  // the working 16-bit type (bf16 under precision bf16, fp16 under fp16), which the backward
+  // accumulates into once per unit and micro-batch from an fp32 staging buffer (nn/model.h).
+  std::string grad_dtype = "fp32";
 
   bool fused_attention() const { return attention == "fused"; }
   bool mixed_precision() const { return precision != "fp32"; }
+  bool grad_working() const { return grad_dtype != "fp32"; }  // gradients in the 16-bit working dtype
   bool is_llama() const { return family == "llama"; }
   int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
   int head_dim() const { return d_model / n_head; }

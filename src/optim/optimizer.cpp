@@ -37,6 +37,10 @@ Optimizer::Optimizer(const OptimConfig& cfg, std::vector<OptimSegment> segments,
     : cfg_(cfg), segments_(std::move(segments)) {
   cfg_.validate();
   const bool per_tensor = cfg_.name == "lamb" || cfg_.name == "lars";
+  int64_t widest = 0;  // 16-bit gradients: the largest segment's, read through fp32 scratch
+  for (const OptimSegment& s : segments_)
+    if (s.g.dtype() != DType::f32) widest = std::max(widest, s.g.numel());
+  if (widest > 0) scratch_ = Tensor::empty({widest}, DType::f32, alloc, MemTag::other);
   for (const OptimSegment& s : segments_) {
     m_.push_back(Tensor::zeros({s.w.numel()}, DType::f32, alloc, MemTag::optim));
     if (optim_moments(cfg_.name) == 2) v_.push_back(Tensor::zeros({s.w.numel()}, DType::f32, alloc, MemTag::optim));
@@ -125,6 +129,21 @@ double norm_ratio(double a2, double b2) { return a2 > 0 && b2 > 0 ? std::sqrt(a2
 
 }  // namespace
 
+const float* Optimizer::grad(size_t si) const {
+  const Tensor& g = segments_[si].g;
+  if (g.dtype() == DType::f32 && grad_scale_ == 1.0f) return g.f32();
+  if (g.numel() == 0) return nullptr;  // a unit this rank holds none of
+  MT_CHECK(scratch_.defined(), "internal: fp32 gradients scaled as read (clip them in place: grad_clip)");
+  float* out = scratch_.f32();  // [g.numel()] the segment's gradients widened and scaled
+  convert(DType::f32, out, g.dtype(), g.raw(), g.numel());
+  if (grad_scale_ == 1.0f) return out;
+  const float c = grad_scale_;
+  const int64_t n = g.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] *= c;
+  return out;
+}
+
 // LAMB: Adam's moments, u = m^ / (sqrt(v^) + eps) + wd w (wd on tensors of 2+ dims only),
 // w -= lr r u with the trust ratio r = ||w|| / ||u|| of the whole tensor (1 when either is 0).
 // Two passes: the moments and the partial norms, then (after the norms are summed over the
@@ -140,7 +159,7 @@ void Optimizer::step_lamb(double lr, const SumFn& sum_over_holders) {
   std::vector<double> sums;  // per tensor: sum of w^2, sum of u^2 over this rank's counted elements
   for (size_t si = 0; si < segments_.size(); ++si) {
     float *p = segments_[si].w.f32(), *m = m_[si].f32(), *v = v_[si].f32();
-    const float* g = segments_[si].g.f32();
+    const float* g = grad(si);
     for (const OptimTensor& t : segments_[si].tensors) {
       const float wd = t.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
 #pragma omp parallel for simd schedule(static)
@@ -173,8 +192,9 @@ void Optimizer::step_lamb(double lr, const SumFn& sum_over_holders) {
 // lr (d + momentum buf)).
 void Optimizer::step_lars(double lr, const SumFn& sum_over_holders) {
   std::vector<double> sums;  // per tensor: sum of w^2, sum of g^2 over this rank's counted elements
-  for (const OptimSegment& s : segments_) {
-    const float *p = s.w.f32(), *g = s.g.f32();
+  for (size_t si = 0; si < segments_.size(); ++si) {
+    const OptimSegment& s = segments_[si];
+    const float *p = s.w.f32(), *g = grad(si);
     for (const OptimTensor& t : s.tensors) {
       sums.push_back(t.counted ? sumsq_of(t.begin, t.end, [&](int64_t i) { return p[i]; }) : 0.0);
       sums.push_back(t.counted ? sumsq_of(t.begin, t.end, [&](int64_t i) { return g[i]; }) : 0.0);
@@ -184,13 +204,14 @@ void Optimizer::step_lars(double lr, const SumFn& sum_over_holders) {
   size_t k = 0;
   for (size_t si = 0; si < segments_.size(); ++si) {
     const OptimSegment& s = segments_[si];
+    const float* g = grad(si);
     for (const OptimTensor& t : s.tensors) {
       const double w_norm = std::sqrt(sums[k]), g_norm = std::sqrt(sums[k + 1]);
       k += 2;
       const bool adapt = t.decay && w_norm > 0 && g_norm > 0;
       const double wd = adapt ? cfg_.weight_decay : 0.0;
       const double scale = adapt ? cfg_.trust_coef * w_norm / (g_norm + wd * w_norm + cfg_.eps) : 1.0;
-      sgd_range(s.w.f32() + t.begin, s.g.f32() + t.begin, m_[si].f32() + t.begin, t.end - t.begin,
+      sgd_range(s.w.f32() + t.begin, g + t.begin, m_[si].f32() + t.begin, t.end - t.begin,
                 static_cast<float>(wd), static_cast<float>(lr), static_cast<float>(cfg_.momentum), t_ == 1,
                 cfg_.nesterov, static_cast<float>(scale));
     }
@@ -198,12 +219,13 @@ void Optimizer::step_lars(double lr, const SumFn& sum_over_holders) {
 }
 
 // Segments in GPU memory (training.device = cuda): AdamW in one launch per segment.
-static bool on_gpu(const std::vector<OptimSegment>& segments) {
+[[maybe_unused]] static bool on_gpu(const std::vector<OptimSegment>& segments) {
   return !segments.empty() && segments[0].w.device() == Device::cuda;
 }
 
-void Optimizer::step(double lr, const SumFn& sum_over_holders) {
+void Optimizer::step(double lr, const SumFn& sum_over_holders, float grad_scale) {
   ++t_;
+  grad_scale_ = grad_scale;
 #if MESHTRAIN_CUDA
   if (on_gpu(segments_)) {
     MT_CHECK(cfg_.name == "adamw", "optim.name = " << cfg_.name << " has no GPU implementation yet; use adamw");
@@ -221,7 +243,7 @@ void Optimizer::step(double lr, const SumFn& sum_over_holders) {
   for (size_t si = 0; si < segments_.size(); ++si) {
     const OptimSegment& s = segments_[si];
     float* p = s.w.f32();
-    const float* g = s.g.f32();
+    const float* g = grad(si);
     // Walk the segment as alternating no-decay / decay ranges.
     int64_t pos = 0;
     auto run = [&](int64_t begin, int64_t end, bool decay) {
@@ -283,16 +305,19 @@ std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments) {
 #endif
   for (const OptimSegment& s : segments) {
     double& total = each.emplace_back(0.0);
-    const float* g = s.g.f32();
+    const bool wide = s.g.dtype() == DType::f32;  // else 16-bit gradients, widened a chunk at a time
     const int64_t n = s.g.numel(), nchunks = (n + kChunk - 1) / kChunk;
     std::vector<double> part(nchunks, 0.0);
 #pragma omp parallel for schedule(static)
     for (int64_t c = 0; c < nchunks; ++c) {
-      const int64_t hi = std::min(n, (c + 1) * kChunk);
+      const int64_t lo = c * kChunk, hi = std::min(n, (c + 1) * kChunk);
+      std::vector<float> widened(wide ? 0 : hi - lo);  // [hi - lo]
+      if (!wide) convert(DType::f32, widened.data(), s.g.dtype(), s.g.view(lo, {hi - lo}).raw(), hi - lo);
+      const float* g = wide ? s.g.f32() + lo : widened.data();  // element i at g[i - lo]
       double acc = 0.0;
-      int64_t i = c * kChunk;
+      int64_t i = lo;
       auto add_up_to = [&](int64_t end) {
-        for (; i < end; ++i) acc += double(g[i]) * g[i];
+        for (; i < end; ++i) acc += double(g[i - lo]) * g[i - lo];
       };
       for (const auto& [a, b] : s.replica_ranges) {  // skipped: another rank counts them
         if (b <= i) continue;
@@ -314,15 +339,17 @@ double grad_sumsq(const std::vector<OptimSegment>& segments) {
   return total;
 }
 
-void grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm, double unscale) {
+float grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm, double unscale) {
   const double coef = max_norm > 0 ? std::min(1.0, max_norm / (norm + 1e-6)) : 1.0;
-  if (coef * unscale == 1.0) return;
+  if (coef * unscale == 1.0) return 1.0f;
   const float c = static_cast<float>(coef * unscale);
+  // 16-bit gradients are not rounded again: the optimizer applies c as it reads them.
+  if (!segments.empty() && segments[0].g.dtype() != DType::f32) return c;
 #if MESHTRAIN_CUDA
   if (on_gpu(segments)) {
     for (const OptimSegment& s : segments)
       if (s.g.numel()) cuda::scale_inplace(s.g, c);
-    return;
+    return 1.0f;
   }
 #endif
   for (const OptimSegment& s : segments) {
@@ -331,6 +358,7 @@ void grad_clip(const std::vector<OptimSegment>& segments, double norm, double ma
 #pragma omp parallel for simd schedule(static)
     for (int64_t i = 0; i < n; ++i) g[i] *= c;
   }
+  return 1.0f;
 }
 
 }  // namespace mt

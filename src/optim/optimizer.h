@@ -43,7 +43,8 @@ struct OptimConfig {
   void validate() const;
 };
 
-// One flat buffer the optimizer updates: parameters w and gradients g of the same length,
+// One flat buffer the optimizer updates: parameters w (fp32) and gradients g (fp32, or 16-bit:
+// training.grad_dtype, read through an fp32 scratch) of the same length,
 // with the element ranges [begin, end) that take weight decay, and those that another
 // tensor-parallel rank also holds and counts in the gradient norm (replicas: not counted here).
 // `tensors` lists the segment's model tensors in order (LAMB and LARS need them): the
@@ -69,7 +70,9 @@ class Optimizer {
   Optimizer(const OptimConfig& cfg, std::vector<OptimSegment> segments, Allocator& alloc);
   // One update of every segment with learning rate lr; the step count t starts at 1.
   // LAMB and LARS call sum_over_holders once (none: this rank holds whole tensors).
-  void step(double lr, const SumFn& sum_over_holders = {});
+  // grad_scale: a factor on the gradients as read (what grad_clip left to apply to 16-bit
+  // ones; 1 for fp32 gradients, which grad_clip scales in place).
+  void step(double lr, const SumFn& sum_over_holders = {}, float grad_scale = 1.0f);
   // The length of the vector step() passes to sum_over_holders (0 for AdamW and SGD).
   int64_t norm_sums() const;
   int64_t steps_taken() const { return t_; }
@@ -83,6 +86,11 @@ class Optimizer {
   std::vector<OptimSegment> segments_;
   std::vector<Tensor> m_, v_;  // adam / lamb moments, or (m_ only) sgd / lars momentum buffers
   int64_t t_ = 0;
+  Tensor scratch_;           // 16-bit gradients: [largest segment] fp32 (MemTag::other), one segment at a time
+  float grad_scale_ = 1.0f;  // the step's factor on the gradients as read
+  // Segment si's gradients as fp32 times grad_scale_: g itself (fp32, factor 1), else widened
+  // into scratch_ (valid until the next call).
+  const float* grad(size_t si) const;
   void step_lamb(double lr, const SumFn& sum_over_holders);
   void step_lars(double lr, const SumFn& sum_over_holders);
 };
@@ -101,6 +109,8 @@ std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments);
 double grad_sumsq(const std::vector<OptimSegment>& segments);
 // Scales every gradient by max_norm / (norm + 1e-6) when that is below 1 (clip_grad_norm_;
 // max_norm 0: no clipping), and by `unscale` (1 / the loss scale: norm is the unscaled one).
-void grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm, double unscale = 1.0);
+// fp32 gradients are scaled in place (returns 1); 16-bit ones are left unrounded and the
+// factor is returned for Optimizer::step to apply as it reads them.
+float grad_clip(const std::vector<OptimSegment>& segments, double norm, double max_norm, double unscale = 1.0);
 
 }  // namespace mt

@@ -53,11 +53,15 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
   MT_CHECK(master_.empty() || master_.size() == units.size(), "internal: units of mixed working precisions");
   for (Bucket& b : buckets_) {
     if (dp.size() == 1) break;
-    // fp32 gradients of consecutive units that lie back to back (the model allocates them
-    // in backward order) are reduced in place; otherwise through a staging buffer.
-    bool contiguous = dtype_ == DType::f32 && units[b.units[0]].g.device() == Device::cpu;  // GPU: the buffer
-    for (size_t i = 1; i < b.units.size() && contiguous; ++i)
-      contiguous = units[b.units[i]].g.f32() == units[b.units[i - 1]].g.f32() + units[b.units[i - 1]].numel;
+    // Gradients of consecutive units in the communication dtype that lie back to back (the
+    // model allocates them in backward order) are reduced in place; otherwise through a
+    // staging buffer.
+    const Tensor& g0 = units[b.units[0]].g;
+    bool contiguous = dtype_ == g0.dtype() && g0.device() == Device::cpu;  // GPU: the buffer
+    for (size_t i = 1; i < b.units.size() && contiguous; ++i) {
+      const Tensor &g = units[b.units[i]].g, &prev = units[b.units[i - 1]].g;
+      contiguous = g.raw() == static_cast<char*>(prev.raw()) + prev.nbytes();
+    }
     b.in_place = contiguous;
     if (!contiguous) b.buffer = Tensor::empty({b.numel}, dtype_, alloc, MemTag::comm);
     if (cfg.grad_compression == "int8") b.int8 = std::make_unique<Int8Reduction>(b.numel, dp, alloc);
@@ -95,7 +99,7 @@ void DDP::launch(Bucket& b) {
     return cfg_.hierarchical ? dp_.allreduce_hierarchical_async(t) : dp_.allreduce_async(t);
   };
   if (b.in_place) {  // the bucket's gradients are one range starting at its first unit's
-    b.work = allreduce(Tensor::wrap(units[b.units[0]].g.f32(), {b.numel}, DType::f32));
+    b.work = allreduce(Tensor::wrap(units[b.units[0]].g.raw(), {b.numel}, dtype_));
     return;
   }
   int64_t off = 0;
@@ -142,7 +146,7 @@ void DDP::finish() {
     b.pending = 0;
     if (b.in_place) continue;
     int64_t off = 0;
-    for (int u : b.units) {  // widened back into the fp32 gradients
+    for (int u : b.units) {  // back into the gradients' dtype
       units[u].g.convert_from(b.buffer.view(off, {units[u].numel}));
       off += units[u].numel;
     }

@@ -19,7 +19,9 @@
 // group is the gradient of the global mean loss, whatever the split. The sum adds ranks in
 // rank order elementwise, so bucketed and unbucketed reductions are bit-identical.
 // grad_comm_dtype bf16/fp16 sends the bucket in half precision (summed in float, rounded
-// once) and widens the result back into the float32 gradients.
+// once) and widens the result back into the float32 gradients. With 16-bit gradients
+// (training.grad_dtype) a bucket in their dtype is reduced in place; grad_comm_dtype = fp32
+// widens it into an fp32 buffer and rounds the sum back (the same sums, twice the bytes).
 //
 // parallel.hierarchical: each bucket goes through the dp group's hierarchical all-reduce
 // (Communicator::allreduce_hierarchical_async, nodes set on the group by the trainer),
@@ -78,7 +80,7 @@ class DDP final : public DataParallel {
     std::vector<int> units;  // descending unit indices
     int64_t numel = 0;
     int pending = 0;         // units whose backward has not finished this step
-    bool in_place = false;   // fp32 gradients lying back to back: reduced where they are
+    bool in_place = false;   // gradients in the communication dtype lying back to back: reduced where they are
     Tensor buffer;           // [numel] in the communication dtype, when not in place
     WorkPtr work;
     std::unique_ptr<Int8Reduction> int8;  // grad_compression = int8

@@ -20,6 +20,7 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
                                                    << " of " << dp.size() << " (the configuration refuses it)");
   if (dp.ranks_per_node() > 0 && S_ == dp.size()) shard_->set_ranks_per_node(dp.ranks_per_node());
   wd_ = working_dtype(model.config());
+  gd_ = grad_dtype(model.config());
   const bool mixed = wd_ != DType::f32;
   auto& units = model.units();
   st_.resize(units.size());
@@ -44,12 +45,12 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
       ranges.push_back({static_cast<int>(u), b, e, s.master.f32()});
     }
     if (stage_ == 1) {
-      s.full_g = Tensor::zeros({padded}, DType::f32, alloc, MemTag::grads);
+      s.full_g = Tensor::zeros({padded}, gd_, alloc, MemTag::grads);
       unit.g = s.full_g.view(0, {s.n});
       if (cfg.grad_compression == "int8" && S_ > 1 && s.n > 0)
         s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, alloc, Int8Reduction::Mode::reduce_scatter);
     } else {  // the whole gradient exists only during the unit's backward
-      s.shard_g = Tensor::zeros({s.chunk}, DType::f32, alloc, MemTag::grads);
+      s.shard_g = Tensor::zeros({s.chunk}, gd_, alloc, MemTag::grads);
     }
   }
   fill(ranges);
@@ -121,7 +122,7 @@ void ZeRO::ensure_grad(int u) {
   if (s.reduce) complete_reduce(s);  // a split backward's input half may follow the last weight half's reduction
   if (s.full_g.defined()) return;
   // The unit's whole gradient lives only through its backward: a communication buffer.
-  s.full_g = Tensor::zeros({s.chunk * S_}, DType::f32, alloc_, MemTag::comm);
+  s.full_g = Tensor::zeros({s.chunk * S_}, gd_, alloc_, MemTag::comm);
   model_.units()[u].g = s.full_g.view(0, {s.n});
 }
 
@@ -144,7 +145,7 @@ void ZeRO::launch_reduce(int u) {
     s.reduce = reduce_scatter(s.full_g, s.full_g.view(k_ * s.chunk, {s.chunk}));
     return;
   }
-  s.reduced = Tensor::empty({s.chunk}, DType::f32, alloc_, MemTag::comm);
+  s.reduced = Tensor::empty({s.chunk}, gd_, alloc_, MemTag::comm);
   s.reduce = reduce_scatter(s.full_g, s.reduced);
   model_.units()[u].g = Tensor();
 }
@@ -173,9 +174,7 @@ void ZeRO::drain() {
 void ZeRO::complete_reduce(UnitState& s) {
   s.reduce->wait();
   s.reduce.reset();
-  float* g = s.shard_g.f32();
-  const float* r = s.reduced.f32();
-  for (int64_t i = 0; i < s.chunk; ++i) g[i] += r[i];
+  accumulate(gd_, s.shard_g.raw(), gd_, s.reduced.raw(), s.chunk);  // 16-bit gradients: rounded once
   s.reduced = Tensor();
   s.full_g = Tensor();
 }

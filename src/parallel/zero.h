@@ -25,7 +25,10 @@
 // chunk) are 16-bit working copies, and each rank keeps the fp32 master of its chunk
 // (MemTag::optim): the optimizer updates it, after_step rounds it into the working chunk and
 // (stages 1-2) all-gathers the 16-bit chunks. Model state: 2Ψ + 4Ψ + 12Ψ/N at stage 1,
-// 2Ψ + (4 + 12)Ψ/N at stage 2, (2 + 4 + 12)Ψ/N at stage 3 (gradients stay fp32).
+// 2Ψ + (4 + 12)Ψ/N at stage 2, (2 + 4 + 12)Ψ/N at stage 3 with fp32 gradients. With 16-bit
+// gradients (training.grad_dtype) every gradient buffer (full, shard, reduced) is 16-bit and
+// the reduce-scatters move 16 bits (summed in float, rounded once): 2Ψ + 2Ψ + 12Ψ/N at
+// stage 1, 2Ψ + (2 + 12)Ψ/N at stage 2, (2 + 2 + 12)Ψ/N at stage 3.
 //
 // parallel.grad_compression = int8 (stage 1 only): each unit's reduce-scatter is an
 // Int8Reduction (compress.h), blocking in finish(): this rank's full gradient plus its
@@ -117,6 +120,7 @@ class ZeRO final : public DataParallel {
   ParallelConfig cfg_;
   int stage_, S_, k_;
   DType wd_;        // the working parameters' dtype: f32, or bf16 / f16 with fp32 masters
+  DType gd_;        // the gradients' dtype: f32, or the working dtype (training.grad_dtype)
   bool pipelined_;  // pipeline parallelism: stage 3 gathers each unit once per step, freed in finish()
   std::unique_ptr<Communicator> shard_, replicate_;
   std::vector<UnitState> st_;

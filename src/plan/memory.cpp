@@ -373,7 +373,7 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
   const double gb = s.prec.grad;
   if (s.lay.zero == 0 && s.R > 1) {
     // DDP: buckets of whole units in backward order, closed once past bucket_mb of fp32.
-    const double cb = s.knobs.grad_comm_dtype == "fp32" ? gb : 2;
+    const double cb = s.knobs.grad_comm_dtype == "fp32" ? 4 : 2;  // gradients of another dtype: through a copy
     const int64_t cap = static_cast<int64_t>(s.knobs.bucket_mb * 1024 * 1024 / 4);
     std::vector<int64_t> buckets;
     std::vector<std::vector<int>> units;  // each bucket's units
@@ -389,7 +389,7 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
     double staging = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
       const int64_t n = buckets[b];
-      if (how.grad_compression == "none" && cb != gb) bytes += n * cb;  // a 16-bit copy of the bucket
+      if (how.grad_compression == "none" && cb != gb) bytes += n * cb;  // a copy of the bucket in cb
       if (how.grad_compression == "none" && !how.hierarchical) {
         staging = std::max(staging, staging_bytes(ceil_div(n, s.R) * (s.R - 1.0), cb));
         continue;

@@ -122,6 +122,7 @@ const std::vector<Key>& keys() {
     // Kept in the model's configuration, which is what builds the activations.
     v.push_back(str_key("training.attention", &C::model, &ModelConfig::attention, {"fused", "materialized"}));
     v.push_back(str_key("training.precision", &C::model, &ModelConfig::precision, {"fp32", "bf16", "fp16"}));
+    v.push_back(str_key("training.grad_dtype", &C::model, &ModelConfig::grad_dtype, {"fp32", "bf16", "fp16"}));
     v.push_back(int_key("training.val_every", &C::training, &TrainingConfig::val_every));
     v.push_back(int_key("training.val_batches", &C::training, &TrainingConfig::val_batches));
     v.push_back(int_key("training.threads", &C::training, &TrainingConfig::threads));
@@ -293,6 +294,17 @@ void Config::validate() const {
   MT_CHECK(training.val_batches >= 1, "training.val_batches must be at least 1");
   MT_CHECK(training.threads >= 0, "training.threads must not be negative (0: all cores)");
   check_device();
+  if (model.grad_working()) {  // 16-bit gradients (training.grad_dtype; model.validate checked the dtype)
+    MT_CHECK(training.device == "cpu", "training.grad_dtype = " << model.grad_dtype << " runs on the CPU only for "
+                                       << "now; use training.grad_dtype = fp32 with training.device = cuda");
+    MT_CHECK(parallel.grad_comm_dtype == "fp32" || parallel.grad_comm_dtype == model.grad_dtype,
+             "parallel.grad_comm_dtype = " << parallel.grad_comm_dtype << " with training.grad_dtype = "
+                                           << model.grad_dtype << ": reduce the gradients in " << model.grad_dtype
+                                           << " (in place) or fp32 (widened, the same sums)");
+    MT_CHECK(parallel.grad_compression == "none",
+             "parallel.grad_compression = " << parallel.grad_compression << " compresses fp32 gradients; use "
+                                            << "training.grad_dtype = fp32 or parallel.grad_compression = none");
+  }
   MT_CHECK(training.skip_spikes >= 0, "training.skip_spikes = " << training.skip_spikes << " must not be negative "
                                       << "(standard deviations above the recent mean; 0: off)");
   MT_CHECK(training.max_skips >= 1, "training.max_skips = " << training.max_skips << " must be at least 1 (skipped "

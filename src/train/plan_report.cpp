@@ -41,7 +41,7 @@ nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& 
     return j;
   }
   const plan::Layout l = run_layout(c);
-  plan::Precisions prec = plan::Precisions::of(c.model.precision);
+  plan::Precisions prec = plan::Precisions::of(c.model.precision, c.model.grad_working());
   prec.activation = 4;  // the CPU engine keeps activations in fp32 (16-bit operands only inside the matrix products)
   const plan::Memory pm = plan::memory_per_rank(c.model, l, prec, c.optim.name, plan::knobs(c));
   const plan::CommBytes pc = plan::comm_bytes_rank(c.model, l, prec, /*pp_rank=*/0, plan::traffic(c));  // rank 0's, as measured

@@ -96,18 +96,21 @@ size_t model_state_bytes(const MemStats& m) {
 
 // The model-state bytes per rank the ZeRO analysis predicts, with N the shard group and Ψ
 // counting the padding of each unit to a multiple of N. Per parameter: w bytes of working
-// copy (4 in fp32, 2 in bf16 / fp16), 4 of gradient (fp32), and in the optimizer's state
+// copy (4 in fp32, 2 in bf16 / fp16), g of gradient (4, or 2 with training.grad_dtype 16-bit),
+// and in the optimizer's state
 // the fp32 master (mixed precision only) and K of moments (adamw 8, sgd 4). fp32 Adam: stage
-// 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N, 3 16Ψ/N; bf16 Adam: 2Ψ + 4Ψ + 12Ψ sharded the same way.
+// 0 16Ψ, 1 8Ψ + 8Ψ/N, 2 4Ψ + 12Ψ/N, 3 16Ψ/N; bf16 Adam: 2Ψ + 4Ψ + 12Ψ (2Ψ + 2Ψ + 12Ψ with
+// bf16 gradients) sharded the same way.
 double predicted_model_state(const std::vector<Unit>& units, int stage, int N, const std::string& optim,
-                             const std::string& precision) {
+                             const ModelConfig& model) {
+  const std::string& precision = model.precision;
   double psi = 0, psi_n = 0;  // Ψ and Ψ/N with per-unit padding
   for (const Unit& u : units) {
     const int64_t chunk = (u.numel + N - 1) / N;
     psi += stage == 0 ? u.numel : chunk * N;
     psi_n += chunk;
   }
-  const double w = precision == "fp32" ? 4 : 2, g = 4;
+  const double w = precision == "fp32" ? 4 : 2, g = model.grad_working() ? 2 : 4;
   const double opt = (precision == "fp32" ? 0 : 4) + 4.0 * optim_moments(optim);  // master, moments
   switch (stage) {
     case 0: return (w + g + opt) * psi;
@@ -423,12 +426,14 @@ nlohmann::json step_run(Run& run, int64_t s) {
     }
   }
   if (run.spikes.enabled() && skip_spike(run, s, loss, norm, j)) return j;
-  { ProfileScope ps("grad_clip"); grad_clip(run.opt.segments(), norm, c.optim.grad_clip, 1.0 / S); }
+  float pending = 1.0f;  // 16-bit gradients: the clip and unscale factor, applied as the optimizer reads them
+  { ProfileScope ps("grad_clip"); pending = grad_clip(run.opt.segments(), norm, c.optim.grad_clip, 1.0 / S); }
   {
     // LAMB and LARS take whole tensors' norms: a tensor's partial sums of squares are added
     // over its ZeRO shards, then over its tp pieces (a pipeline stage holds whole units).
     ProfileScope ps("optimizer_step");
-    run.opt.step(lr, [&](std::vector<double>& x) { x = sum_doubles(run.tp, run.strategy.sum_over_shards(std::move(x))); });
+    run.opt.step(lr, [&](std::vector<double>& x) { x = sum_doubles(run.tp, run.strategy.sum_over_shards(std::move(x))); },
+                 pending);
   }
   { ProfileScope ps("after_step"); run.strategy.after_step(); }
   return j;
@@ -606,8 +611,11 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
   std::string formula = c.parallel.zero == 0 ? "no sharding"
                                                : "ZeRO stage " + std::to_string(c.parallel.zero) + ", N = " +
                                                      std::to_string(c.parallel.shard_group);
-  if (c.model.mixed_precision())
-    formula += ", " + c.model.precision + ": 2 + 4 + " + (optim_moments(c.optim.name) == 2 ? "12" : "8") + " bytes per parameter";
+  if (c.model.mixed_precision()) {
+    std::snprintf(buf, sizeof buf, ", %s: 2 + %d + %d bytes per parameter", c.model.precision.c_str(),
+                  c.model.grad_working() ? 2 : 4, optim_moments(c.optim.name) == 2 ? 12 : 8);
+    formula += buf;
+  }
   std::snprintf(buf, sizeof buf, "model state (params + grads + optim): %s measured, %s by the formula (%s)",
                 format_bytes(model_state_bytes(mem)).c_str(), format_bytes(static_cast<size_t>(run.predicted)).c_str(),
                 formula.c_str());
@@ -771,7 +779,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (mesh.data().size() > 1) strategy->check_same_parameters();
   Run run{c, world, mesh, dp, mesh.data(), mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, scaler, spikes, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
           max_over(world, predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name,
-                                                c.model.precision)),
+                                                c.model)),
           max_over(world, static_cast<double>(activation_bytes(c.model, model.dims(), M, c.training.recompute,
                                                                model.share()))),
           trace ? &*trace : nullptr, now_seconds(), cp_positions(c.model.seq_len, cp.shard())};
