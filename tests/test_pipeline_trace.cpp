@@ -2,11 +2,14 @@
 // its step time, bubble, peaks and action costs (and the simulator fed those costs predicts
 // the same step); receives that include their wait still cost what the simulator charged;
 // timelines that do not follow the schedule are refused; the Chrome trace holds every action
-// once, in microseconds, one process per rank.
+// once, in microseconds, one process per rank; a training run's trace (logging.trace) at
+// pp x dp and pp x tp holds every world rank's actions of every step, one process each.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -14,6 +17,7 @@
 #include "parallel/schedule.h"
 #include "parallel/schedule_sim.h"
 #include "parallel/schedule_svg.h"
+#include "train_runs.h"
 
 namespace mt {
 namespace {
@@ -249,6 +253,90 @@ TEST(PipelineTrace, ChromeTrace) {
   // One simulation alone: a step 0 starting at 0.
   const nlohmann::json one = nlohmann::json::parse(chrome_trace_json(a));
   EXPECT_EQ(one.at("traceEvents").size(), actions / 2 + 6);
+}
+
+// Processes other than the pipeline's ranks: each runs its pipeline rank's list, under its
+// own pid, name and threads.
+TEST(PipelineTrace, ChromeTraceOfMoreProcessesThanPipelineRanks) {
+  const Schedule s = schedule_make("interleaved", 2, 2, 4);
+  const Simulation a = measured_timeline(s, schedule_simulate(s, uneven_costs()).ranks);
+  const std::vector<TraceProcess> procs = {{"rank 0 (pp 0, dp 0)", 0}, {"rank 1 (pp 0, dp 1)", 0},
+                                           {"rank 2 (pp 1, dp 0)", 1}, {"rank 3 (pp 1, dp 1)", 1}};
+  const TraceStep st{3, 0.5, a, {a.ranks[0], a.ranks[0], a.ranks[1], a.ranks[1]}};
+  const nlohmann::json j = nlohmann::json::parse(chrome_trace_json({st}, procs));
+  std::map<int, std::string> process;
+  std::map<int, std::set<int>> tids;  // pid -> its tids
+  std::map<int, size_t> count;        // pid -> complete events
+  for (const nlohmann::json& e : j.at("traceEvents")) {
+    const int pid = e.at("pid"), tid = e.at("tid");
+    tids[pid].insert(tid);
+    if (e.at("name") == "process_name") process[pid] = e.at("args").at("name");
+    if (e.at("ph") != "X") continue;
+    ++count[pid];
+    EXPECT_EQ(e.at("args").at("stage"), s.layout.stage(procs[pid].pp_rank, e.at("args").at("chunk").get<int>())) << e;
+  }
+  for (int p = 0; p < 4; ++p) {
+    EXPECT_EQ(process[p], procs[p].name);
+    EXPECT_EQ(count[p], a.ranks[procs[p].pp_rank].size()) << p;
+    EXPECT_EQ(tids[p], (std::set<int>{2 * p + 1, 2 * p + 2})) << p;
+  }
+  TraceStep short_one = st;
+  short_one.ranks.pop_back();
+  EXPECT_THROW(chrome_trace_json({short_one}, procs), Error);
+}
+
+// ---- A training run's trace ----
+
+// Every world rank's actions of every step, under its own pid named by its coordinates,
+// with thread ids no other process uses; the summary still measures the first pipeline.
+void expect_every_rank_traced(const std::string& name, const std::string& layout, int ranks, int global,
+                              int micro, const std::string& schedule, const std::map<int, std::string>& names) {
+  test::TempDir d;
+  const std::string opts = test::options("gpt2", global, 1) + " --model.n_layer=4 --data.path=" +
+                           test::write_tokens(d, "t.bin", 3000, 37) + layout + " --parallel.pp_schedule=" + schedule +
+                           " --logging.trace=" + d / "trace.json";
+  const test::RunResult r = test::train_run(d, name, ranks, opts);
+  ASSERT_FALSE(r.loss.empty()) << r.output;
+  const Schedule s = schedule_make(schedule, 2, 1, micro);
+  const int per_stage = ranks / 2;  // pp is the outermost axis: world rank w runs pp rank w / per_stage
+  std::ifstream in(d / "trace.json");
+  const nlohmann::json j = nlohmann::json::parse(in);
+  std::map<int, std::string> process;
+  std::map<int, int> owner;                                // tid -> pid
+  std::map<std::tuple<int, int64_t, bool>, size_t> count;  // (pid, step, compute) -> events
+  for (const nlohmann::json& e : j.at("traceEvents")) {
+    const int pid = e.at("pid");
+    if (pid >= 1000) continue;  // logging.profile's processes
+    const auto [it, fresh] = owner.emplace(e.at("tid").get<int>(), pid);
+    EXPECT_EQ(it->second, pid) << "tid " << e.at("tid") << " under two pids";
+    if (e.at("name") == "process_name") process[pid] = e.at("args").at("name");
+    if (e.at("ph") == "X") ++count[{pid, e.at("args").at("step").get<int64_t>(), e.at("cat") == "compute"}];
+  }
+  EXPECT_EQ(process, names);
+  for (int w = 0; w < ranks; ++w) {
+    const std::vector<Action>& list = s.ranks[w / per_stage];
+    const size_t compute = std::count_if(list.begin(), list.end(), [](const Action& a) { return a.is_compute(); });
+    for (int64_t step = 0; step < static_cast<int64_t>(r.loss.size()); ++step) {
+      EXPECT_EQ((count[{w, step, true}]), compute) << name << ": rank " << w << " step " << step;
+      EXPECT_EQ((count[{w, step, false}]), list.size() - compute) << name << ": rank " << w << " step " << step;
+    }
+  }
+  EXPECT_EQ(count.size(), 2 * ranks * r.loss.size()) << name;
+  ASSERT_TRUE(r.summary.contains("pp_bubble")) << r.summary.dump();
+  EXPECT_GT(r.summary["pp_simulated_ms"].get<double>(), 0);
+  EXPECT_TRUE(std::filesystem::exists(d / "trace.json.svg"));
+}
+
+TEST(PipelineTrace, TrainingTraceHoldsEveryRankAtPipelineTimesData) {
+  expect_every_rank_traced("pp2dp2", " --parallel.pp=2 --parallel.dp=2", 4, 8, 4, "zb-h1",
+                           {{0, "rank 0 (pp 0, dp 0)"}, {1, "rank 1 (pp 0, dp 1)"}, {2, "rank 2 (pp 1, dp 0)"},
+                            {3, "rank 3 (pp 1, dp 1)"}});
+}
+
+TEST(PipelineTrace, TrainingTraceHoldsEveryRankAtPipelineTimesTensor) {
+  expect_every_rank_traced("pp2tp2", " --parallel.pp=2 --parallel.tp=2", 4, 4, 4, "1f1b",
+                           {{0, "rank 0 (pp 0, tp 0)"}, {1, "rank 1 (pp 0, tp 1)"}, {2, "rank 2 (pp 1, tp 0)"},
+                            {3, "rank 3 (pp 1, tp 1)"}});
 }
 
 }  // namespace

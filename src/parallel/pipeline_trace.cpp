@@ -111,41 +111,49 @@ ActionCosts measured_costs(const Simulation& m, bool stage_weights) {
   return c;
 }
 
-std::string chrome_trace_json(const std::vector<TraceStep>& steps) {
+std::string chrome_trace_json(const std::vector<TraceStep>& steps, const std::vector<TraceProcess>& processes) {
   using nlohmann::json;
   // Thread ids unique across processes and never 0: some Perfetto versions merge a tid 0
   // with another, or one tid seen under several pids.
-  auto tid = [](int rank, bool compute) { return 2 * rank + (compute ? 1 : 2); };
-  int pp = 0;
-  for (const TraceStep& st : steps) pp = std::max(pp, st.sim.layout.pp);
+  auto tid = [](int pid, bool compute) { return 2 * pid + (compute ? 1 : 2); };
+  std::vector<TraceProcess> named = processes;
+  if (named.empty()) {  // the pipeline ranks themselves
+    int pp = 0;
+    for (const TraceStep& st : steps) pp = std::max(pp, st.sim.layout.pp);
+    for (int r = 0; r < pp; ++r) named.push_back({"pp rank " + std::to_string(r), r});
+  }
   json events = json::array();
-  for (int r = 0; r < pp; ++r) {
-    events.push_back(json{{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"tid", tid(r, true)},
-                          {"args", {{"name", "pp rank " + std::to_string(r)}}}});
+  for (int p = 0; p < static_cast<int>(named.size()); ++p) {
+    events.push_back(json{{"name", "process_name"}, {"ph", "M"}, {"pid", p}, {"tid", tid(p, true)},
+                          {"args", {{"name", named[p].name}}}});
     for (bool compute : {true, false})
-      events.push_back(json{{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", tid(r, compute)},
+      events.push_back(json{{"name", "thread_name"}, {"ph", "M"}, {"pid", p}, {"tid", tid(p, compute)},
                             {"args", {{"name", compute ? "compute" : "transfers"}}}});
   }
   for (const TraceStep& st : steps) {
     const PipeLayout& L = st.sim.layout;
-    for (int r = 0; r < L.pp; ++r)
-      for (const TimedAction& t : st.sim.ranks[r]) {
+    const std::vector<std::vector<TimedAction>>& lines = processes.empty() ? st.sim.ranks : st.ranks;
+    MT_CHECK(processes.empty() || lines.size() == processes.size(),
+             "chrome trace: step " << st.step << " has " << lines.size() << " timelines for " << processes.size()
+                                   << " processes");
+    for (int p = 0; p < static_cast<int>(lines.size()); ++p)
+      for (const TimedAction& t : lines[p]) {
         const Action& a = t.action;
-        json args = {{"step", st.step}, {"micro", a.micro}, {"chunk", a.chunk}, {"stage", L.stage(r, a.chunk)}};
+        json args = {{"step", st.step}, {"micro", a.micro}, {"chunk", a.chunk}, {"stage", L.stage(named[p].pp_rank, a.chunk)}};
         if (!a.is_compute()) args["peer"] = a.peer;
         events.push_back(json{{"name", std::string(action_kind_name(a.kind)) + " " + std::to_string(a.micro)},
                               {"cat", a.is_compute() ? "compute" : "transfer"},
                               {"ph", "X"},
                               {"ts", (st.start + t.start) * 1e6},
                               {"dur", (t.end - t.start) * 1e6},
-                              {"pid", r},
-                              {"tid", tid(r, a.is_compute())},
+                              {"pid", p},
+                              {"tid", tid(p, a.is_compute())},
                               {"args", std::move(args)}});
       }
   }
   return json{{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}}.dump() + "\n";
 }
 
-std::string chrome_trace_json(const Simulation& one) { return chrome_trace_json(std::vector<TraceStep>{{0, 0, one}}); }
+std::string chrome_trace_json(const Simulation& one) { return chrome_trace_json(std::vector<TraceStep>{{0, 0, one, {}}}); }
 
 }  // namespace mt

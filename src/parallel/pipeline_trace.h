@@ -1,14 +1,15 @@
-// Measured pipeline steps: each pipeline rank times the actions of its list as it runs
-// them, rank 0 gathers the timelines, and this turns them into what the simulator gives
-// (a Simulation, so the same summary, picture and tables serve measured steps), into
-// action costs that feed the simulator back (to compare a predicted step with the
-// measured one), and into a trace that Perfetto and chrome://tracing open.
+// Measured pipeline steps: each rank times the actions of its pipeline rank's list as it
+// runs them, world rank 0 gathers the timelines (train/step_trace.h), and this turns them
+// into what the simulator gives (a Simulation, so the same summary, picture and tables
+// serve measured steps), into action costs that feed the simulator back (to compare a
+// predicted step with the measured one), and into a trace that Perfetto and
+// chrome://tracing open.
 //
 // A measured timeline holds, for every action of a rank's list in list order, its start
 // and end in seconds since that rank's step began: compute actions the time computing,
 // sends the time to post them, receives from when the rank starts waiting until the data
-// is there. Ranks' clocks agree as well as their step starts do (the executor starts the
-// step together on all of them).
+// is there. Ranks' clocks agree as well as their step starts do (the trainer starts a
+// traced step together on all of them).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -46,21 +47,34 @@ Simulation measured_timeline(const Schedule& s, std::vector<std::vector<TimedAct
 ActionCosts measured_costs(const Simulation& measured, bool stage_weights = false);
 
 // One step of a trace: its index, when it started (seconds, on any clock common to the
-// steps) and its timelines (measured_timeline's, or a simulation's in seconds).
+// steps), its timelines (measured_timeline's, or a simulation's in seconds) and, for a
+// trace of more processes than one pipeline's ranks, every process's timeline on sim's
+// time axis (processes[i]'s is ranks[i]; TraceProcess says which pipeline rank's list it
+// ran). With ranks empty, the processes are sim's ranks.
 struct TraceStep {
   int64_t step = 0;
   double start = 0;
   Simulation sim;
+  std::vector<std::vector<TimedAction>> ranks;
+};
+
+// A process of the trace: its name in the viewer (e.g. "rank 5 (pp 1, dp 0, tp 1)") and
+// the pipeline rank whose list of actions it runs.
+struct TraceProcess {
+  std::string name;
+  int pp_rank = 0;
 };
 
 // A Chrome trace event file (JSON; Perfetto and chrome://tracing open it) of the steps one
 // after another on one time axis: ts and dur in microseconds, ts = (step start + action
-// start) · 10^6. One process per pipeline rank (pid = rank, named "pp rank r"), two
-// threads in each: "compute" (F, B, BI, BW; tid 2r + 1) and "transfers" (sends and
-// receives; tid 2r + 2). One complete event ("ph": "X") per action, named by kind and
-// micro-batch ("F 3", "RECV_GRAD 3"), with category "compute" or "transfer" and args
-// step, micro, chunk, stage (the virtual stage) and, for transfers, peer.
-std::string chrome_trace_json(const std::vector<TraceStep>& steps);
+// start) · 10^6. One process per entry of `processes` (pid = its index: the world rank in
+// a training run's trace), or without them one per pipeline rank of sim (pid = rank,
+// named "pp rank r"). Two threads in each: "compute" (F, B, BI, BW; tid 2·pid + 1) and
+// "transfers" (sends and receives; tid 2·pid + 2). One complete event ("ph": "X") per
+// action, named by kind and micro-batch ("F 3", "RECV_GRAD 3"), with category "compute" or
+// "transfer" and args step, micro, chunk, stage (the virtual stage) and, for transfers,
+// peer (the pipeline rank on the other end).
+std::string chrome_trace_json(const std::vector<TraceStep>& steps, const std::vector<TraceProcess>& processes = {});
 std::string chrome_trace_json(const Simulation& one);  // one step starting at 0
 
 }  // namespace mt

@@ -2,31 +2,62 @@
 
 #include <algorithm>
 #include <fstream>
+#include <tuple>
 
 #include "core/error.h"
 #include "parallel/schedule_svg.h"
 
 namespace mt {
 
-StepTrace::StepTrace(std::string path, const Schedule& s, Communicator& pp, bool writer)
-    : path_(std::move(path)), schedule_(s), pp_(pp), writer_(writer) {}
+namespace {
+
+// "rank 5 (pp 1, dp 0, tp 1)": the coordinates of the axes the mesh has more than one rank on.
+std::string rank_name(const Mesh& mesh, int rank) {
+  const MeshCoords c = mesh.coords(rank);
+  std::string axes;
+  for (const auto& [name, size, at] : {std::tuple{"pp", mesh.pp().size(), c.pp}, std::tuple{"dp", mesh.dp().size(), c.dp},
+                                       std::tuple{"tp", mesh.tp().size(), c.tp}, std::tuple{"cp", mesh.cp().size(), c.cp}})
+    if (size > 1) axes += (axes.empty() ? "" : ", ") + std::string(name) + " " + std::to_string(at);
+  return "rank " + std::to_string(rank) + (axes.empty() ? "" : " (" + axes + ")");
+}
+
+}  // namespace
+
+StepTrace::StepTrace(std::string path, const Schedule& s, const Mesh& mesh)
+    : path_(std::move(path)), schedule_(s), world_(mesh.world()), writer_(mesh.world().rank() == 0) {
+  first_.assign(s.layout.pp, -1);
+  for (int r = 0; r < world_.size(); ++r) {
+    const MeshCoords c = mesh.coords(r);
+    processes_.push_back({rank_name(mesh, r), c.pp});
+    if (c.dp == 0 && c.tp == 0 && c.cp == 0) first_[c.pp] = r;
+  }
+}
 
 void StepTrace::add(int64_t step, double start, const std::vector<TimedAction>& mine) {
   // Every rank's (start, end) per action, padded to the longest list.
   size_t longest = 0;
   for (const std::vector<Action>& list : schedule_.ranks) longest = std::max(longest, list.size());
-  std::vector<double> local(2 * longest, 0.0), all(local.size() * pp_.size());
-  for (size_t i = 0; i < mine.size(); ++i) local[2 * i] = mine[i].start, local[2 * i + 1] = mine[i].end;
-  pp_.allgather(Tensor::wrap(local.data(), {static_cast<int64_t>(local.size())}, DType::f64),
-                Tensor::wrap(all.data(), {static_cast<int64_t>(all.size())}, DType::f64));
+  std::vector<double> local(2 * longest, 0.0), all(local.size() * world_.size());
+  for (size_t i = 0; i < mine.size() && i < longest; ++i) local[2 * i] = mine[i].start, local[2 * i + 1] = mine[i].end;
+  world_.allgather(Tensor::wrap(local.data(), {static_cast<int64_t>(local.size())}, DType::f64),
+                   Tensor::wrap(all.data(), {static_cast<int64_t>(all.size())}, DType::f64));
   if (!writer_ || steps_.size() >= kMaxSteps) return;
-  std::vector<std::vector<TimedAction>> ranks(pp_.size());
-  for (int r = 0; r < pp_.size(); ++r)
-    for (size_t i = 0; i < schedule_.ranks[r].size(); ++i) {
-      const double* t = &all[r * local.size() + 2 * i];
-      ranks[r].push_back({schedule_.ranks[r][i], t[0], t[1]});
-    }
-  steps_.push_back({step, start, measured_timeline(schedule_, std::move(ranks))});
+  std::vector<std::vector<TimedAction>> ranks(world_.size());
+  for (int w = 0; w < world_.size(); ++w) {
+    const std::vector<Action>& list = schedule_.ranks[processes_[w].pp_rank];
+    for (size_t i = 0; i < list.size(); ++i) ranks[w].push_back({list[i], all[w * local.size() + 2 * i], all[w * local.size() + 2 * i + 1]});
+  }
+  std::vector<std::vector<TimedAction>> first;
+  for (int w : first_) first.push_back(ranks[w]);
+  TraceStep st{step, start, measured_timeline(schedule_, std::move(first)), {}};
+  // Every rank on the first pipeline's time axis: shifted as measured_timeline shifted it.
+  double shift = 0;
+  for (size_t r = 0; r < first_.size(); ++r)
+    if (!st.sim.ranks[r].empty()) shift = ranks[first_[r]][0].start - st.sim.ranks[r][0].start;
+  for (std::vector<TimedAction>& line : ranks)
+    for (TimedAction& t : line) t.start -= shift, t.end -= shift;
+  st.ranks = std::move(ranks);
+  steps_.push_back(std::move(st));
 }
 
 std::optional<PipelineMeasure> StepTrace::finish() const {
@@ -45,7 +76,7 @@ std::optional<PipelineMeasure> StepTrace::finish() const {
   Simulation predicted = schedule_simulate(schedule_, measured_costs(mean, /*stage_weights=*/true));
   predicted.name = schedule_.name + " (simulated with the measured costs)";
   m.simulated_s = predicted.step_time;
-  std::string trace = chrome_trace_json(steps_);
+  std::string trace = chrome_trace_json(steps_, processes_);
   if (extra_.is_array() && !extra_.empty()) {
     nlohmann::json doc = nlohmann::json::parse(trace);
     for (const nlohmann::json& e : extra_) doc["traceEvents"].push_back(e);

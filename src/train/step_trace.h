@@ -1,14 +1,16 @@
-// logging.trace: the training steps' pipeline actions as measured (the first kMaxSteps),
-// gathered from the pipeline ranks, written as a Chrome/Perfetto trace and drawn as the
-// schedule's picture (parallel/pipeline_trace.h). The ranks traced are one pipeline: the one world rank 0
-// belongs to (the other data- and tensor-parallel replicas run the same list).
+// logging.trace: the training steps' pipeline actions as measured (the first kMaxSteps) on
+// every rank, gathered over the world to world rank 0, written as a Chrome/Perfetto trace
+// and drawn as the schedule's picture (parallel/pipeline_trace.h). Every rank runs the
+// list of its pipeline rank; the summary and the picture are those of the first pipeline
+// (the ranks of dp 0, tp 0, cp 0: the simulator models one pipeline).
 //
-//   <trace>        Chrome trace event JSON: one process per pipeline rank, compute and
+//   <trace>        Chrome trace event JSON: one process per world rank (pid = world rank,
+//                  named by its coordinates, "rank 5 (pp 1, dp 0, tp 1)"), compute and
 //                  transfers on two threads, every step one after another; with
 //                  logging.profile also every rank's ops and collectives (add_events)
-//   <trace>.svg    the last step measured, above the simulator's timeline for the costs
-//                  measured over all steps (where the two differ, something the simulator
-//                  does not model took the time)
+//   <trace>.svg    the first pipeline's last step measured, above the simulator's timeline
+//                  for the costs measured over all steps (where the two differ, something
+//                  the simulator does not model took the time)
 #pragma once
 #include <optional>
 #include <string>
@@ -17,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/communicator.h"
+#include "comm/mesh.h"
 #include "parallel/pipeline_trace.h"
 
 namespace mt {
@@ -31,10 +34,11 @@ struct PipelineMeasure {
 
 class StepTrace {
  public:
-  // `writer`: this rank keeps the timelines and writes the files (world rank 0).
-  StepTrace(std::string path, const Schedule& s, Communicator& pp, bool writer);
-  // Collective over pp: this rank's timeline of step `step`, which began `start` seconds
-  // after the run did.
+  // World rank 0 keeps the timelines and writes the files.
+  StepTrace(std::string path, const Schedule& s, const Mesh& mesh);
+  // Collective over the world: this rank's timeline of step `step` (the actions of its
+  // pipeline rank's list), which began `start` seconds after the run did (world rank 0's
+  // start is the step's).
   void add(int64_t step, double start, const std::vector<TimedAction>& mine);
   // Further Chrome trace events (logging.profile's, train/profile_report.h) for the file.
   void add_events(nlohmann::json events) { extra_ = std::move(events); }
@@ -46,8 +50,10 @@ class StepTrace {
  private:
   std::string path_;
   const Schedule& schedule_;
-  Communicator& pp_;
+  Communicator& world_;
   bool writer_;
+  std::vector<TraceProcess> processes_;  // per world rank: its name and pipeline rank
+  std::vector<int> first_;               // the first pipeline's world ranks, by pipeline rank
   std::vector<TraceStep> steps_;
   nlohmann::json extra_;
 };

@@ -468,7 +468,7 @@ void run_steps(Run& run, Progress& p) {
     if (run.profiler) run.profiler->step_begin();  // the same span as step_ms
     const uint64_t bytes_before = run.strategy.bytes_sent(), tp_before = run.tp.bytes_sent();
     const uint64_t cp_before = run.mesh.cp().bytes_sent(), nodes_before = run.data.bytes_between_nodes() + run.strategy.bytes_between_nodes();
-    if (run.trace) run.pp.barrier();  // the pipeline ranks' timelines start together
+    if (run.trace) run.world.barrier();  // every rank's timeline starts together
     const auto pp_sent = [&] { return run.pp.bytes_sent() + (run.tie ? run.tie->bytes_sent() : 0); };
     const uint64_t pp_before = pp_sent();
     const double started = now_seconds() - run.t0;
@@ -739,7 +739,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
               pipeline_share(c.model, schedule, layers, pp.rank()), &cp);
   Pipeline pipe(model, pp, schedule, M, static_cast<int>(model.dims().T), c.parallel.timeout_s, alloc);
   std::optional<StepTrace> trace;
-  if (!c.logging.trace.empty()) trace.emplace(c.logging.trace, pipe.schedule(), pp, world.rank() == 0);
+  if (!c.logging.trace.empty()) trace.emplace(c.logging.trace, pipe.schedule(), mesh);
   // A tied head on a last stage that another rank's first stage embeds with: the pair sums
   // the copies' gradients, and the last stage's copy is a replica (not counted or saved twice).
   std::unique_ptr<Communicator> tie;
