@@ -2,9 +2,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstring>
+#include <vector>
 
 namespace mt {
 
@@ -48,6 +50,26 @@ std::string signal_name(int sig) {
     case SIGUSR1: return "SIGUSR1";
     default: return "signal " + std::to_string(sig);
   }
+}
+
+StepAgreement agree_step(Communicator& world, const MemStats& mine, int stop_signal) {
+  const int n = kNumMemTags + 2;
+  std::vector<double> local(n), all(n * world.size());
+  for (int i = 0; i < kNumMemTags; ++i) local[i] = static_cast<double>(mine.peak[i]);
+  local[kNumMemTags] = static_cast<double>(mine.peak_total);
+  local[kNumMemTags + 1] = stop_signal;
+  world.allgather(Tensor::wrap(local.data(), {n}, DType::f64), Tensor::wrap(all.data(), {n * world.size()}, DType::f64));
+  StepAgreement r;
+  for (int k = 0; k < world.size(); ++k) {
+    for (int i = 0; i < kNumMemTags; ++i) r.peaks.peak[i] = std::max(r.peaks.peak[i], static_cast<size_t>(all[k * n + i]));
+    r.peaks.peak_total = std::max(r.peaks.peak_total, static_cast<size_t>(all[k * n + kNumMemTags]));
+    if (all[k * n + kNumMemTags + 1] == 0) continue;
+    if (r.stop_ranks++ == 0) {
+      r.stop_signal = static_cast<int>(all[k * n + kNumMemTags + 1]);
+      r.stop_rank = k;
+    }
+  }
+  return r;
 }
 
 }  // namespace mt

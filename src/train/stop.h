@@ -13,6 +13,9 @@
 #pragma once
 #include <string>
 
+#include "comm/communicator.h"
+#include "core/allocator.h"
+
 namespace mt {
 
 // EX_TEMPFAIL of sysexits.h, "temporary failure, try again": the run stopped early and
@@ -31,5 +34,18 @@ void stop_notes_enable();
 int stop_signal();
 
 std::string signal_name(int sig);  // "SIGTERM", "SIGUSR1", ... or "signal N"
+
+// What the ranks agree on after every step, through one all-gather over the world: the
+// peak bytes per memory tag of the busiest rank, and whether a rank was asked to stop
+// (train/stop.h). Every rank gets the same answer, so all stop after the same step even
+// when the signal reached only some of them.
+struct StepAgreement {
+  MemStats peaks;
+  int stop_signal = 0;  // the signal of the lowest rank that got one; 0: carry on
+  int stop_rank = -1;   // that rank
+  int stop_ranks = 0;   // how many ranks got one
+};
+
+StepAgreement agree_step(Communicator& world, const MemStats& mine, int stop_signal);
 
 }  // namespace mt

@@ -44,37 +44,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// What the ranks agree on after every step, through one all-gather over the world: the
-// peak bytes per memory tag of the busiest rank, and whether a rank was asked to stop
-// (train/stop.h). Every rank gets the same answer, so all stop after the same step even
-// when the signal reached only some of them.
-struct StepAgreement {
-  MemStats peaks;
-  int stop_signal = 0;  // the signal of the lowest rank that got one; 0: carry on
-  int stop_rank = -1;   // that rank
-  int stop_ranks = 0;   // how many ranks got one
-};
-
-StepAgreement agree_step(Communicator& world, const MemStats& mine, int stop_signal) {
-  const int n = kNumMemTags + 2;
-  std::vector<double> local(n), all(n * world.size());
-  for (int i = 0; i < kNumMemTags; ++i) local[i] = static_cast<double>(mine.peak[i]);
-  local[kNumMemTags] = static_cast<double>(mine.peak_total);
-  local[kNumMemTags + 1] = stop_signal;
-  world.allgather(Tensor::wrap(local.data(), {n}, DType::f64), Tensor::wrap(all.data(), {n * world.size()}, DType::f64));
-  StepAgreement r;
-  for (int k = 0; k < world.size(); ++k) {
-    for (int i = 0; i < kNumMemTags; ++i) r.peaks.peak[i] = std::max(r.peaks.peak[i], static_cast<size_t>(all[k * n + i]));
-    r.peaks.peak_total = std::max(r.peaks.peak_total, static_cast<size_t>(all[k * n + kNumMemTags]));
-    if (all[k * n + kNumMemTags + 1] == 0) continue;
-    if (r.stop_ranks++ == 0) {
-      r.stop_signal = static_cast<int>(all[k * n + kNumMemTags + 1]);
-      r.stop_rank = k;
-    }
-  }
-  return r;
-}
-
 // The optimizer state of segment i (unit i) next to the strategy's parameter range, as
 // slices of the whole units; saving leaves out what another tp rank saves.
 std::vector<CheckpointSlice> state_slices(const std::vector<ParamSlice>& params, const Optimizer& opt,
