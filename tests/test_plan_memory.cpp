@@ -408,7 +408,7 @@ void expect_as_measured(const std::vector<Measured>& runs) {
 }
 
 // The layouts the brief names, one run each (about 15 s on two cores); DDP's hierarchical
-// and int8 reductions with several buckets; ZeRO 1's int8 reduce-scatter.
+// and int8 reductions with several buckets; ZeRO 1's and 3's int8 reduce-scatters.
 TEST(PlanMemory, PredictedBesideMeasured) {
   MemoryKnobs nodes_of_2, int8;
   nodes_of_2.hierarchical = true, nodes_of_2.ranks_per_node = 2, nodes_of_2.bucket_mb = 0.02;
@@ -417,6 +417,7 @@ TEST(PlanMemory, PredictedBesideMeasured) {
       {"dp4 hierarchical", "gpt2", 4, "dp=4,mb=1,gb=4", 0, nodes_of_2},
       {"dp2 int8", "llama", 2, "dp=2,mb=1,gb=4", 0, int8},
       {"dp2 zero1 int8", "gpt2", 2, "dp=2,zero=1,mb=1,gb=4", 0, int8},
+      {"dp2 zero3 int8", "llama", 2, "dp=2,zero=3,mb=1,gb=4", 0, int8},
       {"one rank", "gpt2", 1, "mb=2,gb=4"},
       {"recompute", "gpt2", 1, "mb=2,gb=4,recompute=full"},
       {"dp2 ddp", "gpt2", 2, "dp=2,mb=2,gb=4"},

@@ -50,15 +50,22 @@ void quantize(float* x, int64_t count, int64_t m, Block b) {
 
 }  // namespace
 
-Int8Reduction::Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc, Mode mode)
-    : group_(group), mode_(mode), n_(numel) {
+Int8Reduction::Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc, Mode mode, bool error_feedback)
+    : group_(group), alloc_(alloc), mode_(mode), error_feedback_(error_feedback), n_(numel) {
+  MT_CHECK(error_feedback || mode == Mode::reduce_scatter, "internal: an int8 all-reduce without error feedback");
   const int P = group.size();
   m_ = mode == Mode::reduce ? std::max<int64_t>(1, (numel + P * K - 1) / (P * K)) * K
                             : std::max<int64_t>(1, (numel + P - 1) / P);
+  if (!error_feedback) return;  // no residual; the blocks are allocated per call
   worker_residual_ = Tensor::zeros({n_}, DType::f32, alloc, MemTag::comm);
   if (mode == Mode::reduce) owner_residual_ = Tensor::zeros({m_}, DType::f32, alloc, MemTag::comm);
-  send_ = Tensor::empty({P * block_bytes() / 4}, DType::u32, alloc, MemTag::comm);
-  recv_ = Tensor::empty({P * block_bytes() / 4}, DType::u32, alloc, MemTag::comm);
+  allocate_blocks();
+}
+
+void Int8Reduction::allocate_blocks() {
+  const int P = group_.size();
+  send_ = Tensor::empty({P * block_bytes() / 4}, DType::u32, alloc_, MemTag::comm);
+  recv_ = Tensor::empty({P * block_bytes() / 4}, DType::u32, alloc_, MemTag::comm);
 }
 
 namespace {
@@ -68,8 +75,7 @@ int64_t range_count(int64_t n, int64_t m, int k) { return std::clamp<int64_t>(n 
 
 }  // namespace
 
-void Int8Reduction::quantize_and_exchange() {
-  float* x = worker_residual_.f32();  // x = g + e_w, added by the caller
+void Int8Reduction::quantize_and_exchange(float* x) {
   for (int k = 0; k < group_.size(); ++k) {
     const int64_t count = range_count(n_, m_, k);
     quantize(count > 0 ? x + k * m_ : x, count, m_, Block(send_.data<uint32_t>() + k * (block_bytes() / 4), m_));
@@ -92,7 +98,7 @@ void Int8Reduction::reduce(float* g) {
   // 1. x = g + e_w, quantized per owner range; the residual stays in e_w.
   float* x = worker_residual_.f32();
   for (int64_t i = 0; i < n_; ++i) x[i] += g[i];
-  quantize_and_exchange();
+  quantize_and_exchange(x);
   // 2. The owner's sum over ranks in rank order, plus its residual, requantized.
   float* s = owner_residual_.f32();
   const int64_t mine = range_count(n_, m_, r);
@@ -109,11 +115,17 @@ void Int8Reduction::reduce(float* g) {
 
 void Int8Reduction::reduce_scatter(float* g) {
   MT_CHECK(mode_ == Mode::reduce_scatter, "internal: Int8Reduction::reduce_scatter on an all-reduce");
-  float* x = worker_residual_.f32();
-  for (int64_t i = 0; i < n_; ++i) x[i] += g[i];
-  quantize_and_exchange();
+  float* x = g;  // without error feedback: quantized in place, g's errors dropped
+  if (error_feedback_) {
+    x = worker_residual_.f32();
+    for (int64_t i = 0; i < n_; ++i) x[i] += g[i];
+  } else {
+    allocate_blocks();
+  }
+  quantize_and_exchange(x);
   float* out = g + group_.rank() * m_;
   for (int64_t i = 0; i < range_count(n_, m_, group_.rank()); ++i) out[i] = owner_sum(i);
+  if (!error_feedback_) send_ = recv_ = Tensor();  // freed: only the unit being reduced holds blocks
 }
 
 }  // namespace mt

@@ -1,5 +1,5 @@
-// int8 gradient compression (parallel.grad_compression = int8), with error feedback: DDP's
-// all-reduce and ZeRO 1's reduce-scatter.
+// int8 gradient compression (parallel.grad_compression = int8): DDP's all-reduce and ZeRO
+// 1's reduce-scatter with error feedback, ZeRO 2's and 3's reduce-scatter without it.
 //
 // One Int8Reduction per gradient bucket (DDP) or unit (ZeRO 1) of n elements, over a group
 // of P ranks. The n elements are cut into P owner ranges of m elements (the tail past n
@@ -26,6 +26,13 @@
 // block_bytes() = 4 ceil(m / kChunk) + m rounded up to 4, about a quarter of the fp32
 // reduce-scatter's (P - 1) 4m.
 //
+// ZeRO 2-3 (reduce_scatter, error_feedback = false): step 1 on g itself (g is the unit's
+// communication buffer, quantized in place), the owner's float sum as ZeRO 1's. No residual
+// is kept, so each call's rounding is dropped: a residual would be [n] floats per unit on
+// every rank, the 4Ψ that the gradient sharding of these stages saves. The send and receive
+// blocks, 2 P block_bytes(), are allocated for the call and freed after it. Same bytes as
+// ZeRO 1's, per call (every micro-step).
+//
 // Not exact by design: training tracks the uncompressed run within a band (README). The
 // residuals are per-rank state: checkpoints keep each rank's (state()), and a run resumed
 // at the same layout continues bit for bit; at another layout they restart at 0.
@@ -44,12 +51,16 @@ class Int8Reduction {
  public:
   static constexpr int64_t kChunk = 1024;  // elements per scale
   enum class Mode { reduce, reduce_scatter };
-  Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc, Mode mode = Mode::reduce);
+  // error_feedback = false (reduce_scatter only): no residual is kept (none allocated), and
+  // the send and receive blocks exist only during a call.
+  Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc, Mode mode = Mode::reduce,
+                bool error_feedback = true);
   // Mode::reduce: g[numel], this rank's gradient in, the compressed sum over the group out
   // (blocking).
   void reduce(float* g);
   // Mode::reduce_scatter: g[numel], this rank's gradient in; out, the group's sum of range
-  // r (this rank's) in g[r m, min((r + 1) m, numel)), the rest left as it was (blocking).
+  // r (this rank's) in g[r m, min((r + 1) m, numel)), the rest left as it was (blocking;
+  // without error feedback the rest holds the quantization errors: g is scratch).
   void reduce_scatter(float* g);
   int64_t range() const { return m_; }  // elements each rank owns (padded)
   // Bytes of one rank's range on the wire: one float scale per chunk, then the int8
@@ -58,18 +69,22 @@ class Int8Reduction {
   // The error-feedback residuals (e_w [n], and for reduce e_s [m]), named, to checkpoint and
   // restore.
   std::vector<std::pair<std::string, Tensor>> state() const {
+    if (!error_feedback_) return {};
     if (mode_ == Mode::reduce_scatter) return {{"worker_residual", worker_residual_}};
     return {{"worker_residual", worker_residual_}, {"owner_residual", owner_residual_}};
   }
 
  private:
-  void quantize_and_exchange();  // step 1: x = g + e_w quantized, the all-to-all
+  void allocate_blocks();
+  void quantize_and_exchange(float* x);  // step 1: x (g + e_w, or g) quantized, the all-to-all
   float owner_sum(int64_t i) const;  // step 2: element i of this rank's range, summed in rank order
 
   Communicator& group_;
+  Allocator& alloc_;
   Mode mode_;
+  bool error_feedback_;
   int64_t n_, m_;
-  Tensor worker_residual_;  // [n] this rank's e_w
+  Tensor worker_residual_;  // [n] this rank's e_w (error feedback only)
   Tensor owner_residual_;   // reduce: [m] e_s of the range this rank owns
   Tensor send_, recv_;      // [P x block] as u32 words: the ranges for their owners / from every rank
   Tensor sum_;              // [m] the owner's float sum

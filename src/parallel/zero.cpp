@@ -51,6 +51,8 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
         s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, alloc, Int8Reduction::Mode::reduce_scatter);
     } else {  // the whole gradient exists only during the unit's backward
       s.shard_g = Tensor::zeros({s.chunk}, gd_, alloc, MemTag::grads);
+      if (cfg.grad_compression == "int8" && S_ > 1 && s.n > 0)  // no error feedback: no full-size residual
+        s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, alloc, Int8Reduction::Mode::reduce_scatter, false);
     }
   }
   fill(ranges);
@@ -143,6 +145,13 @@ void ZeRO::launch_reduce(int u) {
   };
   if (stage_ == 1) {  // in place: chunk k of the full gradient receives the sum
     s.reduce = reduce_scatter(s.full_g, s.full_g.view(k_ * s.chunk, {s.chunk}));
+    return;
+  }
+  if (s.int8) {  // blocking: the owner's float sum lands in chunk k of full_g, accumulated at once
+    s.int8->reduce_scatter(s.full_g.f32());
+    accumulate(gd_, s.shard_g.raw(), gd_, s.full_g.view(k_ * s.chunk, {s.chunk}).raw(), s.chunk);
+    s.full_g = Tensor();
+    model_.units()[u].g = Tensor();
     return;
   }
   s.reduced = Tensor::empty({s.chunk}, gd_, alloc_, MemTag::comm);
@@ -287,7 +296,9 @@ std::string ZeRO::describe() const {
                 : pipelined_ ? ", each unit gathered once per step (pipeline)"
                               : (std::string(cfg_.reshard_after_forward ? ", reshard after forward" : "") +
                                  (cfg_.prefetch ? ", prefetch" : "")).c_str(),
-                stage_ == 1 && cfg_.grad_compression == "int8" ? ", int8-compressed reduce-scatter (error feedback)" : "");
+                cfg_.grad_compression != "int8" ? ""
+                : stage_ == 1                    ? ", int8-compressed reduce-scatter (error feedback)"
+                                                 : ", int8-compressed reduce-scatter (no error feedback)");
   return buf;
 }
 

@@ -30,10 +30,16 @@
 // the reduce-scatters move 16 bits (summed in float, rounded once): 2Ψ + 2Ψ + 12Ψ/N at
 // stage 1, 2Ψ + (2 + 12)Ψ/N at stage 2, (2 + 2 + 12)Ψ/N at stage 3.
 //
-// parallel.grad_compression = int8 (stage 1 only): each unit's reduce-scatter is an
-// Int8Reduction (compress.h), blocking in finish(): this rank's full gradient plus its
-// residual quantized, an all-to-all of the chunks to their owners, the owner's float sum
-// in rank order landing in its chunk of full_g as the plain reduce-scatter's does.
+// parallel.grad_compression = int8: each unit's reduce-scatter is an Int8Reduction
+// (compress.h). Stage 1, with error feedback, blocking in finish(): this rank's full
+// gradient plus its residual quantized, an all-to-all of the chunks to their owners, the
+// owner's float sum in rank order landing in its chunk of full_g as the plain
+// reduce-scatter's does. Stages 2-3, without error feedback (a residual would be a
+// full-size 4Ψ per rank, undoing the gradient sharding): blocking in after_backward, every
+// micro-step, the unit's gradient quantized in place in its communication buffer, the sum
+// landing in chunk k of it and added to the shard at once (no reduction is left pending,
+// so no overlap with the backward); the int8 blocks, 2 S block_bytes(), live only during
+// the call. The fp32 path's order of accumulation is unchanged.
 //
 // HYBRID_SHARD shards within groups of shard_group ranks and, after the reduce-scatter,
 // sums the gradient shards over the ranks that hold the same shard in other groups.
@@ -104,7 +110,7 @@ class ZeRO final : public DataParallel {
     WorkPtr reduce;  // pending reduce-scatter of full_g
     Tensor reduced;  // stages 2-3: [c] where the pending reduce-scatter lands
     Tensor master;   // mixed precision: [c] fp32 parameters of this rank's chunk (the w above are 16-bit)
-    std::unique_ptr<Int8Reduction> int8;  // stage 1, grad_compression = int8: the reduce-scatter
+    std::unique_ptr<Int8Reduction> int8;  // grad_compression = int8: the reduce-scatter (stage 1 with error feedback)
   };
   void ensure_gathered(int u);
   void start_gather(int u);

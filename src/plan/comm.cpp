@@ -95,12 +95,12 @@ std::vector<double> unit_numels(const ModelConfig& model, int tp) {
   return n;
 }
 
-BucketReduction int8_reduce_scatter(double n, double S) {
+BucketReduction int8_reduce_scatter(double n, double S, bool error_feedback) {
   const double c = std::max(1.0, std::ceil(n / S)), block = 4 * std::ceil(c / 1024) + 4 * std::ceil(c / 4);
   BucketReduction r;
   r.bytes = (S - 1) * block;
   r.messages = 1;
-  r.buffers = 4 * n + 2 * S * block;
+  r.buffers = (error_feedback ? 4 * n : 0) + 2 * S * block;
   return r;
 }
 
@@ -264,7 +264,7 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
       if (opt.hierarchical) {  // Communicator::reduce_scatter_hierarchical, as data rank 0 sends it
         const double L = opt.ranks_per_node > 0 ? opt.ranks_per_node : S, nodes = S / L;
         p.reductions.push_back({h.chunk, {(L - 1) * nodes * chunk * prec.grad + (nodes > 1 ? 4 * nodes * chunk : 0), 2}});
-      } else if (opt.grad_compression == "int8" && layout.zero == 1) {
+      } else if (opt.grad_compression == "int8") {  // every stage: the same blocks
         const BucketReduction r = int8_reduce_scatter(numel[h.unit], S);
         p.reductions.push_back({h.chunk, {r.bytes, r.messages}});
       } else {

@@ -34,7 +34,7 @@
 //         all-reduce of each gradient shard over the shard groups' replicas; the loss's
 //         sum (and ZeRO's gradient norm sums)
 // ZeRO moves parameters in the working precision and gradients in the gradient precision
-// (ZeRO 1 with grad_compression = int8: one all-to-all of int8 blocks per unit instead of
+// (ZeRO with grad_compression = int8: one all-to-all of int8 blocks per unit instead of
 // the reduce-scatter); DDP's all-reduce uses grad_comm_dtype.
 #pragma once
 #include <string>
@@ -51,7 +51,7 @@ struct TrafficOptions {
   double bucket_mb = 25;                 // parallel.bucket_mb: DDP's buckets (messages, the last one's tail)
   bool hierarchical = false;             // parallel.hierarchical: DDP's buckets by node
   int ranks_per_node = 0;                // its nodes' data-parallel ranks; 0: all of them on one node
-  std::string grad_compression = "none";  // parallel.grad_compression: none | int8 | powersgd (DDP; int8 ZeRO 1)
+  std::string grad_compression = "none";  // parallel.grad_compression: none | int8 | powersgd (DDP; int8 also ZeRO)
   int powersgd_rank = 4;                 // parallel.powersgd_rank
 };
 
@@ -66,11 +66,12 @@ struct BucketReduction {
 BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double n, double D,
                                  const TrafficOptions& opt, double elem_bytes);
 
-// ZeRO 1's int8 reduce-scatter of one unit of n elements over a shard group of S ranks
+// ZeRO's int8 reduce-scatter of one unit of n elements over a shard group of S ranks
 // (Int8Reduction::Mode::reduce_scatter, parallel/compress.h): one all-to-all of the chunks'
 // blocks, 4 ceil(c / 1024) + c rounded up to 4 bytes each (c = ceil(n / S)); buffers: the
-// residual [n] floats and the send and receive blocks.
-BucketReduction int8_reduce_scatter(double n, double S);
+// residual [n] floats (stage 1's error feedback only) and the send and receive blocks
+// (kept at stage 1, only during the call at stages 2-3).
+BucketReduction int8_reduce_scatter(double n, double S, bool error_feedback = true);
 
 // Bytes one rank sends per optimizer step on each axis: per axis the most any pipeline rank
 // sends. Throws mt::Error when the layout cannot run the model (a tp that does not divide

@@ -214,7 +214,8 @@ double activations(const Setup& s, const ModelShare& share) {
 // ZeRO 2-3's transient buffers over one step of the rank's list (ZeRO's hooks, replayed):
 // a unit's whole gradient [N c] from its backward until its reduce-scatter is drained, the
 // reduced chunk [c] while it is pending, and at stage 3 the gathered units [N c]. Returns
-// the peak of their sum in bytes.
+// the peak of their sum in bytes. With int8 (no error feedback) a reduction completes at
+// once: its send and receive blocks [2 N block] beside the whole gradient, then both freed.
 //
 // The engine frees a reduce-scatter's buffers at fixed points only: when more than
 // ZeRO::kReductionsInFlight would pend (the oldest), before its unit's next backward, and
@@ -229,7 +230,9 @@ class ZeroReplay {
       w_.push_back(c * s.N * s.prec.param);  // a gathered unit [N c]
       g_.push_back(c * s.N * s.prec.grad);   // a unit's whole gradient [N c]
       c_.push_back(c * s.prec.grad);         // the reduced chunk [c]
+      blocks_.push_back(int8_reduce_scatter(static_cast<double>(numel), s.N, false).buffers);  // int8's blocks
     }
+    int8_ = s.knobs.grad_compression == "int8" && s.N > 1;
     gathered_.assign(n_, false), full_g_.assign(n_, false), pending_.assign(n_, false);
   }
 
@@ -295,6 +298,13 @@ class ZeroReplay {
   }
   void after_backward(int u) {
     if (s_.lay.zero < 2) return;  // stage 1 reduces in place
+    if (int8_ && r_.numel[u] > 0) {  // blocking: the blocks during the call, then the whole gradient freed
+      take(blocks_[u]);
+      live_ -= blocks_[u] + g_[u];
+      full_g_[u] = false;
+      if (s_.lay.zero == 3 && !pipelined()) release(u);
+      return;
+    }
     take(c_[u]);                  // launch_reduce: the reduced chunk; the whole gradient stays until drained
     pending_[u] = true;
     order_.push_back(u);
@@ -331,7 +341,8 @@ class ZeroReplay {
   const Setup& s_;
   const RankShare& r_;
   int rank_, n_;
-  std::vector<double> w_, g_, c_;
+  std::vector<double> w_, g_, c_, blocks_;
+  bool int8_ = false;  // grad_compression = int8: each reduction blocking, none pending
   std::vector<bool> gathered_, full_g_, pending_;
   std::deque<int> order_;                          // pending reductions, oldest first
   double live_ = 0, peak_ = 0;
@@ -409,9 +420,10 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
       // dtype, the partial sums [nodes x c] in float, the finished chunks [nodes x c]
       const double L = s.knobs.ranks_per_node > 0 ? s.knobs.ranks_per_node : s.N, nodes = s.N / L;
       bytes += 4 * (std::ceil((L - 1) * nodes * chunk * gb / 4) + nodes * chunk + std::ceil(nodes * chunk * gb / 4));
-    } else if (s.knobs.grad_compression == "int8" && s.lay.zero == 1 && s.N > 1) {
-      for (int64_t n : r.numel)  // per unit: Int8Reduction's residual and blocks (compress.h)
-        if (n > 0) bytes += int8_reduce_scatter(static_cast<double>(n), s.N).buffers;
+    } else if (s.knobs.grad_compression == "int8" && s.N > 1) {
+      for (int64_t n : r.numel)  // stage 1, per unit: Int8Reduction's residual and blocks (compress.h)
+        if (n > 0 && s.lay.zero == 1) bytes += int8_reduce_scatter(static_cast<double>(n), s.N).buffers;
+      // stages 2-3: the blocks live only during a unit's reduction (ZeroReplay)
     } else {
       bytes += staging_bytes(chunk * (s.N - 1), gb);  // reduce-scatter into [c]: (N - 1) pieces
     }

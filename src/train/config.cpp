@@ -364,7 +364,7 @@ std::string values_where(int lo, int hi, const std::function<bool(int)>& ok) {
 }  // namespace
 
 // Hierarchical reductions (DDP's all-reduce, ZeRO's reduce-scatters) and gradient
-// compression (DDP's; int8 also ZeRO 1's).
+// compression (DDP's; int8 also ZeRO's reduce-scatters, stages 2-3 without error feedback).
 void Config::check_cheaper_comm() const {
   const ParallelConfig& p = parallel;
   MT_CHECK(p.ranks_per_node >= 0, "parallel.ranks_per_node = " << p.ranks_per_node
@@ -372,14 +372,12 @@ void Config::check_cheaper_comm() const {
   MT_CHECK(p.powersgd_rank >= 1, "parallel.powersgd_rank = " << p.powersgd_rank
                                  << " must be at least 1 (the rank of PowerSGD's approximation; default 4)");
   if (p.grad_compression == "none") return;
-  if (p.grad_compression == "int8")
-    MT_CHECK(p.zero <= 1, "parallel.grad_compression = int8 compresses DDP's all-reduce and ZeRO 1's reduce-scatter, "
-                          << "but parallel.zero = " << p.zero << ": its error feedback keeps a full-size gradient "
-                          << "residual on every rank, which undoes the gradient sharding of ZeRO 2 and 3; use "
-                          << "parallel.zero=0 or 1, or grad_compression=none");
-  else
+  // int8 runs at every stage (ZeRO 2-3 without error feedback: no full-size residual).
+  if (p.grad_compression != "int8")
     MT_CHECK(p.zero == 0, "parallel.grad_compression = " << p.grad_compression << " compresses DDP's gradient "
-                          << "reduction, but parallel.zero = " << p.zero << "; use parallel.zero=0 or grad_compression=none");
+                          << "reduction, but parallel.zero = " << p.zero << " (its error feedback keeps full-size "
+                          << "state on every rank, which would undo the sharding; int8 runs under ZeRO); use "
+                          << "parallel.zero=0 or grad_compression=none");
   MT_CHECK(p.grad_comm_dtype == "fp32", "parallel.grad_compression = " << p.grad_compression << " compresses fp32 "
                                         << "gradients itself; leave parallel.grad_comm_dtype = fp32 (got "
                                         << p.grad_comm_dtype << ")");
@@ -502,7 +500,8 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
                << parallel.shard_group << " of the " << data << " (HYBRID_SHARD, itself a layout by node); use one "
                << "or the other");
   MT_CHECK(parallel.grad_compression == "none" || parallel.zero == 0 || parallel.shard_group == data,
-           "parallel.grad_compression = " << parallel.grad_compression << " with ZeRO 1 compresses the reduce-scatter "
+           "parallel.grad_compression = " << parallel.grad_compression << " with ZeRO " << parallel.zero
+               << " compresses the reduce-scatter "
                << "over all " << data << " " << data_name << " ranks, but parallel.shard_group = " << parallel.shard_group
                << " shards over groups of " << parallel.shard_group << " (HYBRID_SHARD); use one or the other");
   MT_CHECK(parallel.ranks_per_node == 0 || data % parallel.ranks_per_node == 0,
