@@ -211,44 +211,53 @@ TEST(Int8Reduction, ReduceScatterKeepsTheSumInTheOwnersRange) {
   EXPECT_EQ(w.bytes_sent() - before, uint64_t(steps) * (P - 1) * red.block_bytes()) << "one all-to-all per step";
 }
 
-// ZeRO 1 with int8: every rank's chunk holds the compressed sum (within the bound above),
-// and after an update of the chunks and ZeRO 1's all-gather every rank holds identical
-// parameters. Bytes per step and unit of n: the all-to-all, (P - 1) x block, and the
-// parameters' all-gather, (P - 1) x 4 ceil(n / P).
-TEST(Int8Zero1, ChunksHoldTheSumAndEveryRankEndsIdentical) {
+// ZeRO `stage` with int8 over `micro` micro-steps per step (each unit's gradients set on
+// every rank r to value(r, u, i) between its before_ and after_backward), `steps` steps: every
+// rank's chunk holds micro x the sum over ranks within micro x the bound of one compressed
+// sum, 1.1 c / 127 with c = P (P + 1) / 2; bytes per step and unit of n: micro all-to-alls,
+// (P - 1) x block, and the parameters' all-gather, (P - 1) x 4 ceil(n / P); after an update
+// of the chunks every rank holds identical parameters. The strategy describes itself with
+// `described` in its line.
+void expect_int8_zero_sums(int stage, int micro, int steps, const std::string& described) {
   Communicator& w = *g_world;
   CpuAllocator alloc;
   const int P = w.size();
   Model model(tiny(), alloc, 1, false, /*allocate_state=*/false);
   ParallelConfig pc;
-  pc.zero = 1, pc.shard_group = P, pc.grad_compression = "int8";
+  pc.zero = stage, pc.shard_group = P, pc.grad_compression = "int8";
   ZeRO zero(model, w, alloc, pc, [](const std::vector<ParamSlice>& ranges) {
     for (const ParamSlice& p : ranges)
       for (int64_t i = p.begin; i < p.end; ++i) p.params[i - p.begin] = 0.01f * static_cast<float>(i % 17);
   });
-  EXPECT_NE(zero.describe().find("int8-compressed reduce-scatter"), std::string::npos) << zero.describe();
+  EXPECT_NE(zero.describe().find(described), std::string::npos) << zero.describe();
+  if (stage > 1) EXPECT_TRUE(zero.compression_state().empty()) << "no error feedback: nothing to keep";
   auto value = [](int r, size_t u, int64_t i) { return (r + 1) * (i % 5 == 0 ? 1.0f : 0.01f * static_cast<float>(u + i % 7)); };
-  const double c = P * (P + 1) / 2.0, bound = 1.1 * c / 127;
+  const double c = P * (P + 1) / 2.0, bound = micro * 1.1 * c / 127;
   const std::vector<OptimSegment> segs = zero.optim_segments();
   const std::vector<ParamSlice> own = zero.owned();
   uint64_t want_bytes = 0;
   for (const Unit& u : model.units()) {
     const int64_t chunk = (u.numel + P - 1) / P;
-    want_bytes += (P - 1) * (4 * ((chunk + 1023) / 1024) + (chunk + 3) / 4 * 4) + (P - 1) * 4 * chunk;
+    want_bytes += micro * (P - 1) * (4 * ((chunk + 1023) / 1024) + (chunk + 3) / 4 * 4) + (P - 1) * 4 * chunk;
   }
-  for (int step = 0; step < 3; ++step) {
+  const int units = static_cast<int>(model.units().size());
+  for (int step = 0; step < steps; ++step) {
     zero.zero_grad();
-    for (size_t u = 0; u < model.units().size(); ++u)
-      for (int64_t i = 0; i < model.units()[u].numel; ++i) model.units()[u].g.f32()[i] = value(w.rank(), u, i);
     const uint64_t before = zero.bytes_sent();
-    zero.set_sync(true);
-    for (int u = static_cast<int>(model.units().size()) - 1; u >= 0; --u) zero.after_backward(u);
+    for (int m = 0; m < micro; ++m) {
+      zero.set_sync(m == micro - 1);
+      for (int u = units - 1; u >= 0; --u) {
+        zero.before_backward(u);
+        for (int64_t i = 0; i < model.units()[u].numel; ++i) model.units()[u].g.f32()[i] = value(w.rank(), u, i);
+        zero.after_backward(u);
+      }
+    }
     zero.finish();
     for (size_t u = 0; u < segs.size(); ++u)
       for (int64_t i = 0; i < own[u].end - own[u].begin; ++i) {
         const int64_t at = own[u].begin + i;
         double want = 0;
-        for (int r = 0; r < P; ++r) want += value(r, u, at);
+        for (int r = 0; r < P; ++r) want += micro * value(r, u, at);
         ASSERT_NEAR(segs[u].g.f32()[i], want, bound) << "unit " << u << " element " << at;
         segs[u].w.f32()[i] -= 0.01f * segs[u].g.f32()[i];  // an update of this rank's chunk
       }
@@ -256,6 +265,11 @@ TEST(Int8Zero1, ChunksHoldTheSumAndEveryRankEndsIdentical) {
     EXPECT_EQ(zero.bytes_sent() - before, want_bytes) << "step " << step;
     zero.check_same_parameters();  // throws naming the rank that differs
   }
+}
+
+// ZeRO 1 with int8 (error feedback, reduced in finish()): one micro-step, 3 steps.
+TEST(Int8Zero1, ChunksHoldTheSumAndEveryRankEndsIdentical) {
+  expect_int8_zero_sums(1, 1, 3, "int8-compressed reduce-scatter (error feedback)");
 }
 
 // int8 for ZeRO 2-3 (reduce_scatter without error feedback) on the elements above: no state,
@@ -291,56 +305,9 @@ TEST(Int8Reduction, WithoutErrorFeedbackKeepsNoStateAndCarriesNothing) {
 
 // ZeRO 2 with int8: over 2 micro-steps (each unit reduced right after its backward) every
 // rank's gradient shard holds the sum of both micro-steps' compressed sums, within twice the
-// bound above; bytes per step: 2 all-to-alls per unit and the parameters' all-gather; after
-// an update every rank holds identical parameters.
+// bound; 2 all-to-alls per unit and step.
 TEST(Int8Zero2, ShardsAccumulateTheMicroStepsAndEveryRankEndsIdentical) {
-  Communicator& w = *g_world;
-  CpuAllocator alloc;
-  const int P = w.size();
-  Model model(tiny(), alloc, 1, false, /*allocate_state=*/false);
-  ParallelConfig pc;
-  pc.zero = 2, pc.shard_group = P, pc.grad_compression = "int8";
-  ZeRO zero(model, w, alloc, pc, [](const std::vector<ParamSlice>& ranges) {
-    for (const ParamSlice& p : ranges)
-      for (int64_t i = p.begin; i < p.end; ++i) p.params[i - p.begin] = 0.01f * static_cast<float>(i % 17);
-  });
-  EXPECT_NE(zero.describe().find("int8-compressed reduce-scatter (no error feedback)"), std::string::npos)
-      << zero.describe();
-  EXPECT_TRUE(zero.compression_state().empty());
-  auto value = [](int r, size_t u, int64_t i) { return (r + 1) * (i % 5 == 0 ? 1.0f : 0.01f * static_cast<float>(u + i % 7)); };
-  const double c = P * (P + 1) / 2.0, bound = 2 * 1.1 * c / 127;
-  const std::vector<OptimSegment> segs = zero.optim_segments();
-  const std::vector<ParamSlice> own = zero.owned();
-  uint64_t want_bytes = 0;
-  for (const Unit& u : model.units()) {
-    const int64_t chunk = (u.numel + P - 1) / P;
-    want_bytes += 2 * (P - 1) * (4 * ((chunk + 1023) / 1024) + (chunk + 3) / 4 * 4) + (P - 1) * 4 * chunk;
-  }
-  const int units = static_cast<int>(model.units().size());
-  for (int step = 0; step < 2; ++step) {
-    zero.zero_grad();
-    const uint64_t before = zero.bytes_sent();
-    for (int micro = 0; micro < 2; ++micro) {
-      zero.set_sync(micro == 1);
-      for (int u = units - 1; u >= 0; --u) {
-        zero.before_backward(u);
-        for (int64_t i = 0; i < model.units()[u].numel; ++i) model.units()[u].g.f32()[i] = value(w.rank(), u, i);
-        zero.after_backward(u);
-      }
-    }
-    zero.finish();
-    for (size_t u = 0; u < segs.size(); ++u)
-      for (int64_t i = 0; i < own[u].end - own[u].begin; ++i) {
-        const int64_t at = own[u].begin + i;
-        double want = 0;
-        for (int r = 0; r < P; ++r) want += 2 * value(r, u, at);
-        ASSERT_NEAR(segs[u].g.f32()[i], want, bound) << "unit " << u << " element " << at;
-        segs[u].w.f32()[i] -= 0.01f * segs[u].g.f32()[i];
-      }
-    zero.after_step();
-    EXPECT_EQ(zero.bytes_sent() - before, want_bytes) << "step " << step;
-    zero.check_same_parameters();
-  }
+  expect_int8_zero_sums(2, 2, 2, "int8-compressed reduce-scatter (no error feedback)");
 }
 
 // A chunk holding an inf or NaN arrives as NaN on every rank (fp16 loss scaling then skips

@@ -113,13 +113,7 @@ TEST(Int8Compression, TracksTheUncompressedRunWithAQuarterOfTheBytes) {
   const std::string o = tasks_options();
   RunResult fp32 = train_run(d, "fp32", 2, o);
   RunResult int8 = train_run(d, "int8", 2, o + " --parallel.grad_compression=int8");
-  ASSERT_EQ(int8.loss.size(), 40u);
-  EXPECT_LT(int8.loss.back(), 0.6 * int8.loss.front()) << "int8 learns";
-  const double worst = max_rel_loss_diff(fp32, int8);
-  std::printf("int8 against fp32: largest loss difference %.2e relative; final %.4f vs %.4f\n", worst,
-              int8.loss.back(), fp32.loss.back());
-  EXPECT_LT(worst, 1e-2);
-  EXPECT_GT(worst, 0) << "int8 changed nothing";
+  expect_tracks_uncompressed(fp32, int8, 40, 1e-2, "int8 against fp32");
   EXPECT_NE(int8.output.find("int8-compressed"), std::string::npos) << int8.output;
 
   const int64_t psi = parameters(fp32), P = 2, K = Int8Reduction::kChunk;

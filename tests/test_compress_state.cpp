@@ -137,13 +137,7 @@ TEST(Int8Zero1, TracksUncompressedZero1WithTheFormulasBytes) {
   const std::string o = tasks_options(40) + " --parallel.zero=1";
   const RunResult fp32 = train_run(d, "fp32", 2, o);
   const RunResult int8 = train_run(d, "int8", 2, o + " --parallel.grad_compression=int8");
-  ASSERT_EQ(int8.loss.size(), 40u) << int8.output;
-  EXPECT_LT(int8.loss.back(), 0.6 * int8.loss.front()) << "int8 learns";
-  const double worst = max_rel_loss_diff(fp32, int8);
-  std::printf("int8 zero 1 against zero 1: largest loss difference %.2e relative; final %.4f vs %.4f\n", worst,
-              int8.loss.back(), fp32.loss.back());
-  EXPECT_LT(worst, 1e-2);
-  EXPECT_GT(worst, 0) << "int8 changed nothing";
+  expect_tracks_uncompressed(fp32, int8, 40, 1e-2, "int8 zero 1 against zero 1");
   EXPECT_NE(int8.output.find("int8-compressed reduce-scatter (error feedback)"), std::string::npos) << int8.output;
 
   double want_int8 = 8 + 8.0 * (int8.model.n_layer + 2), want_fp32 = want_int8;
@@ -181,13 +175,7 @@ TEST(Int8Zero23, TracksUncompressedZero23WithoutAResidual) {
                                                               std::to_string(stage) + " --training.micro_batch=4";
     const RunResult fp32 = train_run(d, z + "fp32", 2, o);
     const RunResult int8 = train_run(d, z + "int8", 2, o + " --parallel.grad_compression=int8");
-    ASSERT_EQ(int8.loss.size(), 40u) << int8.output;
-    EXPECT_LT(int8.loss.back(), 0.6 * int8.loss.front()) << "int8 learns";
-    const double worst = max_rel_loss_diff(fp32, int8);
-    std::printf("int8 zero %d against zero %d: largest loss difference %.2e relative; final %.4f vs %.4f\n", stage,
-                stage, worst, int8.loss.back(), fp32.loss.back());
-    EXPECT_LT(worst, 1e-2);
-    EXPECT_GT(worst, 0) << "int8 changed nothing";
+    expect_tracks_uncompressed(fp32, int8, 40, 1e-2, "int8 zero " + std::to_string(stage) + " against zero " + std::to_string(stage));
     EXPECT_NE(int8.output.find("int8-compressed reduce-scatter (no error feedback)"), std::string::npos) << int8.output;
     EXPECT_EQ(int8.output.find(kNote), std::string::npos) << "no compression state to keep";
 

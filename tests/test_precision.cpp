@@ -153,6 +153,33 @@ double max_rel_param_diff(const RunResult& a, const RunResult& b) {
   return d;
 }
 
+// A layout compared with one process: its name, ranks, the keys added to the base options,
+// and the run it must equal bit for bit ("" for none).
+struct Layout {
+  std::string name;
+  int ranks;
+  std::string keys, twin;
+};
+
+// Runs each layout with base + its keys against one: its memory as `memory` checks it, its
+// bits against its twin's, and its largest relative loss and parameter differences (printed)
+// below the bounds.
+template <class MemoryCheck>
+void expect_layouts_track(PrecisionRuns& rs, const RunResult& one, const std::string& base,
+                          const std::vector<Layout>& layouts, MemoryCheck memory, double loss_bound,
+                          double param_bound) {
+  for (const Layout& l : layouts) {
+    const RunResult& r = rs.run(l.name, l.ranks, base + l.keys);
+    ASSERT_EQ(r.loss.size(), one.loss.size()) << l.name;
+    memory(r, l.name);
+    if (!l.twin.empty()) expect_bit_identical(rs.done.at(l.twin), r, l.name + " vs " + l.twin);
+    const double dl = max_rel_loss_diff(one, r), dp = max_rel_param_diff(one, r);
+    std::printf("%-16s loss %.2e  params %.2e\n", l.name.c_str(), dl, dp);
+    EXPECT_LT(dl, loss_bound) << l.name;
+    EXPECT_LT(dp, param_bound) << l.name;
+  }
+}
+
 }  // namespace
 
 // Each layout against one process at bf16. Pipelines of an untied model change no sum: the
@@ -164,12 +191,7 @@ TEST(Precision, Bf16LayoutsTrainWhatOneProcessTrains) {
   PrecisionRuns& rs = precision_runs();
   const RunResult& one = rs.run("one_bf16", 1, rs.base("bf16"));
   expect_memory_as_predicted(one, "one");
-  struct L {
-    std::string name;
-    int ranks;
-    std::string keys, twin;
-  };
-  const std::vector<L> layouts = {
+  const std::vector<Layout> layouts = {
       {"pp2_1f1b", 2, " --parallel.pp=2 --parallel.pp_schedule=1f1b", "one_bf16"},
       {"pp2_zbv", 2, " --parallel.pp=2 --parallel.pp_schedule=zbv", "one_bf16"},
       {"dp2_ddp", 2, " --parallel.dp=2", ""},
@@ -179,18 +201,9 @@ TEST(Precision, Bf16LayoutsTrainWhatOneProcessTrains) {
       {"tp2_sp", 2, " --parallel.tp=2 --parallel.sequence_parallel=true", ""},
       {"tp2_dp2_zero3", 4, " --parallel.tp=2 --parallel.dp=2 --parallel.zero=3", ""},
   };
-  for (const L& l : layouts) {
-    const RunResult& r = rs.run(l.name, l.ranks, rs.base("bf16") + l.keys);
-    ASSERT_EQ(r.loss.size(), one.loss.size()) << l.name;
-    expect_memory_as_predicted(r, l.name);
-    if (!l.twin.empty()) expect_bit_identical(rs.done.at(l.twin), r, l.name + " vs " + l.twin);
-    const double dl = max_rel_loss_diff(one, r), dp = max_rel_param_diff(one, r);
-    std::printf("%-16s loss %.2e  params %.2e\n", l.name.c_str(), dl, dp);
-    // Measured: dp and ZeRO 2e-8 in loss, 8e-7 in parameters (no boundary crossed); tp 1e-5
-    // and 4e-4 (a few crossings). fp32 layouts agree to ~1e-7 and ~1e-6.
-    EXPECT_LT(dl, 1e-4) << l.name;
-    EXPECT_LT(dp, 3e-3) << l.name;
-  }
+  // Measured: dp and ZeRO 2e-8 in loss, 8e-7 in parameters (no boundary crossed); tp 1e-5
+  // and 4e-4 (a few crossings). fp32 layouts agree to ~1e-7 and ~1e-6.
+  expect_layouts_track(rs, one, rs.base("bf16"), layouts, expect_memory_as_predicted, 1e-4, 3e-3);
 }
 
 // bf16 and fp16 track fp32 on a model that learns (the built-in tasks, 40 steps), and keep
@@ -365,37 +378,25 @@ TEST(Precision, Bf16GradientsHalveTheGradientBytesAndTrainWhatOneProcessTrains) 
   const double dl_f32g = max_rel_loss_diff(f32g, one);
   std::printf("bf16 gradients against fp32 gradients: loss %.2e  params %.2e\n", dl_f32g, max_rel_param_diff(f32g, one));
   EXPECT_LT(dl_f32g, 1e-3);
-  struct L {
-    std::string name, keys, twin;
-  };
-  const std::vector<L> layouts = {
-      {"g16_ddp", " --parallel.dp=2", ""},
-      {"g16_ddp_bf16", " --parallel.dp=2 --parallel.grad_comm_dtype=bf16", "g16_ddp"},
-      {"g16_zero1", " --parallel.dp=2 --parallel.zero=1", "g16_ddp"},
-      {"g16_zero2", " --parallel.dp=2 --parallel.zero=2", ""},
-      {"g16_zero3", " --parallel.dp=2 --parallel.zero=3", "g16_zero2"},
+  // Twins: the same sums in the same order: an fp32 all-reduce of bf16 values rounded once
+  // is the bf16 all-reduce (summed in float, rounded once); ZeRO 1's reduce-scatter sums what
+  // DDP sums; ZeRO 3 reduces what ZeRO 2 reduces.
+  const std::vector<Layout> layouts = {
+      {"g16_ddp", 2, " --parallel.dp=2", ""},
+      {"g16_ddp_bf16", 2, " --parallel.dp=2 --parallel.grad_comm_dtype=bf16", "g16_ddp"},
+      {"g16_zero1", 2, " --parallel.dp=2 --parallel.zero=1", "g16_ddp"},
+      {"g16_zero2", 2, " --parallel.dp=2 --parallel.zero=2", ""},
+      {"g16_zero3", 2, " --parallel.dp=2 --parallel.zero=3", "g16_zero2"},
       // the split backward stages each half's gradients: an untied pipeline changes no sum
-      {"g16_pp2_zbv", " --parallel.pp=2 --parallel.pp_schedule=zbv", "one_g16"},
-      {"g16_tp2_sp", " --parallel.tp=2 --parallel.sequence_parallel=true", ""},
+      {"g16_pp2_zbv", 2, " --parallel.pp=2 --parallel.pp_schedule=zbv", "one_g16"},
+      {"g16_tp2_sp", 2, " --parallel.tp=2 --parallel.sequence_parallel=true", ""},
   };
-  for (const L& l : layouts) {
-    const RunResult& r = rs.run(l.name, 2, g16 + l.keys);
-    ASSERT_EQ(r.loss.size(), one.loss.size()) << l.name;
-    expect_16bit_grads_memory(r, l.name);
-    // The same sums in the same order: an fp32 all-reduce of bf16 values rounded once is the
-    // bf16 all-reduce (summed in float, rounded once); ZeRO 1's reduce-scatter sums what DDP
-    // sums; ZeRO 3 reduces what ZeRO 2 reduces.
-    if (!l.twin.empty()) expect_bit_identical(rs.done.at(l.twin), r, l.name + " vs " + l.twin);
-    const double dl = max_rel_loss_diff(one, r), dp = max_rel_param_diff(one, r);
-    std::printf("%-14s loss %.2e  params %.2e\n", l.name.c_str(), dl, dp);
-    // Each rank rounds its own 4 micro-batches' sum into bf16 and the ranks' sums are added
-    // (rounded again), where one process rounds after each of 8: the gradients differ by a
-    // few bf16 steps (2^-8 relative) and AdamW's normalised update turns that into parameter
-    // differences of a fraction of lr. Measured: 1.5e-5 in loss, 2.1e-3 in parameters (tp
-    // sums in another order too).
-    EXPECT_LT(dl, 1e-4) << l.name;
-    EXPECT_LT(dp, 1e-2) << l.name;
-  }
+  // Each rank rounds its own 4 micro-batches' sum into bf16 and the ranks' sums are added
+  // (rounded again), where one process rounds after each of 8: the gradients differ by a few
+  // bf16 steps (2^-8 relative) and AdamW's normalised update turns that into parameter
+  // differences of a fraction of lr. Measured: 1.5e-5 in loss, 2.1e-3 in parameters (tp sums
+  // in another order too).
+  expect_layouts_track(rs, one, g16, layouts, expect_16bit_grads_memory, 1e-4, 1e-2);
 }
 
 // On a model that learns (the built-in tasks, 40 steps, as HalfPrecisionRunsTrackFp32), 16-bit

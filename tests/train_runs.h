@@ -198,6 +198,23 @@ inline double max_rel_loss_diff(const RunResult& a, const RunResult& b) {
   return d;
 }
 
+// A compressed run against the uncompressed run of the same options on a model that learns
+// (the built-in tasks, `steps` steps): it learns, its losses stay within `band` relative of
+// the other's at every step and differ somewhere (the compression changed something). Prints
+// and returns the largest relative difference.
+inline double expect_tracks_uncompressed(const RunResult& uncompressed, const RunResult& run, size_t steps,
+                                         double band, const std::string& what) {
+  EXPECT_EQ(run.loss.size(), steps) << run.output;
+  if (run.loss.size() != steps) return 0;
+  EXPECT_LT(run.loss.back(), 0.6 * run.loss.front()) << what << " learns";
+  const double worst = max_rel_loss_diff(uncompressed, run);
+  std::printf("%s: largest loss difference %.2e relative; final %.4f vs %.4f\n", what.c_str(), worst,
+              run.loss.back(), uncompressed.loss.back());
+  EXPECT_LT(worst, band) << what;
+  EXPECT_GT(worst, 0) << what << " changed nothing";
+  return worst;
+}
+
 // The step lines of run `name`'s metrics (its events left out), in step order.
 inline std::vector<nlohmann::json> steps_of(const TempDir& d, const std::string& name) {
   std::vector<nlohmann::json> r;
