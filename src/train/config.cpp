@@ -404,13 +404,11 @@ void Config::check_device() const {
   if (training.device != "cuda") return;
   MT_CHECK(cuda_built(), "training.device = cuda, but this meshtrain was built without CUDA: install the CUDA toolkit "
                          "and rebuild (MESHTRAIN_CUDA=ON), or use training.device = cpu");
-  const char* so_far = " (the CUDA engine runs AdamW with data parallelism (DDP) so far)";
+  const char* so_far = " (the CUDA engine runs AdamW with DDP, ZeRO 1-3, tensor and pipeline parallelism so far)";
   MT_CHECK(optim.name == "adamw", "training.device = cuda runs optim.name = adamw only, not " << optim.name << so_far);
-  MT_CHECK(parallel.tp == 1 && parallel.pp == 1 && parallel.cp == 1 && parallel.zero == 0,
-           "training.device = cuda runs data parallelism only for now: set parallel.tp, pp and cp to 1 and "
-           "parallel.zero to 0" << so_far);
+  MT_CHECK(parallel.cp == 1, "training.device = cuda does not run context parallelism yet: set parallel.cp to 1" << so_far);
   MT_CHECK(!parallel.hierarchical && parallel.grad_compression == "none",
-           "training.device = cuda reduces gradients with the flat all-reduce only for now: set "
+           "training.device = cuda reduces gradients with the flat collectives only for now: set "
            "parallel.hierarchical=false and parallel.grad_compression=none");
   MT_CHECK(model.fused_attention(), "training.device = cuda needs training.attention = fused (the GPU attention "
                                     "never stores the [T, T] probabilities)");
