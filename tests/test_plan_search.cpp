@@ -544,6 +544,31 @@ TEST(PlanCommand, TextRanksAndExplains) {
 }
 
 // A --layout naming some fields: the rest completed with the best choice, one breakdown.
+// --grad-dtype bf16: gradients kept in the working precision (2Ψ + 2Ψ + 12Ψ), the same
+// layout with exactly half the gradient bytes, named in the header; the default follows the
+// configuration's training.grad_dtype; a type other than fp32 or the precision's is refused.
+TEST(PlanCommand, GradDtypeHalvesTheGradients) {
+  const TempDir d;
+  const std::string cfg = "--config " + kBench + " --gpus 2 --hardware h100 --layout dp=2,zero=0,mb=1 ";
+  const Plan f = plan_cmd(d, cfg + "--json");
+  const Plan h = plan_cmd(d, cfg + "--json --grad-dtype bf16");
+  const Plan k = plan_cmd(d, cfg + "--json --set training.grad_dtype=bf16 --set training.precision=bf16");
+  ASSERT_EQ(f.rc, 0) << f.out;
+  ASSERT_EQ(h.rc, 0) << h.out;
+  ASSERT_EQ(k.rc, 0) << k.out;
+  const nlohmann::json a = parse(f.printed)["layouts"][0]["memory"], b = parse(h.printed)["layouts"][0]["memory"];
+  EXPECT_GT(a["grads"].get<double>(), 0);
+  EXPECT_EQ(b["grads"].get<double>() * 2, a["grads"].get<double>());
+  EXPECT_EQ(b["params"], a["params"]);
+  EXPECT_EQ(b["optim"], a["optim"]);
+  EXPECT_EQ(parse(k.printed)["layouts"][0]["memory"]["grads"], b["grads"]);
+  const Plan t = plan_cmd(d, cfg + "--grad-dtype bf16");
+  EXPECT_TRUE(has(t.printed, "bf16 with bf16 gradients")) << t.printed;
+  const Plan bad = plan_cmd(d, cfg + "--grad-dtype fp16");
+  EXPECT_EQ(bad.rc, 1) << bad.out;
+  EXPECT_TRUE(has(bad.out, "--grad-dtype fp16 with precision bf16")) << bad.out;
+}
+
 TEST(PlanCommand, PartialLayoutIsCompleted) {
   const TempDir d;
   const std::string args = "--config " + kBench + " --gpus 4 --gpus-per-node 4 --hardware h100 --layout tp=2";

@@ -57,7 +57,7 @@ struct PlanOptions {
   std::string config;
   std::vector<std::string> overrides;
   int gpus = 0, gpus_per_node = 8, top = 10;
-  std::string hardware = "h100", layout, precision, svg;
+  std::string hardware = "h100", layout, precision, grad_dtype, svg;
   int64_t global_batch = 0;
   bool json = false;
 };

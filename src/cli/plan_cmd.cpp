@@ -27,6 +27,9 @@ void plan_options_add(CLI::App* cmd, PlanOptions* o) {
   cmd->add_option("--layout", o->layout, "dp=..,tp=..,pp=..,cp=..,v=..,schedule=..,zero=..,sp=..,recompute=..,mb=..; "
                                          "fields left out are chosen");
   cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp16 (default: bf16 on GPUs, fp32 on CPUs)");
+  cmd->add_option("--grad-dtype", o->grad_dtype,
+                  "fp32 | the precision's 16-bit type: gradients kept in it, 2Ψ + 2Ψ + 12Ψ (default: the "
+                  "configuration's training.grad_dtype where it is that type, else fp32)");
   cmd->add_option("--top", o->top, "layouts to list")->capture_default_str();
   cmd->add_flag("--json", o->json, "print one JSON object");
   cmd->add_option("--svg", o->svg, "draw memory per rank for the top layouts and the chosen one's pipeline");
@@ -79,7 +82,13 @@ int cmd_plan(const PlanOptions& o) {
   q.cluster.gpus = o.gpus;
   q.cluster.gpus_per_node = std::min(o.gpus_per_node, o.gpus);
   q.cluster.hw = plan::hardware_get(o.hardware);
-  q.precision = plan::Precisions::of(o.precision.empty() ? (q.cluster.hw.gpu ? "bf16" : "fp32") : o.precision);
+  const std::string precision = o.precision.empty() ? (q.cluster.hw.gpu ? "bf16" : "fp32") : o.precision;
+  std::string grad = o.grad_dtype;
+  if (grad.empty()) grad = q.config.model.grad_dtype == precision ? precision : "fp32";
+  MT_CHECK(grad == "fp32" || grad == precision, "--grad-dtype " << grad << " with precision " << precision
+                                                   << ": gradients are kept in fp32 or in the working precision ("
+                                                   << (precision == "fp32" ? "fp32 here" : precision) << ")");
+  q.precision = plan::Precisions::of(precision, grad != "fp32");
   q.global_batch = o.global_batch > 0 ? o.global_batch : q.config.training.global_batch;
   plan::Layout base;
   base.global_batch = q.global_batch;
@@ -90,10 +99,11 @@ int cmd_plan(const PlanOptions& o) {
   nlohmann::json out;
   if (!o.json) {
     std::printf("meshtrain plan: %s %d layers x %d (%.2fB parameters), %d x %s (%d per node), global batch %lld x %d "
-                "tokens, %s\n",
+                "tokens, %s%s\n",
                 q.config.model.family.c_str(), q.config.model.n_layer, q.config.model.d_model, params / 1e9, o.gpus,
                 q.cluster.hw.name.c_str(), q.cluster.gpus_per_node, static_cast<long long>(q.global_batch),
-                q.config.model.seq_len, q.precision.name.c_str());
+                q.config.model.seq_len, q.precision.name.c_str(),
+                q.precision.grad == 2 ? (" with " + precision + " gradients").c_str() : "");
     std::printf("%d layouts weighed, %zu fit\n", r.tried, r.ranked.size());
   }
   if (r.ranked.empty()) {
