@@ -202,4 +202,28 @@ TEST(Int8Zero23, TracksUncompressedZero23WithoutAResidual) {
   }
 }
 
+// int8 under ZeRO composed with the other axes, 4 ranks each, against the same layout
+// uncompressed: pp 2 x dp 2 at ZeRO 3 (1f1b: each unit gathered once per step), pp 2 x dp 2 at
+// ZeRO 2 under zb-h1 (split backward: the weight half reduces), tp 2 x dp 2 at ZeRO 2 and
+// cp 2 x dp 2 at ZeRO 3 (the shard group spans dp x cp). The band of the dp-only tests (1%),
+// and the bytes over dp equal the planner's prediction for the layout, exactly.
+TEST(Int8Zero23, ComposedLayoutsTrackAndMatchThePlanner) {
+  TempDir d;
+  const std::vector<std::pair<std::string, std::string>> layouts = {
+      {"pp_z3", "--parallel.pp=2 --parallel.dp=2 --parallel.zero=3 --parallel.pp_schedule=1f1b"},
+      {"pp_zb_z2", "--parallel.pp=2 --parallel.dp=2 --parallel.zero=2 --parallel.pp_schedule=zb-h1"},
+      {"tp_z2", "--parallel.tp=2 --parallel.dp=2 --parallel.zero=2"},
+      {"cp_z3", "--parallel.cp=2 --parallel.dp=2 --parallel.zero=3"}};
+  for (const auto& [name, layout] : layouts) {
+    SCOPED_TRACE(name);
+    const std::string o = tasks_options(40) + " --training.micro_batch=4 " + layout;
+    const RunResult fp32 = train_run(d, name + "_fp32", 4, o);
+    const RunResult int8 = train_run(d, name + "_int8", 4, o + " --parallel.grad_compression=int8");
+    expect_tracks_uncompressed(fp32, int8, 40, 1e-2, "int8 " + name);
+    ASSERT_TRUE(int8.summary.contains("plan_comm_bytes_dp")) << int8.output;
+    EXPECT_EQ(int8.summary["plan_comm_bytes_dp"].get<double>(), int8.summary["comm_bytes_dp_step"].get<double>());
+    EXPECT_LT(int8.summary["comm_bytes_dp_step"].get<double>(), fp32.summary["comm_bytes_dp_step"].get<double>());
+  }
+}
+
 }  // namespace
