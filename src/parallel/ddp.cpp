@@ -111,13 +111,14 @@ void DDP::launch(Bucket& b) {
 }
 
 // Blocking: int8 (quantize, exchange, sum, exchange, dequantize; compress.h) or PowerSGD
-// (powersgd.h), in the gradients themselves or through the bucket's fp32 buffer.
+// (powersgd.h), in the gradients themselves or through the bucket's fp32 buffer (16-bit
+// gradients are widened into it, and the reduced values rounded back once).
 void DDP::reduce_compressed(Bucket& b) {
   auto& units = model_.units();
   float* g = b.in_place ? units[b.units[0]].g.f32() : b.buffer.f32();
   int64_t off = 0;
   for (int u : b.units) {
-    if (!b.in_place) b.buffer.view(off, {units[u].numel}).copy_from(units[u].g);
+    if (!b.in_place) b.buffer.view(off, {units[u].numel}).convert_from(units[u].g);
     off += units[u].numel;
   }
   if (b.int8) b.int8->reduce(g);
@@ -125,7 +126,7 @@ void DDP::reduce_compressed(Bucket& b) {
   b.pending = 0;
   off = 0;
   for (int u : b.units) {
-    if (!b.in_place) units[u].g.copy_from(b.buffer.view(off, {units[u].numel}));
+    if (!b.in_place) units[u].g.convert_from(b.buffer.view(off, {units[u].numel}));
     off += units[u].numel;
   }
 }

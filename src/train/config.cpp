@@ -301,9 +301,11 @@ void Config::validate() const {
              "parallel.grad_comm_dtype = " << parallel.grad_comm_dtype << " with training.grad_dtype = "
                                            << model.grad_dtype << ": reduce the gradients in " << model.grad_dtype
                                            << " (in place) or fp32 (widened, the same sums)");
-    MT_CHECK(parallel.grad_compression == "none",
-             "parallel.grad_compression = " << parallel.grad_compression << " compresses fp32 gradients; use "
-                                            << "training.grad_dtype = fp32 or parallel.grad_compression = none");
+    MT_CHECK(parallel.grad_compression == "none" || parallel.zero == 0,
+             "parallel.grad_compression = " << parallel.grad_compression << " with training.grad_dtype = "
+                                            << model.grad_dtype << " compresses DDP's buckets only (widened to fp32), "
+                                            << "not ZeRO's: set parallel.zero=0, training.grad_dtype = fp32 or "
+                                            << "parallel.grad_compression = none");
   }
   MT_CHECK(training.skip_spikes >= 0, "training.skip_spikes = " << training.skip_spikes << " must not be negative "
                                       << "(standard deviations above the recent mean; 0: off)");
