@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <cstdio>
 #include <limits>
 #include <map>
@@ -301,6 +300,8 @@ void Pipeline::wait(Communicator::Transfer& t, const Action& a, const char* what
 void Pipeline::post_send(const Tensor& t, const Action& a, int tag) {
   // The most copies the schedule can leave unread, made at the first send: the buffers are
   // then the same on every run whatever the timing (and the planner predicts them).
+  // The copies live where the model does (alloc_: host or GPU memory); the communicator
+  // sends a GPU tensor through host memory.
   if (sends_.empty())
     for (int i = 0; i < send_copies_; ++i)
       sends_.push_back({Tensor::empty({t.numel()}, DType::f32, alloc_, MemTag::comm), nullptr, a});
@@ -313,7 +314,7 @@ void Pipeline::post_send(const Tensor& t, const Action& a, int tag) {
     sends_.push_back({Tensor::empty({t.numel()}, DType::f32, alloc_, MemTag::comm), nullptr, a});
     buf = &sends_.back();
   }
-  std::memcpy(buf->data.raw(), t.raw(), t.nbytes());
+  buf->data.copy_from(t);  // on the GPU: after the kernels that wrote t (cuda_memcpy waits for them)
   buf->action = a;
   buf->t = pp_.post_send(buf->data, a.peer, tag);
 }

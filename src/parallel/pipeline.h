@@ -17,7 +17,9 @@
 // so its slot is free at once. A receive that waits longer than parallel.timeout_s ends
 // the job with a message naming the action, its stage and micro-batch, and the peer.
 // Where consecutive stages sit on one rank (zbv's turn), the activation or gradient is
-// copied between the rank's own slots instead.
+// copied between the rank's own slots instead. With training.device = cuda the slots and
+// the sends' copies are GPU memory (copied with Tensor::copy_from, which waits for the
+// kernels that wrote them); transfers go through host memory (comm/communicator.h).
 #pragma once
 #include <functional>
 #include <string>
