@@ -35,7 +35,6 @@ Checks, per case and per torch model (tolerances: see below):
 Exit status 1 if any check fails.
 """
 import argparse
-import inspect
 import os
 import shutil
 import sys
@@ -119,17 +118,22 @@ def hf_model(cfg, attn):
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                              tie_word_embeddings=c["tie_embeddings"])
     else:
-        # transformers 5 folds RoPE's settings into rope_parameters; 4.x takes rope_theta.
-        if "rope_parameters" in inspect.signature(tr.LlamaConfig.__init__).parameters:
-            rope = dict(rope_parameters={"rope_type": "default", "rope_theta": float(c["rope_theta"])})
+        # transformers 5 folds RoPE's settings into rope_parameters (its configs have no
+        # rope_theta attribute); 4.x takes rope_theta.
+        theta = float(c["rope_theta"])
+        if hasattr(tr.LlamaConfig(), "rope_parameters"):
+            rope = dict(rope_parameters={"rope_type": "default", "rope_theta": theta})
         else:
-            rope = dict(rope_theta=float(c["rope_theta"]))
+            rope = dict(rope_theta=theta)
         conf = tr.LlamaConfig(vocab_size=c["vocab_size"], hidden_size=c["d_model"],
                               intermediate_size=c["d_ff"], num_hidden_layers=c["n_layer"],
                               num_attention_heads=c["n_head"], num_key_value_heads=c["n_kv_head"],
                               hidden_act="silu", max_position_embeddings=c["seq_len"],
                               rms_norm_eps=c["norm_eps"], tie_word_embeddings=c["tie_embeddings"],
                               attention_bias=False, mlp_bias=False, attention_dropout=0.0, **rope)
+        got = (getattr(conf, "rope_parameters", None) or {}).get("rope_theta", getattr(conf, "rope_theta", None))
+        if got != theta:
+            sys.exit(f"LlamaConfig holds RoPE theta {got!r}, not {theta} ({rope})")
     torch.manual_seed(0)
     model = tr.AutoModelForCausalLM.from_config(conf, attn_implementation=attn).float()
     got = getattr(model.config, "_attn_implementation", attn)
