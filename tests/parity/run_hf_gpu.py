@@ -18,7 +18,7 @@ The initial weights are run_amp.py's (run_parity.py's draw) loaded into the HF m
 then writes init.safetensors from its own state dict under the names meshtrain reads; so
 the HF and reference runs start from identical weights, and the CPU measurements below
 carry over to the GPU. Before training, an HF model must equal the reference in fp32
-(logits and gradients of one micro-batch): its config (GELU, eps, RoPE theta, tying,
+(logits and gradients of one micro-batch, on the CPU): its config (GELU, eps, RoPE theta, tying,
 biases) matches meshtrain's model keys, or this fails first.
 
 Checks, per case and per torch model (tolerances: see below):
@@ -261,8 +261,9 @@ def run_case(case, binary, workdir, device, impls, attn):
     print(f"\n=== {case['name']}: {cfg}")
     errors, m = [], {}
     if "hf" in impls:
-        m["fp32_logits"], m["fp32_grads"] = fp32_match(case, init, tokens, device, attn)
-        print(f"  HF vs reference, fp32, first micro-batch: logits {m['fp32_logits']:.1e}, gradients "
+        # On the CPU: a check of the config, away from the GPU kernels' own fp32 paths.
+        m["fp32_logits"], m["fp32_grads"] = fp32_match(case, init, tokens, "cpu", attn)
+        print(f"  HF vs reference, fp32 on the CPU, first micro-batch: logits {m['fp32_logits']:.1e}, gradients "
               f"{m['fp32_grads']:.1e} (tol {FP32_MATCH_TOL:g})")
         if not max(m["fp32_logits"], m["fp32_grads"]) <= FP32_MATCH_TOL:
             errors.append("the HF model does not compute the reference's fp32 function: check its config")
