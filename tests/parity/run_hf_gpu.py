@@ -16,10 +16,11 @@ learning rate: run_parity.py's arguments), the same sequences in the same order.
 
 The initial weights are run_amp.py's (run_parity.py's draw) loaded into the HF model, which
 then writes init.safetensors from its own state dict under the names meshtrain reads; so
-the HF and reference runs start from identical weights, and the CPU measurements below
-carry over to the GPU. Before training, an HF model must equal the reference in fp32
-(logits and gradients of one micro-batch, on the CPU): its config (GELU, eps, RoPE theta, tying,
-biases) matches meshtrain's model keys, or this fails first.
+the HF and reference runs start from identical weights, and --impl reference on the CPU
+measures the very runs the tolerances below rest on. Before training, an HF model must
+equal the reference in fp32 (logits and gradients of one micro-batch, on the CPU): its
+config (GELU, eps, RoPE theta, tying, biases) matches meshtrain's model keys, or this fails
+first.
 
 Checks, per case and per torch model (tolerances: see below):
   - per-step loss of mt bf16 within AMP_LOSS_RTOL of the torch bf16 run, final parameters
