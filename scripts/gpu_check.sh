@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On the GPU machine: build (scripts/gpu_build.sh), run every CUDA test program, then the
-# GPT-2 benchmark beside PyTorch (bench/gpu.sh). Logs go to $OUT (or ./gpu-check) so that
-# they survive the machine.
+# On the GPU machine: build (scripts/gpu_build.sh), run every CUDA test program, bf16
+# training against Hugging Face transformers (tests/parity/run_hf_gpu.py), then the GPT-2
+# benchmark beside PyTorch (bench/gpu.sh). Logs go to $OUT (or ./gpu-check) so that they
+# survive the machine. $PYTHON (default python3 on the PATH) must have torch and transformers.
 #
-#   bash scripts/gpu_check.sh [tests|train|bench|all]     # default all
+#   bash scripts/gpu_check.sh [tests|train|hf|bench|all]     # default all
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -47,6 +48,15 @@ print(f"train: {len(rows['cuda'])} steps, loss {rows['cuda'][0]['loss']:.4f} -> 
       f"vs {rows['cpu'][-1]['step_ms']:.1f} ms (CPU)")
 sys.exit(0 if diff < 1e-3 else 1)
 PY
+fi
+if [[ $what == hf || $what == all ]]; then
+  # GPT-2 and Llama in bf16 on the GPU: meshtrain against transformers' models (and the
+  # reference model) under torch.autocast, per-step losses and final parameters.
+  "${PYTHON:-python3}" tests/parity/run_hf_gpu.py --meshtrain build-gpu/meshtrain --device cuda --impl both \
+    > "$out/hf.log" 2>&1
+  rc=$?
+  grep -E "^(transformers|torch) |^===|fp32 on the CPU, first|loss max|  (mt|hf|torch) .* vs |last/first|: (PASS|FAIL)" "$out/hf.log"
+  if [[ $rc != 0 ]]; then status=1; echo "hf: FAILED (exit $rc), the log's end:"; tail -25 "$out/hf.log"; fi
 fi
 if [[ $what == bench || $what == all ]]; then
   build-gpu/bench/bench_gpu_attention 2>&1 | tee "$out/attention.log"
