@@ -297,8 +297,13 @@ std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments) {
 #if MESHTRAIN_CUDA
   if (on_gpu(segments)) {
     for (const OptimSegment& s : segments) {
-      MT_CHECK(s.replica_ranges.empty(), "internal: replicated ranges in a GPU segment (one rank only so far)");
-      each.push_back(s.g.numel() ? cuda::sumsq(s.g) : 0.0);
+      double& total = each.emplace_back(0.0);
+      int64_t i = 0;  // the ranges between the replicas (skipped: another rank counts them), in order
+      auto add_up_to = [&](int64_t end) {
+        if (end > i) total += cuda::sumsq(s.g.view(i, {end - i}));
+      };
+      for (const auto& [a, b] : s.replica_ranges) add_up_to(a), i = std::max(i, b);
+      add_up_to(s.g.numel());
     }
     return each;
   }
