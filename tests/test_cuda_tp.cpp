@@ -12,6 +12,7 @@
 
 #include "core/cuda.h"
 #include "core/rng.h"
+#include "nn/model.h"
 #include "ops/cross_entropy.h"
 #include "parallel/tensor.h"
 #include "train_runs.h"
@@ -200,6 +201,40 @@ TEST_F(CudaTp, VocabularyShardCrossEntropyMatchesTheHost) {
   cuda::cross_entropy_backward(whole, whole, lse_d, tgw_d, scale);
   cuda::cross_entropy_backward_shard(shard, shard, lse_d, tgw_d, scale, 0, V);
   expect_same_bits(to_host(whole), to_host(shard), "whole vocabulary");
+}
+
+// A model's greedy predictions on the GPU (row maxima and first maxima on the device, one
+// rank) against the same model on the CPU: the same ids, except at a near tie, where the
+// two devices' logits (summed in another order, ~1e-6 apart) may order two columns otherwise.
+TEST_F(CudaTp, PredictionsMatchTheCpuModel) {
+  ModelConfig cfg;
+  cfg.family = "llama";
+  cfg.n_layer = 2;
+  cfg.n_head = 4;
+  cfg.n_kv_head = 2;
+  cfg.d_model = 64;
+  cfg.vocab_size = 97;
+  cfg.seq_len = 48;
+  CpuAllocator cpu_alloc;
+  CudaAllocator gpu_alloc;
+  const int B = 2, T = 48;
+  Model cpu(cfg, cpu_alloc, B), gpu(cfg, gpu_alloc, B);
+  cpu.init(7);
+  gpu.init(7);
+  std::vector<int32_t> tokens(B * T);
+  for (int i = 0; i < B * T; ++i) tokens[i] = (7 * i + 3) % cfg.vocab_size;
+  cpu.forward(tokens.data(), nullptr, B, T);
+  gpu.forward(tokens.data(), nullptr, B, T);
+  std::vector<int32_t> a(B * T), b(B * T);
+  cpu.predictions(a.data());
+  gpu.predictions(b.data());
+  const int64_t V = cfg.vocab_size;
+  const float* lg = cpu.logits().f32();  // [B, T, V]
+  for (int i = 0; i < B * T; ++i) {
+    if (a[i] == b[i]) continue;
+    ASSERT_TRUE(b[i] >= 0 && b[i] < V) << "position " << i << ": prediction " << b[i];
+    EXPECT_NEAR(lg[i * V + a[i]], lg[i * V + b[i]], 1e-5f) << "position " << i;
+  }
 }
 
 // Whole runs: tp ranks sharing the GPU against one rank on the GPU (test::options' tiny
