@@ -194,7 +194,8 @@ TEST_F(CudaTp, VocabularyShardCrossEntropyMatchesTheHost) {
       if (tg[n] < 0 || v >= valid) ASSERT_EQ(got[n * V + v], 0.0f) << "row " << n << " column " << v;
 
   // the whole vocabulary: the shard kernel against the whole-vocabulary one
-  const Tensor whole = on_gpu(gpu, logits.data(), {N, V}, DType::f32), shard = on_gpu(gpu, logits.data(), {N, V}, DType::f32);
+  const Tensor whole = on_gpu(gpu, logits.data(), {N, V}, DType::f32);
+  const Tensor shard = on_gpu(gpu, logits.data(), {N, V}, DType::f32);
   std::vector<int32_t> tg_whole(tg);
   for (int32_t& x : tg_whole) x = x < 0 ? -1 : x % static_cast<int32_t>(V);
   const Tensor tgw_d = on_gpu(gpu, tg_whole.data(), {N}, DType::i32);

@@ -146,7 +146,8 @@ double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tenso
                             const Tensor& target_logit, const Tensor& targets) {
   ProfileScope profile_scope("cross_entropy");
 #if MESHTRAIN_CUDA
-  if (losses.device() == Device::cuda) return cuda::cross_entropy_finish(losses, lse, row_max, sum_exp, target_logit, targets);
+  if (losses.device() == Device::cuda)
+    return cuda::cross_entropy_finish(losses, lse, row_max, sum_exp, target_logit, targets);
 #endif
   const int64_t N = losses.numel();
   for (const Tensor* t : {&lse, &row_max, &sum_exp, &target_logit}) check_numel(*t, N, "cross_entropy_finish");

@@ -32,7 +32,8 @@ void check_numel(const Tensor& t, int64_t n, const char* what) {
 // The rows N (one block each) of logits [N, V], with the checks every vocabulary-shard op needs.
 void check_shard(const Tensor& logits, int64_t valid, int64_t& N, int64_t& V, const char* op) {
   check_device_f32(logits, op);
-  MT_CHECK(logits.ndim() >= 1 && logits.dim(-1) > 0, op << ": logits must be [N, V], got " << shape_str(logits.shape()));
+  MT_CHECK(logits.ndim() >= 1 && logits.dim(-1) > 0,
+           op << ": logits must be [N, V], got " << shape_str(logits.shape()));
   V = logits.dim(-1);
   N = logits.numel() / V;
   MT_CHECK(valid >= 0 && valid <= V, op << ": " << valid << " valid columns of " << V);
@@ -99,7 +100,8 @@ __global__ void ranked_kernel(float* __restrict__ full, float* __restrict__ rank
 // ---- vocabulary-parallel cross-entropy ----------------------------------------------------
 
 // One block per row n: row_max[n] = max of logits[n, 0..valid) (-inf when valid is 0).
-__global__ void row_max_kernel(float* __restrict__ row_max, const float* __restrict__ logits, int64_t V, int64_t valid) {
+__global__ void row_max_kernel(float* __restrict__ row_max, const float* __restrict__ logits, int64_t V,
+                               int64_t valid) {
   __shared__ float buf[kThreads];
   const float* row = logits + blockIdx.x * V;  // [V]
   float m = -INFINITY;
