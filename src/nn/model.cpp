@@ -521,30 +521,17 @@ Tensor Model::logits(int s) const {
 
 void Model::predictions(int32_t* out, int s) {
   Slot& sl = slot(head_chunk(), s);
-  const int64_t n = int64_t{sl.B} * sl.T, V = dims_.V;
-  if (sl.logits.device() == Device::cuda) {  // one rank holds the whole vocabulary: on the host
-    MT_CHECK(tp_.shard().size == 1, "internal: predictions on the GPU under tensor parallelism");
-    std::vector<float> host(n * V);
-    Tensor::wrap(host.data(), {n, V}, DType::f32).copy_from(logits(s).view(0, {n, V}));
-    for (int64_t i = 0; i < n; ++i) {
-      const float* row = host.data() + i * V;
-      out[i] = static_cast<int32_t>(std::max_element(row, row + dims_.vocab_valid) - row);  // the first maximum
-    }
-    return;
-  }
+  const int64_t n = int64_t{sl.B} * sl.T;
   const Tensor m = sl.row_max.view(0, {n}), first = sl.target_logit.view(0, {n});  // workspaces here
   cross_entropy_row_max(m, logits(s), dims_.vocab_valid);
   tp_.max(m);
   // Each rank's first column holding the maximum, as -(global id) (-inf where it holds
-  // none): the maximum over tp is the lowest such id. Ids are exact in float below 2^24.
-  const float* lp = sl.logits.f32();
-  for (int64_t i = 0; i < n; ++i) {
-    const float* row = lp + i * V;
-    const int64_t at = std::find(row, row + dims_.vocab_valid, m.f32()[i]) - row;
-    first.f32()[i] = at < dims_.vocab_valid ? -static_cast<float>(dims_.vocab_begin + at) : -INFINITY;
-  }
+  // none): the maximum over tp is the lowest such id.
+  cross_entropy_first_max(first, logits(s), m, dims_.vocab_begin, dims_.vocab_valid);
   tp_.max(first);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(-first.f32()[i]);
+  std::vector<float> ids(n);
+  Tensor::wrap(ids.data(), {n}, DType::f32).copy_from(first);  // from the GPU too
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(-ids[i]);
 }
 
 namespace {

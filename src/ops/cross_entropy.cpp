@@ -4,6 +4,7 @@
 // loss total is summed in double in row order: deterministic for any thread count.
 #include "ops/cross_entropy.h"
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 
@@ -112,6 +113,7 @@ void check_shard(const Tensor& logits, const Tensor* targets, std::initializer_l
 
 void cross_entropy_row_max(const Tensor& row_max, const Tensor& logits, int64_t valid) {
   ProfileScope profile_scope("cross_entropy");
+  MT_ON_CUDA(row_max, cross_entropy_row_max(row_max, logits, valid));
   int64_t N = 0, V = 0;
   check_shard(logits, nullptr, {&row_max}, valid, N, V, "cross_entropy_row_max");
   const float* lp = logits.f32();
@@ -123,6 +125,7 @@ void cross_entropy_row_max(const Tensor& row_max, const Tensor& logits, int64_t 
 void cross_entropy_row_stats(const Tensor& sum_exp, const Tensor& target_logit, const Tensor& logits,
                              const Tensor& targets, int64_t begin, int64_t valid, const Tensor& row_max) {
   ProfileScope profile_scope("cross_entropy");
+  MT_ON_CUDA(sum_exp, cross_entropy_row_stats(sum_exp, target_logit, logits, targets, begin, valid, row_max));
   int64_t N = 0, V = 0;
   check_shard(logits, &targets, {&sum_exp, &target_logit, &row_max}, valid, N, V, "cross_entropy_row_stats");
   const float* lp = logits.f32();
@@ -142,6 +145,10 @@ void cross_entropy_row_stats(const Tensor& sum_exp, const Tensor& target_logit, 
 double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sum_exp,
                             const Tensor& target_logit, const Tensor& targets) {
   ProfileScope profile_scope("cross_entropy");
+#if MESHTRAIN_CUDA
+  if (losses.device() == Device::cuda)
+    return cuda::cross_entropy_finish(losses, lse, row_max, sum_exp, target_logit, targets);
+#endif
   const int64_t N = losses.numel();
   for (const Tensor* t : {&lse, &row_max, &sum_exp, &target_logit}) check_numel(*t, N, "cross_entropy_finish");
   check_numel(targets, N, "cross_entropy_finish: targets");
@@ -157,14 +164,29 @@ double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tenso
   return total;
 }
 
+void cross_entropy_first_max(const Tensor& first, const Tensor& logits, const Tensor& row_max, int64_t begin,
+                             int64_t valid) {
+  ProfileScope profile_scope("cross_entropy");
+  MT_ON_CUDA(first, cross_entropy_first_max(first, logits, row_max, begin, valid));
+  int64_t N = 0, V = 0;
+  check_shard(logits, nullptr, {&first, &row_max}, valid, N, V, "cross_entropy_first_max");
+  const float* lp = logits.f32();
+  const float* mp = row_max.f32();
+  float* fp = first.f32();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = lp + n * V;
+    const int64_t at = std::find(row, row + valid, mp[n]) - row;
+    fp[n] = at < valid ? -static_cast<float>(begin + at) : -INFINITY;
+  }
+}
+
 void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                                   const Tensor& targets, float scale, int64_t begin, int64_t valid) {
   ProfileScope profile_scope("cross_entropy_backward");
-  if (dlogits.device() == Device::cuda) {  // the whole vocabulary on one rank only, so far
-    MT_CHECK(begin == 0 && logits.ndim() >= 1 && valid == logits.dim(-1),
-             "cross_entropy_backward: a vocabulary split over tensor-parallel ranks has no GPU implementation yet");
+  if (begin == 0 && logits.ndim() >= 1 && valid == logits.dim(-1))  // the whole vocabulary on this rank
     MT_ON_CUDA(dlogits, cross_entropy_backward(dlogits, logits, lse, targets, scale));
-  }
+  MT_ON_CUDA(dlogits, cross_entropy_backward_shard(dlogits, logits, lse, targets, scale, begin, valid));
   int64_t N = 0, V = 0;
   check_shard(logits, &targets, {&lse}, valid, N, V, "cross_entropy_backward");
   check_f32(dlogits, "cross_entropy_backward: dlogits");

@@ -28,6 +28,11 @@ void cross_entropy_row_stats(const Tensor& sum_exp, const Tensor& target_logit, 
 // lse = row_max + log(sum_exp); losses = lse - target_logit (0 where the target is -1).
 double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sum_exp,
                             const Tensor& target_logit, const Tensor& targets);
+// first[N] = -(the global id of the first held column whose logit equals row_max), or -inf
+// where none does: the maximum over ranks is minus the lowest id holding the row maximum
+// (ids are exact in float below 2^24).
+void cross_entropy_first_max(const Tensor& first, const Tensor& logits, const Tensor& row_max, int64_t begin,
+                             int64_t valid);
 // dlogits for this rank's columns; padding columns get zero gradient.
 void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                                   const Tensor& targets, float scale, int64_t begin, int64_t valid);

@@ -3,24 +3,11 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "ops/cuda/ops.h"
 
 namespace mt {
 
 namespace {
-
-// [B, T, C] <-> [size, B, T / size, C]: rank r's positions of every sequence, together.
-void to_ranked(const float* full, float* ranked, int64_t B, int64_t T, int64_t C, int size) {
-  const int64_t Tl = T / size;
-  for (int r = 0; r < size; ++r)
-    for (int64_t b = 0; b < B; ++b)
-      std::copy_n(full + (b * T + r * Tl) * C, Tl * C, ranked + ((r * B + b) * Tl) * C);
-}
-void from_ranked(const float* ranked, float* full, int64_t B, int64_t T, int64_t C, int size) {
-  const int64_t Tl = T / size;
-  for (int r = 0; r < size; ++r)
-    for (int64_t b = 0; b < B; ++b)
-      std::copy_n(ranked + ((r * B + b) * Tl) * C, Tl * C, full + (b * T + r * Tl) * C);
-}
 
 void check_sequence_shapes(const Tensor& full, const Tensor& local, int size) {
   MT_CHECK(full.ndim() == 3 && local.ndim() == 3 && full.dim(0) == local.dim(0) && full.dim(2) == local.dim(2) &&
@@ -30,6 +17,52 @@ void check_sequence_shapes(const Tensor& full, const Tensor& local, int size) {
 }
 
 }  // namespace
+
+void reorder_sequence(const Tensor& full, const Tensor& ranked, int size, bool to_ranked) {
+  MT_CHECK(full.ndim() == 3 && size >= 1 && full.dim(1) % size == 0 && ranked.numel() >= full.numel(),
+           "internal: sequence-parallel reorder of " << shape_str(full.shape()) << " into " << ranked.numel()
+                                                     << " elements at tp " << size);
+  MT_ON_CUDA(full, reorder_sequence(full, ranked, size, to_ranked));
+  const int64_t B = full.dim(0), T = full.dim(1), C = full.dim(2), Tl = T / size;
+  float* f = full.f32();
+  float* rk = ranked.f32();
+  for (int r = 0; r < size; ++r)
+    for (int64_t b = 0; b < B; ++b) {
+      float* piece = f + (b * T + r * Tl) * C;  // [Tl, C]
+      float* kept = rk + ((r * B + b) * Tl) * C;  // [Tl, C]
+      if (to_ranked) std::copy_n(piece, Tl * C, kept);
+      else std::copy_n(kept, Tl * C, piece);
+    }
+}
+
+void max_over_ranks(const Tensor& out, const Tensor& all, int size) {
+  MT_CHECK(size >= 1 && all.numel() >= out.numel() * size,
+           "internal: tp max of " << out.numel() << " elements from " << all.numel() << " gathered at tp " << size);
+  MT_ON_CUDA(out, max_over_ranks(out, all, size));
+  const int64_t n = out.numel();
+  float* o = out.f32();
+  const float* a = all.f32();
+  for (int64_t i = 0; i < n; ++i) {
+    float m = a[i];
+    for (int r = 1; r < size; ++r) m = std::max(m, a[r * n + i]);
+    o[i] = m;
+  }
+}
+
+void sum_over_ranks(const Tensor& out, const Tensor& all, int first, int count) {
+  MT_CHECK(first >= 0 && count >= 1 && all.numel() >= out.numel() * (first + count),
+           "internal: tp sum of " << out.numel() << " elements over ranks " << first << " to " << first + count - 1
+                                  << " from " << all.numel() << " gathered");
+  MT_ON_CUDA(out, sum_over_ranks(out, all, first, count));
+  const int64_t n = out.numel();
+  float* o = out.f32();
+  const float* a = all.f32();
+  for (int64_t i = 0; i < n; ++i) {
+    float s = a[first * n + i];
+    for (int r = first + 1; r < first + count; ++r) s += a[r * n + i];
+    o[i] = s;
+  }
+}
 
 Tensor TensorParallel::workspace(Tensor& w, int64_t n) {
   if (!w.defined() || w.numel() < n) {
@@ -49,49 +82,33 @@ Tensor TensorParallel::gather_all(const Tensor& x) {
 void TensorParallel::gather_sequence(const Tensor& full, const Tensor& local) {
   const int n = tp_.size();
   check_sequence_shapes(full, local, n);
-  const int64_t B = full.dim(0), T = full.dim(1), C = full.dim(2);
+  const int64_t B = full.dim(0);
   if (B == 1) return tp_.allgather(local, full.reshape({full.numel()}));  // already rank by rank
   const Tensor ranked = workspace(ranked_, full.numel());
   tp_.allgather(local.reshape({local.numel()}), ranked);
-  from_ranked(ranked.f32(), full.f32(), B, T, C, n);
+  reorder_sequence(full, ranked, n, /*to_ranked=*/false);
 }
 
 void TensorParallel::reduce_scatter_sequence(const Tensor& local, const Tensor& full) {
   const int n = tp_.size();
   check_sequence_shapes(full, local, n);
-  const int64_t B = full.dim(0), T = full.dim(1), C = full.dim(2);
+  const int64_t B = full.dim(0);
   if (B == 1) return tp_.reduce_scatter(full.reshape({full.numel()}), local.reshape({local.numel()}));
   const Tensor ranked = workspace(ranked_, full.numel());
-  to_ranked(full.f32(), ranked.f32(), B, T, C, n);
+  reorder_sequence(full, ranked, n, /*to_ranked=*/true);
   tp_.reduce_scatter(ranked, local.reshape({local.numel()}));
 }
 
 void TensorParallel::max(const Tensor& x) {
   MT_CHECK(x.dtype() == DType::f32, "internal: tp max of " << dtype_name(x.dtype()));
-  const Tensor all = gather_all(x);
-  const int64_t n = x.numel();
-  float* out = x.f32();
-  const float* a = all.f32();
-  for (int64_t i = 0; i < n; ++i) {
-    float m = a[i];
-    for (int r = 1; r < tp_.size(); ++r) m = std::max(m, a[r * n + i]);
-    out[i] = m;
-  }
+  max_over_ranks(x, gather_all(x), tp_.size());
 }
 
 void TensorParallel::sum_over_kv_sharers(const Tensor& g, int sharers) {
   MT_CHECK(sharers >= 1 && tp_.size() % sharers == 0, "internal: " << sharers << " sharers in tp " << tp_.size());
   if (sharers == 1) return;
-  const Tensor all = gather_all(g);
-  const int64_t n = g.numel();
   const int first = tp_.rank() / sharers * sharers;  // the sharers are consecutive ranks
-  float* out = g.f32();
-  const float* a = all.f32();
-  for (int64_t i = 0; i < n; ++i) {
-    float s = a[first * n + i];
-    for (int r = first + 1; r < first + sharers; ++r) s += a[r * n + i];
-    out[i] = s;
-  }
+  sum_over_ranks(g, gather_all(g), first, sharers);
 }
 
 double tp_bytes_per_micro_batch(const ModelConfig& cfg, const LocalDims& d, int tp, int64_t B, int64_t T,

@@ -56,6 +56,15 @@ class TensorParallel final : public TpMappings {
   Tensor ranked_;    // [size, B, T / size, C]: the sequence pieces rank by rank
 };
 
+// The element-wise work between the collectives, on the host or the GPU (where the tensors
+// are): out[n] = the maximum over the `size` rows of all [size, n] (std::max from row 0 on);
+// out[n] = the sum of rows first .. first + count - 1 of all, in row order; full [B, T, C]
+// to (to_ranked) or from ranked [size, B, T / size, C], rank r's positions of every sequence
+// together. The same bits on both devices.
+void max_over_ranks(const Tensor& out, const Tensor& all, int size);
+void sum_over_ranks(const Tensor& out, const Tensor& all, int first, int count);
+void reorder_sequence(const Tensor& full, const Tensor& ranked, int size, bool to_ranked);
+
 // Bytes one tp rank sends in the forward and backward of one micro-batch of B x T tokens,
 // counted as Communicator::bytes_sent counts them (an all-reduce of n bytes 2 (N - 1) / N n,
 // a reduce-scatter of n bytes (N - 1) / N n, an all-gather of n bytes per rank (N - 1) n):

@@ -74,6 +74,25 @@ void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tens
 double cross_entropy_forward(const Tensor& losses, const Tensor& lse, const Tensor& logits, const Tensor& targets);
 void cross_entropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
                             float scale);
+// The same loss over a vocabulary shard (tensor parallelism): the steps between the tp
+// reductions, and the first column holding the row maximum (the predictions).
+void cross_entropy_row_max(const Tensor& row_max, const Tensor& logits, int64_t valid);
+void cross_entropy_row_stats(const Tensor& sum_exp, const Tensor& target_logit, const Tensor& logits,
+                             const Tensor& targets, int64_t begin, int64_t valid, const Tensor& row_max);
+double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tensor& row_max, const Tensor& sum_exp,
+                            const Tensor& target_logit, const Tensor& targets);
+void cross_entropy_first_max(const Tensor& first, const Tensor& logits, const Tensor& row_max, int64_t begin,
+                             int64_t valid);
+void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
+                                  const Tensor& targets, float scale, int64_t begin, int64_t valid);
+
+// parallel/tensor.cpp: element-wise work on every tp rank's gathered [size, n] buffer
+// (out[n]: the maximum over all ranks; the sum over ranks first .. first + count - 1 in rank
+// order), and sequence parallelism's reordering of full [B, T, C] to or from the rank-by-rank
+// pieces ranked [size, B, T / size, C] (tensor_parallel.cu).
+void max_over_ranks(const Tensor& out, const Tensor& all, int size);
+void sum_over_ranks(const Tensor& out, const Tensor& all, int first, int count);
+void reorder_sequence(const Tensor& full, const Tensor& ranked, int size, bool to_ranked);
 
 // optim/optimizer.h: one AdamW update of a flat segment, PyTorch's formula (bias-corrected
 // moments, decoupled weight decay lr * wd * w on the element ranges in `decay`), in one launch.
