@@ -202,10 +202,11 @@ TEST_F(CudaCp, Fp32LayoutsMatchOneRank) {
 // cores with 16-bit operands while the cp parts stay fp32: the two runs differ by one
 // 16-bit rounding of attention's operands, the difference the GPU and CPU models show in
 // tests/test_cuda_model.cpp (Bf16ForwardBackwardMatchesCpu: 1e-3 on the loss, 2e-2 of the
-// largest gradient). Over 4 steps of AdamW (lr 3e-3, eps 1e-4) an element whose gradient
-// is near the rounding level may step another way, up to 2 lr per step: losses within
-// 2e-3 relative, parameters within 2e-2 of the largest (layer norm weights near 1). A
-// missing or doubled part changes the loss by far more once the model has trained.
+// largest gradient). Over 4 steps of AdamW (lr 3e-3, eps 1e-4) such gradient differences
+// move an element by about 2e-2 lr per step, except where a gradient sits at the rounding
+// level and eps keeps its step small: losses within 2e-3 relative, parameters within 1e-2
+// of the largest (layer norm weights near 1). Not yet measured on a GPU; the same runs on
+// the CPU (fp32 attention on both sides) agree to 8.6e-6 and 2.9e-5.
 TEST_F(CudaCp, Bf16MatchesOneRankWithinOneRounding) {
   TempDir d;
   const std::string o = options("llama", 8, 2) + " --model.d_model=64 --training.steps=4 --training.device=cuda" +
@@ -216,7 +217,7 @@ TEST_F(CudaCp, Bf16MatchesOneRankWithinOneRounding) {
   const double dl = loss_diff(one, cp2), dp = param_diff(one, cp2);
   std::printf("llama cp2 bf16: losses within %.2e, parameters within %.2e of the largest\n", dl, dp);
   EXPECT_LT(dl, 2e-3);
-  EXPECT_LT(dp, 2e-2);
+  EXPECT_LT(dp, 1e-2);
 }
 
 }  // namespace
