@@ -517,8 +517,8 @@ AttentionShape part_shape(const Tensor& qkv_q, AttentionRows q, const Tensor& qk
     MT_CHECK(r.first >= 0 && r.count >= 0 && r.first <= T - r.count,
              op << ": " << name << " rows [" << r.first << ", " << r.first + r.count << ") are not inside the "
                 << T << " rows of qkv_" << (name[0] == 'q' ? "q" : "kv") << " (first >= 0, count >= 0)");
-    MT_CHECK(r.position >= 0 && r.position <= kMax,
-             op << ": " << name << " rows at position " << r.position << ", expected 0 to 2^30");
+    MT_CHECK(r.position >= 0 && r.position <= kMax / 2,  // row + off stays within int
+             op << ": " << name << " rows at position " << r.position << ", expected 0 to 2^29");
   }
   return s;
 }
