@@ -60,6 +60,7 @@
 #include <vector>
 
 #include "core/profile.h"
+#include "ops/cuda/attention_part.h"
 #include "ops/cuda/ops.h"
 #include "ops/attention.h"
 #include "ops/detail.h"
@@ -538,6 +539,7 @@ void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tens
 void attention_part_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
                             const Tensor& qkv_kv, AttentionRows k, int n_head, int n_kv_head, bool merge) {
   ProfileScope profile_scope("attention");
+  MT_ON_CUDA(out, attention_part_forward(out, lse, qkv_q, q, qkv_kv, k, n_head, n_kv_head, merge));
   const PartArgs a = part_args(qkv_q, q, qkv_kv, k, n_head, n_kv_head, "attention_part_forward");
   const AttentionShape& s = a.s;
   check_f32(out, "attention_part_forward: out");
@@ -551,6 +553,7 @@ void attention_part_backward(const Tensor& dqkv_q, const Tensor& dqkv_kv, const 
                              const Tensor& out, const Tensor& lse, AttentionRows q, const Tensor& qkv_kv,
                              AttentionRows k, int n_head, int n_kv_head) {
   ProfileScope profile_scope("attention_backward");
+  MT_ON_CUDA(dqkv_q, attention_part_backward(dqkv_q, dqkv_kv, dout, qkv_q, out, lse, q, qkv_kv, k, n_head, n_kv_head));
   const PartArgs a = part_args(qkv_q, q, qkv_kv, k, n_head, n_kv_head, "attention_part_backward");
   const AttentionShape& s = a.s;
   check_f32(dqkv_q, "attention_part_backward: dqkv_q");

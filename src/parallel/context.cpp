@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/profile.h"
 #include "ops/attention.h"
+#include "ops/cuda/attention_part.h"
 
 namespace mt {
 
@@ -35,12 +36,20 @@ struct ContextParallel::Ring {
   }
   Tensor full(const Tensor& buf) const { return buf.view(0, {B, T, W}); }
   Tensor packed(const Tensor& buf) const { return buf.view(0, {B * T * kv}); }
-  // The key/value columns of x[B, T, W] to p[B T kv], and back.
-  void pack(const Tensor& p, const Tensor& x) const {
-    for (int64_t i = 0; i < B * T; ++i) std::memcpy(p.f32() + i * kv, x.f32() + i * W + q, kv * sizeof(float));
-  }
-  void unpack(const Tensor& x, const Tensor& p) const {
-    for (int64_t i = 0; i < B * T; ++i) std::memcpy(x.f32() + i * W + q, p.f32() + i * kv, kv * sizeof(float));
+  // The key/value columns of x[B, T, W] to p[B T kv], and back (both on x's device).
+  void pack(const Tensor& p, const Tensor& x) const { copy_rows(p, 0, kv, x, q, W); }
+  void unpack(const Tensor& x, const Tensor& p) const { copy_rows(x, q, W, p, 0, kv); }
+  // For each of the B T rows: kv floats from src's column src_at (row stride src_ld) to
+  // dst's column dst_at (row stride dst_ld); on the GPU one strided copy on the compute stream.
+  void copy_rows(const Tensor& dst, int64_t dst_at, int64_t dst_ld, const Tensor& src, int64_t src_at,
+                 int64_t src_ld) const {
+    MT_CHECK(dst.device() == src.device(), "internal: context-parallel ring copy between devices");
+#if MESHTRAIN_CUDA
+    if (src.device() == Device::cuda)
+      return cuda::copy_columns(dst.f32() + dst_at, dst_ld, src.f32() + src_at, src_ld, B * T, kv);
+#endif
+    for (int64_t i = 0; i < B * T; ++i)
+      std::memcpy(dst.f32() + i * dst_ld + dst_at, src.f32() + i * src_ld + src_at, kv * sizeof(float));
   }
 };
 

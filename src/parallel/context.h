@@ -17,7 +17,9 @@
 // Only keys and values travel (2 NKV D of each row's (NH + 2 NKV) D), packed. Messages go
 // as posted point-to-point transfers from the caller's thread; a rank waiting longer than
 // parallel.timeout_s ends the job naming the peer. The sums run in a fixed order: a cp run
-// is deterministic.
+// is deterministic. With training.device = cuda the blocks, accumulators and messages live
+// in GPU memory (the allocator's): the parts run the CUDA kernels, packing is one strided
+// device copy, and the communicator stages GPU messages through host memory.
 #pragma once
 #include "comm/communicator.h"
 #include "nn/cp.h"

@@ -408,7 +408,6 @@ void Config::check_device() const {
                          "and rebuild (MESHTRAIN_CUDA=ON), or use training.device = cpu");
   const char* so_far = " (the CUDA engine runs AdamW with DDP, ZeRO 1-3, tensor and pipeline parallelism so far)";
   MT_CHECK(optim.name == "adamw", "training.device = cuda runs optim.name = adamw only, not " << optim.name << so_far);
-  MT_CHECK(parallel.cp == 1, "training.device = cuda does not run context parallelism yet: set parallel.cp to 1" << so_far);
   MT_CHECK(!parallel.hierarchical && parallel.grad_compression == "none",
            "training.device = cuda reduces gradients with the flat collectives only for now: set "
            "parallel.hierarchical=false and parallel.grad_compression=none");
