@@ -406,8 +406,8 @@ void Config::check_device() const {
   if (training.device != "cuda") return;
   MT_CHECK(cuda_built(), "training.device = cuda, but this meshtrain was built without CUDA: install the CUDA toolkit "
                          "and rebuild (MESHTRAIN_CUDA=ON), or use training.device = cpu");
-  const char* so_far = " (the CUDA engine runs AdamW with DDP, ZeRO 1-3, tensor and pipeline parallelism so far)";
-  MT_CHECK(optim.name == "adamw", "training.device = cuda runs optim.name = adamw only, not " << optim.name << so_far);
+  MT_CHECK(optim.name == "adamw", "training.device = cuda runs optim.name = adamw only, not "
+                                      << optim.name << " (the CUDA engine has AdamW's kernel alone so far)");
   MT_CHECK(!parallel.hierarchical && parallel.grad_compression == "none",
            "training.device = cuda reduces gradients with the flat collectives only for now: set "
            "parallel.hierarchical=false and parallel.grad_compression=none");
