@@ -215,6 +215,7 @@ void Communicator::set_options(const CommOptions& o) {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return queue_.empty() && running_since_ms_ < 0; });
   staging_ = Tensor();
+  host_stage_[0] = host_stage_[1] = Tensor();
   opts_ = o;
 }
 
@@ -357,13 +358,30 @@ Tensor Communicator::buffer_of(Tensor& buffer, int64_t numel, DType dtype) {
   const int64_t words = (numel * static_cast<int64_t>(dtype_size(dtype)) + 3) / 4;
   if (!buffer.defined() || buffer.numel() < words) {
     buffer = Tensor();  // free the old buffer first
+    MT_CHECK(!task_opts_.alloc || task_opts_.alloc->device() == Device::cpu,
+             "internal: communication buffers are host memory (CommOptions::alloc on the GPU)");
     static CpuAllocator uncounted;  // only for communicators made without an allocator (tests)
     buffer = Tensor::empty({words}, DType::f32, task_opts_.alloc ? *task_opts_.alloc : uncounted, MemTag::comm);
   }
   return Tensor::wrap(buffer.raw(), {numel}, dtype);
 }
 
-Tensor Communicator::host_stage(int64_t numel, DType dtype) { return buffer_of(host_stage_, numel, dtype); }
+// A GPU tensor is copied with cuda_memcpy, which first waits for the work queued on the
+// compute stream (src/core/cuda/runtime.cu: the copy is queued on that stream, then the
+// stream is synchronized): a tensor written by kernels issued before the operation is
+// complete when this thread reads it. The consequence: a copy here also waits for kernels
+// the compute thread queued after issuing the operation, so the copies do not overlap
+// compute on the GPU (the host-side exchange still does).
+Tensor Communicator::host_of(const Tensor& t, int slot, bool fetch) {
+  if (t.device() != Device::cuda) return t;
+  const Tensor h = buffer_of(host_stage_[slot], t.numel(), t.dtype());
+  if (fetch) h.copy_from(t);
+  return h;
+}
+
+void Communicator::put_back(const Tensor& t, const Tensor& host) {
+  if (t.device() == Device::cuda) t.copy_from(host);
+}
 Tensor Communicator::staging(int64_t numel, DType dtype) { return buffer_of(staging_, numel, dtype); }
 
 void Communicator::exchange(const std::vector<Message>& sends, const std::vector<Message>& recvs, int tag) {
@@ -425,14 +443,9 @@ WorkPtr Communicator::allreduce_async(const Tensor& t) {
   }
   CommRecord rec{0, CommOp::allreduce, t.dtype(), t.numel()};
   return submit(rec, [this, t] {
-    if (t.device() == Device::cuda) {  // through host memory (ranks sharing a GPU, before NCCL)
-      const Tensor h = host_stage(t.numel(), t.dtype());
-      h.copy_from(t);
-      allreduce_run(h);
-      t.copy_from(h);
-      return;
-    }
-    allreduce_run(t);
+    const Tensor h = host_of(t, 0, true);
+    allreduce_run(h);
+    put_back(t, h);
   });
 }
 
@@ -467,9 +480,12 @@ WorkPtr Communicator::reduce_scatter_async(const Tensor& in, const Tensor& out) 
   check_reduce_scatter(in, out);
   CommRecord rec{0, CommOp::reduce_scatter, in.dtype(), in.numel()};
   return submit(rec, [this, in, out] {
+    // On the GPU, out (maybe in's chunk) gets its own host buffer: the same sums land there.
+    const Tensor hin = host_of(in, 0, true), hout = host_of(out, 1, false);
     std::vector<int64_t> bounds(size_ + 1);
     for (int j = 0; j <= size_; ++j) bounds[j] = out.numel() * j;
-    reduce_ranges(in, bounds, out);
+    reduce_ranges(hin, bounds, hout);
+    put_back(out, hout);
   });
 }
 
@@ -479,7 +495,11 @@ WorkPtr Communicator::allgather_async(const Tensor& in, const Tensor& out) {
                                                                     << " elements is not " << size_
                                                                     << " x the input's " << in.numel());
   CommRecord rec{0, CommOp::allgather, in.dtype(), in.numel()};
-  return submit(rec, [this, in, out] { allgather_raw(in.raw(), out.raw(), in.nbytes()); });
+  return submit(rec, [this, in, out] {
+    const Tensor hin = host_of(in, 1, true), hout = host_of(out, 0, false);  // in may be out's chunk
+    allgather_raw(hin.raw(), hout.raw(), in.nbytes());
+    put_back(out, hout);
+  });
 }
 
 WorkPtr Communicator::broadcast_async(const Tensor& t, int root) {
@@ -487,11 +507,13 @@ WorkPtr Communicator::broadcast_async(const Tensor& t, int root) {
   CommRecord rec{0, CommOp::broadcast, t.dtype(), t.numel(), root};
   return submit(rec, [this, t, root] {
     // The root sends to every rank directly (a tree would pay across many nodes).
+    const Tensor h = host_of(t, 0, rank_ == root);
     std::vector<Message> sends, recvs;
-    if (rank_ != root) recvs.push_back({t.raw(), t.nbytes(), root});
+    if (rank_ != root) recvs.push_back({h.raw(), t.nbytes(), root});
     for (int k = 0; k < size_ && rank_ == root; ++k)
-      if (k != root) sends.push_back({t.raw(), t.nbytes(), k});
+      if (k != root) sends.push_back({h.raw(), t.nbytes(), k});
     exchange(sends, recvs);
+    if (rank_ != root) put_back(t, h);
   });
 }
 
@@ -501,8 +523,9 @@ WorkPtr Communicator::alltoall_async(const Tensor& in, const Tensor& out) {
                                  << size_ << " elements");
   CommRecord rec{0, CommOp::alltoall, in.dtype(), in.numel()};
   return submit(rec, [this, in, out] {
+    const Tensor hin = host_of(in, 0, true), hout = host_of(out, 1, false);
     const size_t k = in.nbytes() / size_;
-    char *i = static_cast<char*>(in.raw()), *o = static_cast<char*>(out.raw());
+    char *i = static_cast<char*>(hin.raw()), *o = static_cast<char*>(hout.raw());
     std::memmove(o + k * rank_, i + k * rank_, k);
     std::vector<Message> sends, recvs;
     for (int r = 0; r < size_; ++r) {
@@ -511,6 +534,7 @@ WorkPtr Communicator::alltoall_async(const Tensor& in, const Tensor& out) {
       recvs.push_back({o + k * r, k, r});
     }
     exchange(sends, recvs);
+    put_back(out, hout);
   });
 }
 
@@ -536,7 +560,11 @@ WorkPtr Communicator::allreduce_hierarchical_async(const Tensor& t) {
   const int L = ranks_per_node_;
   MT_CHECK(L > 0, "internal: hierarchical all-reduce on group '" << name_ << "' before set_ranks_per_node");
   CommRecord rec{0, CommOp::allreduce_hierarchical, t.dtype(), t.numel()};
-  return submit(rec, [this, t, L] { allreduce_hierarchical_run(t, L); });
+  return submit(rec, [this, t, L] {
+    const Tensor h = host_of(t, 0, true);
+    allreduce_hierarchical_run(h, L);
+    put_back(t, h);
+  });
 }
 
 // Node k = rank / L holds ranks kL ... kL + L - 1; rank kL + j owns shard j, elements
@@ -596,7 +624,11 @@ WorkPtr Communicator::reduce_scatter_hierarchical_async(const Tensor& in, const 
   const int L = ranks_per_node_;
   MT_CHECK(L > 0, "internal: hierarchical reduce-scatter on group '" << name_ << "' before set_ranks_per_node");
   CommRecord rec{0, CommOp::reduce_scatter_hierarchical, in.dtype(), in.numel()};
-  return submit(rec, [this, in, out, L] { reduce_scatter_hierarchical_run(in, out, L); });
+  return submit(rec, [this, in, out, L] {
+    const Tensor hin = host_of(in, 0, true), hout = host_of(out, 1, false);
+    reduce_scatter_hierarchical_run(hin, hout, L);
+    put_back(out, hout);
+  });
 }
 
 // Node a holds ranks aL ... aL + L - 1; chunk k (c elements) belongs to rank k. Rank aL + j
@@ -657,42 +689,20 @@ void Communicator::reduce_scatter_hierarchical_run(const Tensor& in, const Tenso
 WorkPtr Communicator::send_async(const Tensor& t, int peer) {
   MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "send to rank " << peer << " of group '" << name_ << "'");
   CommRecord rec{0, CommOp::send, t.dtype(), t.numel(), peer};
-  return submit(rec, [this, t, peer] { exchange({{t.raw(), t.nbytes(), peer}}, {}, kUserTag); });
+  return submit(rec, [this, t, peer] {
+    const Tensor h = host_of(t, 0, true);
+    exchange({{h.raw(), t.nbytes(), peer}}, {}, kUserTag);
+  });
 }
 
 WorkPtr Communicator::recv_async(const Tensor& t, int peer) {
   MT_CHECK(peer >= 0 && peer < size_ && peer != rank_, "recv from rank " << peer << " of group '" << name_ << "'");
   CommRecord rec{0, CommOp::recv, t.dtype(), t.numel(), peer};
-  return submit(rec, [this, t, peer] { exchange({}, {{t.raw(), t.nbytes(), peer}}, kUserTag); });
-}
-
-std::unique_ptr<Communicator::Transfer> Communicator::post_send(const Tensor& t, int peer, int tag) {
-  MT_CHECK(peer >= 0 && peer < size_ && peer != rank_ && tag >= 0 && tag <= kMaxPostTag,
-           "internal: posted send to rank " << peer << " of group '" << name_ << "' with tag " << tag);
-  bytes_sent_ += t.nbytes();
-  return start({{t.raw(), t.nbytes(), peer}}, {}, kPostedTag + tag);
-}
-
-std::unique_ptr<Communicator::Transfer> Communicator::post_recv(const Tensor& t, int peer, int tag) {
-  MT_CHECK(peer >= 0 && peer < size_ && peer != rank_ && tag >= 0 && tag <= kMaxPostTag,
-           "internal: posted receive from rank " << peer << " of group '" << name_ << "' with tag " << tag);
-  return start({}, {{t.raw(), t.nbytes(), peer}}, kPostedTag + tag);
-}
-
-bool Communicator::Transfer::wait_for(double timeout_s) {
-  const double t0 = now_seconds();
-  int64_t us = 5;
-  while (!test()) {
-    const double waited = now_seconds() - t0;
-    if (timeout_s > 0 && waited > timeout_s) return false;
-    if (waited < 1e-4) {
-      std::this_thread::yield();
-      continue;
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(us));
-    us = std::min<int64_t>(2 * us, 200);
-  }
-  return true;
+  return submit(rec, [this, t, peer] {
+    const Tensor h = host_of(t, 0, false);
+    exchange({}, {{h.raw(), t.nbytes(), peer}}, kUserTag);
+    put_back(t, h);
+  });
 }
 
 void Communicator::barrier() { barrier_with(1); }

@@ -11,6 +11,10 @@
 // rank's chunk to its owner, the owner sums, then sends the sum to everyone; only the
 // pieces a rank receives for its own chunk are staged.
 //
+// Tensors may live on the GPU (training.device = cuda, ranks sharing a GPU, before NCCL):
+// every operation then copies them to host buffers, runs as on the host, and copies the
+// results back, with the same bits as host tensors give.
+//
 // Sums are deterministic: each rank receives every rank's piece of its chunk and adds
 // them in rank order (0, 1, ...), so a result does not depend on message sizes or
 // bucketing, and bf16/fp16 inputs are summed in float and rounded once.
@@ -168,7 +172,9 @@ class Communicator {
   // queue, for pipelines: a schedule's sends must not wait for one another or for
   // receives (parallel/schedule.h). Messages of one tag between two ranks arrive in order;
   // tags from 0 to kMaxPostTag. The caller polls test() until it is true, keeping the
-  // tensor alive until then.
+  // tensor alive until then. A GPU tensor travels through a host buffer the Transfer keeps:
+  // a send copies the tensor there before posting; a receive lands there and is copied to
+  // the tensor when test() first finds it complete.
   class Transfer {
    public:
     virtual ~Transfer() = default;
@@ -258,8 +264,12 @@ class Communicator {
   // allocations would page-fault on every large message).
   Tensor staging(int64_t numel, DType dtype);
   Tensor buffer_of(Tensor& buffer, int64_t numel, DType dtype);  // either one, grown as needed
-  // A GPU tensor's host copy for the collectives that run on host memory (comm thread only).
-  Tensor host_stage(int64_t numel, DType dtype);
+  // GPU tensors (ranks sharing a GPU, before NCCL): every operation runs on host memory.
+  // host_of gives a host tensor itself, or a GPU tensor's host copy in staging buffer
+  // `slot` (0 or 1: an operation's input and output), fetched from the device when `fetch`;
+  // put_back copies a staged result into its GPU tensor. Communication thread only.
+  Tensor host_of(const Tensor& t, int slot, bool fetch);
+  static void put_back(const Tensor& t, const Tensor& host);
   void allreduce_run(const Tensor& t);  // the flat all-reduce, on the communication thread
 
   int rank_, size_, world_rank_, ranks_on_node_;
@@ -284,7 +294,7 @@ class Communicator {
   std::shared_ptr<Waiters> waiters_ = std::make_shared<Waiters>();
   std::thread thread_, watchdog_;
   Tensor staging_;  // used only on the communication thread
-  Tensor host_stage_;  // likewise
+  Tensor host_stage_[2];  // likewise
 };
 
 // A group of one rank: every operation is a local copy (or nothing).

@@ -37,6 +37,10 @@ void cuda_memset0(void* p, size_t bytes);  // on the compute stream
 // dst[i] = src[i] between f32 and bf16 / f16 on the device (rounded to nearest even, as
 // convert() in core/tensor.h does on the host), n elements, on the compute stream.
 void cuda_convert(DType to, void* dst, DType from, const void* src, int64_t n);
+// dst[i] += src[i] on the device, n elements, on the compute stream: dst in f32, bf16 or f16,
+// src in f32 or dst's dtype, summed in float and rounded once (nearest even), bit for bit as
+// accumulate() in core/tensor.h does on the host.
+void cuda_accumulate(DType to, void* dst, DType from, const void* src, int64_t n);
 
 // Device memory, cached: freed blocks go to a free list by size and serve later requests
 // of the same rounded size without cudaMalloc (which synchronizes the device); when

@@ -196,4 +196,12 @@ void accumulate(DType to, void* dst, DType from, const void* src, int64_t n) {
   }
 }
 
+void accumulate(const Tensor& dst, const Tensor& src) {
+  MT_CHECK(dst.numel() == src.numel() && dst.device() == src.device(),
+           "internal: accumulation of " << shape_str(src.shape()) << " into " << shape_str(dst.shape())
+                                        << " (same size, same device)");
+  if (dst.device() == Device::cuda) cuda_accumulate(dst.dtype(), dst.raw(), src.dtype(), src.raw(), dst.numel());
+  else accumulate(dst.dtype(), dst.raw(), src.dtype(), src.raw(), dst.numel());
+}
+
 }  // namespace mt

@@ -83,4 +83,8 @@ class Tensor {
   DType dtype_ = DType::f32;
 };
 
+// dst += src as accumulate() above, for tensors of the same numel on one device (the GPU's
+// runs on the compute stream, core/cuda.h, with the same rounding).
+void accumulate(const Tensor& dst, const Tensor& src);
+
 }  // namespace mt

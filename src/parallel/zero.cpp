@@ -19,6 +19,8 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
   MT_CHECK(!cfg.hierarchical || S_ == dp.size(), "internal: hierarchical ZeRO with shard groups of " << S_
                                                    << " of " << dp.size() << " (the configuration refuses it)");
   if (dp.ranks_per_node() > 0 && S_ == dp.size()) shard_->set_ranks_per_node(dp.ranks_per_node());
+  MT_CHECK(cfg.grad_compression != "int8" || alloc.device() == Device::cpu,
+           "internal: int8 gradient compression under ZeRO on the GPU (the configuration refuses it)");
   wd_ = working_dtype(model.config());
   gd_ = grad_dtype(model.config());
   const bool mixed = wd_ != DType::f32;
@@ -149,7 +151,7 @@ void ZeRO::launch_reduce(int u) {
   }
   if (s.int8) {  // blocking: the owner's float sum lands in chunk k of full_g, accumulated at once
     s.int8->reduce_scatter(s.full_g.f32());
-    accumulate(gd_, s.shard_g.raw(), gd_, s.full_g.view(k_ * s.chunk, {s.chunk}).raw(), s.chunk);
+    accumulate(s.shard_g, s.full_g.view(k_ * s.chunk, {s.chunk}));
     s.full_g = Tensor();
     model_.units()[u].g = Tensor();
     return;
@@ -183,7 +185,7 @@ void ZeRO::drain() {
 void ZeRO::complete_reduce(UnitState& s) {
   s.reduce->wait();
   s.reduce.reset();
-  accumulate(gd_, s.shard_g.raw(), gd_, s.reduced.raw(), s.chunk);  // 16-bit gradients: rounded once
+  accumulate(s.shard_g, s.reduced);  // on the parameters' device; 16-bit gradients: rounded once
   s.reduced = Tensor();
   s.full_g = Tensor();
 }
@@ -257,14 +259,14 @@ void ZeRO::after_step() {
 void ZeRO::check_same_parameters() {
   if (stage_ == 3) {  // the replicas of each shard must agree
     uint64_t h = params_hash(nullptr, 0);
-    for (UnitState& s : st_) h = params_hash(static_cast<const float*>(s.shard_w.raw()), s.shard_w.nbytes() / 4, h);
+    for (UnitState& s : st_) h = params_hash(host_floats(s.shard_w).data(), s.shard_w.nbytes() / 4, h);
     check_same_hash(*replicate_, h, "parameter shards");
   } else {
     check_same_units(dp_, model_.units());
   }
   if (wd_ == DType::f32) return;
   uint64_t h = params_hash(nullptr, 0);
-  for (UnitState& s : st_) h = params_hash(s.master.f32(), s.chunk, h);
+  for (UnitState& s : st_) h = params_hash(host_floats(s.master).data(), s.chunk, h);
   check_same_hash(*replicate_, h, "fp32 master parameter shards");
 }
 

@@ -41,6 +41,10 @@
 // so no overlap with the backward); the int8 blocks, 2 S block_bytes(), live only during
 // the call. The fp32 path's order of accumulation is unchanged.
 //
+// training.device = cuda: every buffer above lives in GPU memory (alloc's device); the
+// shards' accumulation runs on the GPU, the collectives stage through host memory
+// (comm/communicator.h), and the parameter checks hash host copies.
+//
 // HYBRID_SHARD shards within groups of shard_group ranks and, after the reduce-scatter,
 // sums the gradient shards over the ranks that hold the same shard in other groups.
 // Communication per step: stages 1-2 move what DDP moves (reduce-scatter + all-gather =
@@ -69,6 +73,8 @@ class ZeRO final : public DataParallel {
   // Fills the parameter ranges this rank keeps (whole units for stages 1-2, its chunks for
   // stage 3): a checkpoint's ranges, a Hugging Face file or the seed. The model must be
   // made without state (allocate_state=false): no rank ever holds the whole model at stage 3.
+  // With a GPU allocator the ranges point into device memory (train/device_state.h's
+  // fill_on_device fills them through host copies).
   using Fill = std::function<void(const std::vector<ParamSlice>& ranges)>;
   ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig& cfg, const Fill& fill);
   ~ZeRO() override;

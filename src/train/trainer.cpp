@@ -204,7 +204,9 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
         std::copy_n(whole.data() + piece.global, piece.n, r.params + (piece.local - r.begin));
     }
   };
-  if (c.parallel.zero > 0) return std::make_unique<ZeRO>(model, dp, alloc, c.parallel, fill);
+  if (c.parallel.zero > 0)  // its ranges (whole units or chunks, or their fp32 masters) may be on the GPU
+    return std::make_unique<ZeRO>(model, dp, alloc, c.parallel,
+                                  [&](const std::vector<ParamSlice>& r) { fill_on_device(r, alloc.device(), fill); });
   auto ddp = std::make_unique<DDP>(model, dp, alloc, c.parallel);
   fill_on_device(ddp->owned(), alloc.device(), fill);  // whole units (their fp32 masters under mixed precision)
   ddp->after_step();   // mixed precision: the working copies from the masters

@@ -34,11 +34,15 @@ std::string cuda_device_name(int dev) {
 
 void cuda_set_device(int dev) { MT_CUDA_CHECK(cudaSetDevice(dev)); }
 
+// The device the compute stream was created on (set on first use of cuda_stream()).
+static int g_stream_device = -1;
+
 void* cuda_stream() {
   // Created on first use and kept for the process (destroying it at exit would race the
   // driver's own teardown).
   static cudaStream_t s = [] {
     cudaStream_t st;
+    MT_CUDA_CHECK(cudaGetDevice(&g_stream_device));
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     // The kernels' scratch comes from cudaMallocAsync: keep what the pool has once taken
     // (by default it gives memory back at every synchronisation, and maps it again at the
@@ -60,8 +64,14 @@ void cuda_synchronize() { MT_CUDA_CHECK(cudaStreamSynchronize(stream())); }
 
 void cuda_memcpy(void* dst, const void* src, size_t bytes) {
   if (!bytes) return;
-  MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream()));
-  MT_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  cudaStream_t st = stream();
+  // The current device is per host thread: a communication thread copies on the compute
+  // stream's device, whichever GPU the process chose (cuda_set_device).
+  int dev = 0;
+  MT_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev != g_stream_device) MT_CUDA_CHECK(cudaSetDevice(g_stream_device));
+  MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, st));
+  MT_CUDA_CHECK(cudaStreamSynchronize(st));
 }
 
 void cuda_memset0(void* p, size_t bytes) {
@@ -87,7 +97,37 @@ void launch_convert(void* dst, const void* src, int64_t n) {
   MT_CUDA_CHECK(cudaGetLastError());
 }
 
+// dst[i] += src[i]: both widened to float, added, rounded once to dst's type (nearest even),
+// as accumulate() in core/tensor.cpp does on the host. One thread per element, grid-stride.
+template <class To, class From>
+__global__ void accumulate_kernel(To* dst, const From* src, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const float sum = static_cast<float>(dst[i]) + static_cast<float>(src[i]);
+    if constexpr (std::is_same_v<To, float>) dst[i] = sum;
+    else if constexpr (std::is_same_v<To, __nv_bfloat16>) dst[i] = __float2bfloat16_rn(sum);
+    else dst[i] = __float2half_rn(sum);
+  }
+}
+
+template <class To, class From>
+void launch_accumulate(void* dst, const void* src, int64_t n) {
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
+  accumulate_kernel<<<blocks, threads, 0, stream()>>>(static_cast<To*>(dst), static_cast<const From*>(src), n);
+  MT_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
+
+void cuda_accumulate(DType to, void* dst, DType from, const void* src, int64_t n) {
+  if (n == 0) return;
+  if (to == DType::f32 && from == DType::f32) return launch_accumulate<float, float>(dst, src, n);
+  if (to == DType::bf16 && from == DType::bf16) return launch_accumulate<__nv_bfloat16, __nv_bfloat16>(dst, src, n);
+  if (to == DType::bf16 && from == DType::f32) return launch_accumulate<__nv_bfloat16, float>(dst, src, n);
+  if (to == DType::f16 && from == DType::f16) return launch_accumulate<__half, __half>(dst, src, n);
+  if (to == DType::f16 && from == DType::f32) return launch_accumulate<__half, float>(dst, src, n);
+  MT_FAIL("internal: no device accumulation of " << dtype_name(from) << " into " << dtype_name(to));
+}
 
 void cuda_convert(DType to, void* dst, DType from, const void* src, int64_t n) {
   if (n == 0) return;
