@@ -12,7 +12,7 @@ out=${OUT:-gpu-check}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 start=$(date +%s)
-targets="meshtrain bench_gpu_step bench_gpu_attention $(cd tests && ls test_cuda_*.cpp | sed 's/\.cpp$//' | tr '\n' ' ')"
+targets="meshtrain bench_gpu_step bench_gpu_attention $(cd tests && ls test_cuda_*.cpp mpi_test_cuda_*.cpp | sed 's/\.cpp$//' | tr '\n' ' ')"
 if ! GPU_BUILD_TARGETS="$targets" bash scripts/gpu_build.sh build-gpu > "$out/build.log" 2>&1; then
   tail -40 "$out/build.log"
   exit 1
@@ -30,6 +30,21 @@ if [[ $what == tests || $what == all ]]; then
       echo "$name: FAILED"
       grep -E "Failure|error|Expected|Which is|actual|got|FAILED|mt::Error|what\(\)" "$out/$name.log" | head -40
     fi
+  done
+  # The communicator's collectives on GPU tensors, ranks sharing the GPU (as root there:
+  # OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1).
+  for t in build-gpu/tests/mpi_test_cuda_*; do
+    [[ -f $t && -x $t ]] || continue
+    for n in 2 4; do
+      name=$(basename "$t")_n$n
+      if mpirun --oversubscribe -n $n "$t" --gtest_brief=1 > "$out/$name.log" 2>&1; then
+        echo "$name: passed"
+      else
+        status=1
+        echo "$name: FAILED"
+        grep -E "Failure|error|Expected|Which is|FAILED|mt::Error" "$out/$name.log" | head -20
+      fi
+    done
   done
 fi
 if [[ $what == train || $what == all ]]; then

@@ -111,6 +111,28 @@ TEST_P(CudaZeroFamily, TwoRanksSharingTheGpuMatchOneRank) {
 
 INSTANTIATE_TEST_SUITE_P(Families, CudaZeroFamily, ::testing::Values("gpt2", "llama"));
 
+// ZeRO composed with the other axes, four ranks sharing the GPU, against one rank on the
+// GPU (llama, fp32): tp 2 x dp 2 at ZeRO 1, pp 2 x dp 2 at ZeRO 3 (1f1b: each unit gathered
+// once per step) and cp 2 x dp 2 at ZeRO 2 (the shard group spans dp x cp). The same terms
+// summed in other orders: the bounds of the dp-only runs above.
+TEST(CudaZero, ComposedLayoutsMatchOneRank) {
+  SKIP_WITHOUT_GPU();
+  test::TempDir d;
+  const std::string dev = " --training.device=cuda --data.path=" + test::write_tokens(d, "t.bin", 3000, 37) + kClip;
+  const std::string o = test::options("llama", 8, 1) + dev;
+  const test::RunResult one = test::train_run(d, "one", 1, test::options("llama", 8, 2) + dev);
+  for (const std::string layout : {" --parallel.tp=2 --parallel.zero=1", " --parallel.pp=2 --parallel.zero=3",
+                                   " --parallel.cp=2 --parallel.zero=2"}) {
+    const test::RunResult r = test::train_run(d, "composed", 4, o + " --parallel.dp=2" + layout);
+    ASSERT_EQ(r.loss.size(), one.loss.size()) << layout << "\n" << r.output;
+    EXPECT_LT(loss_diff(one.loss, r.loss), 1e-5) << layout;
+    EXPECT_LT(rel_diff(one.units, r.units), 1e-5) << layout;
+    test::expect_equivalent(one, r, "llama" + layout);
+    std::filesystem::remove_all(d / "composed");
+    std::filesystem::remove(d / "composed.jsonl");
+  }
+}
+
 // A ZeRO-3 checkpoint written by two ranks sharing the GPU (each saving its chunks from
 // device memory through host copies): resumed at the same layout it continues bit for bit
 // as the uninterrupted run (the GPU run is deterministic and the checkpoint holds every

@@ -72,7 +72,8 @@ void gemm_lower_tn(int64_t T, int64_t D, const float* P, const float* X, int64_t
 }  // namespace
 
 AttentionShape attention_shape(const Tensor& qkv, int n_head, int n_kv_head, const char* op) {
-  check_f32(qkv, op);
+  // Shapes only: the GPU's callers (context parallelism's ring) use it too.
+  MT_CHECK(qkv.defined() && qkv.dtype() == DType::f32, op << ": qkv must be a defined f32 tensor");
   MT_CHECK(qkv.ndim() == 3, op << ": qkv must be 3-D [B, T, (NH + 2 NKV) D], got " << shape_str(qkv.shape()));
   MT_CHECK(n_head > 0 && n_kv_head > 0 && n_head % n_kv_head == 0,
            op << ": n_head = " << n_head << " must be a positive multiple of n_kv_head = " << n_kv_head);

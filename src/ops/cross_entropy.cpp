@@ -184,8 +184,6 @@ void cross_entropy_first_max(const Tensor& first, const Tensor& logits, const Te
 void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                                   const Tensor& targets, float scale, int64_t begin, int64_t valid) {
   ProfileScope profile_scope("cross_entropy_backward");
-  if (begin == 0 && logits.ndim() >= 1 && valid == logits.dim(-1))  // the whole vocabulary on this rank
-    MT_ON_CUDA(dlogits, cross_entropy_backward(dlogits, logits, lse, targets, scale));
   MT_ON_CUDA(dlogits, cross_entropy_backward_shard(dlogits, logits, lse, targets, scale, begin, valid));
   int64_t N = 0, V = 0;
   check_shard(logits, &targets, {&lse}, valid, N, V, "cross_entropy_backward");
