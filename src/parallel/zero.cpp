@@ -51,6 +51,12 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
       unit.g = s.full_g.view(0, {s.n});
       if (cfg.grad_compression == "int8" && S_ > 1 && s.n > 0)
         s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, alloc, Int8Reduction::Mode::reduce_scatter);
+      if (cfg.grad_compression == "powersgd" && S_ > 1 && s.n > 0) {
+        std::vector<PsgdMatrix> matrices;  // the unit's 2-D parameters, [rows x cols] as stored
+        for (const ParamSpec& p : unit.params)
+          if (p.shape.size() == 2) matrices.push_back({p.offset, p.shape[0], p.shape[1]});
+        s.psgd = std::make_unique<PowerSGDReduction>(s.n, matrices, cfg.powersgd_rank, *shard_, alloc);
+      }
     } else {  // the whole gradient exists only during the unit's backward
       s.shard_g = Tensor::zeros({s.chunk}, gd_, alloc, MemTag::grads);
       if (cfg.grad_compression == "int8" && S_ > 1 && s.n > 0)  // no error feedback: no full-size residual
@@ -163,7 +169,7 @@ void ZeRO::launch_reduce(int u) {
 
 void ZeRO::after_backward(int unit) {
   if (stage_ == 1) {
-    if (sync_ && !st_[unit].int8) launch_reduce(unit);  // int8: in finish()
+    if (sync_ && !st_[unit].int8 && !st_[unit].psgd) launch_reduce(unit);  // compressed: in finish()
     return;
   }
   launch_reduce(unit);  // stages 2-3 reduce every micro-step: no full gradient is kept
@@ -192,8 +198,10 @@ void ZeRO::complete_reduce(UnitState& s) {
 
 void ZeRO::finish() {
   if (stage_ == 1) {
-    for (UnitState& s : st_)
+    for (UnitState& s : st_) {
       if (s.int8) s.int8->reduce_scatter(s.full_g.f32());  // into chunk k, as the reduce-scatter
+      if (s.psgd) s.psgd->reduce(s.full_g.f32());          // every chunk, chunk k among them
+    }
     for (UnitState& s : st_)
       if (s.reduce) {
         s.reduce->wait();
@@ -283,8 +291,9 @@ std::vector<ParamSlice> ZeRO::owned() {
 std::vector<std::pair<std::string, Tensor>> ZeRO::compression_state() {
   std::vector<std::pair<std::string, Tensor>> r;
   for (size_t u = 0; u < st_.size(); ++u)
-    if (st_[u].int8)
-      for (auto& [name, t] : st_[u].int8->state()) r.emplace_back("unit" + std::to_string(u) + ".int8." + name, t);
+    if (st_[u].int8 || st_[u].psgd)
+      for (auto& [name, t] : st_[u].int8 ? st_[u].int8->state() : st_[u].psgd->state())
+        r.emplace_back("unit" + std::to_string(u) + (st_[u].int8 ? ".int8." : ".powersgd.") + name, t);
   return r;
 }
 
@@ -298,9 +307,10 @@ std::string ZeRO::describe() const {
                 : pipelined_ ? ", each unit gathered once per step (pipeline)"
                               : (std::string(cfg_.reshard_after_forward ? ", reshard after forward" : "") +
                                  (cfg_.prefetch ? ", prefetch" : "")).c_str(),
-                cfg_.grad_compression != "int8" ? ""
-                : stage_ == 1                    ? ", int8-compressed reduce-scatter (error feedback)"
-                                                 : ", int8-compressed reduce-scatter (no error feedback)");
+                cfg_.grad_compression == "powersgd" ? ", powersgd-compressed (all-reduced factors, error feedback)"
+                : cfg_.grad_compression != "int8"   ? ""
+                : stage_ == 1                       ? ", int8-compressed reduce-scatter (error feedback)"
+                                                    : ", int8-compressed reduce-scatter (no error feedback)");
   return buf;
 }
 

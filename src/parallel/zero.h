@@ -41,6 +41,12 @@
 // so no overlap with the backward); the int8 blocks, 2 S block_bytes(), live only during
 // the call. The fp32 path's order of accumulation is unchanged.
 //
+// parallel.grad_compression = powersgd (stage 1 only): each unit is one PowerSGDReduction
+// (powersgd.h) over the shard group, blocking in finish(): the factors are all-reduced, so
+// every rank ends with the unit's whole compressed sum in full_g, of which the owner's
+// chunk is what the reduce-scatter would have left there. Its residuals are full-size,
+// as stage 1's gradients are anyway; stages 2-3 would lose their gradient sharding to them.
+//
 // training.device = cuda: every buffer above lives in GPU memory (alloc's device); the
 // shards' accumulation runs on the GPU, the collectives stage through host memory
 // (comm/communicator.h), and the parameter checks hash host copies.
@@ -59,6 +65,7 @@
 #include "parallel/compress.h"
 #include "parallel/data_parallel.h"
 #include "parallel/parallel_config.h"
+#include "parallel/powersgd.h"
 
 namespace mt {
 
@@ -116,6 +123,7 @@ class ZeRO final : public DataParallel {
     WorkPtr reduce;  // pending reduce-scatter of full_g
     Tensor reduced;  // stages 2-3: [c] where the pending reduce-scatter lands
     Tensor master;   // mixed precision: [c] fp32 parameters of this rank's chunk (the w above are 16-bit)
+    std::unique_ptr<PowerSGDReduction> psgd;  // grad_compression = powersgd (stage 1): the all-reduce of factors
     std::unique_ptr<Int8Reduction> int8;  // grad_compression = int8: the reduce-scatter (stage 1 with error feedback)
   };
   void ensure_gathered(int u);

@@ -267,6 +267,9 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
       } else if (opt.grad_compression == "int8") {  // every stage: the same blocks
         const BucketReduction r = int8_reduce_scatter(numel[h.unit], S);
         p.reductions.push_back({h.chunk, {r.bytes, r.messages}});
+      } else if (opt.grad_compression == "powersgd") {  // stage 1: the unit's factors, all-reduced
+        const BucketReduction r = bucket_reduction(model, layout.tp, {h.unit}, numel[h.unit], S, opt, prec.grad);
+        p.reductions.push_back({h.chunk, {r.bytes, r.messages}});
       } else {
         p.reductions.push_back({h.chunk, reduce_scatter(S, chunk * S * prec.grad)});
       }

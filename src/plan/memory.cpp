@@ -424,6 +424,17 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
       for (int64_t n : r.numel)  // stage 1, per unit: Int8Reduction's residual and blocks (compress.h)
         if (n > 0 && s.lay.zero == 1) bytes += int8_reduce_scatter(static_cast<double>(n), s.N).buffers;
       // stages 2-3: the blocks live only during a unit's reduction (ZeroReplay)
+    } else if (s.knobs.grad_compression == "powersgd" && s.N > 1) {
+      TrafficOptions how;  // stage 1, per unit: PowerSGDReduction's buffers (powersgd.h), the largest staging
+      how.grad_compression = "powersgd", how.powersgd_rank = s.knobs.powersgd_rank;
+      double staging = 0;
+      for (int u = 0; u < static_cast<int>(r.numel.size()); ++u) {
+        if (r.numel[u] == 0) continue;
+        const BucketReduction red = bucket_reduction(s.cfg, s.lay.tp, {u}, static_cast<double>(r.numel[u]), s.N, how, 4);
+        bytes += red.buffers;
+        staging = std::max(staging, red.staging);
+      }
+      bytes += staging;
     } else {
       bytes += staging_bytes(chunk * (s.N - 1), gb);  // reduce-scatter into [c]: (N - 1) pieces
     }

@@ -374,12 +374,13 @@ void Config::check_cheaper_comm() const {
   MT_CHECK(p.powersgd_rank >= 1, "parallel.powersgd_rank = " << p.powersgd_rank
                                  << " must be at least 1 (the rank of PowerSGD's approximation; default 4)");
   if (p.grad_compression == "none") return;
-  // int8 runs at every stage (ZeRO 2-3 without error feedback: no full-size residual).
-  if (p.grad_compression != "int8")
-    MT_CHECK(p.zero == 0, "parallel.grad_compression = " << p.grad_compression << " compresses DDP's gradient "
-                          << "reduction, but parallel.zero = " << p.zero << " (its error feedback keeps full-size "
-                          << "state on every rank, which would undo the sharding; int8 runs under ZeRO); use "
-                          << "parallel.zero=0 or grad_compression=none");
+  // int8 runs at every stage (ZeRO 2-3 without error feedback: no full-size residual);
+  // PowerSGD under ZeRO 1, whose full gradients its residuals match.
+  if (p.grad_compression == "powersgd")
+    MT_CHECK(p.zero <= 1, "parallel.grad_compression = powersgd compresses the gradients of DDP and ZeRO 1, but "
+                          << "parallel.zero = " << p.zero << " (its error feedback keeps a full-size residual on "
+                          << "every rank, which would undo the gradient sharding; int8 runs under ZeRO 2 and 3); "
+                          << "use parallel.zero=0 or 1, or grad_compression=int8");
   MT_CHECK(p.grad_comm_dtype == "fp32", "parallel.grad_compression = " << p.grad_compression << " compresses fp32 "
                                         << "gradients itself; leave parallel.grad_comm_dtype = fp32 (got "
                                         << p.grad_comm_dtype << ")");
