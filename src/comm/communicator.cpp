@@ -118,6 +118,20 @@ std::vector<double> sum_doubles(Communicator& group, std::vector<double> x) {
 
 double sum_doubles(Communicator& group, double x) { return sum_doubles(group, std::vector<double>{x})[0]; }
 
+std::vector<std::string> allgather_strings(Communicator& group, const std::string& mine) {
+  const int n = group.size();
+  uint32_t len = static_cast<uint32_t>(mine.size());
+  std::vector<uint32_t> lens(n);
+  group.allgather(Tensor::wrap(&len, {1}, DType::u32), Tensor::wrap(lens.data(), {n}, DType::u32));
+  const int64_t words = (*std::max_element(lens.begin(), lens.end()) + 3) / 4 + 1;
+  std::vector<uint32_t> buf(words, 0), all(words * n);
+  std::memcpy(buf.data(), mine.data(), mine.size());
+  group.allgather(Tensor::wrap(buf.data(), {words}, DType::u32), Tensor::wrap(all.data(), {words * n}, DType::u32));
+  std::vector<std::string> r(n);
+  for (int k = 0; k < n; ++k) r[k].assign(reinterpret_cast<const char*>(&all[k * words]), lens[k]);
+  return r;
+}
+
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }

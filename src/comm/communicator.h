@@ -311,4 +311,8 @@ int ranks_per_machine(Communicator& group);
 std::vector<double> sum_doubles(Communicator& group, std::vector<double> x);
 double sum_doubles(Communicator& group, double x);
 
+// Every rank's string, on every rank in rank order (two all-gathers: lengths, then the bytes
+// padded to the longest).
+std::vector<std::string> allgather_strings(Communicator& group, const std::string& mine);
+
 }  // namespace mt

@@ -152,20 +152,6 @@ std::string tensor_name(const std::string& unit, const std::string& tensor, int6
   return unit + "." + tensor + "@" + std::to_string(begin);
 }
 
-// Every rank's string, in rank order (two all-gathers: lengths, then padded bytes).
-std::vector<std::string> allgather_strings(Communicator& c, const std::string& mine) {
-  const int n = c.size();
-  uint32_t len = static_cast<uint32_t>(mine.size());
-  std::vector<uint32_t> lens(n);
-  c.allgather(Tensor::wrap(&len, {1}, DType::u32), Tensor::wrap(lens.data(), {n}, DType::u32));
-  const int64_t words = (*std::max_element(lens.begin(), lens.end()) + 3) / 4 + 1;
-  std::vector<uint32_t> buf(words, 0), all(words * n);
-  std::memcpy(buf.data(), mine.data(), mine.size());
-  c.allgather(Tensor::wrap(buf.data(), {words}, DType::u32), Tensor::wrap(all.data(), {words * n}, DType::u32));
-  std::vector<std::string> r(n);
-  for (int k = 0; k < n; ++k) r[k].assign(reinterpret_cast<const char*>(&all[k * words]), lens[k]);
-  return r;
-}
 
 }  // namespace
 
@@ -225,8 +211,8 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
   if (cfg.parallel.test_fault == "slow_save:" + std::to_string(world.rank()))
     std::this_thread::sleep_for(std::chrono::seconds(3));
   world.barrier_slow();  // the writers may take a while
-  const std::vector<std::string> sides = allgather_strings(world, side.is_null() ? "" : side.dump());
-  const std::vector<std::string> state_sides = allgather_strings(world, state_side.is_null() ? "" : state_side.dump());
+  // Each rank's [shard, state file] (null where it wrote none), on the lead.
+  const std::vector<std::string> written = allgather_strings(world, nlohmann::json::array({side, state_side}).dump());
 
   if (lead) {
     nlohmann::json meta;
@@ -249,9 +235,12 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
     meta["units"] = ju;
     nlohmann::json shards = nlohmann::json::array();
     std::map<std::string, int64_t> covered;
-    for (const std::string& text : sides) {
-      if (text.empty()) continue;  // a rank that holds a replica writes nothing
-      nlohmann::json j = nlohmann::json::parse(text);
+    nlohmann::json states = nlohmann::json::array();
+    for (const std::string& text : written) {
+      nlohmann::json both = nlohmann::json::parse(text);
+      if (!both[1].is_null()) states.push_back(std::move(both[1]));
+      if (both[0].is_null()) continue;  // a rank that holds a replica writes no shard
+      nlohmann::json& j = both[0];
       for (const auto& rg : j["ranges"]) covered[rg["unit"]] += rg["end"].get<int64_t>() - rg["begin"].get<int64_t>();
       shards.push_back(std::move(j));
     }
@@ -260,9 +249,6 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
       MT_CHECK(covered[u.name] == u.numel, "internal: checkpoint shards cover " << covered[u.name] << " of " << u.numel
                                                                              << " elements of unit " << u.name);
     meta["shards"] = shards;
-    nlohmann::json states = nlohmann::json::array();
-    for (const std::string& text : state_sides)
-      if (!text.empty()) states.push_back(nlohmann::json::parse(text));
     if (!states.empty()) meta["rank_state"] = {{"layout", rank_state.layout}, {"files", states}};
     meta["meta_crc32"] = meta_crc(meta);
     {

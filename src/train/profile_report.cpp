@@ -10,22 +10,6 @@ namespace {
 
 using nlohmann::json;
 
-// Every rank's string, on every rank (lengths first, then the bytes padded to the longest).
-std::vector<std::string> allgather_strings(Communicator& group, const std::string& mine) {
-  const int R = group.size();
-  double len = static_cast<double>(mine.size());
-  std::vector<double> lens(R);
-  group.allgather(Tensor::wrap(&len, {1}, DType::f64), Tensor::wrap(lens.data(), {R}, DType::f64));
-  const int64_t words = (static_cast<int64_t>(*std::max_element(lens.begin(), lens.end())) + 3) / 4;
-  std::vector<int32_t> in(std::max<int64_t>(words, 1), 0), all(in.size() * R);
-  std::copy(mine.begin(), mine.end(), reinterpret_cast<char*>(in.data()));
-  group.allgather(Tensor::wrap(in.data(), {static_cast<int64_t>(in.size())}, DType::i32),
-                  Tensor::wrap(all.data(), {static_cast<int64_t>(all.size())}, DType::i32));
-  std::vector<std::string> r(R);
-  for (int k = 0; k < R; ++k) r[k].assign(reinterpret_cast<const char*>(&all[k * in.size()]), static_cast<size_t>(lens[k]));
-  return r;
-}
-
 // This rank's measurements as JSON: [[name, calls, self_s, total_s], ...] per table, and
 // its events (times shifted to the trace's origin).
 json rank_json(const Profiler& p, bool with_events, double trace_origin) {
