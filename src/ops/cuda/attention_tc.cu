@@ -32,6 +32,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "ops/cuda/attention_tc.h"
@@ -620,9 +622,23 @@ void backward_typed(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, c
 
 bool attention_tc_supported(int64_t D) { return D >= kF && D <= kMaxD && D % kF == 0; }
 
-void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt) {
+// MESHTRAIN_ATTENTION_KERNEL=wmma keeps the WMMA forward under AttentionTcForward::automatic.
+static bool wmma_forward_forced() {
+  static const bool forced = [] {
+    const char* e = std::getenv("MESHTRAIN_ATTENTION_KERNEL");
+    return e != nullptr && std::strcmp(e, "wmma") == 0;
+  }();
+  return forced;
+}
+
+void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt,
+                          AttentionTcForward kernel) {
   check_tc(s, dt, "attention_tc_forward");
   if (s.B == 0 || s.T == 0) return;
+  const bool mma = kernel == AttentionTcForward::mma ||
+                   (kernel == AttentionTcForward::automatic && !wmma_forward_forced() &&
+                    attention_mma_supported(s.D) && attention_mma_aligned(out, qkv));
+  if (mma) return attention_mma_forward(out, lse, qkv, s, dt);
   if (dt == DType::bf16)
     forward_typed<__nv_bfloat16>(out, lse, qkv, s);
   else

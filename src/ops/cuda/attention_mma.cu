@@ -1,0 +1,374 @@
+// Tensor-core causal grouped-query attention FORWARD on mma.sync.m16n8k16 (FlashAttention-2
+// style) for D = 64 and 128, 16-bit operands (bf16 or f16), fp32 accumulation. Same
+// semantics, bit for bit in every rounding step but the fp32 summation order, as the WMMA
+// forward in attention_tc.cu (see attention_tc.h):
+//   - q, k, v read from qkv[B, T, W] fp32 and rounded to T16 (round to nearest) on load;
+//   - x = s * scale in fp32 (s the fp32-accumulated Q K^T, scale = 1/sqrt(D));
+//   - a lazily updated reference max m per row: per 64-key tile, mt = max x over the row's
+//     unmasked keys; if mt > m + kSlack (8): O, l *= expf(m - mt) (when m was finite), m = mt;
+//   - p = expf(x - m) in fp32; l += sum of the fp32 p (unrounded); P rounded to T16 as the
+//     A operand of P V;
+//   - out = O * (1 / l), lse = m + logf(l) (natural log); rows >= T are not written.
+//
+// Kernel attention_mma_forward_kernel<T16, D>. Grid (ceil(T / 64), NH, B), 128 threads
+// (4 warps). Block x takes the query tile qt = gridDim.x - 1 - x (the longest tiles start
+// first) of head h = y, batch b = z: rows [64 qt, 64 qt + 64); warp w owns the 16 rows
+// 64 qt + 16 w + [0, 16). The block walks the key tiles kt = 0 .. qt (64 keys each; the
+// last is the diagonal one, the only one masked: key > query there; keys >= T only occur in
+// it and are masked by the causal test for every row < T; the padded rows >= T see zero
+// keys and are never written).
+//
+// Registers per lane (g = lane / 4, t = lane % 4; see attention_mma_layout.h):
+//   qf[D / 16][4]  Q as A operands, one k-step of 16 dims each, loaded once from global
+//                  memory: register j holds (row g + 8 (j % 2), dims 2 t + 8 (j / 2) + {0, 1}).
+//   s[8][4]        S = Q K^T of the tile, 8 accumulators of 8 keys: s[n][i] at row
+//                  g + 8 (i / 2), key 8 n + 2 t + (i % 2); then x, then p in place.
+//   o[D / 8][4]    O, 8 dims per accumulator: o[n][i] at row g + 8 (i / 2), dim 8 n + 2 t + i % 2.
+//   m[2], l[2]     the statistics of rows g and g + 8 (the same in the 4 lanes of a quad;
+//                  row reductions are quad butterflies: shfl_xor 1 then 2).
+// P as the A operand of the k-step over keys [16 s, 16 s + 16) packs, without any data
+// movement, register j = (s[2 s + j / 2][2 (j % 2)], s[2 s + j / 2][2 (j % 2) + 1]).
+//
+// Shared memory (static): K and V tiles [64 keys][D + 8] of T16 (row stride D + 8 elements =
+// 16 bytes past a multiple of 128: the 8 row addresses of an ldmatrix hit distinct bank
+// quads). 18,432 bytes at D = 64, 34,816 at D = 128. K feeds the B operand of S = Q K^T by
+// ldmatrix.x4 (8 keys x 32 dims), V the B operand of O += P V by ldmatrix.x4.trans (16 keys x
+// 16 dims). Tiles are loaded by all threads with float4 global loads (rows >= T: zeros),
+// converted and stored as 4 x T16; __syncthreads before (previous tile's readers done) and
+// after (tile visible).
+//
+// Work skipped in the diagonal tile (warp-uniform): S blocks of 8 keys wholly after the
+// warp's last row (8 n > 16 w + 15) and P V k-steps wholly after it (16 s > 16 w + 15).
+//
+// Determinism: no atomics; every accumulator sums its k-steps in a fixed order; the grid
+// depends only on the shapes.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "ops/cuda/attention_mma_layout.h"
+#include "ops/cuda/attention_tc.h"
+#include "ops/cuda/common.cuh"
+
+namespace mt::cuda {
+
+namespace {
+
+namespace ml = mma_layout;
+
+constexpr int kM = 64;                 // query rows per block
+constexpr int kN = 64;                 // keys per key tile
+constexpr int kMmaWarps = 4;           // warp w owns rows [16 w, 16 w + 16) of the block
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr float kMmaSlack = 8.0f;      // the WMMA forward's kSlack (same lazy max)
+static_assert(kM == 16 * kMmaWarps, "each warp owns 16 query rows");
+
+struct MmaDims {
+  int T, NH, NKV, G;
+  int64_t W, OW;
+  float scale;
+};
+
+template <int D> constexpr int mma_ld() { return D + 8; }
+template <int D> constexpr int mma_smem_bytes() { return 2 * kN * mma_ld<D>() * 2; }
+
+// Two floats rounded to T16 and packed: lo in bits 0..15 (the lower column index).
+template <class T16> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, 4);
+  return r;
+}
+template <> __device__ __forceinline__ uint32_t pack2<half>(float lo, float hi) {
+  half2 v = __floats2half2_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, 4);
+  return r;
+}
+
+// d += A B (m16n8k16, fp32 accumulators), A in a[4], B in (b0, b1).
+template <class T16> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                              uint32_t b1);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+                                                                    uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                           uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ldmatrix.x4 (optionally .trans) from the shared-memory address `addr` this lane supplies.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// Thread's float4 chunks of a [64, D] fp32 tile: chunk c = threadIdx.x + i * 128 is row
+// c / (D / 4), dims 4 (c % (D / 4)) .. + 4.
+template <int D> constexpr int chunks_per_thread() { return kN * (D / 4) / kMmaThreads; }
+
+// v[] = rows [r0, r0 + 64) of a [T, D] fp32 matrix at src (row stride ld), zeros past T.
+template <int D>
+__device__ __forceinline__ void load_chunks(float4 (&v)[chunks_per_thread<D>()], const float* __restrict__ src,
+                                            int64_t ld, int r0, int T) {
+  constexpr int C4 = D / 4;
+  #pragma unroll
+  for (int i = 0; i < chunks_per_thread<D>(); ++i) {
+    const int c = threadIdx.x + i * kMmaThreads, r = c / C4, row = r0 + r;
+    v[i] = row < T ? __ldg(reinterpret_cast<const float4*>(src + (int64_t)row * ld) + c % C4)
+                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+}
+// dst[64][D + 8] (shared, T16) = v[] rounded to T16 (8-byte stores: (D + 8) * 2 and 8 (c % C4)
+// are multiples of 8 bytes).
+template <class T16, int D>
+__device__ __forceinline__ void store_chunks(T16* dst, const float4 (&v)[chunks_per_thread<D>()]) {
+  constexpr int C4 = D / 4, LD = mma_ld<D>();
+  #pragma unroll
+  for (int i = 0; i < chunks_per_thread<D>(); ++i) {
+    const int c = threadIdx.x + i * kMmaThreads, r = c / C4, d = 4 * (c % C4);
+    *reinterpret_cast<uint2*>(dst + r * LD + d) = make_uint2(pack2<T16>(v[i].x, v[i].y), pack2<T16>(v[i].z, v[i].w));
+  }
+}
+
+template <class T16, int D>
+__global__ void __launch_bounds__(kMmaThreads, D <= 64 ? 4 : 2)
+    attention_mma_forward_kernel(float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ qkv,
+                                 MmaDims z) {
+  static_assert(D % 32 == 0 && D <= 128, "D = 64 or 128");
+  constexpr int LD = mma_ld<D>();
+  constexpr int NQ = D / 16;  // k-steps of S = Q K^T (Q fragments)
+  constexpr int NO = D / 8;   // O accumulators of 8 dims
+  constexpr int NS = kN / 8;  // S accumulators of 8 keys
+  __shared__ __align__(128) T16 Ks[kN * LD];
+  __shared__ __align__(128) T16 Vs[kN * LD];
+
+  const int qt = gridDim.x - 1 - blockIdx.x, q0 = qt * kM, h = blockIdx.y, b = blockIdx.z, kh = h / z.G;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, w0 = 16 * warp;  // w0: warp's first row in the tile
+  const int g = lane / 4, tq = lane % 4;
+  const float* base = qkv + (int64_t)b * z.T * z.W;
+  const float* Kg = base + (int64_t)(z.NH + kh) * D;
+  const float* Vg = base + (int64_t)(z.NH + z.NKV + kh) * D;
+
+  // Q fragments, straight from global memory (rows >= T: zeros).
+  uint32_t qf[NQ][4];
+  #pragma unroll
+  for (int kk = 0; kk < NQ; ++kk)
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = q0 + w0 + ml::q_reg_row(lane, j), col = 16 * kk + ml::q_reg_col(lane, j);
+      float2 x = make_float2(0.0f, 0.0f);
+      if (row < z.T) x = *reinterpret_cast<const float2*>(base + (int64_t)row * z.W + (int64_t)h * D + col);
+      qf[kk][j] = pack2<T16>(x.x, x.y);
+    }
+
+  float o[NO][4];
+  #pragma unroll
+  for (int n = 0; n < NO; ++n)
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows w0 + g, w0 + g + 8
+
+  const uint32_t ks = (uint32_t)__cvta_generic_to_shared(Ks), vs = (uint32_t)__cvta_generic_to_shared(Vs);
+  // this lane's ldmatrix row addresses (bytes), before the tile offsets
+  const uint32_t k_lane = ks + 2u * (uint32_t)(ml::k_ldm_key(lane) * LD + ml::k_ldm_dim(lane));
+  const uint32_t v_lane = vs + 2u * (uint32_t)(ml::v_ldm_key(lane) * LD + ml::v_ldm_dim(lane));
+
+  for (int kt = 0; kt <= qt; ++kt) {
+    const int k0 = kt * kN;
+    const bool diag = kt == qt;  // k0 == q0
+    __syncthreads();             // every warp is done reading the previous K, V
+    {
+      float4 v[chunks_per_thread<D>()];
+      load_chunks<D>(v, Kg, z.W, k0, z.T);
+      store_chunks<T16, D>(Ks, v);
+      load_chunks<D>(v, Vg, z.W, k0, z.T);
+      store_chunks<T16, D>(Vs, v);
+    }
+    __syncthreads();
+
+    // S = Q K^T: s[n] over keys [8 n, 8 n + 8), k-steps over dims in order.
+    float s[NS][4];
+    #pragma unroll
+    for (int n = 0; n < NS; ++n) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
+      if (diag && 8 * n > w0 + 15) continue;  // all masked for the warp's rows (warp-uniform)
+      #pragma unroll
+      for (int c = 0; c < D / 32; ++c) {
+        uint32_t bk[4];
+        ldsm_x4(bk, k_lane + 2u * (uint32_t)(8 * n * LD + 32 * c));
+        mma16816<T16>(s[n], qf[2 * c], bk[0], bk[1]);
+        mma16816<T16>(s[n], qf[2 * c + 1], bk[2], bk[3]);
+      }
+    }
+
+    // x = s * scale, masked -inf; the tile's row max over unmasked keys (finite: key q0 <= row
+    // is in the diagonal tile, every key of the others precedes every row).
+    float mx[2] = {-INFINITY, -INFINITY};
+    #pragma unroll
+    for (int n = 0; n < NS; ++n)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int key = 8 * n + ml::c_col(lane, i), row = w0 + ml::c_row(lane, i);  // in-tile indices
+        const float x = s[n][i] * z.scale;
+        const bool ok = !diag || key <= row;
+        s[n][i] = ok ? x : -INFINITY;
+        if (ok) mx[i / 2] = fmaxf(mx[i / 2], x);
+      }
+    float a[2];  // the rows' rescale factors
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      a[r] = 1.0f;
+      if (mx[r] > m[r] + kMmaSlack) {  // the same in the 4 lanes of the quad
+        if (m[r] != -INFINITY) a[r] = expf(m[r] - mx[r]);
+        m[r] = mx[r];
+      }
+    }
+    float rs[2] = {0.0f, 0.0f};
+    #pragma unroll
+    for (int n = 0; n < NS; ++n)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float p = expf(s[n][i] - m[i / 2]);  // expf(-inf) = 0 for the masked
+        s[n][i] = p;
+        rs[i / 2] += p;
+      }
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);  // butterfly: the same bits in the quad
+      rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
+      l[r] = a[r] * l[r] + rs[r];
+    }
+    #pragma unroll
+    for (int n = 0; n < NO; ++n)
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) o[n][i] *= a[i / 2];
+
+    // O += P V: k-steps over the tile's keys [16 st, 16 st + 16) in order.
+    #pragma unroll
+    for (int st = 0; st < kN / 16; ++st) {
+      if (diag && 16 * st > w0 + 15) continue;  // P = 0 there (warp-uniform)
+      uint32_t pa[4];
+      #pragma unroll
+      for (int j = 0; j < 4; ++j)
+        pa[j] = pack2<T16>(s[ml::p_tile(st, j)][ml::p_elem(j, 0)], s[ml::p_tile(st, j)][ml::p_elem(j, 1)]);
+      #pragma unroll
+      for (int n2 = 0; n2 < D / 16; ++n2) {
+        uint32_t bv[4];
+        ldsm_x4_trans(bv, v_lane + 2u * (uint32_t)(16 * st * LD + 16 * n2));
+        mma16816<T16>(o[2 * n2], pa, bv[0], bv[1]);
+        mma16816<T16>(o[2 * n2 + 1], pa, bv[2], bv[3]);
+      }
+    }
+  }
+
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = q0 + w0 + g + 8 * r;
+    if (row >= z.T) continue;
+    const float inv = 1.0f / l[r];  // every row < T sees key 0: l > 0
+    if (tq == 0) lse[((int64_t)b * z.NH + h) * z.T + row] = m[r] + logf(l[r]);
+    float* orow = out + ((int64_t)b * z.T + row) * z.OW + (int64_t)h * D;
+    #pragma unroll
+    for (int n = 0; n < NO; ++n)
+      *reinterpret_cast<float2*>(orow + 8 * n + 2 * tq) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+  }
+}
+
+template <class T16, int D>
+void launch(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
+  static_assert(mma_smem_bytes<D>() <= 48 * 1024, "static shared memory above 48 KiB");
+  auto kernel = attention_mma_forward_kernel<T16, D>;
+  static const bool carveout = [&] {  // prefer shared memory: 4 (D 64) / 2+ (D 128) blocks per SM
+    MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       (int)cudaSharedmemCarveoutMaxShared));
+    return true;
+  }();
+  (void)carveout;
+  MmaDims z;
+  z.T = (int)s.T;
+  z.NH = (int)s.NH;
+  z.NKV = (int)s.NKV;
+  z.G = (int)s.G;
+  z.W = s.W;
+  z.OW = s.NH * s.D;
+  z.scale = 1.0f / std::sqrt((float)s.D);  // as the WMMA forward
+  const dim3 grid((unsigned)ceil_div(s.T, kM), (unsigned)s.NH, (unsigned)s.B);
+  kernel<<<grid, kMmaThreads, 0, stream()>>>(out.f32(), lse.f32(), qkv.f32(), z);
+  MT_CUDA_LAUNCHED("attention_mma_forward_kernel");
+}
+
+template <class T16>
+void launch_typed(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
+  if (s.D == 64)
+    launch<T16, 64>(out, lse, qkv, s);
+  else
+    launch<T16, 128>(out, lse, qkv, s);
+}
+
+template <class T16>
+int occupancy_typed(int64_t D) {
+  int n = 0;
+  if (D == 64)
+    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_mma_forward_kernel<T16, 64>,
+                                                                kMmaThreads, 0));
+  else
+    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_mma_forward_kernel<T16, 128>,
+                                                                kMmaThreads, 0));
+  return n;
+}
+
+}  // namespace
+
+bool attention_mma_supported(int64_t D) { return D == 64 || D == 128; }
+
+bool attention_mma_aligned(const Tensor& out, const Tensor& qkv) {
+  return reinterpret_cast<uintptr_t>(qkv.f32()) % 16 == 0 && reinterpret_cast<uintptr_t>(out.f32()) % 8 == 0;
+}
+
+void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s,
+                           DType dt) {
+  MT_CHECK(attention_mma_supported(s.D), "attention_mma_forward: head dim D = " << s.D << " not supported (64, 128)");
+  MT_CHECK(dt == DType::bf16 || dt == DType::f16,
+           "attention_mma_forward: 16-bit dtype expected, got " << dtype_name(dt));
+  MT_CHECK(attention_mma_aligned(out, qkv), "attention_mma_forward: qkv must be 16-byte and out 8-byte aligned");
+  MT_CHECK(s.T <= (int64_t)1 << 30 && s.B <= 65535 && s.NH <= 65535,
+           "attention_mma_forward: B = " << s.B << ", T = " << s.T << ", NH = " << s.NH << " outside the CUDA grid");
+  if (s.B == 0 || s.T == 0) return;
+  if (dt == DType::bf16)
+    launch_typed<__nv_bfloat16>(out, lse, qkv, s);
+  else
+    launch_typed<half>(out, lse, qkv, s);
+}
+
+int attention_mma_occupancy(int64_t D, DType dt, int64_t* smem_bytes) {
+  MT_CHECK(attention_mma_supported(D), "attention_mma_occupancy: head dim D = " << D << " not supported (64, 128)");
+  if (smem_bytes) *smem_bytes = D == 64 ? mma_smem_bytes<64>() : mma_smem_bytes<128>();
+  return dt == DType::f16 ? occupancy_typed<half>(D) : occupancy_typed<__nv_bfloat16>(D);
+}
+
+}  // namespace mt::cuda
