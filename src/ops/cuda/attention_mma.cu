@@ -10,13 +10,16 @@
 //     A operand of P V;
 //   - out = O * (1 / l), lse = m + logf(l) (natural log); rows >= T are not written.
 //
-// Kernel attention_mma_forward_kernel<T16, D>. Grid (ceil(T / 64), NH, B), 128 threads
-// (4 warps). Block x takes the query tile qt = gridDim.x - 1 - x (the longest tiles start
-// first) of head h = y, batch b = z: rows [64 qt, 64 qt + 64); warp w owns the 16 rows
-// 64 qt + 16 w + [0, 16). The block walks the key tiles kt = 0 .. qt (64 keys each; the
-// last is the diagonal one, the only one masked: key > query there; keys >= T only occur in
-// it and are masked by the causal test for every row < T; the padded rows >= T see zero
-// keys and are never written).
+// Kernel attention_mma_forward_kernel<T16, D>. NW = 8 warps at D = 64, 4 at D = 128
+// (mma_warps), M = 16 NW query rows per block. Grid (ceil(T / M), NH, B), 32 NW threads.
+// Block x takes the query tile qt = gridDim.x - 1 - x (the longest tiles start first):
+// rows q0 = M qt + [0, M) of head h = y, batch b = z; warp w owns the 16 rows
+// q0 + 16 w + [0, 16). The block walks the 64-key tiles k0 = 0, 64, ... holding a key <= its
+// last row and < T. A warp skips (after helping load) a tile whose keys all follow its rows;
+// it masks (key > row: x = -inf, p = 0) only in a tile where some key follows its first row.
+// Keys >= T (zeros in shared memory) only occur in the last tile: masked for every row < T;
+// the rows >= T (zero queries) are computed but never written. The lazy max sees the same
+// 64-key tiles as the WMMA kernel's (a tile wholly after a row leaves its m, l, O alone).
 //
 // Registers per lane (g = lane / 4, t = lane % 4; see attention_mma_layout.h):
 //   qf[D / 16][4]  Q as A operands, one k-step of 16 dims each, loaded once from global
@@ -29,7 +32,7 @@
 // P as the A operand of the k-step over keys [16 s, 16 s + 16) packs, without any data
 // movement, register j = (s[2 s + j / 2][2 (j % 2)], s[2 s + j / 2][2 (j % 2) + 1]).
 //
-// Shared memory (static): K and V tiles [64 keys][D + 8] of T16 (row stride D + 8 elements =
+// Shared memory (static, < 48 KiB): K and V tiles [64 keys][D + 8] of T16 (row stride D + 8 elements =
 // 16 bytes past a multiple of 128: the 8 row addresses of an ldmatrix hit distinct bank
 // quads). 18,432 bytes at D = 64, 34,816 at D = 128. K feeds the B operand of S = Q K^T by
 // ldmatrix.x4 (8 keys x 32 dims), V the B operand of O += P V by ldmatrix.x4.trans (16 keys x
@@ -37,8 +40,12 @@
 // converted and stored as 4 x T16; __syncthreads before (previous tile's readers done) and
 // after (tile visible).
 //
-// Work skipped in the diagonal tile (warp-uniform): S blocks of 8 keys wholly after the
-// warp's last row (8 n > 16 w + 15) and P V k-steps wholly after it (16 s > 16 w + 15).
+// Work skipped where masked (warp-uniform): S blocks of 8 keys wholly after the warp's last
+// row and P V k-steps of 16 keys wholly after it.
+//
+// Expected occupancy (H100: 64K registers, 228 KB shared memory per SM): D = 64: 128
+// registers x 256 threads, 18 KB: 2 blocks (16 warps) per SM; D = 128: 255 registers x 128
+// threads, 34 KB: 2 blocks (8 warps) per SM. (Register-bound; the shared memory allows more.)
 //
 // Determinism: no atomics; every accumulator sums its k-steps in a fixed order; the grid
 // depends only on the shapes.
@@ -61,12 +68,12 @@ namespace {
 
 namespace ml = mma_layout;
 
-constexpr int kM = 64;                 // query rows per block
 constexpr int kN = 64;                 // keys per key tile
-constexpr int kMmaWarps = 4;           // warp w owns rows [16 w, 16 w + 16) of the block
-constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr float kMmaSlack = 8.0f;      // the WMMA forward's kSlack (same lazy max)
-static_assert(kM == 16 * kMmaWarps, "each warp owns 16 query rows");
+// Warps per block (warp w owns the block's query rows [16 w, 16 w + 16); 16 NW rows per
+// block): 8 at D = 64 (2 blocks of 128 rows per SM by registers; each K / V tile loaded once
+// for 128 query rows), 4 at D = 128 (2 blocks of 64 rows per SM: 255 registers per thread).
+template <int D> constexpr int mma_warps() { return D <= 64 ? 8 : 4; }
 
 struct MmaDims {
   int T, NH, NKV, G;
@@ -124,9 +131,9 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "memory");
 }
 
-// Thread's float4 chunks of a [64, D] fp32 tile: chunk c = threadIdx.x + i * 128 is row
+// Thread's float4 chunks of a [64, D] fp32 tile: chunk c = threadIdx.x + i * (32 NW) is row
 // c / (D / 4), dims 4 (c % (D / 4)) .. + 4.
-template <int D> constexpr int chunks_per_thread() { return kN * (D / 4) / kMmaThreads; }
+template <int D> constexpr int chunks_per_thread() { return kN * (D / 4) / (32 * mma_warps<D>()); }
 
 // v[] = rows [r0, r0 + 64) of a [T, D] fp32 matrix at src (row stride ld), zeros past T.
 template <int D>
@@ -135,7 +142,7 @@ __device__ __forceinline__ void load_chunks(float4 (&v)[chunks_per_thread<D>()],
   constexpr int C4 = D / 4;
   #pragma unroll
   for (int i = 0; i < chunks_per_thread<D>(); ++i) {
-    const int c = threadIdx.x + i * kMmaThreads, r = c / C4, row = r0 + r;
+    const int c = threadIdx.x + i * 32 * mma_warps<D>(), r = c / C4, row = r0 + r;
     v[i] = row < T ? __ldg(reinterpret_cast<const float4*>(src + (int64_t)row * ld) + c % C4)
                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
@@ -147,13 +154,13 @@ __device__ __forceinline__ void store_chunks(T16* dst, const float4 (&v)[chunks_
   constexpr int C4 = D / 4, LD = mma_ld<D>();
   #pragma unroll
   for (int i = 0; i < chunks_per_thread<D>(); ++i) {
-    const int c = threadIdx.x + i * kMmaThreads, r = c / C4, d = 4 * (c % C4);
+    const int c = threadIdx.x + i * 32 * mma_warps<D>(), r = c / C4, d = 4 * (c % C4);
     *reinterpret_cast<uint2*>(dst + r * LD + d) = make_uint2(pack2<T16>(v[i].x, v[i].y), pack2<T16>(v[i].z, v[i].w));
   }
 }
 
 template <class T16, int D>
-__global__ void __launch_bounds__(kMmaThreads, D <= 64 ? 4 : 2)
+__global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
     attention_mma_forward_kernel(float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ qkv,
                                  MmaDims z) {
   static_assert(D % 32 == 0 && D <= 128, "D = 64 or 128");
@@ -161,6 +168,8 @@ __global__ void __launch_bounds__(kMmaThreads, D <= 64 ? 4 : 2)
   constexpr int NQ = D / 16;  // k-steps of S = Q K^T (Q fragments)
   constexpr int NO = D / 8;   // O accumulators of 8 dims
   constexpr int NS = kN / 8;  // S accumulators of 8 keys
+  constexpr int kM = 16 * mma_warps<D>();  // query rows per block
+  static_assert(chunks_per_thread<D>() * 32 * mma_warps<D>() == kN * D / 4, "whole float4 chunks per thread");
   __shared__ __align__(128) T16 Ks[kN * LD];
   __shared__ __align__(128) T16 Vs[kN * LD];
 
@@ -195,10 +204,12 @@ __global__ void __launch_bounds__(kMmaThreads, D <= 64 ? 4 : 2)
   const uint32_t k_lane = ks + 2u * (uint32_t)(ml::k_ldm_key(lane) * LD + ml::k_ldm_dim(lane));
   const uint32_t v_lane = vs + 2u * (uint32_t)(ml::v_ldm_key(lane) * LD + ml::v_ldm_dim(lane));
 
-  for (int kt = 0; kt <= qt; ++kt) {
+  // key tiles: those holding a key <= the block's last row, and < T
+  const int nkt = (int)min((int64_t)(q0 + kM + kN - 1) / kN, (int64_t)(z.T + kN - 1) / kN);
+  const int wr = q0 + w0;  // the warp's first row
+  for (int kt = 0; kt < nkt; ++kt) {
     const int k0 = kt * kN;
-    const bool diag = kt == qt;  // k0 == q0
-    __syncthreads();             // every warp is done reading the previous K, V
+    __syncthreads();  // every warp is done reading the previous K, V
     {
       float4 v[chunks_per_thread<D>()];
       load_chunks<D>(v, Kg, z.W, k0, z.T);
@@ -207,6 +218,8 @@ __global__ void __launch_bounds__(kMmaThreads, D <= 64 ? 4 : 2)
       store_chunks<T16, D>(Vs, v);
     }
     __syncthreads();
+    if (k0 > wr + 15) continue;  // every key after every row of the warp (warp-uniform): P = 0
+    const bool diag = k0 + kN - 1 > wr;  // some key after some row of the warp: mask key > row
 
     // S = Q K^T: s[n] over keys [8 n, 8 n + 8), k-steps over dims in order.
     float s[NS][4];
@@ -214,7 +227,7 @@ __global__ void __launch_bounds__(kMmaThreads, D <= 64 ? 4 : 2)
     for (int n = 0; n < NS; ++n) {
       #pragma unroll
       for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
-      if (diag && 8 * n > w0 + 15) continue;  // all masked for the warp's rows (warp-uniform)
+      if (k0 + 8 * n > wr + 15) continue;  // all masked for the warp's rows (warp-uniform)
       #pragma unroll
       for (int c = 0; c < D / 32; ++c) {
         uint32_t bk[4];
@@ -224,14 +237,15 @@ __global__ void __launch_bounds__(kMmaThreads, D <= 64 ? 4 : 2)
       }
     }
 
-    // x = s * scale, masked -inf; the tile's row max over unmasked keys (finite: key q0 <= row
-    // is in the diagonal tile, every key of the others precedes every row).
+    // x = s * scale, masked -inf; the tile's row max over unmasked keys (-inf for a row before
+    // every key of the tile: then m, finite since tile 0 (key 0 precedes every row), stays, a = 1
+    // and p = 0, as the WMMA kernel, whose 64-row blocks never visit that tile, has it).
     float mx[2] = {-INFINITY, -INFINITY};
     #pragma unroll
     for (int n = 0; n < NS; ++n)
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int key = 8 * n + ml::c_col(lane, i), row = w0 + ml::c_row(lane, i);  // in-tile indices
+        const int key = k0 + 8 * n + ml::c_col(lane, i), row = wr + ml::c_row(lane, i);
         const float x = s[n][i] * z.scale;
         const bool ok = !diag || key <= row;
         s[n][i] = ok ? x : -INFINITY;
@@ -271,7 +285,7 @@ __global__ void __launch_bounds__(kMmaThreads, D <= 64 ? 4 : 2)
     // O += P V: k-steps over the tile's keys [16 st, 16 st + 16) in order.
     #pragma unroll
     for (int st = 0; st < kN / 16; ++st) {
-      if (diag && 16 * st > w0 + 15) continue;  // P = 0 there (warp-uniform)
+      if (k0 + 16 * st > wr + 15) continue;  // P = 0 there (warp-uniform)
       uint32_t pa[4];
       #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -317,8 +331,9 @@ void launch(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Atten
   z.W = s.W;
   z.OW = s.NH * s.D;
   z.scale = 1.0f / std::sqrt((float)s.D);  // as the WMMA forward
+  constexpr int kM = 16 * mma_warps<D>();
   const dim3 grid((unsigned)ceil_div(s.T, kM), (unsigned)s.NH, (unsigned)s.B);
-  kernel<<<grid, kMmaThreads, 0, stream()>>>(out.f32(), lse.f32(), qkv.f32(), z);
+  kernel<<<grid, 32 * mma_warps<D>(), 0, stream()>>>(out.f32(), lse.f32(), qkv.f32(), z);
   MT_CUDA_LAUNCHED("attention_mma_forward_kernel");
 }
 
@@ -335,10 +350,10 @@ int occupancy_typed(int64_t D) {
   int n = 0;
   if (D == 64)
     MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_mma_forward_kernel<T16, 64>,
-                                                                kMmaThreads, 0));
+                                                                32 * mma_warps<64>(), 0));
   else
     MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_mma_forward_kernel<T16, 128>,
-                                                                kMmaThreads, 0));
+                                                                32 * mma_warps<128>(), 0));
   return n;
 }
 
