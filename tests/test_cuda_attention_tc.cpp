@@ -5,8 +5,12 @@
 // inputs; shapes that cross the 64-row tiles or stop short of them, grouped-query heads,
 // every templated D = 16, 32, ..., 128 and GPT-2's shape; the forward's rescale path (a row
 // max that jumps between key tiles); bit-identical reruns; D = 40 falling back to the fp32
-// kernels bit for bit; the shape errors. Skips without a GPU (the host-side checks of
-// attention_tc_supported and the tensor-core entry points' argument checks run anyway).
+// kernels bit for bit; the shape errors. The mma.sync forward (attention_mma.cu, D = 64 and
+// 128): against float64, the fp32 kernels and the WMMA forward, the backward fed its out and
+// lse, its rescale path, bit-identical reruns and the dispatch; and, without a GPU, its
+// fragment mappings emulated lane by lane and the whole kernel replayed on the host. Skips
+// the GPU tests without a GPU (the host-side checks of attention_tc_supported, the
+// tensor-core entry points' argument checks and the mma emulations run anyway).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -208,6 +212,203 @@ TEST(CudaAttentionTc, Deterministic) {
   }
 }
 
+
+
+// ---- Host emulation of the mma.sync forward (no GPU) -----------------------------------------
+// attention_mma_forward_kernel's algorithm replayed lane by lane on the host with the same
+// fragment mappings (attention_mma_layout.h) and the same tile walk, skips, masks, lazy max and
+// quad reductions: each mma.m16n8k16 is emulated by gathering A and B from the 32 lanes'
+// registers with the PTX layout and scattering D back; ldmatrix by reading the rows whose
+// addresses the lanes supply. Checked against the float64 reference (the kernel's bounds), and
+// that every out element and lse of a row < T is written exactly once. This catches errors in
+// the kernel's logic (tile counts, skips, masks, packing) before any GPU run; it cannot catch
+// a divergence between this replay and the CUDA code, which the GPU tests do.
+namespace {
+
+struct LaneRegs {  // one warp's registers for one mma operand: [lane][element]
+  float v[32][8];
+};
+
+// acc[lane][4] += A B with A (16x16), B (16x8) gathered from the lanes per the PTX layout.
+void emu_mma(float (&acc)[32][4], const LaneRegs& a, const LaneRegs& b) {
+  namespace ml = mt::cuda::mma_layout;
+  double A[16][16] = {}, Bm[16][8] = {};
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int i = 0; i < 8; ++i) A[ml::a_row(lane, i)][ml::a_col(lane, i)] = a.v[lane][i];
+    for (int i = 0; i < 4; ++i) Bm[ml::b_k(lane, i)][ml::b_n(lane, i)] = b.v[lane][i];
+  }
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i) {
+      double d = 0;
+      for (int k = 0; k < 16; ++k) d += A[ml::c_row(lane, i)][k] * Bm[k][ml::c_col(lane, i)];
+      acc[lane][i] += (float)d;
+    }
+}
+
+// ldmatrix.x4 (trans or not) from a tile accessor: lane L's register r, half e, as LaneRegs
+// element 2 r + e; key_fn / dim_fn: the row address lane `src` supplies (key, dim offsets).
+template <class Tile, class KeyFn, class DimFn>
+LaneRegs emu_ldsm(const Tile& tile, int key0, int dim0, KeyFn key_fn, DimFn dim_fn, bool trans) {
+  namespace ml = mt::cuda::mma_layout;
+  LaneRegs r{};
+  for (int lane = 0; lane < 32; ++lane)
+    for (int reg = 0; reg < 4; ++reg)
+      for (int e = 0; e < 2; ++e) {
+        const int src = 8 * reg + ml::ldm_row(lane, e, trans);
+        r.v[lane][2 * reg + e] = tile(key0 + key_fn(src), dim0 + dim_fn(src) + ml::ldm_col(lane, e, trans));
+      }
+  return r;
+}
+
+// The kernel replayed: NW warps per block (8 at D 64, 4 at D 128 in the kernel).
+void emulate_mma_forward(const VecF& qkv16, int B, int T, int NH, int NKV, int D, int NW, DType dt, VecF& out,
+                         VecF& lse, std::vector<int>& out_writes, std::vector<int>& lse_writes) {
+  namespace ml = mt::cuda::mma_layout;
+  const int W = (NH + 2 * NKV) * D, OW = NH * D, G = NH / NKV, kM = 16 * NW, kN = 64, NO = D / 8;
+  const float scale = 1.0f / std::sqrt((float)D);
+  out.assign((size_t)B * T * OW, NAN);
+  lse.assign((size_t)B * NH * T, NAN);
+  out_writes.assign(out.size(), 0);
+  lse_writes.assign(lse.size(), 0);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h) {
+      const int kh = h / G;
+      auto at = [&](int row, int col) { return row < T ? qkv16[((size_t)b * T + row) * W + col] : 0.0f; };
+      for (int qt = 0; qt < (T + kM - 1) / kM; ++qt) {
+        const int q0 = qt * kM, nkt = std::min((q0 + kM + kN - 1) / kN, (T + kN - 1) / kN);
+        for (int w = 0; w < NW; ++w) {
+          const int wr = q0 + 16 * w;
+          // Q registers: qf[kk] as LaneRegs (element 2 j + e = register j, half e), rounded
+          std::vector<LaneRegs> qf(D / 16);
+          for (int kk = 0; kk < D / 16; ++kk)
+            for (int lane = 0; lane < 32; ++lane)
+              for (int j = 0; j < 4; ++j)
+                for (int e = 0; e < 2; ++e)
+                  qf[kk].v[lane][2 * j + e] =
+                      at(wr + ml::q_reg_row(lane, j), h * D + 16 * kk + ml::q_reg_col(lane, j) + e);
+          std::vector<float> o((size_t)NO * 32 * 4, 0.0f);
+          auto O = [&](int n) -> float(&)[32][4] { return *reinterpret_cast<float(*)[32][4]>(&o[(size_t)n * 128]); };
+          float m[32][2], l[32][2];
+          for (int lane = 0; lane < 32; ++lane) m[lane][0] = m[lane][1] = -INFINITY, l[lane][0] = l[lane][1] = 0;
+          for (int kt = 0; kt < nkt; ++kt) {
+            const int k0 = kt * kN;
+            auto Kt = [&](int key, int d) { return key < T ? at(key, (NH + kh) * D + d) : 0.0f; };
+            auto Vt = [&](int key, int d) { return key < T ? at(key, (NH + NKV + kh) * D + d) : 0.0f; };
+            if (k0 > wr + 15) continue;
+            const bool diag = k0 + kN - 1 > wr;
+            float s[8][32][4] = {};
+            for (int n = 0; n < 8; ++n) {
+              if (k0 + 8 * n > wr + 15) continue;
+              for (int c = 0; c < D / 32; ++c) {
+                const LaneRegs bk = emu_ldsm(Kt, k0 + 8 * n, 32 * c, ml::k_ldm_key, ml::k_ldm_dim, false);
+                LaneRegs b0{}, b1{};
+                for (int lane = 0; lane < 32; ++lane)
+                  for (int x = 0; x < 4; ++x) b0.v[lane][x] = bk.v[lane][x], b1.v[lane][x] = bk.v[lane][4 + x];
+                emu_mma(s[n], qf[2 * c], b0);
+                emu_mma(s[n], qf[2 * c + 1], b1);
+              }
+            }
+            // per lane (the quad's reductions computed from all 4 lanes, as the butterflies do)
+            float x[8][32][4], a[32][2], mxq[32][2];
+            for (int lane = 0; lane < 32; ++lane)
+              for (int n = 0; n < 8; ++n)
+                for (int i = 0; i < 4; ++i) {
+                  const int key = k0 + 8 * n + ml::c_col(lane, i), row = wr + ml::c_row(lane, i);
+                  x[n][lane][i] = !diag || key <= row ? s[n][lane][i] * scale : -INFINITY;
+                }
+            for (int lane = 0; lane < 32; ++lane)
+              for (int r = 0; r < 2; ++r) {
+                float mx = -INFINITY;
+                for (int ql = lane & ~3; ql < (lane & ~3) + 4; ++ql)
+                  for (int n = 0; n < 8; ++n)
+                    for (int i = 2 * r; i < 2 * r + 2; ++i) mx = std::max(mx, x[n][ql][i]);
+                mxq[lane][r] = mx;
+              }
+            for (int lane = 0; lane < 32; ++lane)
+              for (int r = 0; r < 2; ++r) {
+                a[lane][r] = 1.0f;
+                EXPECT_TRUE(std::isfinite(mxq[lane][r])) << "a visited tile without an unmasked key for a row";
+                if (mxq[lane][r] > m[lane][r] + 8.0f) {
+                  if (m[lane][r] != -INFINITY) a[lane][r] = std::exp(m[lane][r] - mxq[lane][r]);
+                  m[lane][r] = mxq[lane][r];
+                }
+              }
+            float p[8][32][4], rs[32][2] = {};
+            for (int lane = 0; lane < 32; ++lane)
+              for (int n = 0; n < 8; ++n)
+                for (int i = 0; i < 4; ++i) p[n][lane][i] = std::exp(x[n][lane][i] - m[lane][i / 2]);
+            float p16[8][32][4];  // P rounded to 16 bits (one call: round_to may go parallel)
+            round_to(dt, &p[0][0][0], &p16[0][0][0], 8 * 32 * 4);
+            for (int lane = 0; lane < 32; ++lane)
+              for (int r = 0; r < 2; ++r) {
+                for (int ql = lane & ~3; ql < (lane & ~3) + 4; ++ql)
+                  for (int n = 0; n < 8; ++n)
+                    for (int i = 2 * r; i < 2 * r + 2; ++i) rs[lane][r] += p[n][ql][i];
+                l[lane][r] = a[lane][r] * l[lane][r] + rs[lane][r];
+              }
+            for (int n = 0; n < NO; ++n)
+              for (int lane = 0; lane < 32; ++lane)
+                for (int i = 0; i < 4; ++i) O(n)[lane][i] *= a[lane][i / 2];
+            for (int st = 0; st < kN / 16; ++st) {
+              if (k0 + 16 * st > wr + 15) continue;
+              LaneRegs pa{};
+              for (int lane = 0; lane < 32; ++lane)
+                for (int j = 0; j < 4; ++j)
+                  for (int e = 0; e < 2; ++e)
+                    pa.v[lane][2 * j + e] = p16[ml::p_tile(st, j)][lane][ml::p_elem(j, e)];
+              for (int n2 = 0; n2 < D / 16; ++n2) {
+                const LaneRegs bv = emu_ldsm(Vt, k0 + 16 * st, 16 * n2, ml::v_ldm_key, ml::v_ldm_dim, true);
+                LaneRegs b0{}, b1{};
+                for (int lane = 0; lane < 32; ++lane)
+                  for (int xx = 0; xx < 4; ++xx) b0.v[lane][xx] = bv.v[lane][xx], b1.v[lane][xx] = bv.v[lane][4 + xx];
+                emu_mma(O(2 * n2), pa, b0);
+                emu_mma(O(2 * n2 + 1), pa, b1);
+              }
+            }
+          }
+          for (int lane = 0; lane < 32; ++lane)
+            for (int r = 0; r < 2; ++r) {
+              const int row = wr + lane / 4 + 8 * r;
+              if (row >= T) continue;
+              const float inv = 1.0f / l[lane][r];
+              if (lane % 4 == 0) {
+                const size_t li = ((size_t)b * NH + h) * T + row;
+                lse[li] = m[lane][r] + std::log(l[lane][r]);
+                ++lse_writes[li];
+              }
+              for (int n = 0; n < NO; ++n)
+                for (int e = 0; e < 2; ++e) {
+                  const size_t oi = ((size_t)b * T + row) * OW + h * D + 8 * n + 2 * (lane % 4) + e;
+                  out[oi] = O(n)[lane][2 * r + e] * inv;
+                  ++out_writes[oi];
+                }
+            }
+        }
+      }
+    }
+}
+
+}  // namespace
+
+TEST(CudaAttentionTc, MmaForwardHostEmulation) {
+  std::mt19937 g(99);
+  for (Case cs : {Case{1, 1, 2, 2, 64, DType::bf16}, {1, 70, 4, 2, 64, DType::bf16}, {2, 150, 2, 1, 64, DType::f16},
+                  {1, 77, 4, 1, 128, DType::bf16}, {1, 130, 2, 2, 128, DType::f16}}) {
+    const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
+    const int NW = D <= 64 ? 8 : 4;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D);
+    VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
+    VecF qkv16 = rounded(cs.dt, qkv), dout16 = rounded(cs.dt, dout);
+    VecF out, lse;
+    std::vector<int> ow, lw;
+    emulate_mma_forward(qkv16, B, T, NH, NKV, D, NW, cs.dt, out, lse, ow, lw);
+    for (int c : ow) ASSERT_EQ(c, 1) << "an out element written " << c << " times";
+    for (int c : lw) ASSERT_EQ(c, 1) << "an lse element written " << c << " times";
+    const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
+    EXPECT_LT(rel_err(out, ref.out), 1e-2) << "out vs float64";
+    EXPECT_LT(rel_err(lse, ref.lse), 1e-3) << "lse vs float64";
+  }
+}
 
 // ---- The mma.sync forward (attention_mma.cu) ----------------------------------------------
 
