@@ -449,7 +449,8 @@ GpuResult run_tc_kernel(cuda::AttentionTcForward kernel, DType dt, VecF& qkv, Ve
 // P: at most 2^-8 |v| <= 8e-3 on one output, far less in norm): out norm-relative 1e-3 and
 // max-abs 2e-2, lse norm-relative 1e-5 and max-abs 1e-4 (an indexing or layout error gives
 // O(1) differences); (3) the existing backward fed its out and lse: dqkv against the float64
-// reference (2e-2) and against the backward fed the WMMA forward's (1e-3). Outputs are poisoned
+// reference (2e-2) and against the backward fed the WMMA forward's (1e-3); (4) the variant with
+// synchronous tile loads (mma_direct) gives the same bits as the cp.async one. Outputs are poisoned
 // with NaN first (rel_err and max_abs_diff are infinite on a NaN: every row < T is written).
 TEST(CudaAttentionTc, MmaForwardMatchesReferencesAndWmma) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
@@ -467,10 +468,15 @@ TEST(CudaAttentionTc, MmaForwardMatchesReferencesAndWmma) {
 
     const GpuResult r = run_tc_kernel(cuda::AttentionTcForward::mma, cs.dt, qkv, dout, B, T, NH, NKV, D);
     const GpuResult w = run_tc_kernel(cuda::AttentionTcForward::wmma, cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult d = run_tc_kernel(cuda::AttentionTcForward::mma_direct, cs.dt, qkv, dout, B, T, NH, NKV, D);
     const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
     EXPECT_LT(rel_err(r.out, ref.out), 1e-2) << "out vs float64";
     EXPECT_LT(rel_err(r.lse, ref.lse), 1e-3) << "lse vs float64";
     EXPECT_LT(rel_err(r.dqkv, ref.dqkv), 2e-2) << "dqkv (backward from the mma forward) vs float64";
+    // the two tile-loading variants compute the same products in the same order: same bits
+    EXPECT_TRUE(same_bits(r.out, d.out)) << "out: cp.async vs direct tile loads";
+    EXPECT_TRUE(same_bits(r.lse, d.lse)) << "lse: cp.async vs direct tile loads";
+    EXPECT_LT(rel_err(d.out, ref.out), 1e-2) << "out (direct tile loads) vs float64";
 
     const GpuResult f = run_gpu(DType::f32, qkv16, dout16, B, T, NH, NKV, D);
     EXPECT_LT(rel_err(r.out, f.out), 1e-2) << "out vs fp32 kernel";
@@ -513,7 +519,7 @@ TEST(CudaAttentionTc, MmaForwardRescaleWhenTheMaxJumps) {
 }
 
 // The mma forward twice: the same bits; and attention_fused_forward under a bf16 scope takes
-// it at D = 64 (unless MESHTRAIN_ATTENTION_KERNEL=wmma is set): the same bits as the explicit call.
+// it at D = 64 (unless MESHTRAIN_ATTENTION_KERNEL is set): the same bits as the explicit call.
 TEST(CudaAttentionTc, MmaForwardDeterministicAndDispatched) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   std::mt19937 g(77);
@@ -527,7 +533,7 @@ TEST(CudaAttentionTc, MmaForwardDeterministicAndDispatched) {
     EXPECT_TRUE(same_bits(a.lse, b.lse)) << "lse";
     EXPECT_TRUE(same_bits(a.dqkv, b.dqkv)) << "dqkv";
     const char* env = std::getenv("MESHTRAIN_ATTENTION_KERNEL");
-    if (env == nullptr || std::string(env) != "wmma") {
+    if (env == nullptr) {
       const GpuResult c = run_gpu(cs.dt, qkv, dout, B, T, NH, NKV, D);
       EXPECT_TRUE(same_bits(a.out, c.out)) << "out via attention_fused_forward";
       EXPECT_TRUE(same_bits(a.lse, c.lse)) << "lse via attention_fused_forward";

@@ -32,20 +32,28 @@
 // P as the A operand of the k-step over keys [16 s, 16 s + 16) packs, without any data
 // movement, register j = (s[2 s + j / 2][2 (j % 2)], s[2 s + j / 2][2 (j % 2) + 1]).
 //
-// Shared memory (static, < 48 KiB): K and V tiles [64 keys][D + 8] of T16 (row stride D + 8 elements =
-// 16 bytes past a multiple of 128: the 8 row addresses of an ldmatrix hit distinct bank
-// quads). 18,432 bytes at D = 64, 34,816 at D = 128. K feeds the B operand of S = Q K^T by
-// ldmatrix.x4 (8 keys x 32 dims), V the B operand of O += P V by ldmatrix.x4.trans (16 keys x
-// 16 dims). Tiles are loaded by all threads with float4 global loads (rows >= T: zeros),
-// converted and stored as 4 x T16; __syncthreads before (previous tile's readers done) and
-// after (tile visible).
+// Shared memory (dynamic): K and V tiles [64 keys][D + 8] of T16 (row stride D + 8
+// elements = 16 bytes past a multiple of 128: the 8 row addresses of an ldmatrix hit
+// distinct bank quads), 18,432 bytes at D = 64, 34,816 at D = 128. K feeds the B operand of
+// S = Q K^T by ldmatrix.x4 (8 keys x 32 dims), V the B operand of O += P V by
+// ldmatrix.x4.trans (16 keys x 16 dims). Tile loading, kAsync = true (the default): fp32
+// staging tiles Kst, Vst [64][D] (+32,768 / +65,536 bytes: 51,200 at D = 64, 100,352 at
+// D = 128, the limit raised with cudaFuncSetAttribute). Per key tile kt:
+//   cp.async.wait_group 0 (this thread's copies of tile kt landed); __syncthreads (all
+//   landed; every warp done reading Ks, Vs of tile kt - 1); each thread converts its own
+//   16-byte chunks of Kst, Vst to T16 into Ks, Vs; __syncthreads (Ks, Vs ready, staging
+//   free); cp.async of tile kt + 1 into Kst, Vst (16-byte .cg copies, zero-filled rows >= T),
+//   commit; then the tile's products, overlapping the copies.
+// kAsync = false (mma_direct): float4 global loads to registers, converted and stored to Ks,
+// Vs between the two __syncthreads (no staging, no overlap within the block).
 //
 // Work skipped where masked (warp-uniform): S blocks of 8 keys wholly after the warp's last
 // row and P V k-steps of 16 keys wholly after it.
 //
 // Expected occupancy (H100: 64K registers, 228 KB shared memory per SM): D = 64: 128
-// registers x 256 threads, 18 KB: 2 blocks (16 warps) per SM; D = 128: 255 registers x 128
-// threads, 34 KB: 2 blocks (8 warps) per SM. (Register-bound; the shared memory allows more.)
+// registers x 256 threads (ptxas: a few bytes spilled with kAsync), 50 KB: 2 blocks (16
+// warps) per SM; D = 128: 255 registers x 128 threads, 98 KB: 2 blocks (8 warps) per SM.
+// Register-bound (__launch_bounds__(32 NW, 2)); the shared memory fits 2 blocks either way.
 //
 // Determinism: no atomics; every accumulator sums its k-steps in a fixed order; the grid
 // depends only on the shapes.
@@ -82,7 +90,10 @@ struct MmaDims {
 };
 
 template <int D> constexpr int mma_ld() { return D + 8; }
-template <int D> constexpr int mma_smem_bytes() { return 2 * kN * mma_ld<D>() * 2; }
+// Dynamic shared memory: Ks, Vs [64][D + 8] T16; with cp.async also the fp32 staging tiles
+// Kst, Vst [64][D] (after the 16-bit tiles: 18,432 and 34,816 bytes are multiples of 128).
+template <int D> constexpr int mma_tiles_bytes() { return 2 * kN * mma_ld<D>() * 2; }
+template <int D> constexpr int mma_smem_bytes(bool async) { return mma_tiles_bytes<D>() + (async ? 2 * kN * D * 4 : 0); }
 
 // Two floats rounded to T16 and packed: lo in bits 0..15 (the lower column index).
 template <class T16> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
@@ -131,6 +142,16 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "memory");
 }
 
+// 16-byte cp.async global -> shared (.cg: through L2 only); src_size 0 writes zeros (rows >= T;
+// src is then a valid address that is not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const float* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"((unsigned long long)__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 // Thread's float4 chunks of a [64, D] fp32 tile: chunk c = threadIdx.x + i * (32 NW) is row
 // c / (D / 4), dims 4 (c % (D / 4)) .. + 4.
 template <int D> constexpr int chunks_per_thread() { return kN * (D / 4) / (32 * mma_warps<D>()); }
@@ -147,6 +168,24 @@ __device__ __forceinline__ void load_chunks(float4 (&v)[chunks_per_thread<D>()],
                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 }
+// cp.async of the thread's chunks of rows [r0, r0 + 64) of a [T, D] fp32 matrix at src (row
+// stride ld) into the fp32 staging tile at shared address dst ([64][D]); zeros past T.
+template <int D>
+__device__ __forceinline__ void issue_chunks(uint32_t dst, const float* __restrict__ src, int64_t ld, int r0, int T) {
+  constexpr int C4 = D / 4;
+  #pragma unroll
+  for (int i = 0; i < chunks_per_thread<D>(); ++i) {
+    const int c = threadIdx.x + i * 32 * mma_warps<D>(), r = c / C4, row = r0 + r;
+    cp_async16(dst + 16u * (uint32_t)c, row < T ? src + (int64_t)row * ld + 4 * (c % C4) : src, row < T);
+  }
+}
+// v[] = the thread's chunks of the fp32 staging tile st ([64][D], chunk c at st + 4 c).
+template <int D>
+__device__ __forceinline__ void read_chunks(float4 (&v)[chunks_per_thread<D>()], const float* st) {
+  #pragma unroll
+  for (int i = 0; i < chunks_per_thread<D>(); ++i)
+    v[i] = reinterpret_cast<const float4*>(st)[threadIdx.x + i * 32 * mma_warps<D>()];
+}
 // dst[64][D + 8] (shared, T16) = v[] rounded to T16 (8-byte stores: (D + 8) * 2 and 8 (c % C4)
 // are multiples of 8 bytes).
 template <class T16, int D>
@@ -159,7 +198,7 @@ __device__ __forceinline__ void store_chunks(T16* dst, const float4 (&v)[chunks_
   }
 }
 
-template <class T16, int D>
+template <class T16, int D, bool kAsync>
 __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
     attention_mma_forward_kernel(float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ qkv,
                                  MmaDims z) {
@@ -170,8 +209,11 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
   constexpr int NS = kN / 8;  // S accumulators of 8 keys
   constexpr int kM = 16 * mma_warps<D>();  // query rows per block
   static_assert(chunks_per_thread<D>() * 32 * mma_warps<D>() == kN * D / 4, "whole float4 chunks per thread");
-  __shared__ __align__(128) T16 Ks[kN * LD];
-  __shared__ __align__(128) T16 Vs[kN * LD];
+  extern __shared__ __align__(128) unsigned char smem[];
+  T16* Ks = reinterpret_cast<T16*>(smem);                              // [64][LD]
+  T16* Vs = Ks + kN * LD;                                              // [64][LD]
+  float* Kst = reinterpret_cast<float*>(smem + mma_tiles_bytes<D>());  // [64][D] (kAsync)
+  float* Vst = Kst + kN * D;                                           // [64][D] (kAsync)
 
   const int qt = gridDim.x - 1 - blockIdx.x, q0 = qt * kM, h = blockIdx.y, b = blockIdx.z, kh = h / z.G;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, w0 = 16 * warp;  // w0: warp's first row in the tile
@@ -207,17 +249,38 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
   // key tiles: those holding a key <= the block's last row, and < T
   const int nkt = (int)min((int64_t)(q0 + kM + kN - 1) / kN, (int64_t)(z.T + kN - 1) / kN);
   const int wr = q0 + w0;  // the warp's first row
+  const uint32_t kst = (uint32_t)__cvta_generic_to_shared(Kst), vst = (uint32_t)__cvta_generic_to_shared(Vst);
+  if constexpr (kAsync) {  // tile 0 in flight
+    issue_chunks<D>(kst, Kg, z.W, 0, z.T);
+    issue_chunks<D>(vst, Vg, z.W, 0, z.T);
+    cp_async_commit();
+  }
   for (int kt = 0; kt < nkt; ++kt) {
     const int k0 = kt * kN;
-    __syncthreads();  // every warp is done reading the previous K, V
+    if constexpr (kAsync) cp_async_wait_all();  // this thread's copies of tile kt have landed
+    __syncthreads();  // every warp is done reading the previous K, V (and every copy landed)
     {
       float4 v[chunks_per_thread<D>()];
-      load_chunks<D>(v, Kg, z.W, k0, z.T);
-      store_chunks<T16, D>(Ks, v);
-      load_chunks<D>(v, Vg, z.W, k0, z.T);
-      store_chunks<T16, D>(Vs, v);
+      if constexpr (kAsync) {  // staging (fp32) -> Ks, Vs (T16); each thread its own chunks
+        read_chunks<D>(v, Kst);
+        store_chunks<T16, D>(Ks, v);
+        read_chunks<D>(v, Vst);
+        store_chunks<T16, D>(Vs, v);
+      } else {
+        load_chunks<D>(v, Kg, z.W, k0, z.T);
+        store_chunks<T16, D>(Ks, v);
+        load_chunks<D>(v, Vg, z.W, k0, z.T);
+        store_chunks<T16, D>(Vs, v);
+      }
     }
-    __syncthreads();
+    __syncthreads();  // Ks, Vs ready; every read of the staging tiles done
+    if constexpr (kAsync) {
+      if (kt + 1 < nkt) {  // tile kt + 1 in flight during this tile's products
+        issue_chunks<D>(kst, Kg, z.W, k0 + kN, z.T);
+        issue_chunks<D>(vst, Vg, z.W, k0 + kN, z.T);
+        cp_async_commit();
+      }
+    }
     if (k0 > wr + 15) continue;  // every key after every row of the warp (warp-uniform): P = 0
     const bool diag = k0 + kN - 1 > wr;  // some key after some row of the warp: mask key > row
 
@@ -313,16 +376,16 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
   }
 }
 
-template <class T16, int D>
+template <class T16, int D, bool kAsync>
 void launch(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
-  static_assert(mma_smem_bytes<D>() <= 48 * 1024, "static shared memory above 48 KiB");
-  auto kernel = attention_mma_forward_kernel<T16, D>;
-  static const bool carveout = [&] {  // prefer shared memory: 4 (D 64) / 2+ (D 128) blocks per SM
-    MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       (int)cudaSharedmemCarveoutMaxShared));
-    return true;
-  }();
-  (void)carveout;
+  constexpr int bytes = mma_smem_bytes<D>(kAsync);
+  static_assert(bytes <= 227 * 1024, "shared memory above the H100's 227 KiB per block");
+  auto kernel = attention_mma_forward_kernel<T16, D, kAsync>;
+  // every launch, as attention_tc.cu does (the attribute is per device)
+  if (bytes > 48 * 1024)
+    MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     (int)cudaSharedmemCarveoutMaxShared));
   MmaDims z;
   z.T = (int)s.T;
   z.NH = (int)s.NH;
@@ -333,28 +396,35 @@ void launch(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Atten
   z.scale = 1.0f / std::sqrt((float)s.D);  // as the WMMA forward
   constexpr int kM = 16 * mma_warps<D>();
   const dim3 grid((unsigned)ceil_div(s.T, kM), (unsigned)s.NH, (unsigned)s.B);
-  kernel<<<grid, 32 * mma_warps<D>(), 0, stream()>>>(out.f32(), lse.f32(), qkv.f32(), z);
+  kernel<<<grid, 32 * mma_warps<D>(), bytes, stream()>>>(out.f32(), lse.f32(), qkv.f32(), z);
   MT_CUDA_LAUNCHED("attention_mma_forward_kernel");
 }
 
-template <class T16>
+template <class T16, bool kAsync>
 void launch_typed(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
   if (s.D == 64)
-    launch<T16, 64>(out, lse, qkv, s);
+    launch<T16, 64, kAsync>(out, lse, qkv, s);
   else
-    launch<T16, 128>(out, lse, qkv, s);
+    launch<T16, 128, kAsync>(out, lse, qkv, s);
+}
+
+template <class T16, int D, bool kAsync>
+int occupancy_d() {
+  constexpr int bytes = mma_smem_bytes<D>(kAsync);
+  auto kernel = attention_mma_forward_kernel<T16, D, kAsync>;
+  if (bytes > 48 * 1024)
+    MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     (int)cudaSharedmemCarveoutMaxShared));
+  int n = 0;
+  MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 32 * mma_warps<D>(), bytes));
+  return n;
 }
 
 template <class T16>
-int occupancy_typed(int64_t D) {
-  int n = 0;
-  if (D == 64)
-    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_mma_forward_kernel<T16, 64>,
-                                                                32 * mma_warps<64>(), 0));
-  else
-    MT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_mma_forward_kernel<T16, 128>,
-                                                                32 * mma_warps<128>(), 0));
-  return n;
+int occupancy_typed(int64_t D, bool async) {
+  if (D == 64) return async ? occupancy_d<T16, 64, true>() : occupancy_d<T16, 64, false>();
+  return async ? occupancy_d<T16, 128, true>() : occupancy_d<T16, 128, false>();
 }
 
 }  // namespace
@@ -366,7 +436,7 @@ bool attention_mma_aligned(const Tensor& out, const Tensor& qkv) {
 }
 
 void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s,
-                           DType dt) {
+                           DType dt, bool async_copy) {
   MT_CHECK(attention_mma_supported(s.D), "attention_mma_forward: head dim D = " << s.D << " not supported (64, 128)");
   MT_CHECK(dt == DType::bf16 || dt == DType::f16,
            "attention_mma_forward: 16-bit dtype expected, got " << dtype_name(dt));
@@ -375,15 +445,15 @@ void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& q
            "attention_mma_forward: B = " << s.B << ", T = " << s.T << ", NH = " << s.NH << " outside the CUDA grid");
   if (s.B == 0 || s.T == 0) return;
   if (dt == DType::bf16)
-    launch_typed<__nv_bfloat16>(out, lse, qkv, s);
+    async_copy ? launch_typed<__nv_bfloat16, true>(out, lse, qkv, s) : launch_typed<__nv_bfloat16, false>(out, lse, qkv, s);
   else
-    launch_typed<half>(out, lse, qkv, s);
+    async_copy ? launch_typed<half, true>(out, lse, qkv, s) : launch_typed<half, false>(out, lse, qkv, s);
 }
 
-int attention_mma_occupancy(int64_t D, DType dt, int64_t* smem_bytes) {
+int attention_mma_occupancy(int64_t D, DType dt, int64_t* smem_bytes, bool async_copy) {
   MT_CHECK(attention_mma_supported(D), "attention_mma_occupancy: head dim D = " << D << " not supported (64, 128)");
-  if (smem_bytes) *smem_bytes = D == 64 ? mma_smem_bytes<64>() : mma_smem_bytes<128>();
-  return dt == DType::f16 ? occupancy_typed<half>(D) : occupancy_typed<__nv_bfloat16>(D);
+  if (smem_bytes) *smem_bytes = D == 64 ? mma_smem_bytes<64>(async_copy) : mma_smem_bytes<128>(async_copy);
+  return dt == DType::f16 ? occupancy_typed<half>(D, async_copy) : occupancy_typed<__nv_bfloat16>(D, async_copy);
 }
 
 }  // namespace mt::cuda
