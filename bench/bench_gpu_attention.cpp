@@ -1,6 +1,8 @@
 // The fused causal attention on the GPU: cuda::attention_fused_forward / backward with the
 // fp32 kernels (no Autocast scope) and with the tensor-core kernels (under
-// Autocast scope(DType::bf16)), at GPT-2 124M's shape (B 8, NH = NKV 12, T 1024, D 64) and a
+// Autocast scope(DType::bf16); the forward timed on the WMMA kernel and, on its own
+// "bf16_mma" line, on the mma.sync kernel of attention_mma.cu with cp.async tile loads, and
+// on a "bf16_mma_direct" line with synchronous ones), at GPT-2 124M's shape (B 8, NH = NKV 12, T 1024, D 64) and a
 // larger-head shape (B 2, NH = NKV 16, T 2048, D 128).
 //
 //   bench_gpu_attention [--reps 20] [--warmup 3]
@@ -22,6 +24,7 @@
 
 #include "core/error.h"
 #include "core/tensor.h"
+#include "ops/attention.h"
 #include "ops/autocast.h"
 #include "ops/cuda/attention_tc.h"
 #include "ops/cuda/ops.h"
@@ -93,7 +96,23 @@ void run_case(const Shape4& c, bool tc, int reps, int warmup) {
   Tensor lse = Tensor::empty({c.B, c.NH, c.T}, DType::f32, alloc, MemTag::activations);
   Tensor dqkv = Tensor::empty({c.B, c.T, W}, DType::f32, alloc, MemTag::activations);
   Autocast scope(tc ? DType::bf16 : DType::f32);
-  const double fwd = time_ms([&] { cuda::attention_fused_forward(out, lse, qkv, c.NH, c.NKV); }, reps, warmup);
+  const AttentionShape sh = attention_shape(qkv, c.NH, c.NKV, "bench_gpu_attention");
+  // the tensor-core line times the WMMA forward explicitly; the mma.sync forward gets its own line
+  const double fwd = time_ms(
+      [&] {
+        if (tc)
+          cuda::attention_tc_forward(out, lse, qkv, sh, DType::bf16, cuda::AttentionTcForward::wmma);
+        else
+          cuda::attention_fused_forward(out, lse, qkv, c.NH, c.NKV);
+      },
+      reps, warmup);
+  double fwd_mma[2] = {0, 0};  // cp.async tile loads, direct loads
+  const bool mma = tc && cuda::attention_mma_supported(c.D);
+  if (mma)
+    for (int v = 0; v < 2; ++v) {
+      const cuda::AttentionTcForward k = v == 0 ? cuda::AttentionTcForward::mma : cuda::AttentionTcForward::mma_direct;
+      fwd_mma[v] = time_ms([&] { cuda::attention_tc_forward(out, lse, qkv, sh, DType::bf16, k); }, reps, warmup);
+    }
   const double bwd = time_ms([&] { cuda::attention_fused_backward(dqkv, dout, qkv, out, lse, c.NH, c.NKV); }, reps,
                              warmup);
   cuda_synchronize();
@@ -115,6 +134,16 @@ void run_case(const Shape4& c, bool tc, int reps, int warmup) {
         "\"NKV\": %d, \"T\": %d, \"D\": %d, \"ms\": %.4f, \"tflops\": %.2f%s}\n",
         cuda_device_name(0).c_str(), tc ? "bf16_tensor_core" : "fp32", pass == 0 ? "forward" : "backward", c.B, c.NH,
         c.NKV, c.T, c.D, ms, flops / (ms * 1e-3) / 1e12, occ.c_str());
+  }
+  for (int v = 0; mma && v < 2; ++v) {
+    int64_t smem = 0;
+    const int blocks = cuda::attention_mma_occupancy(c.D, DType::bf16, &smem, v == 0);
+    std::printf(
+        "{\"bench\": \"gpu_attention\", \"device\": \"%s\", \"kernels\": \"%s\", \"pass\": \"forward\", \"B\": %d, "
+        "\"NH\": %d, \"NKV\": %d, \"T\": %d, \"D\": %d, \"ms\": %.4f, \"tflops\": %.2f, \"speedup_vs_wmma\": %.2f, "
+        "\"blocks_per_sm\": {\"forward\": %d}, \"smem_bytes\": {\"forward\": %lld}}\n",
+        cuda_device_name(0).c_str(), v == 0 ? "bf16_mma" : "bf16_mma_direct", c.B, c.NH, c.NKV, c.T, c.D, fwd_mma[v],
+        fwd_flops / (fwd_mma[v] * 1e-3) / 1e12, fwd / fwd_mma[v], blocks, (long long)smem);
   }
   std::fflush(stdout);
 }

@@ -5,11 +5,17 @@
 // inputs; shapes that cross the 64-row tiles or stop short of them, grouped-query heads,
 // every templated D = 16, 32, ..., 128 and GPT-2's shape; the forward's rescale path (a row
 // max that jumps between key tiles); bit-identical reruns; D = 40 falling back to the fp32
-// kernels bit for bit; the shape errors. Skips without a GPU (the host-side checks of
-// attention_tc_supported and the tensor-core entry points' argument checks run anyway).
+// kernels bit for bit; the shape errors. The mma.sync forward (attention_mma.cu, D = 64 and
+// 128): against float64, the fp32 kernels and the WMMA forward, the backward fed its out and
+// lse, its rescale path, bit-identical reruns and the dispatch; and, without a GPU, its
+// fragment mappings emulated lane by lane and the whole kernel replayed on the host. Skips
+// the GPU tests without a GPU (the host-side checks of attention_tc_supported, the
+// tensor-core entry points' argument checks and the mma emulations run anyway).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -22,6 +28,7 @@
 #include "op_harness.h"
 #include "ops/attention.h"
 #include "ops/autocast.h"
+#include "ops/cuda/attention_mma_layout.h"
 #if MESHTRAIN_CUDA
 #include "ops/cuda/attention_tc.h"
 #include "ops/cuda/ops.h"
@@ -205,6 +212,335 @@ TEST(CudaAttentionTc, Deterministic) {
   }
 }
 
+
+
+// ---- Host emulation of the mma.sync forward (no GPU) -----------------------------------------
+// attention_mma_forward_kernel's algorithm replayed lane by lane on the host with the same
+// fragment mappings (attention_mma_layout.h) and the same tile walk, skips, masks, lazy max and
+// quad reductions: each mma.m16n8k16 is emulated by gathering A and B from the 32 lanes'
+// registers with the PTX layout and scattering D back; ldmatrix by reading the rows whose
+// addresses the lanes supply. Checked against the float64 reference (the kernel's bounds), and
+// that every out element and lse of a row < T is written exactly once. This catches errors in
+// the kernel's logic (tile counts, skips, masks, packing) before any GPU run; it cannot catch
+// a divergence between this replay and the CUDA code, which the GPU tests do.
+namespace {
+
+struct LaneRegs {  // one warp's registers for one mma operand: [lane][element]
+  float v[32][8];
+};
+
+// acc[lane][4] += A B with A (16x16), B (16x8) gathered from the lanes per the PTX layout.
+void emu_mma(float (&acc)[32][4], const LaneRegs& a, const LaneRegs& b) {
+  namespace ml = mt::cuda::mma_layout;
+  double A[16][16] = {}, Bm[16][8] = {};
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int i = 0; i < 8; ++i) A[ml::a_row(lane, i)][ml::a_col(lane, i)] = a.v[lane][i];
+    for (int i = 0; i < 4; ++i) Bm[ml::b_k(lane, i)][ml::b_n(lane, i)] = b.v[lane][i];
+  }
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i) {
+      double d = 0;
+      for (int k = 0; k < 16; ++k) d += A[ml::c_row(lane, i)][k] * Bm[k][ml::c_col(lane, i)];
+      acc[lane][i] += (float)d;
+    }
+}
+
+// ldmatrix.x4 (trans or not) from a tile accessor: lane L's register r, half e, as LaneRegs
+// element 2 r + e; key_fn / dim_fn: the row address lane `src` supplies (key, dim offsets).
+template <class Tile, class KeyFn, class DimFn>
+LaneRegs emu_ldsm(const Tile& tile, int key0, int dim0, KeyFn key_fn, DimFn dim_fn, bool trans) {
+  namespace ml = mt::cuda::mma_layout;
+  LaneRegs r{};
+  for (int lane = 0; lane < 32; ++lane)
+    for (int reg = 0; reg < 4; ++reg)
+      for (int e = 0; e < 2; ++e) {
+        const int src = 8 * reg + ml::ldm_row(lane, e, trans);
+        r.v[lane][2 * reg + e] = tile(key0 + key_fn(src), dim0 + dim_fn(src) + ml::ldm_col(lane, e, trans));
+      }
+  return r;
+}
+
+// The kernel replayed: NW warps per block (8 at D 64, 4 at D 128 in the kernel).
+void emulate_mma_forward(const VecF& qkv16, int B, int T, int NH, int NKV, int D, int NW, DType dt, VecF& out,
+                         VecF& lse, std::vector<int>& out_writes, std::vector<int>& lse_writes) {
+  namespace ml = mt::cuda::mma_layout;
+  const int W = (NH + 2 * NKV) * D, OW = NH * D, G = NH / NKV, kM = 16 * NW, kN = 64, NO = D / 8;
+  const float scale = 1.0f / std::sqrt((float)D);
+  out.assign((size_t)B * T * OW, NAN);
+  lse.assign((size_t)B * NH * T, NAN);
+  out_writes.assign(out.size(), 0);
+  lse_writes.assign(lse.size(), 0);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h) {
+      const int kh = h / G;
+      auto at = [&](int row, int col) { return row < T ? qkv16[((size_t)b * T + row) * W + col] : 0.0f; };
+      for (int qt = 0; qt < (T + kM - 1) / kM; ++qt) {
+        const int q0 = qt * kM, nkt = std::min((q0 + kM + kN - 1) / kN, (T + kN - 1) / kN);
+        for (int w = 0; w < NW; ++w) {
+          const int wr = q0 + 16 * w;
+          // Q registers: qf[kk] as LaneRegs (element 2 j + e = register j, half e), rounded
+          std::vector<LaneRegs> qf(D / 16);
+          for (int kk = 0; kk < D / 16; ++kk)
+            for (int lane = 0; lane < 32; ++lane)
+              for (int j = 0; j < 4; ++j)
+                for (int e = 0; e < 2; ++e)
+                  qf[kk].v[lane][2 * j + e] =
+                      at(wr + ml::q_reg_row(lane, j), h * D + 16 * kk + ml::q_reg_col(lane, j) + e);
+          std::vector<float> o((size_t)NO * 32 * 4, 0.0f);
+          auto O = [&](int n) -> float(&)[32][4] { return *reinterpret_cast<float(*)[32][4]>(&o[(size_t)n * 128]); };
+          float m[32][2], l[32][2];
+          for (int lane = 0; lane < 32; ++lane) m[lane][0] = m[lane][1] = -INFINITY, l[lane][0] = l[lane][1] = 0;
+          for (int kt = 0; kt < nkt; ++kt) {
+            const int k0 = kt * kN;
+            auto Kt = [&](int key, int d) { return key < T ? at(key, (NH + kh) * D + d) : 0.0f; };
+            auto Vt = [&](int key, int d) { return key < T ? at(key, (NH + NKV + kh) * D + d) : 0.0f; };
+            if (k0 > wr + 15) continue;
+            const bool diag = k0 + kN - 1 > wr;
+            float s[8][32][4] = {};
+            for (int n = 0; n < 8; ++n) {
+              if (k0 + 8 * n > wr + 15) continue;
+              for (int c = 0; c < D / 32; ++c) {
+                const LaneRegs bk = emu_ldsm(Kt, k0 + 8 * n, 32 * c, ml::k_ldm_key, ml::k_ldm_dim, false);
+                LaneRegs b0{}, b1{};
+                for (int lane = 0; lane < 32; ++lane)
+                  for (int x = 0; x < 4; ++x) b0.v[lane][x] = bk.v[lane][x], b1.v[lane][x] = bk.v[lane][4 + x];
+                emu_mma(s[n], qf[2 * c], b0);
+                emu_mma(s[n], qf[2 * c + 1], b1);
+              }
+            }
+            // per lane (the quad's reductions computed from all 4 lanes, as the butterflies do)
+            float x[8][32][4], a[32][2], mxq[32][2];
+            for (int lane = 0; lane < 32; ++lane)
+              for (int n = 0; n < 8; ++n)
+                for (int i = 0; i < 4; ++i) {
+                  const int key = k0 + 8 * n + ml::c_col(lane, i), row = wr + ml::c_row(lane, i);
+                  x[n][lane][i] = !diag || key <= row ? s[n][lane][i] * scale : -INFINITY;
+                }
+            for (int lane = 0; lane < 32; ++lane)
+              for (int r = 0; r < 2; ++r) {
+                float mx = -INFINITY;
+                for (int ql = lane & ~3; ql < (lane & ~3) + 4; ++ql)
+                  for (int n = 0; n < 8; ++n)
+                    for (int i = 2 * r; i < 2 * r + 2; ++i) mx = std::max(mx, x[n][ql][i]);
+                mxq[lane][r] = mx;
+              }
+            for (int lane = 0; lane < 32; ++lane)
+              for (int r = 0; r < 2; ++r) {
+                a[lane][r] = 1.0f;
+                EXPECT_TRUE(std::isfinite(mxq[lane][r])) << "a visited tile without an unmasked key for a row";
+                if (mxq[lane][r] > m[lane][r] + 8.0f) {
+                  if (m[lane][r] != -INFINITY) a[lane][r] = std::exp(m[lane][r] - mxq[lane][r]);
+                  m[lane][r] = mxq[lane][r];
+                }
+              }
+            float p[8][32][4], rs[32][2] = {};
+            for (int lane = 0; lane < 32; ++lane)
+              for (int n = 0; n < 8; ++n)
+                for (int i = 0; i < 4; ++i) p[n][lane][i] = std::exp(x[n][lane][i] - m[lane][i / 2]);
+            float p16[8][32][4];  // P rounded to 16 bits (one call: round_to may go parallel)
+            round_to(dt, &p[0][0][0], &p16[0][0][0], 8 * 32 * 4);
+            for (int lane = 0; lane < 32; ++lane)
+              for (int r = 0; r < 2; ++r) {
+                for (int ql = lane & ~3; ql < (lane & ~3) + 4; ++ql)
+                  for (int n = 0; n < 8; ++n)
+                    for (int i = 2 * r; i < 2 * r + 2; ++i) rs[lane][r] += p[n][ql][i];
+                l[lane][r] = a[lane][r] * l[lane][r] + rs[lane][r];
+              }
+            for (int n = 0; n < NO; ++n)
+              for (int lane = 0; lane < 32; ++lane)
+                for (int i = 0; i < 4; ++i) O(n)[lane][i] *= a[lane][i / 2];
+            for (int st = 0; st < kN / 16; ++st) {
+              if (k0 + 16 * st > wr + 15) continue;
+              LaneRegs pa{};
+              for (int lane = 0; lane < 32; ++lane)
+                for (int j = 0; j < 4; ++j)
+                  for (int e = 0; e < 2; ++e)
+                    pa.v[lane][2 * j + e] = p16[ml::p_tile(st, j)][lane][ml::p_elem(j, e)];
+              for (int n2 = 0; n2 < D / 16; ++n2) {
+                const LaneRegs bv = emu_ldsm(Vt, k0 + 16 * st, 16 * n2, ml::v_ldm_key, ml::v_ldm_dim, true);
+                LaneRegs b0{}, b1{};
+                for (int lane = 0; lane < 32; ++lane)
+                  for (int xx = 0; xx < 4; ++xx) b0.v[lane][xx] = bv.v[lane][xx], b1.v[lane][xx] = bv.v[lane][4 + xx];
+                emu_mma(O(2 * n2), pa, b0);
+                emu_mma(O(2 * n2 + 1), pa, b1);
+              }
+            }
+          }
+          for (int lane = 0; lane < 32; ++lane)
+            for (int r = 0; r < 2; ++r) {
+              const int row = wr + lane / 4 + 8 * r;
+              if (row >= T) continue;
+              const float inv = 1.0f / l[lane][r];
+              if (lane % 4 == 0) {
+                const size_t li = ((size_t)b * NH + h) * T + row;
+                lse[li] = m[lane][r] + std::log(l[lane][r]);
+                ++lse_writes[li];
+              }
+              for (int n = 0; n < NO; ++n)
+                for (int e = 0; e < 2; ++e) {
+                  const size_t oi = ((size_t)b * T + row) * OW + h * D + 8 * n + 2 * (lane % 4) + e;
+                  out[oi] = O(n)[lane][2 * r + e] * inv;
+                  ++out_writes[oi];
+                }
+            }
+        }
+      }
+    }
+}
+
+}  // namespace
+
+TEST(CudaAttentionTc, MmaForwardHostEmulation) {
+  std::mt19937 g(99);
+  for (Case cs : {Case{1, 1, 2, 2, 64, DType::bf16}, {1, 70, 4, 2, 64, DType::bf16}, {2, 150, 2, 1, 64, DType::f16},
+                  {1, 77, 4, 1, 128, DType::bf16}, {1, 130, 2, 2, 128, DType::f16}}) {
+    const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
+    const int NW = D <= 64 ? 8 : 4;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D);
+    VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
+    VecF qkv16 = rounded(cs.dt, qkv), dout16 = rounded(cs.dt, dout);
+    VecF out, lse;
+    std::vector<int> ow, lw;
+    emulate_mma_forward(qkv16, B, T, NH, NKV, D, NW, cs.dt, out, lse, ow, lw);
+    for (int c : ow) ASSERT_EQ(c, 1) << "an out element written " << c << " times";
+    for (int c : lw) ASSERT_EQ(c, 1) << "an lse element written " << c << " times";
+    const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
+    EXPECT_LT(rel_err(out, ref.out), 1e-2) << "out vs float64";
+    EXPECT_LT(rel_err(lse, ref.lse), 1e-3) << "lse vs float64";
+  }
+}
+
+// ---- The mma.sync forward (attention_mma.cu) ----------------------------------------------
+
+namespace {
+
+double max_abs_diff(const VecF& a, const VecF& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs((double)a[i] - (double)b[i]);
+    if (!std::isfinite(d)) return INFINITY;
+    m = std::max(m, d);
+  }
+  return m;
+}
+
+// out, lse of one forward kernel (poisoned first), and dqkv of the tensor-core backward fed
+// with that out and lse.
+GpuResult run_tc_kernel(cuda::AttentionTcForward kernel, DType dt, VecF& qkv, VecF& dout, int B, int T, int NH,
+                        int NKV, int D) {
+  const int W = (NH + 2 * NKV) * D;
+  Tensor qkv_d = to_dev(qkv, {B, T, W}), dout_d = to_dev(dout, {B, T, NH * D});
+  Tensor out_d = poisoned({B, T, NH * D}), lse_d = poisoned({B, NH, T}), dqkv_d = poisoned({B, T, W});
+  const AttentionShape s = attention_shape(qkv_d, NH, NKV, "test");
+  cuda::attention_tc_forward(out_d, lse_d, qkv_d, s, dt, kernel);
+  cuda::attention_tc_backward(dqkv_d, dout_d, qkv_d, out_d, lse_d, s, dt);
+  return {to_host(out_d), to_host(lse_d), to_host(dqkv_d)};
+}
+
+}  // namespace
+
+// The mma.sync forward at D = 64 and 128 over T = 1, T < 64, T = 64, T not a multiple of 64,
+// several tiles, B = 1, 2 and G = 1, 2, 4, bf16 and f16, held (1) to the main test's bounds
+// against the float64 reference and the fp32 kernels; (2) to the WMMA forward: both round the
+// same q, k, v to 16 bits, use the same lazy max (so the same P before rounding up to fp32
+// summation order, ~1e-6 relative) and the same expf / 1 / l / logf steps; only the fp32
+// summation order differs, which flips the 16-bit rounding of a P element rarely (one ulp of
+// P: at most 2^-8 |v| <= 8e-3 on one output, far less in norm): out norm-relative 1e-3 and
+// max-abs 2e-2, lse norm-relative 1e-5 and max-abs 1e-4 (an indexing or layout error gives
+// O(1) differences); (3) the existing backward fed its out and lse: dqkv against the float64
+// reference (2e-2) and against the backward fed the WMMA forward's (1e-3); (4) the variant with
+// synchronous tile loads (mma_direct) gives the same bits as the cp.async one. Outputs are poisoned
+// with NaN first (rel_err and max_abs_diff are infinite on a NaN: every row < T is written).
+TEST(CudaAttentionTc, MmaForwardMatchesReferencesAndWmma) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  std::mt19937 g(4242);
+  for (Case cs : {Case{1, 1, 2, 2, 64, DType::bf16}, {2, 17, 4, 2, 64, DType::bf16}, {1, 64, 4, 1, 64, DType::bf16},
+                  {2, 130, 2, 2, 64, DType::bf16}, {1, 200, 4, 1, 64, DType::f16}, {2, 1024, 12, 12, 64, DType::bf16},
+                  {1, 1, 2, 1, 128, DType::bf16}, {1, 50, 4, 2, 128, DType::bf16}, {2, 77, 4, 1, 128, DType::f16},
+                  {1, 192, 2, 2, 128, DType::bf16}, {1, 333, 4, 2, 128, DType::bf16}, {1, 333, 2, 1, 64, DType::f16}}) {
+    const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D
+                                    << " " << dtype_name(cs.dt));
+    ASSERT_TRUE(cuda::attention_mma_supported(D));
+    VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
+    VecF qkv16 = rounded(cs.dt, qkv), dout16 = rounded(cs.dt, dout);
+
+    const GpuResult r = run_tc_kernel(cuda::AttentionTcForward::mma, cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult w = run_tc_kernel(cuda::AttentionTcForward::wmma, cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult d = run_tc_kernel(cuda::AttentionTcForward::mma_direct, cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
+    EXPECT_LT(rel_err(r.out, ref.out), 1e-2) << "out vs float64";
+    EXPECT_LT(rel_err(r.lse, ref.lse), 1e-3) << "lse vs float64";
+    EXPECT_LT(rel_err(r.dqkv, ref.dqkv), 2e-2) << "dqkv (backward from the mma forward) vs float64";
+    // the two tile-loading variants compute the same products in the same order: same bits
+    EXPECT_TRUE(same_bits(r.out, d.out)) << "out: cp.async vs direct tile loads";
+    EXPECT_TRUE(same_bits(r.lse, d.lse)) << "lse: cp.async vs direct tile loads";
+    EXPECT_LT(rel_err(d.out, ref.out), 1e-2) << "out (direct tile loads) vs float64";
+
+    const GpuResult f = run_gpu(DType::f32, qkv16, dout16, B, T, NH, NKV, D);
+    EXPECT_LT(rel_err(r.out, f.out), 1e-2) << "out vs fp32 kernel";
+    EXPECT_LT(rel_err(r.lse, f.lse), 1e-3) << "lse vs fp32 kernel";
+
+    EXPECT_LT(rel_err(r.out, w.out), 1e-3) << "out vs WMMA forward";
+    EXPECT_LT(max_abs_diff(r.out, w.out), 2e-2) << "out vs WMMA forward (max abs)";
+    EXPECT_LT(rel_err(r.lse, w.lse), 1e-5) << "lse vs WMMA forward";
+    EXPECT_LT(max_abs_diff(r.lse, w.lse), 1e-4) << "lse vs WMMA forward (max abs)";
+    EXPECT_LT(rel_err(r.dqkv, w.dqkv), 1e-3) << "dqkv: backward from the mma vs the WMMA forward's out, lse";
+  }
+}
+
+// The lazy max's rescale path in the mma kernel (the RescaleWhenTheMaxJumps inputs: the row
+// max jumps by ~10 > kSlack at the second key tile), at D = 64 and 128, against float64 and
+// against the WMMA forward.
+TEST(CudaAttentionTc, MmaForwardRescaleWhenTheMaxJumps) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  std::mt19937 g(31);
+  for (int D : {64, 128}) {
+    const int B = 1, T = 200, NH = 2, NKV = 1, W = (NH + 2 * NKV) * D;
+    VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
+    for (int t = 0; t < T; ++t) {
+      for (int h = 0; h < NH; ++h) qkv[(size_t)t * W + h * D] = 4.0f;
+      qkv[(size_t)t * W + NH * D] = t >= 64 ? 20.0f * std::sqrt(D / 64.0f) : 0.0f;
+    }
+    for (DType dt : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE(testing::Message() << "D=" << D << " " << dtype_name(dt));
+      VecF qkv16 = rounded(dt, qkv), dout16 = rounded(dt, dout);
+      const GpuResult r = run_tc_kernel(cuda::AttentionTcForward::mma, dt, qkv, dout, B, T, NH, NKV, D);
+      const GpuResult w = run_tc_kernel(cuda::AttentionTcForward::wmma, dt, qkv, dout, B, T, NH, NKV, D);
+      const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
+      EXPECT_LT(rel_err(r.out, ref.out), 1e-2) << "out vs float64";
+      EXPECT_LT(rel_err(r.lse, ref.lse), 1e-3) << "lse vs float64";
+      EXPECT_LT(rel_err(r.dqkv, ref.dqkv), 2e-2) << "dqkv vs float64";
+      EXPECT_LT(rel_err(r.out, w.out), 1e-3) << "out vs WMMA forward";
+      EXPECT_LT(rel_err(r.lse, w.lse), 1e-5) << "lse vs WMMA forward";
+    }
+  }
+}
+
+// The mma forward twice: the same bits; and attention_fused_forward under a bf16 scope takes
+// it at D = 64 (unless MESHTRAIN_ATTENTION_KERNEL is set): the same bits as the explicit call.
+TEST(CudaAttentionTc, MmaForwardDeterministicAndDispatched) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  std::mt19937 g(77);
+  for (Case cs : {Case{2, 200, 4, 2, 64, DType::bf16}, {1, 77, 4, 1, 128, DType::f16}}) {
+    const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " D=" << D);
+    VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
+    const GpuResult a = run_tc_kernel(cuda::AttentionTcForward::mma, cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult b = run_tc_kernel(cuda::AttentionTcForward::mma, cs.dt, qkv, dout, B, T, NH, NKV, D);
+    EXPECT_TRUE(same_bits(a.out, b.out)) << "out";
+    EXPECT_TRUE(same_bits(a.lse, b.lse)) << "lse";
+    EXPECT_TRUE(same_bits(a.dqkv, b.dqkv)) << "dqkv";
+    const char* env = std::getenv("MESHTRAIN_ATTENTION_KERNEL");
+    if (env == nullptr) {
+      const GpuResult c = run_gpu(cs.dt, qkv, dout, B, T, NH, NKV, D);
+      EXPECT_TRUE(same_bits(a.out, c.out)) << "out via attention_fused_forward";
+      EXPECT_TRUE(same_bits(a.lse, c.lse)) << "lse via attention_fused_forward";
+    }
+  }
+}
+
 // D = 40 (not a multiple of 16) under a bf16 scope takes the fp32 kernels: the results equal
 // the fp32 kernels' outside any scope bit for bit.
 TEST(CudaAttentionTc, UnsupportedHeadDimFallsBackToFp32) {
@@ -268,3 +604,65 @@ TEST(CudaAttentionTc, SupportedHeadDimsAndArgumentChecks) {
 #else
 TEST(CudaAttentionTc, NotBuilt) { GTEST_SKIP() << "built without CUDA"; }
 #endif
+
+// Host-side (no GPU): the fragment mappings of attention_mma_layout.h, which the mma.sync
+// forward computes its addresses and register packing with, emulated lane by lane:
+// each mma.m16n8k16 operand (A 16x16, B 16x8, C 16x8) holds every element of its tile exactly
+// once; the K tile's ldmatrix.x4 (row addresses k_ldm_*) delivers to every lane exactly the
+// B elements of S = Q K^T (k = dim, n = key) it needs; the V tile's ldmatrix.x4.trans
+// (v_ldm_*) those of O += P V (k = key, n = dim); the Q registers loaded from global memory
+// are the A elements; and the S accumulators packed into P registers are the A elements of
+// the P V k-step (the same lane holds the same (row, key) in both roles).
+TEST(CudaAttentionTc, MmaFragmentLayoutEmulation) {
+  namespace ml = mt::cuda::mma_layout;
+  {  // coverage
+    std::vector<int> a(16 * 16, 0), b(16 * 8, 0), c(16 * 8, 0);
+    for (int lane = 0; lane < 32; ++lane) {
+      for (int i = 0; i < 8; ++i) ++a[ml::a_row(lane, i) * 16 + ml::a_col(lane, i)];
+      for (int i = 0; i < 4; ++i) ++b[ml::b_k(lane, i) * 8 + ml::b_n(lane, i)];
+      for (int i = 0; i < 4; ++i) ++c[ml::c_row(lane, i) * 8 + ml::c_col(lane, i)];
+    }
+    for (int x : a) EXPECT_EQ(x, 1);
+    for (int x : b) EXPECT_EQ(x, 1);
+    for (int x : c) EXPECT_EQ(x, 1);
+  }
+  // ldmatrix.x4: lane L's register r element e is element (ldm_row, ldm_col)(L, e) of matrix r,
+  // whose row rho is at the address lane 8 r + rho supplies.
+  for (int lane = 0; lane < 32; ++lane)
+    for (int r = 0; r < 4; ++r)
+      for (int e = 0; e < 2; ++e) {
+        {  // K, no .trans: 8 keys x 32 dims; registers (2 q, 2 q + 1) = B of the k-step q
+          const int rho = ml::ldm_row(lane, e, false), kap = ml::ldm_col(lane, e, false), src = 8 * r + rho;
+          const int key = ml::k_ldm_key(src), dim = ml::k_ldm_dim(src) + kap;
+          const int q = r / 2, i = 2 * (r % 2) + e;  // B element b_i of k-step q
+          EXPECT_EQ(key, ml::b_n(lane, i)) << "K lane " << lane << " reg " << r << " e " << e;
+          EXPECT_EQ(dim, 16 * q + ml::b_k(lane, i)) << "K lane " << lane << " reg " << r << " e " << e;
+        }
+        {  // V, .trans: 16 keys x 16 dims; registers (2 q, 2 q + 1) = B of output dims [8 q, 8 q + 8)
+          const int rho = ml::ldm_row(lane, e, true), kap = ml::ldm_col(lane, e, true), src = 8 * r + rho;
+          const int key = ml::v_ldm_key(src), dim = ml::v_ldm_dim(src) + kap;
+          const int q = r / 2, i = 2 * (r % 2) + e;
+          EXPECT_EQ(key, ml::b_k(lane, i)) << "V lane " << lane << " reg " << r << " e " << e;
+          EXPECT_EQ(dim, 8 * q + ml::b_n(lane, i)) << "V lane " << lane << " reg " << r << " e " << e;
+        }
+      }
+  for (int lane = 0; lane < 32; ++lane)
+    for (int j = 0; j < 4; ++j)
+      for (int e = 0; e < 2; ++e) {
+        const int i = 2 * j + e;  // A element a_i in register j, half e
+        // Q: register j = (row, col + e) of the k-step
+        EXPECT_EQ(ml::q_reg_row(lane, j), ml::a_row(lane, i));
+        EXPECT_EQ(ml::q_reg_col(lane, j) + e, ml::a_col(lane, i));
+        // P of k-step st: accumulator s[p_tile(st, j)][p_elem(j, e)] sits at (c_row, 8 tile + c_col)
+        for (int st = 0; st < 4; ++st) {
+          const int tile = ml::p_tile(st, j), ce = ml::p_elem(j, e);
+          EXPECT_EQ(ml::c_row(lane, ce), ml::a_row(lane, i)) << "P lane " << lane << " j " << j;
+          EXPECT_EQ(8 * tile + ml::c_col(lane, ce), 16 * st + ml::a_col(lane, i)) << "P lane " << lane << " j " << j;
+        }
+      }
+  // ldmatrix row addresses are 16-byte aligned: dims offsets multiples of 8 elements
+  for (int lane = 0; lane < 32; ++lane) {
+    EXPECT_EQ(ml::k_ldm_dim(lane) % 8, 0);
+    EXPECT_EQ(ml::v_ldm_dim(lane) % 8, 0);
+  }
+}

@@ -32,6 +32,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "ops/cuda/attention_tc.h"
@@ -620,9 +622,31 @@ void backward_typed(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, c
 
 bool attention_tc_supported(int64_t D) { return D >= kF && D <= kMaxD && D % kF == 0; }
 
-void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt) {
+// MESHTRAIN_ATTENTION_KERNEL (read once) under AttentionTcForward::automatic: wmma keeps the
+// WMMA forward, mma_direct takes the mma kernel with synchronous tile loads.
+static AttentionTcForward forward_from_env() {
+  static const AttentionTcForward k = [] {
+    const char* e = std::getenv("MESHTRAIN_ATTENTION_KERNEL");
+    if (e != nullptr && std::strcmp(e, "wmma") == 0) return AttentionTcForward::wmma;
+    if (e != nullptr && std::strcmp(e, "mma_direct") == 0) return AttentionTcForward::mma_direct;
+    return AttentionTcForward::automatic;
+  }();
+  return k;
+}
+
+void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt,
+                          AttentionTcForward kernel) {
   check_tc(s, dt, "attention_tc_forward");
   if (s.B == 0 || s.T == 0) return;
+  if (kernel == AttentionTcForward::automatic) {
+    const AttentionTcForward env = forward_from_env();
+    if (env == AttentionTcForward::wmma || !attention_mma_supported(s.D) || !attention_mma_aligned(out, qkv))
+      kernel = AttentionTcForward::wmma;
+    else
+      kernel = env == AttentionTcForward::mma_direct ? env : AttentionTcForward::mma;
+  }
+  if (kernel != AttentionTcForward::wmma)
+    return attention_mma_forward(out, lse, qkv, s, dt, kernel == AttentionTcForward::mma);
   if (dt == DType::bf16)
     forward_typed<__nv_bfloat16>(out, lse, qkv, s);
   else

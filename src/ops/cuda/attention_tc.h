@@ -17,10 +17,31 @@ namespace mt::cuda {
 // Whether the tensor-core kernels take head dim D: D % 16 == 0 and 16 <= D <= 128.
 bool attention_tc_supported(int64_t D);
 
+// Which forward kernel attention_tc_forward runs. automatic: the mma.sync kernel
+// (attention_mma.cu) where it applies (D = 64 or 128, qkv 16-byte and out 8-byte aligned),
+// the WMMA kernel otherwise, unless the environment variable MESHTRAIN_ATTENTION_KERNEL=wmma
+// (read once) keeps the WMMA kernel everywhere. wmma / mma: that kernel (mma throws where it
+// does not apply). Both compute the same softmax with the same roundings (only the fp32
+// summation order differs) and write the out and lse the backward kernels read.
+// mma_direct: the mma kernel with synchronous tile loads (global -> registers -> shared)
+// instead of cp.async double buffering (MESHTRAIN_ATTENTION_KERNEL=mma_direct under automatic).
+enum class AttentionTcForward { automatic, wmma, mma, mma_direct };
+
 // out[B, T, NH D], lse[B, NH, T] from qkv[B, T, (NH + 2 NKV) D]; all f32 on the device, the
 // shapes already checked by the caller (s from attention_shape). dt: bf16 or f16, the
 // operands' 16-bit type.
-void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt);
+void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt,
+                          AttentionTcForward kernel = AttentionTcForward::automatic);
+
+// The mma.sync forward (attention_mma.cu): head dims it takes (64, 128); whether the
+// pointers allow its vector loads and stores; the forward itself (same contract as
+// attention_tc_forward; async_copy: cp.async staging of the next K, V tile, else synchronous
+// loads); its resident blocks per SM (needs a GPU) and its dynamic shared memory in bytes.
+bool attention_mma_supported(int64_t D);
+bool attention_mma_aligned(const Tensor& out, const Tensor& qkv);
+void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt,
+                           bool async_copy = true);
+int attention_mma_occupancy(int64_t D, DType dt, int64_t* smem_bytes, bool async_copy = true);
 
 // dqkv[B, T, (NH + 2 NKV) D] (overwritten) from dout[B, T, NH D], qkv and the forward's out
 // and lse; shapes already checked by the caller, dt as above.
