@@ -113,8 +113,22 @@ void run_case(const Shape4& c, bool tc, int reps, int warmup) {
       const cuda::AttentionTcForward k = v == 0 ? cuda::AttentionTcForward::mma : cuda::AttentionTcForward::mma_direct;
       fwd_mma[v] = time_ms([&] { cuda::attention_tc_forward(out, lse, qkv, sh, DType::bf16, k); }, reps, warmup);
     }
-  const double bwd = time_ms([&] { cuda::attention_fused_backward(dqkv, dout, qkv, out, lse, c.NH, c.NKV); }, reps,
-                             warmup);
+  // the tensor-core backward line times the WMMA dK/dV, dQ kernels explicitly; mma.sync its own line
+  const double bwd = time_ms(
+      [&] {
+        if (tc)
+          cuda::attention_tc_backward(dqkv, dout, qkv, out, lse, sh, DType::bf16, cuda::AttentionTcBackward::wmma);
+        else
+          cuda::attention_fused_backward(dqkv, dout, qkv, out, lse, c.NH, c.NKV);
+      },
+      reps, warmup);
+  const double bwd_mma =
+      mma ? time_ms(
+                [&] {
+                  cuda::attention_tc_backward(dqkv, dout, qkv, out, lse, sh, DType::bf16, cuda::AttentionTcBackward::mma);
+                },
+                reps, warmup)
+          : 0.0;
   cuda_synchronize();
   const double fwd_flops = 4.0 * c.B * c.NH * (double)c.T * c.T * c.D / 2.0, bwd_flops = 2.5 * fwd_flops;
   std::string occ;
@@ -145,6 +159,12 @@ void run_case(const Shape4& c, bool tc, int reps, int warmup) {
         cuda_device_name(0).c_str(), v == 0 ? "bf16_mma" : "bf16_mma_direct", c.B, c.NH, c.NKV, c.T, c.D, fwd_mma[v],
         fwd_flops / (fwd_mma[v] * 1e-3) / 1e12, fwd / fwd_mma[v], blocks, (long long)smem);
   }
+  if (mma)
+    std::printf(
+        "{\"bench\": \"gpu_attention\", \"device\": \"%s\", \"kernels\": \"bf16_mma\", \"pass\": \"backward\", \"B\": %d, "
+        "\"NH\": %d, \"NKV\": %d, \"T\": %d, \"D\": %d, \"ms\": %.4f, \"tflops\": %.2f, \"speedup_vs_wmma\": %.2f}\n",
+        cuda_device_name(0).c_str(), c.B, c.NH, c.NKV, c.T, c.D, bwd_mma, bwd_flops / (bwd_mma * 1e-3) / 1e12,
+        bwd / bwd_mma);
   std::fflush(stdout);
 }
 

@@ -410,6 +410,198 @@ TEST(CudaAttentionTc, MmaForwardHostEmulation) {
   }
 }
 
+// ---- Host emulation of the mma.sync backward (no GPU) ----------------------------------------
+// attention_mma_dkv_kernel and attention_mma_dq_kernel (attention_mma_backward.cu) replayed lane
+// by lane on the host with the same fragment mappings (a_ldm_* for the A operands, k_ldm_* and
+// v_ldm_* .trans for the B operands, p_tile / p_elem for P and dS reused as A operands), the
+// same tile walk (4 warps of 16 rows, 32-column chunks), skips and masks, P and dS rounded to
+// the 16-bit type. Fed the float64 reference's lse and a delta computed as the delta kernel
+// does; checked against the float64 dqkv (the GPU test's bound, 2e-2) and that every dqkv
+// element of a row < T is written exactly once (by dK/dV or dQ).
+namespace {
+
+using EmuAcc = float[32][4];
+
+struct EmuBwd {
+  DType dt;
+  int D;
+  float r16(float x) const {
+    float y;
+    round_to(dt, &x, &y, 1);
+    return y;
+  }
+  static void split(const LaneRegs& r, LaneRegs& b0, LaneRegs& b1) {
+    b0 = LaneRegs{};
+    b1 = LaneRegs{};
+    for (int lane = 0; lane < 32; ++lane)
+      for (int x = 0; x < 4; ++x) b0.v[lane][x] = r.v[lane][x], b1.v[lane][x] = r.v[lane][4 + x];
+  }
+  // score_chunk: acc[n] = A rows [ar0, +16) times B rows [br0 + 8 n, +8) transposed, over D.
+  template <class TA, class TB, class Skip>
+  void score(EmuAcc (&acc)[4], const TA& A, int ar0, const TB& Bt, int br0, Skip skip) const {
+    namespace ml = mt::cuda::mma_layout;
+    std::memset(acc, 0, sizeof(acc));
+    for (int c = 0; c < D / 32; ++c) {
+      const LaneRegs a0 = emu_ldsm(A, ar0, 32 * c, ml::a_ldm_row, ml::a_ldm_col, false);
+      const LaneRegs a1 = emu_ldsm(A, ar0, 32 * c + 16, ml::a_ldm_row, ml::a_ldm_col, false);
+      for (int n = 0; n < 4; ++n) {
+        if (skip(n)) continue;
+        LaneRegs b0, b1;
+        split(emu_ldsm(Bt, br0 + 8 * n, 32 * c, ml::k_ldm_key, ml::k_ldm_dim, false), b0, b1);
+        emu_mma(acc[n], a0, b0);
+        emu_mma(acc[n], a1, b1);
+      }
+    }
+  }
+  // grad_chunk: out[D / 8] += round16(p) (16 x 32) times B rows [br0, br0 + 32) x D.
+  template <class TB, class Skip>
+  void grad(std::vector<float>& out, const EmuAcc (&p)[4], const TB& Bt, int br0, Skip skip) const {
+    namespace ml = mt::cuda::mma_layout;
+    for (int st = 0; st < 2; ++st) {
+      if (skip(st)) continue;
+      LaneRegs pa{};
+      for (int lane = 0; lane < 32; ++lane)
+        for (int j = 0; j < 4; ++j)
+          for (int e = 0; e < 2; ++e) pa.v[lane][2 * j + e] = r16(p[ml::p_tile(st, j)][lane][ml::p_elem(j, e)]);
+      for (int n2 = 0; n2 < D / 16; ++n2) {
+        LaneRegs b0, b1;
+        split(emu_ldsm(Bt, br0 + 16 * st, 16 * n2, ml::v_ldm_key, ml::v_ldm_dim, true), b0, b1);
+        emu_mma(*reinterpret_cast<EmuAcc*>(&out[(size_t)(2 * n2) * 128]), pa, b0);
+        emu_mma(*reinterpret_cast<EmuAcc*>(&out[(size_t)(2 * n2 + 1) * 128]), pa, b1);
+      }
+    }
+  }
+};
+
+void emulate_mma_backward(const VecF& qkv16, const VecF& dout16, const VecF& lse, const VecF& delta, int B, int T,
+                          int NH, int NKV, int D, DType dt, VecF& dqkv, std::vector<int>& writes) {
+  namespace ml = mt::cuda::mma_layout;
+  const int W = (NH + 2 * NKV) * D, OW = NH * D, G = NH / NKV, NO = D / 8, nt = (T + 63) / 64;
+  const float scale = 1.0f / std::sqrt((float)D);
+  const EmuBwd E{dt, D};
+  dqkv.assign((size_t)B * T * W, NAN);
+  writes.assign(dqkv.size(), 0);
+  auto store = [&](const std::vector<float>& acc, int row0, int b, int col0) {
+    for (int lane = 0; lane < 32; ++lane)
+      for (int n = 0; n < NO; ++n)
+        for (int i = 0; i < 4; ++i) {
+          const int row = row0 + ml::c_row(lane, i);
+          if (row >= T) continue;
+          const size_t at = ((size_t)b * T + row) * W + col0 + 8 * n + ml::c_col(lane, i);
+          dqkv[at] = acc[(size_t)n * 128 + lane * 4 + i];
+          ++writes[at];
+        }
+  };
+  for (int b = 0; b < B; ++b) {
+    auto qkv_at = [&](int col0) {
+      return [&, col0](int row, int d) { return row < T ? qkv16[((size_t)b * T + row) * W + col0 + d] : 0.0f; };
+    };
+    auto dout_at = [&](int h) {
+      return [&, h](int row, int d) { return row < T ? dout16[((size_t)b * T + row) * OW + h * D + d] : 0.0f; };
+    };
+    // dK, dV
+    for (int kh = 0; kh < NKV; ++kh) {
+      const auto Kt = qkv_at((NH + kh) * D), Vt = qkv_at((NH + NKV + kh) * D);
+      for (int kt = 0; kt < nt; ++kt)
+        for (int w = 0; w < 4; ++w) {
+          const int k0 = 64 * kt, wk = k0 + 16 * w;
+          std::vector<float> dk((size_t)NO * 128, 0.0f), dv((size_t)NO * 128, 0.0f);
+          for (int gq = 0; gq < G; ++gq) {
+            const int h = kh * G + gq;
+            const auto Qt = qkv_at(h * D);
+            const auto dOt = dout_at(h);
+            for (int q0 = k0; q0 < T; q0 += 64)
+              for (int qc = 0; qc < 64; qc += 32) {
+                const int qa = q0 + qc;
+                if (qa + 31 < wk) continue;
+                EmuAcc s[4], dp[4];
+                auto skip8 = [&](int n) { return qa + 8 * n + 7 < wk; };
+                E.score(s, Kt, wk, Qt, qa, skip8);
+                E.score(dp, Vt, wk, dOt, qa, skip8);
+                for (int n = 0; n < 4; ++n)
+                  for (int lane = 0; lane < 32; ++lane)
+                    for (int i = 0; i < 4; ++i) {
+                      const int key = wk + ml::c_row(lane, i), t = qa + 8 * n + ml::c_col(lane, i);
+                      const bool seen = key <= t && t < T;
+                      const size_t r = ((size_t)b * NH + h) * T + (seen ? t : 0);
+                      const float p = seen ? std::exp(s[n][lane][i] * scale - lse[r]) : 0.0f;
+                      s[n][lane][i] = p;
+                      dp[n][lane][i] = seen ? p * (dp[n][lane][i] - delta[r]) * scale : 0.0f;
+                    }
+                auto skip16 = [&](int st) { return qa + 16 * st + 15 < wk; };
+                E.grad(dv, s, dOt, qa, skip16);
+                E.grad(dk, dp, Qt, qa, skip16);
+              }
+          }
+          store(dk, wk, b, (NH + kh) * D);
+          store(dv, wk, b, (NH + NKV + kh) * D);
+        }
+    }
+    // dQ
+    for (int h = 0; h < NH; ++h) {
+      const int kh = h / G;
+      const auto Qt = qkv_at(h * D), Kt = qkv_at((NH + kh) * D), Vt = qkv_at((NH + NKV + kh) * D);
+      const auto dOt = dout_at(h);
+      for (int qt = 0; qt < nt; ++qt)
+        for (int w = 0; w < 4; ++w) {
+          const int q0 = 64 * qt, wq = q0 + 16 * w;
+          std::vector<float> dq((size_t)NO * 128, 0.0f);
+          for (int k0 = 0; k0 <= q0; k0 += 64)
+            for (int kc = 0; kc < 64; kc += 32) {
+              const int ka = k0 + kc;
+              if (ka > wq + 15) break;
+              EmuAcc s[4], dp[4];
+              auto skip8 = [&](int n) { return ka + 8 * n > wq + 15; };
+              E.score(s, Qt, wq, Kt, ka, skip8);
+              E.score(dp, dOt, wq, Vt, ka, skip8);
+              for (int n = 0; n < 4; ++n)
+                for (int lane = 0; lane < 32; ++lane)
+                  for (int i = 0; i < 4; ++i) {
+                    const int t = wq + ml::c_row(lane, i), key = ka + 8 * n + ml::c_col(lane, i);
+                    const bool seen = key <= t && t < T;
+                    const size_t r = ((size_t)b * NH + h) * T + (seen ? t : 0);
+                    const float p = seen ? std::exp(s[n][lane][i] * scale - lse[r]) : 0.0f;
+                    dp[n][lane][i] = seen ? p * (dp[n][lane][i] - delta[r]) * scale : 0.0f;
+                  }
+              auto skip16 = [&](int st) { return ka + 16 * st > wq + 15; };
+              E.grad(dq, dp, Kt, ka, skip16);
+            }
+          store(dq, wq, b, h * D);
+        }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(CudaAttentionTc, MmaBackwardHostEmulation) {
+  std::mt19937 g(123);
+  for (Case cs : {Case{1, 1, 2, 2, 64, DType::bf16}, {1, 77, 4, 2, 64, DType::bf16}, {2, 130, 2, 1, 64, DType::f16},
+                  {1, 70, 4, 1, 128, DType::bf16}, {1, 17, 2, 2, 128, DType::f16}}) {
+    const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D, OW = NH * D;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D);
+    VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
+    VecF qkv16 = rounded(cs.dt, qkv), dout16 = rounded(cs.dt, dout);
+    const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
+    VecF lse(ref.lse.begin(), ref.lse.end()), delta((size_t)B * NH * T, 0.0f);
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < NH; ++h)
+        for (int t = 0; t < T; ++t) {
+          float s = 0;
+          for (int d = 0; d < D; ++d) {
+            const size_t at = ((size_t)b * T + t) * OW + h * D + d;
+            s += dout16[at] * (float)ref.out[at];
+          }
+          delta[((size_t)b * NH + h) * T + t] = s;
+        }
+    VecF dqkv;
+    std::vector<int> writes;
+    emulate_mma_backward(qkv16, dout16, lse, delta, B, T, NH, NKV, D, cs.dt, dqkv, writes);
+    for (int c : writes) ASSERT_EQ(c, 1) << "a dqkv element written " << c << " times";
+    EXPECT_LT(rel_err(dqkv, ref.dqkv), 2e-2) << "dqkv vs float64";
+  }
+}
+
 // ---- The mma.sync forward (attention_mma.cu) ----------------------------------------------
 
 namespace {
@@ -541,6 +733,78 @@ TEST(CudaAttentionTc, MmaForwardDeterministicAndDispatched) {
   }
 }
 
+// ---- The mma.sync backward (attention_mma_backward.cu) ---------------------------------------
+
+namespace {
+
+// dqkv (poisoned first) of attention_tc_backward with the given kernels, from one forward's out
+// and lse (the mma forward): both backward variants see the same out, lse.
+struct BwdPair {
+  VecF mma, wmma, mma_again;
+};
+BwdPair run_backward_pair(DType dt, VecF& qkv, VecF& dout, int B, int T, int NH, int NKV, int D) {
+  const int W = (NH + 2 * NKV) * D;
+  Tensor qkv_d = to_dev(qkv, {B, T, W}), dout_d = to_dev(dout, {B, T, NH * D});
+  Tensor out_d = poisoned({B, T, NH * D}), lse_d = poisoned({B, NH, T});
+  const AttentionShape s = attention_shape(qkv_d, NH, NKV, "test");
+  cuda::attention_tc_forward(out_d, lse_d, qkv_d, s, dt);
+  BwdPair r;
+  for (int k = 0; k < 3; ++k) {
+    Tensor dqkv_d = poisoned({B, T, W});
+    cuda::attention_tc_backward(dqkv_d, dout_d, qkv_d, out_d, lse_d, s, dt,
+                                k == 1 ? cuda::AttentionTcBackward::wmma : cuda::AttentionTcBackward::mma);
+    (k == 0 ? r.mma : k == 1 ? r.wmma : r.mma_again) = to_host(dqkv_d);
+  }
+  return r;
+}
+
+}  // namespace
+
+// The mma.sync dK/dV and dQ kernels at D = 64 and 128, T = 1, 17, 64, 77, 130, 333, 1024, G = 1,
+// 2, 4, B = 1, 2, bf16 and f16, all fed the same forward's out and lse, dqkv poisoned with NaN
+// first (every element is written: rel_err is infinite on a NaN): (1) against the float64
+// reference, the main test's 2e-2; (2) against the WMMA backward: both round the same q, k, v,
+// dout, P and dS with the same expressions, only the fp32 summation order of S, dP and the
+// gradient sums differs, which flips the 16-bit rounding of a P or dS element rarely:
+// norm-relative 1e-3 (an indexing or layout error gives O(1)); (3) run twice: the same bits.
+TEST(CudaAttentionTc, MmaBackwardMatchesReferencesAndWmma) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  std::mt19937 g(5151);
+  for (Case cs : {Case{1, 1, 2, 2, 64, DType::bf16}, {2, 17, 4, 2, 64, DType::bf16}, {1, 64, 4, 1, 64, DType::f16},
+                  {2, 77, 2, 1, 64, DType::bf16}, {2, 130, 2, 2, 64, DType::bf16}, {1, 333, 4, 2, 64, DType::f16},
+                  {1, 1024, 4, 4, 64, DType::bf16}, {1, 1, 2, 1, 128, DType::f16}, {2, 17, 2, 2, 128, DType::bf16},
+                  {1, 64, 4, 2, 128, DType::bf16}, {2, 77, 4, 1, 128, DType::f16}, {1, 130, 2, 1, 128, DType::bf16},
+                  {1, 333, 4, 2, 128, DType::bf16}, {1, 1024, 2, 1, 128, DType::f16}}) {
+    const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " NH=" << NH << " NKV=" << NKV << " D=" << D
+                                    << " " << dtype_name(cs.dt));
+    VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
+    VecF qkv16 = rounded(cs.dt, qkv), dout16 = rounded(cs.dt, dout);
+    const BwdPair r = run_backward_pair(cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
+    EXPECT_LT(rel_err(r.mma, ref.dqkv), 2e-2) << "mma backward vs float64";
+    EXPECT_LT(rel_err(r.wmma, ref.dqkv), 2e-2) << "WMMA backward vs float64";
+    EXPECT_LT(rel_err(r.mma, r.wmma), 1e-3) << "mma vs WMMA backward";
+    EXPECT_TRUE(same_bits(r.mma, r.mma_again)) << "mma backward twice";
+  }
+}
+
+// attention_fused_backward under a bf16 / f16 scope takes the mma backward at D = 64 and 128
+// (unless MESHTRAIN_ATTENTION_KERNEL is set): the same bits as the explicit call.
+TEST(CudaAttentionTc, MmaBackwardDispatched) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  if (std::getenv("MESHTRAIN_ATTENTION_KERNEL") != nullptr) GTEST_SKIP() << "MESHTRAIN_ATTENTION_KERNEL set";
+  std::mt19937 g(78);
+  for (Case cs : {Case{2, 200, 4, 2, 64, DType::bf16}, {1, 77, 4, 1, 128, DType::f16}}) {
+    const int B = cs.B, T = cs.T, NH = cs.NH, NKV = cs.NKV, D = cs.D, W = (NH + 2 * NKV) * D;
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " D=" << D);
+    VecF qkv = randv((size_t)B * T * W, g, -2, 2), dout = randv((size_t)B * T * NH * D, g);
+    const BwdPair r = run_backward_pair(cs.dt, qkv, dout, B, T, NH, NKV, D);
+    const GpuResult c = run_gpu(cs.dt, qkv, dout, B, T, NH, NKV, D);
+    EXPECT_TRUE(same_bits(r.mma, c.dqkv)) << "dqkv via attention_fused_backward";
+  }
+}
+
 // D = 40 (not a multiple of 16) under a bf16 scope takes the fp32 kernels: the results equal
 // the fp32 kernels' outside any scope bit for bit.
 TEST(CudaAttentionTc, UnsupportedHeadDimFallsBackToFp32) {
@@ -660,8 +924,25 @@ TEST(CudaAttentionTc, MmaFragmentLayoutEmulation) {
           EXPECT_EQ(8 * tile + ml::c_col(lane, ce), 16 * st + ml::a_col(lane, i)) << "P lane " << lane << " j " << j;
         }
       }
+  // The backward's A operands by ldmatrix.x4 (a_ldm_*, no .trans) from a row-major [rows][cols]
+  // tile: lane L's register r, half e is exactly A element a_{2 r + e} of the 16 x 16 k-step; and
+  // the 32 row addresses cover the 16 rows x 2 column halves once each.
+  {
+    std::vector<int> cover(16 * 2, 0);
+    for (int src = 0; src < 32; ++src) ++cover[ml::a_ldm_row(src) * 2 + ml::a_ldm_col(src) / 8];
+    for (int x : cover) EXPECT_EQ(x, 1);
+  }
+  for (int lane = 0; lane < 32; ++lane)
+    for (int r = 0; r < 4; ++r)
+      for (int e = 0; e < 2; ++e) {
+        const int src = 8 * r + ml::ldm_row(lane, e, false);
+        const int row = ml::a_ldm_row(src), col = ml::a_ldm_col(src) + ml::ldm_col(lane, e, false);
+        EXPECT_EQ(row, ml::a_row(lane, 2 * r + e)) << "A ldmatrix lane " << lane << " reg " << r << " e " << e;
+        EXPECT_EQ(col, ml::a_col(lane, 2 * r + e)) << "A ldmatrix lane " << lane << " reg " << r << " e " << e;
+      }
   // ldmatrix row addresses are 16-byte aligned: dims offsets multiples of 8 elements
   for (int lane = 0; lane < 32; ++lane) {
+    EXPECT_EQ(ml::a_ldm_col(lane) % 8, 0);
     EXPECT_EQ(ml::k_ldm_dim(lane) % 8, 0);
     EXPECT_EQ(ml::v_ldm_dim(lane) % 8, 0);
   }

@@ -49,6 +49,15 @@ MT_MMA_HD int k_ldm_dim(int lane) { return 8 * (lane / 8); }
 MT_MMA_HD int v_ldm_key(int lane) { return lane % 8 + 8 * ((lane / 8) % 2); }
 MT_MMA_HD int v_ldm_dim(int lane) { return 8 * (lane / 16); }
 
+// A operand by ldmatrix.x4 (no .trans) from a row-major [rows][cols] tile, 16 x 16 per x4:
+// matrix r = rows [8 (r % 2), +8) x cols [8 (r / 2), +8), so register r is A register j = r
+// (a_{2r}, a_{2r+1}). The backward loads its K, V (dK/dV kernel) and Q, dO (dQ kernel) A
+// fragments so. (The backward's B operands reuse k_ldm_* with rows = queries (S^T = K Q^T,
+// dP^T = V dO^T) or keys (S = Q K^T, dP = dO V^T), and v_ldm_* with .trans with rows = queries
+// (dV += P^T dO, dK += dS^T Q) or keys (dQ += dS K).)
+MT_MMA_HD int a_ldm_row(int lane) { return lane % 8 + 8 * ((lane / 8) % 2); }
+MT_MMA_HD int a_ldm_col(int lane) { return 8 * (lane / 16); }
+
 // Q (A operand) register j of a lane, loaded straight from global memory as the pair of
 // columns (col, col + 1) of row `row` of the warp's 16-row, 16-column k-step.
 MT_MMA_HD int q_reg_row(int lane, int j) { return a_row(lane, 2 * j); }

@@ -604,7 +604,7 @@ AttentionTcOccupancy occupancy_typed(int64_t D) {
 
 template <class T16>
 void backward_typed(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                    const AttentionShape& s) {
+                    const AttentionShape& s, DType dt, bool mma) {
   const TcDims z = make_dims(s);
   const int64_t rows = s.B * s.NH * s.T;
   // delta[B, NH, T] scratch, stream-ordered
@@ -614,7 +614,10 @@ void backward_typed(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, c
                                                                                              out.f32(), rows, z);
   MT_CUDA_LAUNCHED("attention_tc_delta_kernel");
 
-  backward_kernels<T16>(dqkv, dout, qkv, lse, delta, z, s);
+  if (mma)
+    attention_mma_backward_kernels(dqkv, dout, qkv, lse, delta, s, dt);
+  else
+    backward_kernels<T16>(dqkv, dout, qkv, lse, delta, z, s);
   MT_CUDA_CHECK(cudaFreeAsync(delta, stream()));
 }
 
@@ -654,13 +657,24 @@ void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qk
 }
 
 void attention_tc_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                           const Tensor& lse, const AttentionShape& s, DType dt) {
+                           const Tensor& lse, const AttentionShape& s, DType dt, AttentionTcBackward kernel) {
   check_tc(s, dt, "attention_tc_backward");
+  if (kernel == AttentionTcBackward::mma) {
+    MT_CHECK(attention_mma_supported(s.D), "attention_tc_backward: the mma kernels take D = 64, 128, not " << s.D);
+    MT_CHECK(attention_mma_backward_aligned(dqkv, dout, qkv),
+             "attention_tc_backward: the mma kernels need qkv, dout 16-byte and dqkv 8-byte aligned");
+  }
   if (s.B == 0 || s.T == 0) return;
+  if (kernel == AttentionTcBackward::automatic)
+    kernel = forward_from_env() == AttentionTcForward::wmma || !attention_mma_supported(s.D) ||
+                     !attention_mma_backward_aligned(dqkv, dout, qkv)
+                 ? AttentionTcBackward::wmma
+                 : AttentionTcBackward::mma;
+  const bool mma = kernel == AttentionTcBackward::mma;
   if (dt == DType::bf16)
-    backward_typed<__nv_bfloat16>(dqkv, dout, qkv, out, lse, s);
+    backward_typed<__nv_bfloat16>(dqkv, dout, qkv, out, lse, s, dt, mma);
   else
-    backward_typed<half>(dqkv, dout, qkv, out, lse, s);
+    backward_typed<half>(dqkv, dout, qkv, out, lse, s, dt, mma);
 }
 
 AttentionTcOccupancy attention_tc_occupancy(int64_t D, DType dt) {

@@ -43,10 +43,24 @@ void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& q
                            bool async_copy = true);
 int attention_mma_occupancy(int64_t D, DType dt, int64_t* smem_bytes, bool async_copy = true);
 
+// Which dK/dV and dQ kernels attention_tc_backward runs (after its delta kernel).
+// automatic: the mma.sync kernels (attention_mma_backward.cu) where they apply (D = 64 or
+// 128, qkv and dout 16-byte, dqkv 8-byte aligned), WMMA otherwise or when
+// MESHTRAIN_ATTENTION_KERNEL=wmma. wmma / mma: that one (mma throws where it does not apply).
+// Both round the same operands (q, k, v, dout, P, dS) with the same expressions; only the
+// fp32 summation order differs.
+enum class AttentionTcBackward { automatic, wmma, mma };
 // dqkv[B, T, (NH + 2 NKV) D] (overwritten) from dout[B, T, NH D], qkv and the forward's out
 // and lse; shapes already checked by the caller, dt as above.
 void attention_tc_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                           const Tensor& lse, const AttentionShape& s, DType dt);
+                           const Tensor& lse, const AttentionShape& s, DType dt,
+                           AttentionTcBackward kernel = AttentionTcBackward::automatic);
+// The mma.sync dK/dV and dQ kernels (attention_mma_backward.cu): whether the pointers allow
+// their vector loads and stores; the two kernels given delta[B, NH, T] (device memory, from
+// attention_tc_backward's delta kernel).
+bool attention_mma_backward_aligned(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv);
+void attention_mma_backward_kernels(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
+                                    const float* delta, const AttentionShape& s, DType dt);
 
 // Resident blocks per SM of the tensor-core kernels (forward, dK/dV, dQ) at head dim D for
 // the 16-bit type dt (cudaOccupancyMaxActiveBlocksPerMultiprocessor, 128 threads and their
