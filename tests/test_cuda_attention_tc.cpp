@@ -8,7 +8,9 @@
 // kernels bit for bit; the shape errors. The mma.sync forward (attention_mma.cu, D = 64 and
 // 128): against float64, the fp32 kernels and the WMMA forward, the backward fed its out and
 // lse, its rescale path, bit-identical reruns and the dispatch; and, without a GPU, its
-// fragment mappings emulated lane by lane and the whole kernel replayed on the host. Skips
+// fragment mappings emulated lane by lane and the whole kernel replayed on the host. The
+// mma.sync backward (attention_mma_backward.cu): against float64 and the WMMA backward on the
+// same out and lse, reruns, dispatch, and its replay on the host (attention_mma_emulation.h). Skips
 // the GPU tests without a GPU (the host-side checks of attention_tc_supported, the
 // tensor-core entry points' argument checks and the mma emulations run anyway).
 #include <gtest/gtest.h>
