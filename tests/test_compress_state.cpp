@@ -1,6 +1,6 @@
 // Gradient compression's per-rank state (error-feedback residuals, PowerSGD's warm-start Q)
 // in checkpoints, through the command (meshtrain launch -> mpirun):
-// - int8 and powersgd at dp 2 (DDP), and int8 under ZeRO 1, stopped after 3 of 6 steps and
+// - int8 and powersgd at dp 2 (DDP), under ZeRO 1, and powersgd under ZeRO 3, stopped after 3 of 6 steps and
 //   resumed at the same layout, continue the uninterrupted run bit for bit (losses,
 //   gradient norms, final parameters); resumed with the state dropped (another bucket size
 //   or stage: a layout it does not map onto), they do not, so the restored state is what
@@ -54,11 +54,12 @@ RunResult stop_and_resume(const TempDir& d, const std::string& name, const std::
 const char* kNote = "gradient compression state: the checkpoint holds";
 
 TEST(CompressionState, ResumedAtTheSameLayoutContinuesBitForBit) {
-  for (const std::string kind : {"int8", "powersgd", "int8 zero 1", "powersgd zero 1"}) {
+  for (const std::string kind : {"int8", "powersgd", "int8 zero 1", "powersgd zero 1", "powersgd zero 3"}) {
     TempDir d;
-    const bool zero1 = kind.find("zero 1") != std::string::npos;
+    const size_t z = kind.find(" zero ");
+    const bool zero = z != std::string::npos;  // under ZeRO (dropped: at stage 0)
     const std::string o = tasks_options() + " --parallel.grad_compression=" + kind.substr(0, kind.find(' ')) +
-                          (zero1 ? " --parallel.zero=1" : "");
+                          (zero ? " --parallel.zero=" + kind.substr(z + 6) : "");
     const RunResult straight = train_run(d, "straight", 2, o);
     ASSERT_EQ(straight.loss.size(), 6u) << kind;
     const RunResult want = last3_of(straight);
@@ -73,7 +74,7 @@ TEST(CompressionState, ResumedAtTheSameLayoutContinuesBitForBit) {
     // The same resume with the state dropped: another bucket size (DDP) or stage changes
     // the layout line, so the residuals restart at 0 and the continuation differs.
     const RunResult dropped =
-        stop_and_resume(d, "dropped", o, 2, zero1 ? " --parallel.zero=0" : " --parallel.bucket_mb=999");
+        stop_and_resume(d, "dropped", o, 2, zero ? " --parallel.zero=0" : " --parallel.bucket_mb=999");
     ASSERT_EQ(dropped.loss.size(), 3u) << kind << "\n" << dropped.output;
     EXPECT_NE(dropped.output.find(kNote), std::string::npos) << kind << "\n" << dropped.output;
     EXPECT_NE(dropped.units, straight.units) << kind << ": dropping the state changed nothing";

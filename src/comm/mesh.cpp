@@ -36,7 +36,8 @@ std::string Mesh::table(int max_ranks) const {
     for (int i = 0; i < size; ++i) {
       MeshCoords m = coords(r);
       m.*axis = i;
-      s += (i ? "," : "") + std::to_string(rank_of(m));
+      if (i) s += ',';
+      s += std::to_string(rank_of(m));
     }
     return s;
   };

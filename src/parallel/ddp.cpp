@@ -69,8 +69,7 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
       std::vector<PsgdMatrix> matrices;  // the bucket's 2-D parameters, [rows x cols] as stored
       int64_t off = 0;
       for (int u : b.units) {
-        for (const ParamSpec& p : units[u].params)
-          if (p.shape.size() == 2) matrices.push_back({off + p.offset, p.shape[0], p.shape[1]});
+        for (const PsgdMatrix& m : psgd_matrices(units[u].params, 0, units[u].numel, off)) matrices.push_back(m);
         off += units[u].numel;
       }
       b.psgd = std::make_unique<PowerSGDReduction>(b.numel, matrices, cfg.powersgd_rank, dp, alloc);

@@ -18,7 +18,7 @@ struct ParallelConfig {
   bool overlap = true;                 // reduce buckets during backward where that pays (ddp.h)
   bool hierarchical = false;           // DDP all-reduce / ZeRO reduce-scatter by node (communicator.h)
   int ranks_per_node = 0;              // dp ranks per node, consecutive; 0: as MPI finds the machines
-  std::string grad_compression = "none";  // none | int8 | powersgd: DDP's gradient reduction, int8 also ZeRO 1's (parallel/compress.h, powersgd.h)
+  std::string grad_compression = "none";  // none | int8 | powersgd: DDP's and ZeRO's gradient reductions (parallel/compress.h, powersgd.h)
   int powersgd_rank = 4;               // grad_compression = powersgd: the rank r of each matrix's approximation
   bool debug_collectives = false;      // cross-check every collective across ranks
   double timeout_s = 300;              // watchdog: a collective running longer ends the job

@@ -5,8 +5,23 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "nn/model.h"
 
 namespace mt {
+
+std::vector<PsgdMatrix> psgd_matrices(const std::vector<ParamSpec>& params, int64_t begin, int64_t end, int64_t at) {
+  std::vector<PsgdMatrix> r;
+  for (const ParamSpec& p : params) {
+    if (p.shape.size() != 2) continue;
+    const int64_t rows = p.shape[0], cols = p.shape[1];
+    if (cols == 0) continue;
+    // Rows [first, last) of the parameter start at or after begin and end at or before end.
+    const int64_t first = std::clamp<int64_t>((begin - p.offset + cols - 1) / cols, 0, rows);
+    const int64_t last = std::clamp<int64_t>(end > p.offset ? (end - p.offset) / cols : 0, 0, rows);
+    if (last > first) r.push_back({at + p.offset + first * cols - begin, last - first, cols});
+  }
+  return r;
+}
 
 PowerSGDReduction::PowerSGDReduction(int64_t numel, const std::vector<PsgdMatrix>& matrices, int rank,
                                      Communicator& group, Allocator& alloc, uint64_t seed)

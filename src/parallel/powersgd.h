@@ -49,6 +49,14 @@ struct PsgdMatrix {
   int64_t rows = 0, cols = 0;
 };
 
+struct ParamSpec;  // nn/model.h
+
+// The rows of a unit's 2-D parameters (row-major as stored) that lie whole in [begin, end)
+// of its flat buffer, as matrices at offsets from begin plus at: the whole unit (0, numel),
+// or a ZeRO chunk's share of each weight matrix (HYBRID_SHARD compresses chunks).
+std::vector<PsgdMatrix> psgd_matrices(const std::vector<ParamSpec>& params, int64_t begin, int64_t end,
+                                      int64_t at = 0);
+
 class PowerSGDReduction {
  public:
   // numel: the bucket's elements; matrices: its 2-D parameters, not overlapping; rank >= 1.

@@ -15,10 +15,19 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
   shard_ = dp.split(d / S_, d % S_, "shard");
   replicate_ = dp.split(d % S_, d / S_, "replicate");
   k_ = shard_->rank();
+  over_replicas_ = replicate_->size() > 1 && cfg.grad_compression != "none";
   // parallel.hierarchical: the gradients' reduce-scatters by node (reduce_scatter_hierarchical).
   MT_CHECK(!cfg.hierarchical || S_ == dp.size(), "internal: hierarchical ZeRO with shard groups of " << S_
                                                    << " of " << dp.size() << " (the configuration refuses it)");
-  if (dp.ranks_per_node() > 0 && S_ == dp.size()) shard_->set_ranks_per_node(dp.ranks_per_node());
+  // Nodes of L consecutive data ranks (parallel.ranks_per_node), for the hierarchical
+  // reduce-scatter and the count of bytes between nodes. A shard group of whole nodes has
+  // each replica of a shard on another node; shard groups inside a node have L / S
+  // consecutive replicas there (the configuration refuses other splits).
+  if (const int L = dp.ranks_per_node(); L > 0) {
+    MT_CHECK(S_ % L == 0 || L % S_ == 0, "internal: shard groups of " << S_ << " in nodes of " << L);
+    shard_->set_ranks_per_node(std::min(S_, L));
+    replicate_->set_ranks_per_node(S_ % L == 0 ? 1 : L / S_);
+  }
   MT_CHECK(cfg.grad_compression != "int8" || alloc.device() == Device::cpu,
            "internal: int8 gradient compression under ZeRO on the GPU (the configuration refuses it)");
   wd_ = working_dtype(model.config());
@@ -27,6 +36,7 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
   auto& units = model.units();
   st_.resize(units.size());
   std::vector<ParamSlice> ranges;
+  int64_t wide_numel = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     UnitState& s = st_[u];
     Unit& unit = units[u];
@@ -49,22 +59,54 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
     if (stage_ == 1) {
       s.full_g = Tensor::zeros({padded}, gd_, alloc, MemTag::grads);
       unit.g = s.full_g.view(0, {s.n});
-      if (cfg.grad_compression == "int8" && S_ > 1 && s.n > 0)
-        s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, alloc, Int8Reduction::Mode::reduce_scatter);
-      if (cfg.grad_compression == "powersgd" && S_ > 1 && s.n > 0) {
-        std::vector<PsgdMatrix> matrices;  // the unit's 2-D parameters, [rows x cols] as stored
-        for (const ParamSpec& p : unit.params)
-          if (p.shape.size() == 2) matrices.push_back({p.offset, p.shape[0], p.shape[1]});
-        s.psgd = std::make_unique<PowerSGDReduction>(s.n, matrices, cfg.powersgd_rank, *shard_, alloc);
-      }
     } else {  // the whole gradient exists only during the unit's backward
       s.shard_g = Tensor::zeros({s.chunk}, gd_, alloc, MemTag::grads);
-      if (cfg.grad_compression == "int8" && S_ > 1 && s.n > 0)  // no error feedback: no full-size residual
-        s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, alloc, Int8Reduction::Mode::reduce_scatter, false);
     }
+    make_compression(static_cast<int>(u));
+    // 16-bit gradients are compressed widened: one fp32 scratch as large as the largest
+    // tensor a compression runs on (a unit's padded gradient, or under HYBRID_SHARD a chunk)
+    if ((s.int8 || s.psgd) && gd_ != DType::f32)
+      wide_numel = std::max(wide_numel, over_replicas_ ? s.chunk : padded);
   }
+  if (wide_numel > 0) wide_ = Tensor::empty({wide_numel}, DType::f32, alloc, MemTag::comm);
   fill(ranges);
   if (mixed) after_step();  // the working copies from the masters (stages 1-2: gathered)
+}
+
+// parallel.grad_compression. One shard group: the unit's reduction over it, of its whole
+// gradient (int8's reduce-scatter, with error feedback at stage 1 only; PowerSGD's
+// all-reduces of factors, with its full-size residual). HYBRID_SHARD: the all-reduce of
+// this rank's chunk over the replicas of its shard, with error feedback on the chunk.
+void ZeRO::make_compression(int u) {
+  UnitState& s = st_[u];
+  const Unit& unit = model_.units()[u];
+  const std::string& kind = cfg_.grad_compression;
+  if (kind == "none" || s.n == 0) return;
+  const int rank = cfg_.powersgd_rank;
+  if (over_replicas_) {
+    const int64_t b = own_begin(u), len = own_end(u) - b;
+    if (len == 0) return;  // a chunk of padding only: nothing to send
+    if (kind == "int8") s.int8 = std::make_unique<Int8Reduction>(len, *replicate_, alloc_);
+    else s.psgd = std::make_unique<PowerSGDReduction>(len, psgd_matrices(unit.params, b, b + len), rank, *replicate_, alloc_);
+    return;
+  }
+  if (S_ == 1) return;
+  if (kind == "int8")
+    s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, alloc_, Int8Reduction::Mode::reduce_scatter, stage_ == 1);
+  else
+    s.psgd = std::make_unique<PowerSGDReduction>(s.n, psgd_matrices(unit.params, 0, s.n), rank, *shard_, alloc_);
+}
+
+// The unit's compressed reduction of g (its padded gradient, or under HYBRID_SHARD its
+// chunk), blocking: in place when g is fp32, else in g widened into wide_. Returns where
+// the result is (g, or the scratch's first g.numel() elements).
+Tensor ZeRO::compressed_reduce(UnitState& s, const Tensor& g) {
+  const Tensor x = g.dtype() == DType::f32 ? g : wide_.view(0, {g.numel()});
+  if (x.raw() != g.raw()) x.convert_from(g);
+  if (s.psgd) s.psgd->reduce(x.f32());
+  else if (over_replicas_) s.int8->reduce(x.f32());
+  else s.int8->reduce_scatter(x.f32());  // into chunk k; the rest is scratch
+  return x;
 }
 
 ZeRO::~ZeRO() {
@@ -155,9 +197,9 @@ void ZeRO::launch_reduce(int u) {
     s.reduce = reduce_scatter(s.full_g, s.full_g.view(k_ * s.chunk, {s.chunk}));
     return;
   }
-  if (s.int8) {  // blocking: the owner's float sum lands in chunk k of full_g, accumulated at once
-    s.int8->reduce_scatter(s.full_g.f32());
-    accumulate(s.shard_g, s.full_g.view(k_ * s.chunk, {s.chunk}));
+  if ((s.int8 || s.psgd) && !over_replicas_) {  // blocking: chunk k of the result, accumulated at once
+    const Tensor sum = compressed_reduce(s, s.full_g);
+    accumulate(s.shard_g, sum.view(k_ * s.chunk, {s.chunk}));  // 16-bit gradients: rounded once
     s.full_g = Tensor();
     model_.units()[u].g = Tensor();
     return;
@@ -169,7 +211,8 @@ void ZeRO::launch_reduce(int u) {
 
 void ZeRO::after_backward(int unit) {
   if (stage_ == 1) {
-    if (sync_ && !st_[unit].int8 && !st_[unit].psgd) launch_reduce(unit);  // compressed: in finish()
+    const bool compressed = (st_[unit].int8 || st_[unit].psgd) && !over_replicas_;
+    if (sync_ && !compressed) launch_reduce(unit);  // compressed: in finish()
     return;
   }
   launch_reduce(unit);  // stages 2-3 reduce every micro-step: no full gradient is kept
@@ -199,8 +242,10 @@ void ZeRO::complete_reduce(UnitState& s) {
 void ZeRO::finish() {
   if (stage_ == 1) {
     for (UnitState& s : st_) {
-      if (s.int8) s.int8->reduce_scatter(s.full_g.f32());  // into chunk k, as the reduce-scatter
-      if (s.psgd) s.psgd->reduce(s.full_g.f32());          // every chunk, chunk k among them
+      if (over_replicas_ || (!s.int8 && !s.psgd)) continue;
+      const Tensor sum = compressed_reduce(s, s.full_g);  // chunk k as the reduce-scatter leaves it
+      const Tensor mine = s.full_g.view(k_ * s.chunk, {s.chunk});
+      if (sum.raw() != s.full_g.raw()) mine.convert_from(sum.view(k_ * s.chunk, {s.chunk}));  // rounded once
     }
     for (UnitState& s : st_)
       if (s.reduce) {
@@ -213,10 +258,19 @@ void ZeRO::finish() {
   if (stage_ == 3 && pipelined_)  // gathered once for the step's micro-batches
     for (size_t u = 0; u < st_.size(); ++u) release_params(static_cast<int>(u));
   if (replicate_->size() == 1) return;
-  // HYBRID_SHARD: the same shard's gradients from the other groups.
+  // HYBRID_SHARD: the same shard's gradients from the other groups (compressed: the
+  // chunk's elements, unit by unit, blocking).
   std::vector<WorkPtr> works;
-  for (UnitState& s : st_)
-    if (s.n > 0) works.push_back(replicate_->allreduce_async(stage_ == 1 ? s.full_g.view(k_ * s.chunk, {s.chunk}) : s.shard_g));
+  for (UnitState& s : st_) {
+    if (s.n == 0) continue;
+    const Tensor chunk = stage_ == 1 ? s.full_g.view(k_ * s.chunk, {s.chunk}) : s.shard_g;
+    if (s.int8 || s.psgd) {
+      const Tensor sum = compressed_reduce(s, chunk);
+      if (sum.raw() != chunk.raw()) chunk.convert_from(sum);  // rounded once
+    } else if (!over_replicas_) {
+      works.push_back(replicate_->allreduce_async(chunk));
+    }
+  }
   for (WorkPtr& w : works) w->wait();
 }
 
@@ -297,6 +351,17 @@ std::vector<std::pair<std::string, Tensor>> ZeRO::compression_state() {
   return r;
 }
 
+std::string ZeRO::compression() const {
+  const std::string& kind = cfg_.grad_compression;
+  if (kind == "none") return "";
+  if (over_replicas_) return ", " + kind + "-compressed all-reduce over the replicas (error feedback on the chunks)";
+  if (kind == "powersgd")
+    return std::string(", powersgd-compressed (all-reduced factors, error feedback") +
+           (stage_ >= 2 ? "; full-size residual, every micro-step)" : ")");
+  return stage_ == 1 ? ", int8-compressed reduce-scatter (error feedback)"
+                     : ", int8-compressed reduce-scatter (no error feedback)";
+}
+
 std::string ZeRO::describe() const {
   static const char* names[] = {"", "optimizer state", "optimizer state + gradients",
                                 "optimizer state + gradients + parameters"};
@@ -307,10 +372,7 @@ std::string ZeRO::describe() const {
                 : pipelined_ ? ", each unit gathered once per step (pipeline)"
                               : (std::string(cfg_.reshard_after_forward ? ", reshard after forward" : "") +
                                  (cfg_.prefetch ? ", prefetch" : "")).c_str(),
-                cfg_.grad_compression == "powersgd" ? ", powersgd-compressed (all-reduced factors, error feedback)"
-                : cfg_.grad_compression != "int8"   ? ""
-                : stage_ == 1                       ? ", int8-compressed reduce-scatter (error feedback)"
-                                                    : ", int8-compressed reduce-scatter (no error feedback)");
+                compression().c_str());
   return buf;
 }
 

@@ -28,12 +28,14 @@
 // 2Ψ + (4 + 12)Ψ/N at stage 2, (2 + 4 + 12)Ψ/N at stage 3 with fp32 gradients. With 16-bit
 // gradients (training.grad_dtype) every gradient buffer (full, shard, reduced) is 16-bit and
 // the reduce-scatters move 16 bits (summed in float, rounded once): 2Ψ + 2Ψ + 12Ψ/N at
-// stage 1, 2Ψ + (2 + 12)Ψ/N at stage 2, (2 + 2 + 12)Ψ/N at stage 3.
+// stage 1, 2Ψ + (2 + 12)Ψ/N at stage 2, (2 + 2 + 12)Ψ/N at stage 3. The compressions below
+// run on fp32: 16-bit gradients are widened into one fp32 scratch (wide_, as large as the
+// largest padded unit, or chunk under HYBRID_SHARD) and the kept sum is rounded back once.
 //
-// parallel.grad_compression = int8: each unit's reduce-scatter is an Int8Reduction
-// (compress.h). Stage 1, with error feedback, blocking in finish(): this rank's full
-// gradient plus its residual quantized, an all-to-all of the chunks to their owners, the
-// owner's float sum in rank order landing in its chunk of full_g as the plain
+// parallel.grad_compression = int8 (one shard group): each unit's reduce-scatter is an
+// Int8Reduction (compress.h). Stage 1, with error feedback, blocking in finish(): this rank's
+// full gradient plus its residual quantized, an all-to-all of the chunks to their owners,
+// the owner's float sum in rank order landing in its chunk of full_g as the plain
 // reduce-scatter's does. Stages 2-3, without error feedback (a residual would be a
 // full-size 4Ψ per rank, undoing the gradient sharding): blocking in after_backward, every
 // micro-step, the unit's gradient quantized in place in its communication buffer, the sum
@@ -41,11 +43,21 @@
 // so no overlap with the backward); the int8 blocks, 2 S block_bytes(), live only during
 // the call. The fp32 path's order of accumulation is unchanged.
 //
-// parallel.grad_compression = powersgd (stage 1 only): each unit is one PowerSGDReduction
-// (powersgd.h) over the shard group, blocking in finish(): the factors are all-reduced, so
-// every rank ends with the unit's whole compressed sum in full_g, of which the owner's
-// chunk is what the reduce-scatter would have left there. Its residuals are full-size,
-// as stage 1's gradients are anyway; stages 2-3 would lose their gradient sharding to them.
+// parallel.grad_compression = powersgd (one shard group): each unit is one
+// PowerSGDReduction (powersgd.h) over the shard group, blocking: the factors are
+// all-reduced, so every rank ends with the unit's whole compressed sum in full_g, of which
+// the owner's chunk is what the reduce-scatter would have left there. Stage 1 compresses
+// the accumulated gradient once, in finish(); stages 2-3 compress each micro-step's in
+// after_backward and add chunk k to the shard. Its residuals are full-size (4Ψ per rank,
+// MemTag::comm): the price of error feedback on whole matrices, which stages 2-3 pay
+// beside their sharded gradients (the planner counts it).
+//
+// HYBRID_SHARD with grad_compression: the shard group's reduce-scatter stays exact (the
+// ranks of a node), and what crosses the nodes, the all-reduce of each chunk over the
+// replicas of its shard in finish(), is compressed: an Int8Reduction all-reduce, or a
+// PowerSGDReduction of the rows of each weight matrix that lie whole in the chunk
+// (psgd_matrices; the rest travels uncompressed). Once per step at every stage, with error
+// feedback, so the residuals are chunk-sized: sharded like the gradients.
 //
 // training.device = cuda: every buffer above lives in GPU memory (alloc's device); the
 // shards' accumulation runs on the GPU, the collectives stage through host memory
@@ -103,7 +115,9 @@ class ZeRO final : public DataParallel {
   bool writes_checkpoint() const override { return replicate_->rank() == 0; }  // one shard group writes
   std::string describe() const override;
   uint64_t bytes_sent() const override { return dp_.bytes_sent() + shard_->bytes_sent() + replicate_->bytes_sent(); }
-  uint64_t bytes_between_nodes() const override { return shard_->bytes_between_nodes(); }
+  uint64_t bytes_between_nodes() const override {
+    return shard_->bytes_between_nodes() + replicate_->bytes_between_nodes();
+  }
   std::vector<std::pair<std::string, Tensor>> compression_state() override;  // "unit3.int8.worker_residual"
 
   int stage() const { return stage_; }
@@ -123,8 +137,8 @@ class ZeRO final : public DataParallel {
     WorkPtr reduce;  // pending reduce-scatter of full_g
     Tensor reduced;  // stages 2-3: [c] where the pending reduce-scatter lands
     Tensor master;   // mixed precision: [c] fp32 parameters of this rank's chunk (the w above are 16-bit)
-    std::unique_ptr<PowerSGDReduction> psgd;  // grad_compression = powersgd (stage 1): the all-reduce of factors
-    std::unique_ptr<Int8Reduction> int8;  // grad_compression = int8: the reduce-scatter (stage 1 with error feedback)
+    std::unique_ptr<PowerSGDReduction> psgd;  // grad_compression = powersgd: the all-reduces of factors
+    std::unique_ptr<Int8Reduction> int8;  // grad_compression = int8: the reduce-scatter, or the replicas' all-reduce
   };
   void ensure_gathered(int u);
   void start_gather(int u);
@@ -133,6 +147,9 @@ class ZeRO final : public DataParallel {
   void launch_reduce(int u);
   void drain();  // completes every pending reduce-scatter: accumulates into shards, frees buffers
   void complete_reduce(UnitState& s);
+  void make_compression(int unit);
+  Tensor compressed_reduce(UnitState& s, const Tensor& g);
+  std::string compression() const;  // describe()'s words for parallel.grad_compression
 
   Model& model_;
   Communicator& dp_;
@@ -142,8 +159,10 @@ class ZeRO final : public DataParallel {
   DType wd_;        // the working parameters' dtype: f32, or bf16 / f16 with fp32 masters
   DType gd_;        // the gradients' dtype: f32, or the working dtype (training.grad_dtype)
   bool pipelined_;  // pipeline parallelism: stage 3 gathers each unit once per step, freed in finish()
+  bool over_replicas_ = false;  // HYBRID_SHARD with grad_compression: the replicas' all-reduce is compressed
   std::unique_ptr<Communicator> shard_, replicate_;
   std::vector<UnitState> st_;
+  Tensor wide_;  // 16-bit gradients with grad_compression: fp32 scratch the compressions run in
   std::deque<int> pending_;  // stages 2-3: units whose reduce-scatter was launched, oldest first
   bool sync_ = true;
 };

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "nn/model.h"
 #include "parallel/pipeline.h"
+#include "parallel/powersgd.h"
 #include "parallel/schedule.h"
 
 namespace mt::plan {
@@ -104,6 +105,37 @@ BucketReduction int8_reduce_scatter(double n, double S, bool error_feedback) {
   return r;
 }
 
+namespace {
+
+// PowerSGDReduction (parallel/powersgd.h): all-reduces of the P factors with the
+// uncompressed elements, and of the Q factors; the residuals of the compressed matrices.
+BucketReduction powersgd_reduction(const std::vector<PsgdMatrix>& matrices, double n, double D, int rank) {
+  const double k = rank;
+  double p = 0, q = 0, e = 0;
+  for (const PsgdMatrix& m : matrices) {
+    if (k >= std::min(m.rows, m.cols)) continue;  // would not shrink: sent as it is
+    p += m.rows * k, q += m.cols * k, e += static_cast<double>(m.rows) * m.cols;
+  }
+  const double first = p + n - e;
+  BucketReduction r;
+  r.bytes = 2 * (D - 1) / D * 4 * first + 2 * (D - 1) / D * 4 * q;
+  r.messages = 2;
+  r.buffers = 4 * (std::max(1.0, first) + std::max(1.0, q) + std::max(1.0, e));
+  r.staging = 4 * std::ceil(std::max(first, q) / D) * (D - 1);
+  return r;
+}
+
+}  // namespace
+
+BucketReduction chunk_reduction(const ModelConfig& model, int tp, int unit, double S, double R,
+                                const TrafficOptions& opt) {
+  const Unit u = model_layout(model, TpShard{tp, 0})[unit];
+  const int64_t len = std::min<int64_t>(static_cast<int64_t>(std::ceil(u.numel / S)), u.numel);
+  if (len == 0) return {};
+  if (opt.grad_compression == "int8") return bucket_reduction(model, tp, {unit}, static_cast<double>(len), R, opt, 4);
+  return powersgd_reduction(psgd_matrices(u.params, 0, len), static_cast<double>(len), R, opt.powersgd_rank);
+}
+
 BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double n, double D,
                                  const TrafficOptions& opt, double es) {
   BucketReduction r;
@@ -117,22 +149,11 @@ BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::ve
     return r;
   }
   if (opt.grad_compression == "powersgd") {
-    // PowerSGDReduction (parallel/powersgd.h): all-reduces of the P factors with the
-    // uncompressed elements, and of the Q factors; the residuals of the compressed matrices.
     const std::vector<Unit> layout = model_layout(model, TpShard{tp, 0});  // the matrices' shapes
-    const double k = opt.powersgd_rank;
-    double p = 0, q = 0, e = 0;
+    std::vector<PsgdMatrix> matrices;
     for (int u : units)
-      for (const ParamSpec& ps : layout[u].params) {
-        if (ps.shape.size() != 2 || k >= std::min(ps.shape[0], ps.shape[1])) continue;
-        p += ps.shape[0] * k, q += ps.shape[1] * k, e += static_cast<double>(ps.shape[0]) * ps.shape[1];
-      }
-    const double first = p + n - e;
-    r.bytes = 2 * (D - 1) / D * 4 * first + 2 * (D - 1) / D * 4 * q;
-    r.messages = 2;
-    r.buffers = 4 * (std::max(1.0, first) + std::max(1.0, q) + std::max(1.0, e));
-    r.staging = 4 * std::ceil(std::max(first, q) / D) * (D - 1);
-    return r;
+      for (const PsgdMatrix& m : psgd_matrices(layout[u].params, 0, layout[u].numel)) matrices.push_back(m);
+    return powersgd_reduction(matrices, n, D, opt.powersgd_rank);
   }
   // Communicator::allreduce_hierarchical: rank 0 sends its pieces of the node's other shards
   // and its shard back to each, and (with a node after it) its partial sum in float; it
@@ -264,10 +285,10 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
       if (opt.hierarchical) {  // Communicator::reduce_scatter_hierarchical, as data rank 0 sends it
         const double L = opt.ranks_per_node > 0 ? opt.ranks_per_node : S, nodes = S / L;
         p.reductions.push_back({h.chunk, {(L - 1) * nodes * chunk * prec.grad + (nodes > 1 ? 4 * nodes * chunk : 0), 2}});
-      } else if (opt.grad_compression == "int8") {  // every stage: the same blocks
+      } else if (opt.grad_compression == "int8" && R == 1) {  // every stage: the same blocks
         const BucketReduction r = int8_reduce_scatter(numel[h.unit], S);
         p.reductions.push_back({h.chunk, {r.bytes, r.messages}});
-      } else if (opt.grad_compression == "powersgd") {  // stage 1: the unit's factors, all-reduced
+      } else if (opt.grad_compression == "powersgd" && R == 1) {  // the unit's factors, all-reduced
         const BucketReduction r = bucket_reduction(model, layout.tp, {h.unit}, numel[h.unit], S, opt, prec.grad);
         p.reductions.push_back({h.chunk, {r.bytes, r.messages}});
       } else {
@@ -283,7 +304,12 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
         p.first_gather = gather;  // held runs top down: the last is the forward's first
       }
     }
-    if (R > 1) p.replica += allreduce(R, chunk * prec.grad);
+    if (R > 1 && opt.grad_compression != "none") {  // HYBRID_SHARD compresses the replicas' all-reduce
+      const BucketReduction r = chunk_reduction(model, layout.tp, h.unit, S, R, opt);
+      p.replica += Flow{r.bytes, r.messages};
+    } else if (R > 1) {
+      p.replica += allreduce(R, chunk * prec.grad);
+    }
   }
   if (S > 1) p.scalars += allgather(S, 8.0 * (model.n_layer + 2));  // the gradient norm's per-unit sums
   return p;

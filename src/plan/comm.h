@@ -51,7 +51,7 @@ struct TrafficOptions {
   double bucket_mb = 25;                 // parallel.bucket_mb: DDP's buckets (messages, the last one's tail)
   bool hierarchical = false;             // parallel.hierarchical: DDP's buckets by node
   int ranks_per_node = 0;                // its nodes' data-parallel ranks; 0: all of them on one node
-  std::string grad_compression = "none";  // parallel.grad_compression: none | int8 | powersgd (DDP; int8 also ZeRO)
+  std::string grad_compression = "none";  // parallel.grad_compression: none | int8 | powersgd
   int powersgd_rank = 4;                 // parallel.powersgd_rank
 };
 
@@ -65,6 +65,12 @@ struct BucketReduction {
 };
 BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double n, double D,
                                  const TrafficOptions& opt, double elem_bytes);
+
+// ZeRO under HYBRID_SHARD with grad_compression: the compressed all-reduce of unit `unit`'s
+// chunk (shard rank 0's, elements [0, min(ceil(n / S), n))) over the R replicas of its shard
+// (parallel/zero.h): int8's all-reduce, or PowerSGD on the chunk's whole rows of each matrix.
+BucketReduction chunk_reduction(const ModelConfig& model, int tp, int unit, double S, double R,
+                                const TrafficOptions& opt);
 
 // ZeRO's int8 reduce-scatter of one unit of n elements over a shard group of S ranks
 // (Int8Reduction::Mode::reduce_scatter, parallel/compress.h): one all-to-all of the chunks'

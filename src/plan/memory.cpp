@@ -232,7 +232,10 @@ class ZeroReplay {
       c_.push_back(c * s.prec.grad);         // the reduced chunk [c]
       blocks_.push_back(int8_reduce_scatter(static_cast<double>(numel), s.N, false).buffers);  // int8's blocks
     }
-    int8_ = s.knobs.grad_compression == "int8" && s.N > 1;
+    // Compressed (one shard group): each reduction blocking, none pending; PowerSGD's
+    // buffers are persistent (comm_persistent), int8's blocks live during the call.
+    blocking_ = s.knobs.grad_compression != "none" && s.N > 1 && s.R == 1;
+    if (s.knobs.grad_compression != "int8") blocks_.assign(blocks_.size(), 0.0);
     gathered_.assign(n_, false), full_g_.assign(n_, false), pending_.assign(n_, false);
   }
 
@@ -298,7 +301,7 @@ class ZeroReplay {
   }
   void after_backward(int u) {
     if (s_.lay.zero < 2) return;  // stage 1 reduces in place
-    if (int8_ && r_.numel[u] > 0) {  // blocking: the blocks during the call, then the whole gradient freed
+    if (blocking_ && r_.numel[u] > 0) {  // the blocks during the call, then the whole gradient freed
       take(blocks_[u]);
       live_ -= blocks_[u] + g_[u];
       full_g_[u] = false;
@@ -342,7 +345,7 @@ class ZeroReplay {
   const RankShare& r_;
   int rank_, n_;
   std::vector<double> w_, g_, c_, blocks_;
-  bool int8_ = false;  // grad_compression = int8: each reduction blocking, none pending
+  bool blocking_ = false;  // grad_compression over the shard group: each reduction blocking, none pending
   std::vector<bool> gathered_, full_g_, pending_;
   std::deque<int> order_;                          // pending reductions, oldest first
   double live_ = 0, peak_ = 0;
@@ -420,12 +423,26 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
       // dtype, the partial sums [nodes x c] in float, the finished chunks [nodes x c]
       const double L = s.knobs.ranks_per_node > 0 ? s.knobs.ranks_per_node : s.N, nodes = s.N / L;
       bytes += 4 * (std::ceil((L - 1) * nodes * chunk * gb / 4) + nodes * chunk + std::ceil(nodes * chunk * gb / 4));
+    } else if (s.knobs.grad_compression != "none" && s.R > 1) {
+      // HYBRID_SHARD: the shard group's reduce-scatter exact, the replicas' all-reduce of each
+      // chunk compressed (its buffers per unit, the largest staging of the replicas' group)
+      bytes += staging_bytes(chunk * (s.N - 1), gb);
+      TrafficOptions how;
+      how.grad_compression = s.knobs.grad_compression, how.powersgd_rank = s.knobs.powersgd_rank;
+      double staging = 0;
+      for (int u = 0; u < static_cast<int>(r.numel.size()); ++u) {
+        if (r.numel[u] == 0) continue;
+        const BucketReduction red = chunk_reduction(s.cfg, s.lay.tp, u, s.N, s.R, how);
+        bytes += red.buffers;
+        staging = std::max(staging, red.staging);
+      }
+      bytes += staging;
     } else if (s.knobs.grad_compression == "int8" && s.N > 1) {
       for (int64_t n : r.numel)  // stage 1, per unit: Int8Reduction's residual and blocks (compress.h)
         if (n > 0 && s.lay.zero == 1) bytes += int8_reduce_scatter(static_cast<double>(n), s.N).buffers;
       // stages 2-3: the blocks live only during a unit's reduction (ZeroReplay)
     } else if (s.knobs.grad_compression == "powersgd" && s.N > 1) {
-      TrafficOptions how;  // stage 1, per unit: PowerSGDReduction's buffers (powersgd.h), the largest staging
+      TrafficOptions how;  // per unit: PowerSGDReduction's buffers (powersgd.h), the largest staging
       how.grad_compression = "powersgd", how.powersgd_rank = s.knobs.powersgd_rank;
       double staging = 0;
       for (int u = 0; u < static_cast<int>(r.numel.size()); ++u) {
@@ -438,7 +455,10 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
     } else {
       bytes += staging_bytes(chunk * (s.N - 1), gb);  // reduce-scatter into [c]: (N - 1) pieces
     }
-    if (s.R > 1) bytes += staging_bytes(ceil_div(static_cast<int64_t>(chunk), s.R) * (s.R - 1.0), gb);  // HYBRID
+    if (s.knobs.grad_compression != "none" && gb != 4 && (s.N > 1 || s.R > 1))
+      bytes += 4 * (s.R > 1 ? chunk : chunk * s.N);  // 16-bit gradients' fp32 scratch (ZeRO::wide_)
+    if (s.R > 1 && s.knobs.grad_compression == "none")  // HYBRID_SHARD's all-reduce
+      bytes += staging_bytes(ceil_div(static_cast<int64_t>(chunk), s.R) * (s.R - 1.0), gb);
   }
   // A tied head on another rank than the embedding: the pair all-reduces the embedding's
   // gradient (its optimizer segment: the whole unit, or its ZeRO chunk).

@@ -301,11 +301,6 @@ void Config::validate() const {
              "parallel.grad_comm_dtype = " << parallel.grad_comm_dtype << " with training.grad_dtype = "
                                            << model.grad_dtype << ": reduce the gradients in " << model.grad_dtype
                                            << " (in place) or fp32 (widened, the same sums)");
-    MT_CHECK(parallel.grad_compression == "none" || parallel.zero == 0,
-             "parallel.grad_compression = " << parallel.grad_compression << " with training.grad_dtype = "
-                                            << model.grad_dtype << " compresses DDP's buckets only (widened to fp32), "
-                                            << "not ZeRO's: set parallel.zero=0, training.grad_dtype = fp32 or "
-                                            << "parallel.grad_compression = none");
   }
   MT_CHECK(training.skip_spikes >= 0, "training.skip_spikes = " << training.skip_spikes << " must not be negative "
                                       << "(standard deviations above the recent mean; 0: off)");
@@ -366,7 +361,8 @@ std::string values_where(int lo, int hi, const std::function<bool(int)>& ok) {
 }  // namespace
 
 // Hierarchical reductions (DDP's all-reduce, ZeRO's reduce-scatters) and gradient
-// compression (DDP's; int8 also ZeRO's reduce-scatters, stages 2-3 without error feedback).
+// compression (DDP's buckets; ZeRO's reductions at every stage, or under HYBRID_SHARD the
+// replicas' all-reduce: parallel/zero.h).
 void Config::check_cheaper_comm() const {
   const ParallelConfig& p = parallel;
   MT_CHECK(p.ranks_per_node >= 0, "parallel.ranks_per_node = " << p.ranks_per_node
@@ -374,13 +370,6 @@ void Config::check_cheaper_comm() const {
   MT_CHECK(p.powersgd_rank >= 1, "parallel.powersgd_rank = " << p.powersgd_rank
                                  << " must be at least 1 (the rank of PowerSGD's approximation; default 4)");
   if (p.grad_compression == "none") return;
-  // int8 runs at every stage (ZeRO 2-3 without error feedback: no full-size residual);
-  // PowerSGD under ZeRO 1, whose full gradients its residuals match.
-  if (p.grad_compression == "powersgd")
-    MT_CHECK(p.zero <= 1, "parallel.grad_compression = powersgd compresses the gradients of DDP and ZeRO 1, but "
-                          << "parallel.zero = " << p.zero << " (its error feedback keeps a full-size residual on "
-                          << "every rank, which would undo the gradient sharding; int8 runs under ZeRO 2 and 3); "
-                          << "use parallel.zero=0 or 1, or grad_compression=int8");
   MT_CHECK(p.grad_comm_dtype == "fp32", "parallel.grad_compression = " << p.grad_compression << " compresses fp32 "
                                         << "gradients itself; leave parallel.grad_comm_dtype = fp32 (got "
                                         << p.grad_comm_dtype << ")");
@@ -397,6 +386,7 @@ std::string compression_state_layout(const Config& c, int world_size) {
   o << " over dp " << p.dp << " (" << world_size << " ranks: tp " << p.tp << ", cp " << p.cp << ", pp " << p.pp;
   if (p.pp > 1) o << " with " << p.pp_chunks << " chunks, layers " << p.pp_layers;
   if (p.zero == 0) o << "; DDP buckets of " << p.bucket_mb << " MiB)";
+  else if (p.shard_group < p.dp * p.cp) o << "; ZeRO " << p.zero << " in shard groups of " << p.shard_group << ")";
   else o << "; ZeRO " << p.zero << ")";
   return o.str();
 }
@@ -499,15 +489,15 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
                << "parallel.shard_group = " << parallel.shard_group << " shards over groups of "
                << parallel.shard_group << " of the " << data << " (HYBRID_SHARD, itself a layout by node); use one "
                << "or the other");
-  MT_CHECK(parallel.grad_compression == "none" || parallel.zero == 0 || parallel.shard_group == data,
-           "parallel.grad_compression = " << parallel.grad_compression << " with ZeRO " << parallel.zero
-               << " compresses the reduce-scatter "
-               << "over all " << data << " " << data_name << " ranks, but parallel.shard_group = " << parallel.shard_group
-               << " shards over groups of " << parallel.shard_group << " (HYBRID_SHARD); use one or the other");
   MT_CHECK(parallel.ranks_per_node == 0 || data % parallel.ranks_per_node == 0,
            data_name << " = " << data << " is not a multiple of parallel.ranks_per_node = " << parallel.ranks_per_node
                      << " (nodes of consecutive " << data_name << " ranks); set parallel.ranks_per_node to one of "
                      << values_where(1, data, [&](int g) { return data % g == 0; }));
+  MT_CHECK(parallel.ranks_per_node == 0 || parallel.zero == 0 || parallel.shard_group % parallel.ranks_per_node == 0 ||
+               parallel.ranks_per_node % parallel.shard_group == 0,
+           "parallel.shard_group = " << parallel.shard_group << " and parallel.ranks_per_node = "
+                                     << parallel.ranks_per_node << ": a shard group must hold whole nodes or lie "
+                                     << "inside one; set one a multiple of the other");
   MT_CHECK(data % parallel.shard_group == 0,
            "parallel.shard_group = " << parallel.shard_group << " does not divide " << data_name << " = " << data
                                      << "; parallel.shard_group can be "
