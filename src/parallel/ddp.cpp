@@ -35,6 +35,15 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
            "parallel.grad_compression = " << cfg.grad_compression << " is not implemented in DDP");
   dtype_ = cfg.grad_comm_dtype == "bf16" ? DType::bf16 : cfg.grad_comm_dtype == "fp16" ? DType::f16 : DType::f32;
   const auto& units = model.units();
+  if (cfg.hierarchical && cfg.grad_compression != "none" && dp.size() > 1) {
+    // Compression by node: each node's L ranks (consecutive dp ranks) and the ranks with
+    // the same place in the other nodes. Bytes between nodes: none inside, all across.
+    const int L = dp.ranks_per_node(), d = dp.rank();
+    node_ = dp.split(d / L, d % L, "node");
+    across_ = dp.split(d % L, d / L, "across nodes");
+    node_->set_ranks_per_node(L);
+    across_->set_ranks_per_node(1);
+  }
   const int64_t cap = static_cast<int64_t>(cfg.bucket_mb * 1024 * 1024 / 4);  // float32 elements
   bucket_of_.assign(units.size(), -1);
   for (int u = static_cast<int>(units.size()) - 1; u >= 0; --u) {
@@ -53,6 +62,10 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
   MT_CHECK(master_.empty() || master_.size() == units.size(), "internal: units of mixed working precisions");
   for (Bucket& b : buckets_) {
     if (dp.size() == 1) break;
+    if (node_) {
+      make_node_compression(b, alloc);
+      continue;
+    }
     // Gradients of consecutive units in the communication dtype that lie back to back (the
     // model allocates them in backward order) are reduced in place; otherwise through a
     // staging buffer.
@@ -75,6 +88,31 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
       b.psgd = std::make_unique<PowerSGDReduction>(b.numel, matrices, cfg.powersgd_rank, dp, alloc);
     }
   }
+}
+
+// parallel.hierarchical with grad_compression: the bucket in an fp32 buffer padded to L
+// chunks of c; chunk k (this rank's place in its node) is summed inside the node, and its
+// elements [k c, min((k + 1) c, n)) are compressed across the nodes (int8's all-reduce, or
+// PowerSGD on the rows of each matrix that lie whole in them), with error feedback.
+void DDP::make_node_compression(Bucket& b, Allocator& alloc) {
+  const auto& units = model_.units();
+  const int L = node_->size(), k = node_->rank();
+  b.chunk = (b.numel + L - 1) / L;
+  b.in_place = false;
+  b.buffer = Tensor::zeros({b.chunk * L}, DType::f32, alloc, MemTag::comm);
+  const int64_t begin = std::min<int64_t>(k * b.chunk, b.numel), len = std::min<int64_t>(begin + b.chunk, b.numel) - begin;
+  if (len == 0 || across_->size() == 1) return;  // one node: the node's exact sum is all
+  if (cfg_.grad_compression == "int8") {
+    b.int8 = std::make_unique<Int8Reduction>(len, *across_, alloc);
+    return;
+  }
+  std::vector<PsgdMatrix> matrices;  // offsets from the chunk's start
+  int64_t off = 0;
+  for (int u : b.units) {
+    for (const PsgdMatrix& m : psgd_matrices(units[u].params, begin - off, begin + len - off)) matrices.push_back(m);
+    off += units[u].numel;
+  }
+  b.psgd = std::make_unique<PowerSGDReduction>(len, matrices, cfg_.powersgd_rank, *across_, alloc);
 }
 
 DDP::~DDP() {
@@ -120,8 +158,17 @@ void DDP::reduce_compressed(Bucket& b) {
     if (!b.in_place) b.buffer.view(off, {units[u].numel}).convert_from(units[u].g);
     off += units[u].numel;
   }
-  if (b.int8) b.int8->reduce(g);
-  else b.psgd->reduce(g);
+  if (node_) {  // reduce-scatter inside the node, the chunk compressed across nodes, all-gathered
+    const Tensor mine = b.buffer.view(node_->rank() * b.chunk, {b.chunk});
+    node_->reduce_scatter(b.buffer, mine);
+    if (b.int8) b.int8->reduce(mine.f32());
+    if (b.psgd) b.psgd->reduce(mine.f32());
+    node_->allgather(mine, b.buffer);
+  } else if (b.int8) {
+    b.int8->reduce(g);
+  } else {
+    b.psgd->reduce(g);
+  }
   b.pending = 0;
   off = 0;
   for (int u : b.units) {
@@ -209,7 +256,8 @@ std::string DDP::describe() const {
   if (cfg_.grad_compression == "powersgd")
     how = "powersgd-compressed (rank " + std::to_string(cfg_.powersgd_rank) + ", error feedback, warm start)";
   if (cfg_.hierarchical)
-    how += " hierarchical (nodes of " + std::to_string(dp_.ranks_per_node()) + " dp ranks)";
+    how += " hierarchical (nodes of " + std::to_string(dp_.ranks_per_node()) + " dp ranks" +
+           (node_ ? ": exact inside a node, compressed between nodes)" : ")");
   char buf[320];
   std::snprintf(buf, sizeof buf, "ddp: %d gradient buckets of about %g MiB, %s reduction %s", num_buckets(),
                 cfg_.bucket_mb, how.c_str(), when);

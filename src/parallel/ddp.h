@@ -28,7 +28,11 @@
 // bit-identical to the flat one. parallel.grad_compression = int8: each bucket is reduced
 // by an Int8Reduction (parallel/compress.h) after backward, with error feedback; powersgd:
 // by a PowerSGDReduction (parallel/powersgd.h) of rank parallel.powersgd_rank over the
-// bucket's 2-D parameters, the other elements uncompressed.
+// bucket's 2-D parameters, the other elements uncompressed. Both with hierarchical: only
+// what crosses the nodes is compressed. The bucket (fp32, padded to L chunks) is
+// reduce-scattered inside the node, exactly; each rank's chunk is compressed across the
+// nodes over the ranks with its place in theirs, with chunk-sized residuals; the node
+// all-gathers the chunks.
 //
 // Mixed precision (training.precision bf16 / fp16): the units' w are 16-bit working copies;
 // DDP keeps the fp32 master parameters (MemTag::optim, as the ZeRO analysis counts them),
@@ -67,7 +71,10 @@ class DDP final : public DataParallel {
   std::vector<ParamSlice> owned() override;  // whole units (the fp32 masters under mixed precision)
   bool writes_checkpoint() const override { return dp_.rank() == 0; }  // replicas are identical
   std::string describe() const override;
-  uint64_t bytes_sent() const override { return dp_.bytes_sent(); }
+  uint64_t bytes_sent() const override {
+    return dp_.bytes_sent() + (node_ ? node_->bytes_sent() + across_->bytes_sent() : 0);
+  }
+  uint64_t bytes_between_nodes() const override { return node_ ? across_->bytes_between_nodes() : 0; }
   std::vector<std::pair<std::string, Tensor>> compression_state() override;  // "bucket3.int8.worker_residual", ...
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   bool overlapping() const { return overlap_; }
@@ -81,19 +88,22 @@ class DDP final : public DataParallel {
     int64_t numel = 0;
     int pending = 0;         // units whose backward has not finished this step
     bool in_place = false;   // gradients in the communication dtype lying back to back: reduced where they are
-    Tensor buffer;           // [numel] in the communication dtype, when not in place
+    Tensor buffer;           // [numel] in the communication dtype, when not in place (compression by node: [L c] fp32)
+    int64_t chunk = 0;       // compression by node: c = ceil(numel / L), the elements each node rank sums
     WorkPtr work;
     std::unique_ptr<Int8Reduction> int8;  // grad_compression = int8
     std::unique_ptr<PowerSGDReduction> psgd;  // grad_compression = powersgd
   };
   void launch(Bucket& b);
   void reduce_compressed(Bucket& b);
+  void make_node_compression(Bucket& b, Allocator& alloc);
 
   Model& model_;
   Communicator& dp_;
   ParallelConfig cfg_;
   DType dtype_;
   std::vector<Bucket> buckets_;
+  std::unique_ptr<Communicator> node_, across_;  // hierarchical with grad_compression: the node, the other nodes
   std::vector<Tensor> master_;  // mixed precision: per unit [numel] fp32 parameters; else empty
   std::vector<int> bucket_of_;  // unit -> bucket
   bool overlap_;  // launch buckets during backward

@@ -139,6 +139,36 @@ BucketReduction chunk_reduction(const ModelConfig& model, int tp, int unit, doub
 BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double n, double D,
                                  const TrafficOptions& opt, double es) {
   BucketReduction r;
+  if (opt.hierarchical && opt.grad_compression != "none") {
+    // DDP::make_node_compression, as data rank 0 runs it: the fp32 bucket padded to L chunks
+    // of c, reduce-scattered and all-gathered inside the node ((L - 1) c floats each), its
+    // chunk [0, min(c, n)) compressed over the nodes.
+    const double L = opt.ranks_per_node > 0 ? opt.ranks_per_node : D, nodes = D / L, c = std::ceil(n / L);
+    r.bytes = 2 * (L - 1) * 4 * c;
+    r.messages = 2;
+    r.buffers = 4 * L * c;
+    r.staging = L > 1 ? 4 * c * (L - 1) : 0;  // the reduce-scatter's pieces
+    const double len = std::min(c, n);
+    if (nodes == 1 || len == 0) return r;
+    BucketReduction x;
+    if (opt.grad_compression == "int8") {
+      TrafficOptions flat = opt;
+      flat.hierarchical = false;
+      x = bucket_reduction(model, tp, units, len, nodes, flat, 4);
+    } else {
+      const std::vector<Unit> layout = model_layout(model, TpShard{tp, 0});
+      std::vector<PsgdMatrix> matrices;
+      int64_t off = 0;
+      for (int u : units) {
+        for (const PsgdMatrix& m : psgd_matrices(layout[u].params, -off, static_cast<int64_t>(len) - off))
+          matrices.push_back(m);
+        off += layout[u].numel;
+      }
+      x = powersgd_reduction(matrices, len, nodes, opt.powersgd_rank);
+    }
+    r.bytes += x.bytes, r.messages += x.messages, r.buffers += x.buffers, r.staging_across = x.staging;
+    return r;
+  }
   if (opt.grad_compression == "int8") {
     // Int8Reduction (parallel/compress.h): an all-to-all and an all-gather of one range's
     // block (m int8 values, a float scale per 1024) per rank; residuals [n] and [m] floats.

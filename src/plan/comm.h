@@ -56,12 +56,13 @@ struct TrafficOptions {
 };
 
 // DDP's reduction of one bucket of n elements (the units `units` as tp rank 0 holds them)
-// over a data group of D ranks under grad_compression int8 or powersgd, or hierarchically
-// by node: the bytes data-parallel rank 0 sends (as the communicator counts them), its
+// over a data group of D ranks under grad_compression int8 or powersgd, hierarchically by
+// node, or both (exact inside the node, compressed between nodes: parallel/ddp.h): the bytes data-parallel rank 0 sends (as the communicator counts them), its
 // collectives, the buffers it keeps for the bucket, and the communicator's staging it needs
 // (bytes).
 struct BucketReduction {
   double bytes = 0, messages = 0, buffers = 0, staging = 0;
+  double staging_across = 0;  // hierarchical with compression: the group across the nodes' staging
 };
 BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::vector<int>& units, double n, double D,
                                  const TrafficOptions& opt, double elem_bytes);

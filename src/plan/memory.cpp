@@ -400,7 +400,7 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
     TrafficOptions how;
     how.hierarchical = s.knobs.hierarchical, how.ranks_per_node = s.knobs.ranks_per_node;
     how.grad_compression = s.knobs.grad_compression, how.powersgd_rank = s.knobs.powersgd_rank;
-    double staging = 0;
+    double staging = 0, staging_across = 0;
     for (size_t b = 0; b < buckets.size(); ++b) {
       const int64_t n = buckets[b];
       if (how.grad_compression == "none" && cb != gb) bytes += n * cb;  // a copy of the bucket in cb
@@ -408,12 +408,13 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
         staging = std::max(staging, staging_bytes(ceil_div(n, s.R) * (s.R - 1.0), cb));
         continue;
       }
-      // int8 (compress.h), powersgd (powersgd.h) or the hierarchical all-reduce
+      // int8 (compress.h), powersgd (powersgd.h), the hierarchical all-reduce, or both
       const BucketReduction red = bucket_reduction(s.cfg, s.lay.tp, units[b], static_cast<double>(n), s.R, how, cb);
       bytes += red.buffers;
       staging = std::max(staging, red.staging);
+      staging_across = std::max(staging_across, red.staging_across);
     }
-    bytes += staging;
+    bytes += staging + staging_across;
   }
   if (s.lay.zero > 0) {
     double chunk = 0;

@@ -373,8 +373,6 @@ void Config::check_cheaper_comm() const {
   MT_CHECK(p.grad_comm_dtype == "fp32", "parallel.grad_compression = " << p.grad_compression << " compresses fp32 "
                                         << "gradients itself; leave parallel.grad_comm_dtype = fp32 (got "
                                         << p.grad_comm_dtype << ")");
-  MT_CHECK(!p.hierarchical, "parallel.grad_compression = " << p.grad_compression << " has its own exchange and does "
-                            << "not run hierarchically; set parallel.hierarchical=false or grad_compression=none");
 }
 
 std::string compression_state_layout(const Config& c, int world_size) {
@@ -384,6 +382,9 @@ std::string compression_state_layout(const Config& c, int world_size) {
   o << p.grad_compression;
   if (p.grad_compression == "powersgd") o << " rank " << p.powersgd_rank;
   o << " over dp " << p.dp << " (" << world_size << " ranks: tp " << p.tp << ", cp " << p.cp << ", pp " << p.pp;
+  if (p.hierarchical)
+    o << ", compressed between nodes of "
+      << (p.ranks_per_node > 0 ? std::to_string(p.ranks_per_node) + " ranks" : std::string("the machines' ranks"));
   if (p.pp > 1) o << " with " << p.pp_chunks << " chunks, layers " << p.pp_layers;
   if (p.zero == 0) o << "; DDP buckets of " << p.bucket_mb << " MiB)";
   else if (p.shard_group < p.dp * p.cp) o << "; ZeRO " << p.zero << " in shard groups of " << p.shard_group << ")";
@@ -489,6 +490,11 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
                << "parallel.shard_group = " << parallel.shard_group << " shards over groups of "
                << parallel.shard_group << " of the " << data << " (HYBRID_SHARD, itself a layout by node); use one "
                << "or the other");
+  MT_CHECK(!parallel.hierarchical || parallel.grad_compression == "none" || parallel.zero == 0,
+           "parallel.hierarchical=true with parallel.grad_compression = "
+               << parallel.grad_compression << " compresses DDP's buckets between nodes, but parallel.zero = "
+               << parallel.zero << "; for ZeRO, HYBRID_SHARD with parallel.shard_group = the ranks of a node "
+               << "compresses what crosses the nodes: set parallel.hierarchical=false and parallel.shard_group");
   MT_CHECK(parallel.ranks_per_node == 0 || data % parallel.ranks_per_node == 0,
            data_name << " = " << data << " is not a multiple of parallel.ranks_per_node = " << parallel.ranks_per_node
                      << " (nodes of consecutive " << data_name << " ranks); set parallel.ranks_per_node to one of "
