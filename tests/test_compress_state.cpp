@@ -1,7 +1,8 @@
 // Gradient compression's per-rank state (error-feedback residuals, PowerSGD's warm-start Q)
 // in checkpoints, through the command (meshtrain launch -> mpirun):
-// - int8 and powersgd at dp 2 (DDP), under ZeRO 1, and powersgd under ZeRO 3, stopped after 3 of 6 steps and
-//   resumed at the same layout, continue the uninterrupted run bit for bit (losses,
+// - int8 and powersgd at dp 2 (DDP), under ZeRO 1, powersgd under ZeRO 3 and by node
+//   (hierarchical), stopped after 3 of 6 steps and resumed at the same layout, continue
+//   the uninterrupted run bit for bit (losses,
 //   gradient norms, final parameters); resumed with the state dropped (another bucket size
 //   or stage: a layout it does not map onto), they do not, so the restored state is what
 //   makes the continuation exact;
@@ -54,12 +55,16 @@ RunResult stop_and_resume(const TempDir& d, const std::string& name, const std::
 const char* kNote = "gradient compression state: the checkpoint holds";
 
 TEST(CompressionState, ResumedAtTheSameLayoutContinuesBitForBit) {
-  for (const std::string kind : {"int8", "powersgd", "int8 zero 1", "powersgd zero 1", "powersgd zero 3"}) {
+  for (const std::string kind :
+       {"int8", "powersgd", "int8 zero 1", "powersgd zero 1", "powersgd zero 3", "powersgd by node"}) {
     TempDir d;
     const size_t z = kind.find(" zero ");
     const bool zero = z != std::string::npos;  // under ZeRO (dropped: at stage 0)
+    // "by node": hierarchical with each rank its own node, so every chunk is compressed across
+    const bool by_node = kind.find(" by node") != std::string::npos;
     const std::string o = tasks_options() + " --parallel.grad_compression=" + kind.substr(0, kind.find(' ')) +
-                          (zero ? " --parallel.zero=" + kind.substr(z + 6) : "");
+                          (zero ? " --parallel.zero=" + kind.substr(z + 6) : "") +
+                          (by_node ? " --parallel.hierarchical=true --parallel.ranks_per_node=1" : "");
     const RunResult straight = train_run(d, "straight", 2, o);
     ASSERT_EQ(straight.loss.size(), 6u) << kind;
     const RunResult want = last3_of(straight);
