@@ -2,7 +2,9 @@
 // block_backward_weight) against the whole one, for test_block_split.cpp (one rank) and
 // mpi_test_block_split.cpp (tensor parallelism, with and without sequence parallelism):
 // the input gradient and every gradient element bit-identical, for one micro-batch and for
-// two (BI0 BI1 BW0 BW1 against B0 B1), at the allocated batch and at a smaller one.
+// two (BI0 BI1 BW0 BW1 against B0 B1), at the allocated batch and at a smaller one. And
+// the products' inputs kept in 16 bits (BlockActs' kept) under a 16-bit Autocast scope
+// against kept in fp32: the output, the input gradient and every gradient, bit for bit.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -14,6 +16,7 @@
 #include "core/rng.h"
 #include "nn/block.h"
 #include "nn/model.h"
+#include "ops/autocast.h"
 
 namespace mt::test {
 
@@ -38,7 +41,8 @@ inline float split_value(const std::string& name, int64_t index, float scale) {
 // block's forward and backward need for two micro-batches of up to B sequences.
 class SplitRig {
  public:
-  SplitRig(const ModelConfig& cfg, TpShard shard, bool sequence_parallel, TpMappings& tp, int B)
+  SplitRig(const ModelConfig& cfg, TpShard shard, bool sequence_parallel, TpMappings& tp, int B,
+           DType kept = DType::f32)
       : cfg_(cfg), d_(local_dims(cfg, shard)), shard_(shard), tp_(tp) {
     if (sequence_parallel) d_.seq_split = shard.size;
     u_ = model_layout(cfg, shard)[1];
@@ -55,7 +59,7 @@ class SplitRig {
       }
     scratch_ = std::make_unique<BlockScratch>(cfg, d_, B, alloc_);
     for (int m = 0; m < 2; ++m) {
-      acts_.push_back(std::make_unique<BlockActs>(cfg, d_, B, alloc_));
+      acts_.push_back(std::make_unique<BlockActs>(cfg, d_, B, alloc_, kept));
       defer_.push_back(std::make_unique<BlockWeightInputs>(cfg, d_, B, alloc_));
     }
   }
@@ -78,10 +82,12 @@ class SplitRig {
 
   // Forward of micro-batch m over [b, t] into its activations (again before each backward:
   // the forward is deterministic, and the comparisons then start from the same state).
-  void forward(int m, int b, int t) {
+  // Returns the block's output.
+  std::vector<float> forward(int m, int b, int t) {
     x_[m] = resid("x", m, b, t);
     std::vector<float> out(x_[m].size());
     block_forward(env(), u_, *acts_[m], wrap(x_[m], b, t), wrap(out, b, t), b, t);
+    return out;
   }
   // Backward of micro-batch m: returns d(x); with split, only the input half runs.
   std::vector<float> backward(int m, int b, int t, bool split) {
@@ -158,6 +164,20 @@ inline void check_split(SplitRig& r, int b, int t) {
   r.backward_weight(0, b, t);
   r.backward_weight(1, b, t);
   expect_bits(r.grads(), g_two, "gradients of BI0 BI1 BW0 BW1 against B0 B1");
+}
+
+// Rig `half` keeps the products' inputs in bf16, rig `full` in fp32, over the same block:
+// under a bf16 Autocast scope (the products round those inputs to bf16 anyway) the two give
+// the same output, d(x) and gradients bit for bit, and the split backward still matches
+// the whole one with 16-bit kept inputs (its weight half reads them).
+inline void check_kept_16bit(SplitRig& full, SplitRig& half, int b, int t) {
+  SCOPED_TRACE("kept in bf16, batch " + std::to_string(b) + " x " + std::to_string(t));
+  Autocast scope(DType::bf16);
+  full.reset_grads(), half.reset_grads();
+  expect_bits(half.forward(0, b, t), full.forward(0, b, t), "the block's output");
+  expect_bits(half.backward(0, b, t, false), full.backward(0, b, t, false), "d(x)");
+  expect_bits(half.grads(), full.grads(), "gradients");
+  check_split(half, b, t);
 }
 
 }  // namespace mt::test

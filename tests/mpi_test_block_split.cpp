@@ -3,7 +3,8 @@
 // backward's, at tp = the world size (2 or 4) with and without sequence parallelism, for
 // GPT-2 (fused and materialized attention) and Llama with grouped-query and multi-query
 // heads (key/value heads held by several ranks: their gradients summed in the weight half).
-// The checks are tests/block_split.h's.
+// With the products' inputs kept in bf16, the same bit for bit as kept in fp32. The checks
+// are tests/block_split.h's.
 #include <gtest/gtest.h>
 
 #include "block_split.h"
@@ -30,6 +31,8 @@ TEST(BlockSplitTp, MatchesTheWholeBackwardBitForBit) {
       SplitRig rig(cfg, mappings.shard(), sp, mappings, 2);
       check_split(rig, 2, cfg.seq_len);
       check_split(rig, 1, cfg.seq_len / 2);
+      SplitRig half(cfg, mappings.shard(), sp, mappings, 2, DType::bf16);
+      check_kept_16bit(rig, half, 2, cfg.seq_len);
     }
 }
 

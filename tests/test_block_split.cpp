@@ -2,7 +2,9 @@
 // half; block_backward_weight: the weight half) gives bit for bit the whole backward's
 // input gradient and parameter gradients, for GPT-2 and Llama (grouped-query heads), fused
 // and materialized attention, one and two micro-batches, at the allocated batch and a
-// smaller one (tests/block_split.h). Tensor parallelism: mpi_test_block_split.cpp.
+// smaller one (tests/block_split.h); with the products' inputs kept in bf16 under a bf16
+// Autocast scope, bit for bit what fp32 kept inputs give. Tensor parallelism:
+// mpi_test_block_split.cpp.
 #include <gtest/gtest.h>
 
 #include <tuple>
@@ -23,6 +25,9 @@ TEST_P(BlockSplit, MatchesTheWholeBackwardBitForBit) {
   SplitRig rig(cfg, {}, false, no_tp, 3);
   check_split(rig, 3, cfg.seq_len);
   check_split(rig, 2, cfg.seq_len - 3);
+  SplitRig half(cfg, {}, false, no_tp, 3, DType::bf16);
+  check_kept_16bit(rig, half, 3, cfg.seq_len);
+  check_kept_16bit(rig, half, 2, cfg.seq_len - 3);
 }
 
 INSTANTIATE_TEST_SUITE_P(FamiliesAttention, BlockSplit,

@@ -108,8 +108,11 @@ void view_at_start(Tensor& t, const Shape& s) { t = t.view(0, s); }
 
 }  // namespace
 
-BlockActs::BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
-  each(cfg, d, B, d.T, allocate_in(alloc));
+BlockActs::BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc, DType kept) {
+  each(cfg, d, B, d.T, [&](Tensor& t, const Shape& s) {
+    const bool product_input = &t == &ln1 || &t == &ln2 || &t == &act;
+    t = Tensor::empty(s, product_input ? kept : DType::f32, alloc, MemTag::activations);
+  });
 }
 
 BlockActs BlockActs::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
@@ -179,8 +182,13 @@ Tensor row_parallel_backward_input(const BlockEnv& env, const Tensor* db, const 
 // for backward, or under sequence parallelism (which kept this rank's [B, T / tp, C]) every
 // rank's positions gathered again into s.seq.
 Tensor column_input(const BlockEnv& env, const BlockScratch& s, const Tensor& saved) {
-  if (!sequence_parallel(env)) return saved;
-  env.tp.gather_sequence(s.seq, saved);
+  if (!sequence_parallel(env)) return saved;  // 16-bit: the product widens it
+  Tensor local = saved;
+  if (saved.dtype() != DType::f32) {  // kept in 16 bits: widened before the gather
+    s.local.convert_from(saved);
+    local = s.local;
+  }
+  env.tp.gather_sequence(s.seq, local);
   return s.seq;
 }
 
@@ -225,6 +233,24 @@ void norm_forward(const BlockEnv& env, const Tensor& out, const Tensor& mean, co
   else layernorm_forward(y, mean, rstd, x, w, b, env.cfg.norm_eps);
   if (sequence_parallel(env)) env.tp.gather_sequence(out, local);
 }
+
+namespace {
+
+// A column-parallel layer's norm in forward, keeping its output in `kept` (this rank's
+// positions, [B, Tl, C]). Returns the layer's input [B, T, C] in fp32: kept itself, or
+// s.dln (under sequence parallelism the positions gathered there; with 16-bit kept, the
+// norm's fp32 output, which kept holds rounded, as the product rounds its operand anyway).
+Tensor norm_forward_kept(const BlockEnv& env, const BlockScratch& s, const Tensor& kept, const Tensor& mean,
+                         const Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b) {
+  const bool sp = sequence_parallel(env), half = kept.dtype() != DType::f32;
+  const Tensor in = sp || half ? s.dln : kept;
+  const Tensor local = half && sp ? s.local : kept;  // this rank's positions in fp32, under sequence parallelism
+  norm_forward(env, in, mean, rstd, x, w, b, local);
+  if (half) kept.convert_from(sp ? s.local : s.dln);
+  return in;
+}
+
+}  // namespace
 
 // Its backward: dln[B, T, C] is this rank's part of the gradient of the layer's input (the
 // copy's backward sums it over tp; under sequence parallelism the gather's reduce-scatters
@@ -272,9 +298,7 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
 
   // attention branch: copy (or gather) into the column-parallel q|k|v of this rank's heads,
   // reduce (or reduce-scatter) after the row-parallel output projection
-  const bool sp = sequence_parallel(env);
-  const Tensor ln1 = sp ? s.dln : a.ln1;  // [B, T, C]: the column-parallel layer's input
-  norm_forward(env, ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b, a.ln1);
+  const Tensor ln1 = norm_forward_kept(env, s, a.ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b);
   linear_forward(a.qkv, ln1, p.wqkv, opt(p.bqkv));
   if (llama) rope_forward(a.qkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
   if (cfg.fused_attention()) env.cp.attention_forward(a.atty, a.lse, a.qkv, NH, NKV);
@@ -283,12 +307,13 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   add_inplace(a.mid, x);  // mid = x + attn
 
   // MLP branch: the same around the column-parallel up (and gate) and row-parallel down
-  const Tensor ln2 = sp ? s.dln : a.ln2;
-  norm_forward(env, ln2, a.ln2_mean, a.ln2_rstd, a.mid, p.ln2_w, p.ln2_b, a.ln2);
+  const Tensor ln2 = norm_forward_kept(env, s, a.ln2, a.ln2_mean, a.ln2_rstd, a.mid, p.ln2_w, p.ln2_b);
   linear_forward(a.fc, ln2, p.wfc, opt(p.bfc));
-  if (llama) swiglu_forward(a.act, a.fc);
-  else gelu_forward(a.act, a.fc);
-  row_parallel_forward(env, out, a.act, p.wproj, opt(p.bproj), s.seq);
+  const Tensor act = a.act.dtype() == DType::f32 ? a.act : s.dact;  // 16-bit kept: computed in fp32 scratch
+  if (llama) swiglu_forward(act, a.fc);
+  else gelu_forward(act, a.fc);
+  if (act.raw() != a.act.raw()) a.act.convert_from(act);
+  row_parallel_forward(env, out, act, p.wproj, opt(p.bproj), s.seq);
   add_inplace(out, a.mid);  // out = mid + mlp
 }
 

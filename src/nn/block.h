@@ -36,16 +36,20 @@ struct BlockEnv {
 // the fused path (cfg.fused_attention()) and att with the materialized one; the other
 // stays undefined, so the fused path holds nothing of size T x T.
 struct BlockActs {
-  Tensor ln1, ln1_mean, ln1_rstd;  // [B, Tl, C], [B, Tl], [B, Tl] (rmsnorm: mean unused)
+  Tensor ln1, ln1_mean, ln1_rstd;  // [B, Tl, C] (in `kept`), [B, Tl], [B, Tl] (rmsnorm: mean unused)
   Tensor qkv;                      // [B, T, QKV] (after rope for llama)
   Tensor lse;                      // [B, NH, T] log-sum-exp of each score row (fused)
   Tensor att;                      // [B, NH, T, T] softmax probabilities (materialized)
   Tensor atty;                     // [B, T, NH D] attention output before the projection
   Tensor mid;                      // [B, Tl, C] residual after the attention branch (Tl = T / tp with sequence parallelism, else T)
-  Tensor ln2, ln2_mean, ln2_rstd;  // [B, Tl, C], [B, Tl], [B, Tl]
+  Tensor ln2, ln2_mean, ln2_rstd;  // [B, Tl, C] (in `kept`), [B, Tl], [B, Tl]
   Tensor fc;                       // [B, T, F] gpt2 pre-gelu; llama [B, T, 2F] gate|up
-  Tensor act;                      // [B, T, F] gelu / swiglu output
-  BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc);
+  Tensor act;                      // [B, T, F] gelu / swiglu output (in `kept`)
+  // kept: the dtype of ln1, ln2 and act, which backward reads only as the operands of
+  // matrix products. With 16-bit products (training.precision bf16 / fp16 on the CPU) those
+  // round their operands to 16 bits anyway, so keeping them in 16 bits is exact and halves
+  // their bytes; anything else stays fp32.
+  BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc, DType kept = DType::f32);
   BlockActs at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const;
 
  private:

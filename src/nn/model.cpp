@@ -194,7 +194,8 @@ std::vector<ChunkSpec> chunks_of(const ModelConfig& cfg, const ModelShare& share
 
 }  // namespace
 
-int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute, const ModelShare& share) {
+int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute, const ModelShare& share,
+                         int64_t kept_bytes) {
   const int64_t T = d.T, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH;
   const int64_t up = cfg.is_llama() ? 2 * F : F;  // the up projection's outputs (llama: gate and up)
   const bool fused = cfg.fused_attention();
@@ -205,6 +206,8 @@ int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, 
   // and the attention's softmax state (fused: a log-sum-exp per row, instead of NH T^2).
   const int64_t layer = B * Tl * 3 * C + B * Tl * 4 + B * T * (d.qkv() + d.attn() + up + F) +
                         (fused ? B * NH * T : B * NH * T * T);
+  // ln1, ln2 and act (the products' inputs) take kept_bytes each instead of 4.
+  const int64_t saved = (B * Tl * 2 * C + B * T * F) * (4 - kept_bytes);  // bytes less per layer kept
   // A split backward keeps each layer's linear output gradients from BI to BW.
   const int64_t pending = share.split_backward ? B * T * (2 * C + up + d.qkv()) : 0;
   // One layer's backward workspace, shared by all layers.
@@ -215,14 +218,15 @@ int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, 
   // tensors) and its gradient, the token and target ids; the head's chunk also the final
   // norm (gathered output, statistics), logits over this rank's vocabulary rows and the
   // loss's rows (losses, lse, row max, target logit).
-  int64_t slots = 0;
+  int64_t slots = 0, layers_kept = recompute ? 1 : 0;
   for (const ChunkSpec& ch : chunks_of(cfg, share)) {
     const int64_t n = ch.end_layer - ch.first_layer;
     int64_t one = (recompute ? 0 : n * layer) + n * pending + (n + 2) * B * Tl * C + 2 * B * T;
     if (ch.head) one += B * T * C + 2 * B * Tl + B * T * d.V + 4 * B * T;
     slots += ch.slots * one;
+    if (!recompute) layers_kept += ch.slots * n;
   }
-  return 4 * ((recompute ? layer : 0) + scratch + slots);
+  return 4 * ((recompute ? layer : 0) + scratch + slots) - layers_kept * saved;
 }
 
 // Initialisation scheme (GPT-2's): linear and embedding weights N(0, 0.02); the two
@@ -373,7 +377,10 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
   const int64_t B = micro_batch, T = dims_.T, C = cfg.d_model, V = dims_.V;
   const int64_t Tl = T / dims_.seq_split;  // positions of the residual stream on this rank
   auto make = [&](const Shape& s, DType t = DType::f32) { return Tensor::empty(s, t, alloc, MemTag::activations); };
-  if (recompute) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc);
+  // The matrix products' inputs kept for backward in 16 bits where the products round them
+  // to 16 bits anyway (the CPU's 16-bit precisions; the GPU keeps fp32 for now).
+  const DType kept = alloc.device() == Device::cpu ? working_dtype(cfg) : DType::f32;
+  if (recompute) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept);
   for (const ChunkSpec& spec : share_.chunks) {
     Chunk& ch = chunks_.emplace_back();
     ch.spec = spec;
@@ -382,7 +389,8 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
     for (Slot& sl : ch.slots) {
       sl.tokens = make({B, T}, DType::i32);
       sl.targets = make({B, T}, DType::i32);
-      for (int i = 0; i < n && !recompute; ++i) sl.acts.push_back(std::make_unique<BlockActs>(cfg, dims_, B, alloc));
+      for (int i = 0; i < n && !recompute; ++i)
+        sl.acts.push_back(std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept));
       for (int i = 0; i < n && share.split_backward; ++i)
         sl.pending.push_back(std::make_unique<BlockWeightInputs>(cfg, dims_, B, alloc));
       for (int i = 0; i <= n; ++i) sl.resid.push_back(make({B, Tl, C}));

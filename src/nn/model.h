@@ -143,9 +143,11 @@ std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp = {});
 
 // The bytes of activations (and backward workspace) a Model holds for micro-batches of B
 // sequences of seq_len tokens on a rank with share d: the formula the run's summary compares
-// with the measured peak (tagged activations).
+// with the measured peak (tagged activations). kept_bytes: per element of the matrix
+// products' inputs a block keeps (BlockActs' ln1, ln2, act: 2 on the CPU at 16-bit
+// precisions), every other activation 4.
 int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute,
-                         const ModelShare& share = {});
+                         const ModelShare& share = {}, int64_t kept_bytes = 4);
 
 struct BlockEnv;      // what a block computes with (block.h)
 struct BlockActs;     // activations one block keeps for its backward (block.h)

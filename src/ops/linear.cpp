@@ -19,14 +19,23 @@ namespace {
 
 // An activation operand of a product: its own data, or under an Autocast scope a copy
 // rounded to the scope's dtype in this thread's scratch `slot` (0 or 1; kept between calls).
+// A 16-bit operand (an activation kept in the working precision) is widened there: the
+// values the rounded fp32 copy would have.
 const float* operand(const Tensor& t, int slot) {
   const DType d = autocast_dtype();
-  if (d == DType::f32) return t.f32();
+  if (d == DType::f32 && t.dtype() == DType::f32) return t.f32();
   thread_local std::vector<float> scratch[2];
   std::vector<float>& s = scratch[slot];
   if (s.size() < static_cast<size_t>(t.numel())) s.resize(t.numel());
-  round_to(d, t.f32(), s.data(), t.numel());
+  if (t.dtype() != DType::f32) convert(DType::f32, s.data(), t.dtype(), t.raw(), t.numel());
+  else round_to(d, t.f32(), s.data(), t.numel());
   return s.data();
+}
+
+// An activation operand's dtype check: fp32, or 16-bit on the host (kept activations).
+void check_operand(const Tensor& t, const char* what) {
+  if (t.defined() && (t.dtype() == DType::bf16 || t.dtype() == DType::f16) && t.device() == Device::cpu) return;
+  check_f32(t, what);
 }
 
 // A weight's in and out dims: stored [out, in], or [in, out] (io).
@@ -144,7 +153,7 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
   int64_t O, I;
   weight_dims(dw, io, O, I, "linear_backward_weight: dw");
   check_f32(dy, "linear_backward_weight: dy");
-  check_f32(x, "linear_backward_weight: x");
+  check_operand(x, "linear_backward_weight: x");
   const int64_t N = rows_of(dy, O, "linear_backward_weight: dy (last dim must equal dw's out-dim)");
   MT_CHECK(rows_of(x, I, "linear_backward_weight: x (last dim must equal dw's in-dim)") == N,
            "linear_backward_weight: x has " << x.numel() / I << " rows but dy has " << N);

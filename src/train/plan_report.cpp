@@ -42,7 +42,10 @@ nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& 
   }
   const plan::Layout l = run_layout(c);
   plan::Precisions prec = plan::Precisions::of(c.model.precision, c.model.grad_working());
-  prec.activation = 4;  // the CPU engine keeps activations in fp32 (16-bit operands only inside the matrix products)
+  // The engine keeps activations in fp32, but on the CPU the products' inputs a block keeps
+  // (norm outputs, act) in the working precision: the products round them to it anyway.
+  prec.activation = 4;
+  prec.kept_input = c.training.device == "cpu" ? prec.param : 4;
   const plan::Memory pm = plan::memory_per_rank(c.model, l, prec, c.optim.name, plan::knobs(c));
   const plan::CommBytes pc = plan::comm_bytes_rank(c.model, l, prec, /*pp_rank=*/0, plan::traffic(c));  // rank 0's, as measured
   const double predicted[] = {pm.params, pm.grads, pm.optim, pm.activations, pm.comm};

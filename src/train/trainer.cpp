@@ -751,8 +751,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   Run run{c, world, mesh, dp, mesh.data(), mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, scaler, spikes, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
           max_over(world, predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name,
                                                 c.model)),
-          max_over(world, static_cast<double>(activation_bytes(c.model, model.dims(), M, c.training.recompute,
-                                                               model.share()))),
+          max_over(world, static_cast<double>(activation_bytes(
+                              c.model, model.dims(), M, c.training.recompute, model.share(),
+                              c.training.device == "cpu" ? dtype_size(working_dtype(c.model)) : 4))),
           trace ? &*trace : nullptr, now_seconds(), cp_positions(c.model.seq_len, cp.shard())};
   if (profiler) run.profiler = &*profiler;
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
