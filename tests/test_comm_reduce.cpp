@@ -24,14 +24,6 @@ using namespace mt::test;
 
 namespace {
 
-// The built-in tasks on Llama with 2 blocks, 40 steps, every gradient in one bucket: the
-// compression tests' runs.
-std::string tasks_options() {
-  return std::string("--config ") + MESHTRAIN_SOURCE_DIR + "/configs/llama_tasks.toml" +
-         " --training.steps=40 --training.val_every=0 --model.n_layer=2 --training.micro_batch=0" +
-         " --parallel.bucket_mb=1000";
-}
-
 int64_t parameters(const RunResult& r) {
   int64_t n = 0;
   for (const auto& u : r.units) n += static_cast<int64_t>(u.size());
@@ -111,7 +103,7 @@ TEST(Hierarchical, WithTensorAndPipelineParallelism) {
 // 2 (P - 1) m (1 + 4 / 1024), against the fp32 all-reduce's 2 (P - 1) / P x 4Ψ.
 TEST(Int8Compression, TracksTheUncompressedRunWithAQuarterOfTheBytes) {
   TempDir d;
-  const std::string o = tasks_options();
+  const std::string o = compression_tasks(40);
   RunResult fp32 = train_run(d, "fp32", 2, o);
   RunResult int8 = train_run(d, "int8", 2, o + " --parallel.grad_compression=int8");
   expect_tracks_uncompressed(fp32, int8, 40, 1e-2, "int8 against fp32");
@@ -138,13 +130,13 @@ TEST(Int8Compression, TracksTheUncompressedRunWithAQuarterOfTheBytes) {
 // not depend on the gradients' dtype).
 TEST(Int8Compression, SixteenBitGradientsCompressThroughFp32) {
   TempDir d;
-  const std::string o = tasks_options() + " --training.precision=bf16 --training.grad_dtype=bf16";
+  const std::string o = compression_tasks(40) + " --training.precision=bf16 --training.grad_dtype=bf16";
   RunResult plain = train_run(d, "plain", 2, o);
   RunResult int8 = train_run(d, "int8", 2, o + " --parallel.grad_compression=int8");
   RunResult psgd = train_run(d, "psgd", 2, o + " --parallel.grad_compression=powersgd");
   expect_tracks_uncompressed(plain, int8, 40, 1e-2, "int8 with bf16 gradients");
   expect_tracks_uncompressed(plain, psgd, 40, 0.2, "powersgd with bf16 gradients");
-  RunResult int8_fp32 = train_run(d, "int8_fp32", 2, tasks_options() + " --parallel.grad_compression=int8");
+  RunResult int8_fp32 = train_run(d, "int8_fp32", 2, compression_tasks(40) + " --parallel.grad_compression=int8");
   const auto a = steps_of(d, "int8"), b = steps_of(d, "int8_fp32");
   ASSERT_EQ(a.size(), b.size());
   for (size_t s = 0; s < a.size(); ++s) EXPECT_EQ(a[s]["comm_bytes"], b[s]["comm_bytes"]) << "step " << s;
@@ -161,7 +153,7 @@ TEST(Int8Compression, SixteenBitGradientsCompressThroughFp32) {
 // 4 (sum rows 4 + Ψ_plain) + 4 (sum cols 4), plus the 8-byte loss sum.
 TEST(PowerSGDCompression, TracksTheUncompressedRunWithTheExpectedBytes) {
   TempDir d;
-  const std::string o = tasks_options();
+  const std::string o = compression_tasks(40);
   RunResult fp32 = train_run(d, "fp32", 2, o);
   RunResult psgd = train_run(d, "psgd", 2, o + " --parallel.grad_compression=powersgd");
   RunResult psgd8 = train_run(d, "psgd8", 2, o + " --parallel.grad_compression=powersgd --parallel.powersgd_rank=8");
@@ -212,7 +204,7 @@ TEST(PowerSGDCompression, TracksTheUncompressedRunWithTheExpectedBytes) {
 // bytes and the communication buffers are the planner's.
 TEST(HierarchicalCompression, CompressesOnlyBetweenNodes) {
   TempDir d;
-  const std::string o = tasks_options() + " --parallel.bucket_mb=0.5 --parallel.ranks_per_node=2 --parallel.hierarchical=true";
+  const std::string o = compression_tasks(40) + " --parallel.bucket_mb=0.5 --parallel.ranks_per_node=2 --parallel.hierarchical=true";
   const RunResult exact = train_run(d, "exact", 4, o);
   const auto e = steps_of(d, "exact");
   for (const std::string kind : {"int8", "powersgd"}) {

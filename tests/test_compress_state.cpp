@@ -29,13 +29,6 @@ using namespace mt::test;
 
 namespace {
 
-// The built-in tasks on Llama with 2 blocks, 6 steps, every gradient in one bucket.
-std::string tasks_options(int steps = 6) {
-  return std::string("--config ") + MESHTRAIN_SOURCE_DIR + "/configs/llama_tasks.toml" + " --training.steps=" +
-         std::to_string(steps) + " --training.val_every=0 --model.n_layer=2 --training.micro_batch=0" +
-         " --parallel.bucket_mb=1000";
-}
-
 // The uninterrupted run's last 3 steps.
 RunResult last3_of(const RunResult& r) {
   RunResult t = r;
@@ -62,7 +55,7 @@ TEST(CompressionState, ResumedAtTheSameLayoutContinuesBitForBit) {
     const bool zero = z != std::string::npos;  // under ZeRO (dropped: at stage 0)
     // "by node": hierarchical with each rank its own node, so every chunk is compressed across
     const bool by_node = kind.find(" by node") != std::string::npos;
-    const std::string o = tasks_options() + " --parallel.grad_compression=" + kind.substr(0, kind.find(' ')) +
+    const std::string o = compression_tasks(6) + " --parallel.grad_compression=" + kind.substr(0, kind.find(' ')) +
                           (zero ? " --parallel.zero=" + kind.substr(z + 6) : "") +
                           (by_node ? " --parallel.hierarchical=true --parallel.ranks_per_node=1" : "");
     const RunResult straight = train_run(d, "straight", 2, o);
@@ -97,7 +90,7 @@ TEST(CompressionState, ResumedAtTheSameLayoutContinuesBitForBit) {
 
 TEST(CompressionState, ADamagedStateFileIsNamedAndStopsTheResume) {
   TempDir d;
-  const std::string o = tasks_options() + " --parallel.grad_compression=int8 --training.steps=3";
+  const std::string o = compression_tasks(6) + " --parallel.grad_compression=int8 --training.steps=3";
   train_run(d, "ck", 2, o);
   const std::string file = checkpoint_latest(d / "ck") + "/rank_state_00001.safetensors";
   {
@@ -119,7 +112,7 @@ TEST(CompressionState, ADamagedStateFileIsNamedAndStopsTheResume) {
 // dp 1 keeps no state, and neither does a run without compression: the note, then training.
 TEST(CompressionState, ResumedAtAnotherLayoutSaysTheStateRestartsAndTrains) {
   TempDir d;
-  const std::string o = tasks_options() + " --parallel.grad_compression=powersgd";
+  const std::string o = compression_tasks(6) + " --parallel.grad_compression=powersgd";
   const std::vector<std::pair<int, std::string>> cases = {{1, ""}, {2, " --parallel.grad_compression=none"}};
   for (size_t i = 0; i < cases.size(); ++i) {
     const RunResult r = stop_and_resume(d, "other" + std::to_string(i), o, cases[i].first, cases[i].second);
@@ -140,7 +133,7 @@ TEST(CompressionState, ResumedAtAnotherLayoutSaysTheStateRestartsAndTrains) {
 // 8 (n_layer + 2).
 TEST(Int8Zero1, TracksUncompressedZero1WithTheFormulasBytes) {
   TempDir d;
-  const std::string o = tasks_options(40) + " --parallel.zero=1";
+  const std::string o = compression_tasks(40) + " --parallel.zero=1";
   const RunResult fp32 = train_run(d, "fp32", 2, o);
   const RunResult int8 = train_run(d, "int8", 2, o + " --parallel.grad_compression=int8");
   expect_tracks_uncompressed(fp32, int8, 40, 1e-2, "int8 zero 1 against zero 1");
@@ -168,7 +161,7 @@ TEST(Int8Zero1, TracksUncompressedZero1WithTheFormulasBytes) {
 // communication equal to the planner's, and less than the uncompressed run's bytes.
 TEST(PowerSGDZero1, TracksUncompressedZero1WithThePlannersBytes) {
   TempDir d;
-  const std::string o = tasks_options(40) + " --parallel.zero=1";
+  const std::string o = compression_tasks(40) + " --parallel.zero=1";
   const RunResult fp32 = train_run(d, "fp32", 2, o);
   const RunResult psgd = train_run(d, "psgd", 2, o + " --parallel.grad_compression=powersgd");
   expect_tracks_uncompressed(fp32, psgd, 40, 0.2, "powersgd zero 1 against zero 1");
@@ -195,7 +188,7 @@ TEST(Int8Zero23, TracksUncompressedZero23WithoutAResidual) {
   TempDir d;
   for (const int stage : {2, 3}) {
     SCOPED_TRACE("zero " + std::to_string(stage));
-    const std::string z = "z" + std::to_string(stage), o = tasks_options(40) + " --parallel.zero=" +
+    const std::string z = "z" + std::to_string(stage), o = compression_tasks(40) + " --parallel.zero=" +
                                                               std::to_string(stage) + " --training.micro_batch=4";
     const RunResult fp32 = train_run(d, z + "fp32", 2, o);
     const RunResult int8 = train_run(d, z + "int8", 2, o + " --parallel.grad_compression=int8");
@@ -233,21 +226,12 @@ TEST(Int8Zero23, TracksUncompressedZero23WithoutAResidual) {
 // and the bytes over dp equal the planner's prediction for the layout, exactly.
 TEST(Int8Zero23, ComposedLayoutsTrackAndMatchThePlanner) {
   TempDir d;
-  const std::vector<std::pair<std::string, std::string>> layouts = {
-      {"pp_z3", "--parallel.pp=2 --parallel.dp=2 --parallel.zero=3 --parallel.pp_schedule=1f1b"},
-      {"pp_zb_z2", "--parallel.pp=2 --parallel.dp=2 --parallel.zero=2 --parallel.pp_schedule=zb-h1"},
-      {"tp_z2", "--parallel.tp=2 --parallel.dp=2 --parallel.zero=2"},
-      {"cp_z3", "--parallel.cp=2 --parallel.dp=2 --parallel.zero=3"}};
-  for (const auto& [name, layout] : layouts) {
-    SCOPED_TRACE(name);
-    const std::string o = tasks_options(40) + " --training.micro_batch=4 " + layout;
-    const RunResult fp32 = train_run(d, name + "_fp32", 4, o);
-    const RunResult int8 = train_run(d, name + "_int8", 4, o + " --parallel.grad_compression=int8");
-    expect_tracks_uncompressed(fp32, int8, 40, 1e-2, "int8 " + name);
-    ASSERT_TRUE(int8.summary.contains("plan_comm_bytes_dp")) << int8.output;
-    EXPECT_EQ(int8.summary["plan_comm_bytes_dp"].get<double>(), int8.summary["comm_bytes_dp_step"].get<double>());
-    EXPECT_LT(int8.summary["comm_bytes_dp_step"].get<double>(), fp32.summary["comm_bytes_dp_step"].get<double>());
-  }
+  expect_composed_compression(d,
+                              {{"pp_z3", "--parallel.pp=2 --parallel.dp=2 --parallel.zero=3 --parallel.pp_schedule=1f1b"},
+                               {"pp_zb_z2", "--parallel.pp=2 --parallel.dp=2 --parallel.zero=2 --parallel.pp_schedule=zb-h1"},
+                               {"tp_z2", "--parallel.tp=2 --parallel.dp=2 --parallel.zero=2"},
+                               {"cp_z3", "--parallel.cp=2 --parallel.dp=2 --parallel.zero=3"}},
+                              "int8", 1e-2);
 }
 
 }  // namespace

@@ -26,13 +26,6 @@ using namespace mt::test;
 
 namespace {
 
-// The built-in tasks on Llama (untied) with 2 blocks, every gradient in one bucket.
-std::string tasks_options(int steps) {
-  return std::string("--config ") + MESHTRAIN_SOURCE_DIR + "/configs/llama_tasks.toml" + " --training.steps=" +
-         std::to_string(steps) + " --training.val_every=0 --model.n_layer=2 --training.micro_batch=0" +
-         " --parallel.bucket_mb=1000";
-}
-
 // A unit of a 1-D tensor [5], a [24 x 16] and a [3 x 10] matrix; a chunk [100, 300) holds
 // rows 6..17 of the first matrix whole (elements 101..292), the second not at all.
 TEST(PsgdMatrices, AChunkHoldsTheWholeRowsInside) {
@@ -76,7 +69,7 @@ TEST(HybridShardCompression, AShardGroupAcrossANodeBoundaryIsRefused) {
 // parameters).
 TEST(PowerSGDZero23, OneMicroStepTrainsZero1BitForBit) {
   TempDir d;
-  const std::string o = tasks_options(6) + " --parallel.grad_compression=powersgd";
+  const std::string o = compression_tasks(6) + " --parallel.grad_compression=powersgd";
   const RunResult z1 = train_run(d, "z1", 2, o + " --parallel.zero=1");
   ASSERT_EQ(z1.loss.size(), 6u) << z1.output;
   for (const int stage : {2, 3}) {
@@ -96,7 +89,7 @@ TEST(PowerSGDZero23, TracksUncompressedWithThePlannersBytesAndBuffers) {
   TempDir d;
   for (const int stage : {2, 3}) {
     SCOPED_TRACE("zero " + std::to_string(stage));
-    const std::string z = "z" + std::to_string(stage), o = tasks_options(40) + " --parallel.zero=" +
+    const std::string z = "z" + std::to_string(stage), o = compression_tasks(40) + " --parallel.zero=" +
                                                               std::to_string(stage) + " --training.micro_batch=4";
     const RunResult fp32 = train_run(d, z + "fp32", 2, o);
     const RunResult psgd = train_run(d, z + "psgd", 2, o + " --parallel.grad_compression=powersgd");
@@ -129,7 +122,7 @@ TEST(HybridShardCompression, TracksUncompressedAndSendsLessBetweenNodes) {
   TempDir d;
   for (const int stage : {1, 3}) {
     const std::string z = "z" + std::to_string(stage);
-    const std::string o = tasks_options(40) + " --parallel.zero=" + std::to_string(stage) +
+    const std::string o = compression_tasks(40) + " --parallel.zero=" + std::to_string(stage) +
                           " --parallel.shard_group=2 --parallel.ranks_per_node=2 --training.micro_batch=2";
     const RunResult fp32 = train_run(d, z + "fp32", 4, o);
     const auto f = steps_of(d, z + "fp32");
@@ -178,7 +171,7 @@ TEST(SixteenBitGradients, CompressUnderZeroThroughFp32) {
                                    {"hybrid_z2_int8", "--parallel.zero=2 --parallel.shard_group=2", "int8", 4}};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    const std::string o = tasks_options(40) + " --training.precision=bf16 --training.grad_dtype=bf16 " +
+    const std::string o = compression_tasks(40) + " --training.precision=bf16 --training.grad_dtype=bf16 " +
                           "--training.micro_batch=2 " + c.layout;
     const RunResult plain = train_run(d, c.name + "_plain", c.ranks, o);
     const RunResult run = train_run(d, c.name, c.ranks, o + " --parallel.grad_compression=" + c.kind);
@@ -196,21 +189,12 @@ TEST(SixteenBitGradients, CompressUnderZeroThroughFp32) {
 // band (20%), the planner's bytes over dp exactly, fewer bytes than uncompressed.
 TEST(PowerSGDComposed, LayoutsTrackAndMatchThePlanner) {
   TempDir d;
-  const std::vector<std::pair<std::string, std::string>> layouts = {
-      {"pp_zb_ddp", "--parallel.pp=2 --parallel.dp=2 --parallel.pp_schedule=zb-h1"},
-      {"tp_z2", "--parallel.tp=2 --parallel.dp=2 --parallel.zero=2"},
-      {"cp_z3", "--parallel.cp=2 --parallel.dp=2 --parallel.zero=3"},
-      {"pp_z1", "--parallel.pp=2 --parallel.dp=2 --parallel.zero=1 --parallel.pp_schedule=1f1b"}};
-  for (const auto& [name, layout] : layouts) {
-    SCOPED_TRACE(name);
-    const std::string o = tasks_options(40) + " --training.micro_batch=4 " + layout;
-    const RunResult fp32 = train_run(d, name + "_fp32", 4, o);
-    const RunResult psgd = train_run(d, name + "_psgd", 4, o + " --parallel.grad_compression=powersgd");
-    expect_tracks_uncompressed(fp32, psgd, 40, 0.2, "powersgd " + name);
-    ASSERT_TRUE(psgd.summary.contains("plan_comm_bytes_dp")) << psgd.output;
-    EXPECT_EQ(psgd.summary["plan_comm_bytes_dp"].get<double>(), psgd.summary["comm_bytes_dp_step"].get<double>());
-    EXPECT_LT(psgd.summary["comm_bytes_dp_step"].get<double>(), fp32.summary["comm_bytes_dp_step"].get<double>());
-  }
+  expect_composed_compression(d,
+                              {{"pp_zb_ddp", "--parallel.pp=2 --parallel.dp=2 --parallel.pp_schedule=zb-h1"},
+                               {"tp_z2", "--parallel.tp=2 --parallel.dp=2 --parallel.zero=2"},
+                               {"cp_z3", "--parallel.cp=2 --parallel.dp=2 --parallel.zero=3"},
+                               {"pp_z1", "--parallel.pp=2 --parallel.dp=2 --parallel.zero=1 --parallel.pp_schedule=1f1b"}},
+                              "powersgd", 0.2);
 }
 
 }  // namespace

@@ -215,6 +215,31 @@ inline double expect_tracks_uncompressed(const RunResult& uncompressed, const Ru
   return worst;
 }
 
+// The compression tests' runs: the built-in tasks on Llama (untied) with 2 blocks, `steps`
+// steps, every gradient in one bucket.
+inline std::string compression_tasks(int steps) {
+  return std::string("--config ") + MESHTRAIN_SOURCE_DIR + "/configs/llama_tasks.toml" + " --training.steps=" +
+         std::to_string(steps) + " --training.val_every=0 --model.n_layer=2 --training.micro_batch=0" +
+         " --parallel.bucket_mb=1000";
+}
+
+// grad_compression = `kind` on each named layout of 4 ranks (40 steps, micro-batches of 4)
+// against the same layout uncompressed: within `band`, the dp bytes per step the planner's
+// exactly, and fewer than uncompressed.
+inline void expect_composed_compression(const TempDir& d, const std::vector<std::pair<std::string, std::string>>& layouts,
+                                        const std::string& kind, double band) {
+  for (const auto& [name, layout] : layouts) {
+    SCOPED_TRACE(name);
+    const std::string o = compression_tasks(40) + " --training.micro_batch=4 " + layout;
+    const RunResult plain = train_run(d, name + "_plain", 4, o);
+    const RunResult run = train_run(d, name + "_" + kind, 4, o + " --parallel.grad_compression=" + kind);
+    expect_tracks_uncompressed(plain, run, 40, band, kind + " " + name);
+    ASSERT_TRUE(run.summary.contains("plan_comm_bytes_dp")) << run.output;
+    EXPECT_EQ(run.summary["plan_comm_bytes_dp"].get<double>(), run.summary["comm_bytes_dp_step"].get<double>());
+    EXPECT_LT(run.summary["comm_bytes_dp_step"].get<double>(), plain.summary["comm_bytes_dp_step"].get<double>());
+  }
+}
+
 // The step lines of run `name`'s metrics (its events left out), in step order.
 inline std::vector<nlohmann::json> steps_of(const TempDir& d, const std::string& name) {
   std::vector<nlohmann::json> r;
