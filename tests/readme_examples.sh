@@ -115,6 +115,8 @@ declare -A how=(
   ["./build/meshtrain launch -n 4 train --parallel.hierarchical=true --parallel.ranks_per_node=2"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 2 train --parallel.grad_compression=int8"]='run "$cmd $few"'
   ["./build/meshtrain launch -n 2 train --parallel.grad_compression=powersgd --parallel.powersgd_rank=4"]='run "$cmd $few"'
+  ["./build/meshtrain launch -n 4 train --parallel.hierarchical=true --parallel.ranks_per_node=2 --parallel.grad_compression=int8"]='run "$cmd $few"'
+  ["./build/meshtrain launch -n 4 train --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2 --parallel.grad_compression=powersgd"]='run "$cmd $few"'
   ['./build/meshtrain train --config configs/llama_tasks.toml --checkpoint.dir=runs/llama & pid=$!']='started'
   ['kill -TERM $pid']='stopped'
   ["./build/meshtrain train --config configs/llama_tasks.toml --checkpoint.dir=runs/llama --checkpoint.resume=true"]='run "$cmd --training.steps=3 --training.val_batches=1"'
