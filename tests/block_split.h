@@ -3,8 +3,9 @@
 // mpi_test_block_split.cpp (tensor parallelism, with and without sequence parallelism):
 // the input gradient and every gradient element bit-identical, for one micro-batch and for
 // two (BI0 BI1 BW0 BW1 against B0 B1), at the allocated batch and at a smaller one. And
-// the products' inputs kept in 16 bits (BlockActs' kept) under a 16-bit Autocast scope
-// against kept in fp32: the output, the input gradient and every gradient, bit for bit.
+// the activations kept in 16 bits (BlockActs' kept) under a 16-bit Autocast scope against
+// kept in fp32: the output, the input gradient and every gradient, bit for bit, and the
+// fp32-kept q|k|v, attention output and pre-activation rounded to bf16 under the scope.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -57,7 +58,7 @@ class SplitRig {
         u_.w.f32()[p.offset + i] = (p.init == Init::ones ? 1.0f : 0.0f) + split_value(p.name, gi, 0.2f);
         g0_[p.offset + i] = split_value(p.name + ".grad", gi, 0.01f);
       }
-    scratch_ = std::make_unique<BlockScratch>(cfg, d_, B, alloc_);
+    scratch_ = std::make_unique<BlockScratch>(cfg, d_, B, alloc_, kept);
     for (int m = 0; m < 2; ++m) {
       acts_.push_back(std::make_unique<BlockActs>(cfg, d_, B, alloc_, kept));
       defer_.push_back(std::make_unique<BlockWeightInputs>(cfg, d_, B, alloc_));
@@ -65,6 +66,7 @@ class SplitRig {
   }
 
   const Unit& unit() const { return u_; }
+  const BlockActs& acts(int m) const { return *acts_[m]; }
   std::vector<float> grads() const { return {u_.g.f32(), u_.g.f32() + u_.numel}; }
   void reset_grads() { std::memcpy(u_.g.f32(), g0_.data(), g0_.size() * sizeof(float)); }
 
@@ -166,15 +168,35 @@ inline void check_split(SplitRig& r, int b, int t) {
   expect_bits(r.grads(), g_two, "gradients of BI0 BI1 BW0 BW1 against B0 B1");
 }
 
-// Rig `half` keeps the products' inputs in bf16, rig `full` in fp32, over the same block:
-// under a bf16 Autocast scope (the products round those inputs to bf16 anyway) the two give
-// the same output, d(x) and gradients bit for bit, and the split backward still matches
-// the whole one with 16-bit kept inputs (its weight half reads them).
+// How many of the first n values of t (fp32) are not bf16 values.
+inline int64_t not_bf16(const Tensor& t, int64_t n) {
+  std::vector<float> r(t.f32(), t.f32() + n);
+  round_to(DType::bf16, r.data(), r.data(), n);
+  int64_t off = 0;
+  for (int64_t i = 0; i < n; ++i) off += r[i] != t.f32()[i];
+  return off;
+}
+
+// Rig `half` keeps its activations in bf16, rig `full` in fp32, over the same block: under
+// a bf16 Autocast scope (which rounds q|k|v, the attention output and the pre-activation
+// where they are produced; the products round the others) the two give the same output,
+// d(x) and gradients bit for bit, and the split backward still matches the whole one with
+// 16-bit kept activations (its weight half reads them). full's q|k|v, attention output and
+// pre-activation hold bf16 values under the scope and not without it.
 inline void check_kept_16bit(SplitRig& full, SplitRig& half, int b, int t) {
   SCOPED_TRACE("kept in bf16, batch " + std::to_string(b) + " x " + std::to_string(t));
+  const BlockActs& a = full.acts(0);
+  const int64_t rows = static_cast<int64_t>(b) * t;
+  auto unrounded = [&] {
+    return not_bf16(a.qkv, rows * a.qkv.dim(-1)) + not_bf16(a.atty, rows * a.atty.dim(-1)) +
+           not_bf16(a.fc, rows * a.fc.dim(-1));
+  };
+  full.forward(0, b, t);
+  EXPECT_GT(unrounded(), 0) << "fp32 activations outside an Autocast scope";
   Autocast scope(DType::bf16);
   full.reset_grads(), half.reset_grads();
   expect_bits(half.forward(0, b, t), full.forward(0, b, t), "the block's output");
+  EXPECT_EQ(unrounded(), 0) << "q|k|v, attention output or pre-activation not rounded to bf16 under the scope";
   expect_bits(half.backward(0, b, t, false), full.backward(0, b, t, false), "d(x)");
   expect_bits(half.grads(), full.grads(), "gradients");
   check_split(half, b, t);

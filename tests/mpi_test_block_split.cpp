@@ -3,7 +3,7 @@
 // backward's, at tp = the world size (2 or 4) with and without sequence parallelism, for
 // GPT-2 (fused and materialized attention) and Llama with grouped-query and multi-query
 // heads (key/value heads held by several ranks: their gradients summed in the weight half).
-// With the products' inputs kept in bf16, the same bit for bit as kept in fp32. The checks
+// With the activations kept in bf16, the same bit for bit as kept in fp32. The checks
 // are tests/block_split.h's.
 #include <gtest/gtest.h>
 

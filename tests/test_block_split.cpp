@@ -2,7 +2,7 @@
 // half; block_backward_weight: the weight half) gives bit for bit the whole backward's
 // input gradient and parameter gradients, for GPT-2 and Llama (grouped-query heads), fused
 // and materialized attention, one and two micro-batches, at the allocated batch and a
-// smaller one (tests/block_split.h); with the products' inputs kept in bf16 under a bf16
+// smaller one (tests/block_split.h); with the activations kept in bf16 under a bf16
 // Autocast scope, bit for bit what fp32 kept inputs give. Tensor parallelism:
 // mpi_test_block_split.cpp.
 #include <gtest/gtest.h>

@@ -7,6 +7,7 @@
 
 #include "ops/activation.h"
 #include "ops/attention.h"
+#include "ops/autocast.h"
 #include "ops/linear.h"
 #include "ops/norm.h"
 #include "ops/rope.h"
@@ -89,6 +90,7 @@ void BlockScratch::each(const ModelConfig& cfg, const LocalDims& d, int64_t B, i
   fn(dfc, {B, T, cfg.is_llama() ? 2 * F : F}), fn(dact, {B, T, F});
   if (d.kv_sharers > 1) fn(dwqkv, {d.qkv(), C});
   if (d.seq_split > 1) fn(seq, {B, T, C}), fn(local, {B, T / d.seq_split, C}), fn(rep, {6 * C});
+  fn(qkv, {B, T, d.qkv()}), fn(atty, {B, T, d.attn()});  // allocated with 16-bit kept activations only
 }
 
 template <class Fn>
@@ -104,14 +106,16 @@ namespace {
 auto allocate_in(Allocator& alloc) {
   return [&alloc](Tensor& t, const Shape& s) { t = Tensor::empty(s, DType::f32, alloc, MemTag::activations); };
 }
-void view_at_start(Tensor& t, const Shape& s) { t = t.view(0, s); }
+void view_at_start(Tensor& t, const Shape& s) {
+  if (t.defined()) t = t.view(0, s);
+}
 
 }  // namespace
 
 BlockActs::BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc, DType kept) {
   each(cfg, d, B, d.T, [&](Tensor& t, const Shape& s) {
-    const bool product_input = &t == &ln1 || &t == &ln2 || &t == &act;
-    t = Tensor::empty(s, product_input ? kept : DType::f32, alloc, MemTag::activations);
+    const bool in_kept = &t == &ln1 || &t == &ln2 || &t == &qkv || &t == &atty || &t == &fc || &t == &act;
+    t = Tensor::empty(s, in_kept ? kept : DType::f32, alloc, MemTag::activations);
   });
 }
 
@@ -121,8 +125,11 @@ BlockActs BlockActs::at(const ModelConfig& cfg, const LocalDims& d, int B, int T
   return v;
 }
 
-BlockScratch::BlockScratch(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc) {
-  each(cfg, d, B, d.T, allocate_in(alloc));
+BlockScratch::BlockScratch(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc, DType kept) {
+  each(cfg, d, B, d.T, [&](Tensor& t, const Shape& s) {
+    if ((&t == &qkv || &t == &atty) && kept == DType::f32) return;
+    t = Tensor::empty(s, DType::f32, alloc, MemTag::activations);
+  });
 }
 
 BlockScratch BlockScratch::at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const {
@@ -250,6 +257,33 @@ Tensor norm_forward_kept(const BlockEnv& env, const BlockScratch& s, const Tenso
   return in;
 }
 
+// Where an activation kept in `kept` is computed (and read downstream): kept itself, or in
+// fp32 `work` when kept holds 16 bits.
+Tensor fp32_home(const Tensor& kept, const Tensor& work) { return kept.dtype() == DType::f32 ? kept : work; }
+
+// An activation computed in fp32 in x: under a 16-bit Autocast scope on the CPU rounded in
+// place to the scope's dtype, as a 16-bit op returns its output (the GPU does not round yet).
+void round_activation(const Tensor& x) {
+  const DType t = autocast_dtype();
+  if (t != DType::f32 && x.device() == Device::cpu) round_to(t, x.f32(), x.f32(), x.numel());
+}
+
+// The same, then stored into kept when that is not x itself: exact, as x holds 16-bit values.
+void round_and_keep(const Tensor& x, const Tensor& kept) {
+  round_activation(x);
+  if (x.raw() == kept.raw()) return;
+  MT_CHECK(kept.dtype() == autocast_dtype(), "internal: activations kept in " << dtype_name(kept.dtype())
+                                                  << " outside a " << dtype_name(kept.dtype()) << " Autocast scope");
+  kept.convert_from(x);
+}
+
+// A kept activation in fp32 for an op that reads it: kept itself, or widened into work.
+Tensor widened(const Tensor& kept, const Tensor& work) {
+  if (kept.dtype() == DType::f32) return kept;
+  work.convert_from(kept);
+  return work;
+}
+
 }  // namespace
 
 // Its backward: dln[B, T, C] is this rank's part of the gradient of the layer's input (the
@@ -297,22 +331,32 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   const BlockScratch s = env.scratch.at(cfg, d, B, T);
 
   // attention branch: copy (or gather) into the column-parallel q|k|v of this rank's heads,
-  // reduce (or reduce-scatter) after the row-parallel output projection
+  // reduce (or reduce-scatter) after the row-parallel output projection. Each kept
+  // activation is computed in fp32 (fp32_home), rounded under a 16-bit scope and stored;
+  // what follows reads the rounded fp32 values.
   const Tensor ln1 = norm_forward_kept(env, s, a.ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b);
-  linear_forward(a.qkv, ln1, p.wqkv, opt(p.bqkv));
-  if (llama) rope_forward(a.qkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
-  if (cfg.fused_attention()) env.cp.attention_forward(a.atty, a.lse, a.qkv, NH, NKV);
-  else attention_forward(a.atty, a.att, a.qkv, NH, NKV);
-  row_parallel_forward(env, a.mid, a.atty, p.wo, opt(p.bo), s.seq);
+  const Tensor qkv = fp32_home(a.qkv, s.qkv);
+  linear_forward(qkv, ln1, p.wqkv, opt(p.bqkv));
+  if (llama) {  // q|k|v rounded as the linear layer's output, and again after rope
+    round_activation(qkv);
+    rope_forward(qkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
+  }
+  round_and_keep(qkv, a.qkv);
+  const Tensor atty = fp32_home(a.atty, s.atty);
+  if (cfg.fused_attention()) env.cp.attention_forward(atty, a.lse, qkv, NH, NKV);
+  else attention_forward(atty, a.att, qkv, NH, NKV);
+  round_and_keep(atty, a.atty);
+  row_parallel_forward(env, a.mid, atty, p.wo, opt(p.bo), s.seq);
   add_inplace(a.mid, x);  // mid = x + attn
 
   // MLP branch: the same around the column-parallel up (and gate) and row-parallel down
   const Tensor ln2 = norm_forward_kept(env, s, a.ln2, a.ln2_mean, a.ln2_rstd, a.mid, p.ln2_w, p.ln2_b);
-  linear_forward(a.fc, ln2, p.wfc, opt(p.bfc));
-  const Tensor act = a.act.dtype() == DType::f32 ? a.act : s.dact;  // 16-bit kept: computed in fp32 scratch
-  if (llama) swiglu_forward(act, a.fc);
-  else gelu_forward(act, a.fc);
-  if (act.raw() != a.act.raw()) a.act.convert_from(act);
+  const Tensor fc = fp32_home(a.fc, s.dfc), act = fp32_home(a.act, s.dact);
+  linear_forward(fc, ln2, p.wfc, opt(p.bfc));
+  round_and_keep(fc, a.fc);
+  if (llama) swiglu_forward(act, fc);
+  else gelu_forward(act, fc);
+  if (act.raw() != a.act.raw()) a.act.convert_from(act);  // exact: the down projection rounds act anyway
   row_parallel_forward(env, out, act, p.wproj, opt(p.bproj), s.seq);
   add_inplace(out, a.mid);  // out = mid + mlp
 }
@@ -349,8 +393,9 @@ void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, c
 
   // MLP branch: out = mid + proj(act); dresid is d(out) = d(mid) through the skip.
   weight_or_keep(Layer::proj, row_parallel_backward_input(env, opt(g.g_bproj), s.dact, dresid, p.wproj, dproj), dproj);
-  if (llama) swiglu_backward(dfc, a.fc, s.dact);
-  else gelu_backward(dfc, a.fc, s.dact);
+  const Tensor fc = widened(a.fc, dfc);  // 16-bit kept: widened into dfc, the backward in place
+  if (llama) swiglu_backward(dfc, fc, s.dact);
+  else gelu_backward(dfc, fc, s.dact);
   weight_or_keep(Layer::fc, dfc, dfc);
   linear_backward_input(s.dln, dfc, p.wfc, false);
   // the norm's backward adds into dresid, which then holds d(mid)
@@ -358,8 +403,9 @@ void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, c
 
   // attention branch: mid = x + proj(atty)
   weight_or_keep(Layer::wo, row_parallel_backward_input(env, opt(g.g_bo), s.datty, dresid, p.wo, dwo), dwo);
-  if (cfg.fused_attention()) env.cp.attention_backward(dqkv, s.datty, a.qkv, a.atty, a.lse, NH, NKV);
-  else attention_backward(dqkv, s.datt, s.datty, a.qkv, a.att, NH, NKV);
+  const Tensor qkv = widened(a.qkv, s.qkv);
+  if (cfg.fused_attention()) env.cp.attention_backward(dqkv, s.datty, qkv, widened(a.atty, s.atty), a.lse, NH, NKV);
+  else attention_backward(dqkv, s.datt, s.datty, qkv, a.att, NH, NKV);
   if (llama) rope_backward(dqkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
   weight_or_keep(Layer::qkv, dqkv, dqkv);
   linear_backward_input(s.dln, dqkv, p.wqkv, false);

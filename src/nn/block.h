@@ -37,18 +37,21 @@ struct BlockEnv {
 // stays undefined, so the fused path holds nothing of size T x T.
 struct BlockActs {
   Tensor ln1, ln1_mean, ln1_rstd;  // [B, Tl, C] (in `kept`), [B, Tl], [B, Tl] (rmsnorm: mean unused)
-  Tensor qkv;                      // [B, T, QKV] (after rope for llama)
+  Tensor qkv;                      // [B, T, QKV] (after rope for llama; in `kept`)
   Tensor lse;                      // [B, NH, T] log-sum-exp of each score row (fused)
   Tensor att;                      // [B, NH, T, T] softmax probabilities (materialized)
-  Tensor atty;                     // [B, T, NH D] attention output before the projection
+  Tensor atty;                     // [B, T, NH D] attention output before the projection (in `kept`)
   Tensor mid;                      // [B, Tl, C] residual after the attention branch (Tl = T / tp with sequence parallelism, else T)
   Tensor ln2, ln2_mean, ln2_rstd;  // [B, Tl, C] (in `kept`), [B, Tl], [B, Tl]
-  Tensor fc;                       // [B, T, F] gpt2 pre-gelu; llama [B, T, 2F] gate|up
+  Tensor fc;                       // [B, T, F] gpt2 pre-gelu; llama [B, T, 2F] gate|up (in `kept`)
   Tensor act;                      // [B, T, F] gelu / swiglu output (in `kept`)
-  // kept: the dtype of ln1, ln2 and act, which backward reads only as the operands of
-  // matrix products. With 16-bit products (training.precision bf16 / fp16 on the CPU) those
-  // round their operands to 16 bits anyway, so keeping them in 16 bits is exact and halves
-  // their bytes; anything else stays fp32.
+  // kept: the dtype of the six activations marked so (the working precision on the CPU
+  // under bf16 / fp16, else fp32). Under a 16-bit Autocast scope the block rounds q|k|v,
+  // the attention output and the MLP's pre-activation to the scope's dtype where they are
+  // produced (as 16-bit ops return them) and reads the rounded values downstream; the
+  // norms' outputs and act are read only as the operands of products, which round them.
+  // So storing all six in 16 bits is exact: it gives the bits fp32 storage gives.
+  // Statistics, the residual, lse and att stay fp32.
   BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc, DType kept = DType::f32);
   BlockActs at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const;
 
@@ -89,7 +92,11 @@ struct BlockScratch {
   Tensor seq;    // [B, T, C] a row-parallel layer's partial output, or a gathered gradient
   Tensor local;  // [B, T / tp, C] a norm's input gradient after the reduce-scatter
   Tensor rep;    // [6 C] slots for this micro-batch's gradients of the norms and row-parallel biases (PositionShardGrads)
-  BlockScratch(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc);
+  // activations kept in 16 bits only: the kept q|k|v and attention output widened for attention's backward
+  Tensor qkv;    // [B, T, QKV]
+  Tensor atty;   // [B, T, NH D]
+  // kept: the blocks' BlockActs kept dtype.
+  BlockScratch(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc, DType kept = DType::f32);
   BlockScratch at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const;
 
  private:

@@ -206,14 +206,15 @@ int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, 
   // and the attention's softmax state (fused: a log-sum-exp per row, instead of NH T^2).
   const int64_t layer = B * Tl * 3 * C + B * Tl * 4 + B * T * (d.qkv() + d.attn() + up + F) +
                         (fused ? B * NH * T : B * NH * T * T);
-  // ln1, ln2 and act (the products' inputs) take kept_bytes each instead of 4.
-  const int64_t saved = (B * Tl * 2 * C + B * T * F) * (4 - kept_bytes);  // bytes less per layer kept
+  // ln1, ln2, qkv, atty, fc and act take kept_bytes each instead of 4.
+  const int64_t saved = (B * Tl * 2 * C + B * T * (d.qkv() + d.attn() + up + F)) * (4 - kept_bytes);
   // A split backward keeps each layer's linear output gradients from BI to BW.
   const int64_t pending = share.split_backward ? B * T * (2 * C + up + d.qkv()) : 0;
   // One layer's backward workspace, shared by all layers.
   int64_t scratch = B * T * (C + d.qkv() + d.attn() + up + F) + (fused ? 0 : B * NH * T * T);
   if (d.kv_sharers > 1) scratch += d.qkv() * C;
   if (d.seq_split > 1) scratch += B * T * C + B * Tl * C + 6 * C;
+  if (kept_bytes < 4) scratch += B * T * (d.qkv() + d.attn());  // the kept qkv and atty in fp32
   // Each slot of a chunk of n layers: its layers' activations, the residual stream (n + 1
   // tensors) and its gradient, the token and target ids; the head's chunk also the final
   // norm (gathered output, statistics), logits over this rank's vocabulary rows and the
@@ -377,8 +378,9 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
   const int64_t B = micro_batch, T = dims_.T, C = cfg.d_model, V = dims_.V;
   const int64_t Tl = T / dims_.seq_split;  // positions of the residual stream on this rank
   auto make = [&](const Shape& s, DType t = DType::f32) { return Tensor::empty(s, t, alloc, MemTag::activations); };
-  // The matrix products' inputs kept for backward in 16 bits where the products round them
-  // to 16 bits anyway (the CPU's 16-bit precisions; the GPU keeps fp32 for now).
+  // The activations a block keeps, in 16 bits under the CPU's 16-bit precisions (BlockActs:
+  // rounded where they are produced, or rounded by the products that read them; the GPU
+  // keeps fp32 for now).
   const DType kept = alloc.device() == Device::cpu ? working_dtype(cfg) : DType::f32;
   if (recompute) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept);
   for (const ChunkSpec& spec : share_.chunks) {
@@ -406,7 +408,7 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
       sl.target_logit = make({B, T});
     }
   }
-  scratch_ = std::make_unique<BlockScratch>(cfg, dims_, B, alloc);
+  scratch_ = std::make_unique<BlockScratch>(cfg, dims_, B, alloc, kept);
   if (cfg.mixed_precision()) {  // the staging for the largest set of units one unit's compute reads
     int64_t most = 0;
     for (size_t u = 0; u < units_.size(); ++u) {

@@ -143,9 +143,9 @@ std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp = {});
 
 // The bytes of activations (and backward workspace) a Model holds for micro-batches of B
 // sequences of seq_len tokens on a rank with share d: the formula the run's summary compares
-// with the measured peak (tagged activations). kept_bytes: per element of the matrix
-// products' inputs a block keeps (BlockActs' ln1, ln2, act: 2 on the CPU at 16-bit
-// precisions), every other activation 4.
+// with the measured peak (tagged activations). kept_bytes: per element of the activations
+// a block keeps in its `kept` dtype (BlockActs' ln1, ln2, qkv, atty, fc, act: 2 on the CPU
+// at 16-bit precisions, with one fp32 copy of qkv and atty in the workspace), every other 4.
 int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute,
                          const ModelShare& share = {}, int64_t kept_bytes = 4);
 

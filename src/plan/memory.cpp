@@ -174,8 +174,8 @@ double activations(const Setup& s, const ModelShare& share) {
   const double B = static_cast<double>(s.B), T = d.T, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH;
   const double up = s.cfg.is_llama() ? 2 * F : F;  // the up projection's outputs (llama: gate | up)
   const bool tt = !s.cfg.fused_attention() && !s.selective;  // a [B, NH, T, T] tensor is kept
-  // One block's kept tensors (BlockActs), in floats (ln1, ln2 and act, the products'
-  // inputs, at prec.kept_input bytes: counted in floats' worth):
+  // One block's kept tensors (BlockActs), in floats (ln1, ln2, qkv, atty, fc and act at
+  // prec.kept bytes: counted in floats' worth):
   const double layer = B * Tl * C * 3           // ln1, mid, ln2 [B, Tl, C] (Tl = T / tp with sp)
                        + B * Tl * 4             // ln1 and ln2 mean, rstd [B, Tl]
                        + B * T * d.qkv()        // qkv [B, T, (NH + 2 NKV) D] (this rank's heads)
@@ -183,7 +183,7 @@ double activations(const Setup& s, const ModelShare& share) {
                        + B * T * (up + F)       // fc [B, T, F or 2F], act [B, T, F]
                        + (tt ? B * NH * T * T   // att [B, NH, T, T] softmax probabilities
                              : B * NH * T)      // lse [B, NH, T] (fused attention)
-                       - (B * Tl * 2 * C + B * T * F) * (1 - s.prec.kept_input / s.prec.activation);
+                       - (B * Tl * 2 * C + B * T * (d.qkv() + d.attn() + up + F)) * (1 - s.prec.kept / s.prec.activation);
   // A split backward's linear output gradients, kept from BI to BW (BlockWeightInputs):
   // dproj, dwo [B, T, C], dfc [B, T, F or 2F], dqkv [B, T, QKV].
   const double pending = share.split_backward ? B * T * (2 * C + up + d.qkv()) : 0;
@@ -194,6 +194,8 @@ double activations(const Setup& s, const ModelShare& share) {
   double scratch = B * T * (C + d.qkv() + d.attn() + up + F) + (tt ? B * NH * T * T : 0);
   if (d.kv_sharers > 1) scratch += d.qkv() * C;
   if (d.seq_split > 1) scratch += B * T * C + B * Tl * C + 6 * C;
+  // kept in fewer bytes than the other activations: qkv and atty widened for attention's backward
+  if (s.prec.kept < s.prec.activation) scratch += B * T * (d.qkv() + d.attn());
   double floats = (s.full ? layer : 0) + scratch;  // with recomputation, one block's set rebuilt in backward
   double ids = 0;
   for (const ChunkSpec& ch : share.chunks) {

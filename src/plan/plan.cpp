@@ -15,7 +15,7 @@ Precisions Precisions::of(const std::string& name, bool grad_working) {
     return p;
   }
   MT_CHECK(name == "bf16" || name == "fp16", "precision = " << name << ": use fp32, bf16 or fp16");
-  p.param = 2, p.activation = 2, p.kept_input = 2, p.master = 4, p.moment = 4;
+  p.param = 2, p.activation = 2, p.kept = 2, p.master = 4, p.moment = 4;
   p.grad = grad_working ? 2 : 4;
   return p;
 }

@@ -31,7 +31,7 @@ struct Precisions {
   double master = 0;          // bytes per fp32 master parameter (0 when the working copy is fp32)
   double moment = 4;          // bytes per optimizer moment element
   double activation = 4;      // bytes per activation element
-  double kept_input = 4;      // bytes per element of the products' inputs a block keeps (norm outputs, act)
+  double kept = 4;            // bytes per element of the activations a block keeps in its kept dtype (BlockActs)
   // "fp32" | "bf16" | "fp16"; grad_working: gradients kept in the working precision
   // (training.grad_dtype = bf16), the ZeRO paper's 2Ψ + 2Ψ + 12Ψ. Throws mt::Error otherwise.
   static Precisions of(const std::string& name, bool grad_working = false);

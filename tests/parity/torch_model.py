@@ -117,6 +117,8 @@ class Conv1D(nn.Module):
 
 
 class GPT2Attention(nn.Module):
+    attend = staticmethod(causal_attention)   # an instance may replace it (run_amp.py's SpecModel)
+
     def __init__(self, c):
         super().__init__()
         self.n_head = c["n_head"]
@@ -127,7 +129,7 @@ class GPT2Attention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=-1)
         heads = lambda t: t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = causal_attention(heads(q), heads(k), heads(v))
+        y = self.attend(heads(q), heads(k), heads(v))
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -182,6 +184,8 @@ def rotate_half(x):
 
 
 class LlamaAttention(nn.Module):
+    attend = staticmethod(causal_attention)   # an instance may replace it (run_amp.py's SpecModel)
+
     def __init__(self, c):
         super().__init__()
         C, H, KV = c["d_model"], c["n_head"], c["n_kv_head"]
@@ -206,7 +210,7 @@ class LlamaAttention(nn.Module):
         if G > 1:
             k, v = (t[:, :, None].expand(B, self.KV, G, T, self.D).reshape(B, self.H, T, self.D)
                     for t in (k, v))
-        y = causal_attention(q, k, v)
+        y = self.attend(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.D))
 
 
