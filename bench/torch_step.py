@@ -8,7 +8,10 @@ default; `--model llama` runs the same sizes with Llama numerics (RMSNorm, RoPE,
 with the default d_ff = 1024, untied head). The model is tests/parity/torch_model.py, the
 same one the parity test checks meshtrain against.
 
-    /usr/bin/python3 bench/torch_step.py --threads 2 [--steps 5] [--model gpt2|llama]
+    /usr/bin/python3 bench/torch_step.py --threads 2 [--steps 5] [--model gpt2|llama] [--autocast]
+
+--autocast runs the forward under torch.autocast("cpu", bfloat16) (fp32 parameters and
+AdamW, the loss and backward outside it), for bench/bf16.sh.
 
 Prints one JSON line: impl, model, threads, step_ms_median, step_ms_min, params (unique
 parameters, the tied head counted once), flops_per_step, tokens_per_step, blas (the
@@ -67,6 +70,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     ap.add_argument("--model", choices=("gpt2", "llama"), default="gpt2")
+    ap.add_argument("--autocast", action="store_true", help="forward under CPU autocast, bfloat16")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -84,8 +88,9 @@ def main():
     for i, batch in enumerate(batches):
         x, y = batch[:, :-1], batch[:, 1:]
         t0 = time.perf_counter()
-        logits = model(x)
-        loss = F.cross_entropy(logits.view(-1, V), y.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, V), y.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -96,7 +101,7 @@ def main():
     flops, n_nonemb = flops_per_step(model)
     med = statistics.median(times)
     print(json.dumps({
-        "impl": "pytorch", "model": a.model, "threads": a.threads,
+        "impl": "pytorch", "model": a.model, "threads": a.threads, "autocast": a.autocast,
         "step_ms_median": round(med, 2), "step_ms_min": round(min(times), 2),
         "params": sum(p.numel() for p in model.parameters()), "params_nonembedding": n_nonemb,
         "flops_per_step": flops, "tokens_per_step": SEQUENCES * T,

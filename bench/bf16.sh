@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# bf16 training on the CPU: one training step of the benchmark GPT-2 (bench/core.sh's: 6
+# layers, d_model 384, 6 heads, seq_len 256, vocab 8192, 8 sequences) in meshtrain at fp32
+# and bf16, beside PyTorch CPU eager in fp32 and under bf16 autocast, same threads and
+# OpenBLAS kernel set, in one invocation. meshtrain's step time is the median of `meshtrain
+# train`'s step_ms over the timed steps (the first two are warm-up), on the built-in tasks'
+# tokens.
+#
+#   bash bench/bf16.sh [--threads N] [--steps K] [--model gpt2|llama]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+threads=$(nproc) steps=5 model=gpt2
+while (($#)); do
+  case "$1" in
+    --threads) threads=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    --model) model=$2; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+bash scripts/setup.sh
+export OMP_NUM_THREADS=$threads
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+mt() {  # name, precision
+  ./build/meshtrain train --model.family="$model" --model.n_layer=6 --model.d_model=384 --model.n_head=6 \
+    --model.seq_len=256 --model.vocab_size=8192 --training.global_batch=8 --training.micro_batch=8 \
+    --training.steps=$((steps + 2)) --training.val_every=0 --training.precision="$2" --logging.progress=off \
+    --logging.plot= --logging.metrics="$dir/$1.jsonl" --checkpoint.dir="$dir/ck_$1" > "$dir/$1.log"
+}
+mt fp32 fp32
+mt bf16 bf16
+pt32=$(/usr/bin/python3 bench/torch_step.py --model "$model" --threads "$threads" --steps "$steps")
+pt16=$(/usr/bin/python3 bench/torch_step.py --model "$model" --threads "$threads" --steps "$steps" --autocast)
+/usr/bin/python3 - "$dir" "$pt32" "$pt16" <<'PY'
+import json, statistics, sys
+d, pt32, pt16 = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+def step_ms(name):
+    rows = [json.loads(l) for l in open(f"{d}/{name}.jsonl") if '"step_ms"' in l and '"event"' not in l]
+    return statistics.median(r["step_ms"] for r in rows[2:])
+flops = pt32["flops_per_step"]  # bench/torch_step.py documents the count
+rows = [("meshtrain fp32", step_ms("fp32")), ("meshtrain bf16", step_ms("bf16")),
+        ("pytorch fp32", pt32["step_ms_median"]), ("pytorch bf16 autocast", pt16["step_ms_median"])]
+print(f"{pt32['model']} step, {pt32['threads']} threads, {flops / 1e9:.1f} GFLOP per step; BLAS {pt32['blas']}")
+for name, ms in rows:
+    print(f"  {name:24s} {ms:8.1f} ms  {flops / (ms / 1000) / 1e9:7.1f} GFLOP/s")
+print(f"meshtrain bf16 against pytorch bf16 autocast: {rows[3][1] / rows[1][1]:.2f}x as fast; "
+      f"against meshtrain fp32: {rows[0][1] / rows[1][1]:.2f}x")
+PY
