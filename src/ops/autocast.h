@@ -4,7 +4,8 @@
 // (ops/linear.h) round their activation operands (x in forward, dy and x in backward) to
 // the scope's dtype before the product; products are exact in fp32 (8- or 11-bit
 // mantissas) and accumulate in fp32, so this is a 16-bit matrix product with fp32
-// accumulation and an fp32 result. Weights are not rounded again: under a scope they must
+// accumulation and an fp32 result (under bf16 on the CPU's bf16 instructions where it has
+// them: ops/gemm_bf16.h). Weights are not rounded again: under a scope they must
 // already hold 16-bit values (Model widens its 16-bit working copies to fp32 for compute).
 // Norms, softmax, attention's internal products, the loss and the optimizer stay fp32.
 //

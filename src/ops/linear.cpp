@@ -1,5 +1,6 @@
 // Linear layer through gemm (ops/gemm.h): matrix products in a fixed tile grid, so the
-// results are the same for any thread count.
+// results are the same for any thread count; under a bf16 Autocast scope through gemm_bf16
+// (ops/gemm_bf16.h) where the CPU has bf16 instructions, the same for any thread count too.
 #include "ops/linear.h"
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include "ops/autocast.h"
 #include "ops/detail.h"
 #include "ops/gemm.h"
+#include "ops/gemm_bf16.h"
 
 namespace mt {
 
@@ -30,6 +32,15 @@ const float* operand(const Tensor& t, int slot) {
   if (t.dtype() != DType::f32) convert(DType::f32, s.data(), t.dtype(), t.raw(), t.numel());
   else round_to(d, t.f32(), s.data(), t.numel());
   return s.data();
+}
+
+// A product of a linear layer: on the bf16 instructions under a bf16 scope where the CPU
+// has them (its operands hold bf16 values then), else gemm.
+void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+             int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (autocast_dtype() == DType::bf16 && bf16_gemm_available())
+    return gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  gemm(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
 }
 
 // An activation operand's dtype check: fp32, or 16-bit on the host (kept activations).
@@ -63,7 +74,7 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
   float* yp = y.f32();
   float beta = 0.0f;
   if (b) {
-    // Pre-fill y with the bias and let sgemm accumulate (beta = 1): saves the separate
+    // Pre-fill y with the bias and let the product accumulate (beta = 1): saves the separate
     // pass OpenBLAS makes over C to apply beta = 0, and the bias pass after.
     const float* bp = b->f32();
 #pragma omp parallel for schedule(static)
@@ -71,8 +82,8 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
     beta = 1.0f;
   }
   const float* xp = operand(x, 0);
-  if (io) gemm(false, false, N, O, I, xp, I, w.f32(), O, beta, yp, O);
-  else gemm(false, true, N, O, I, xp, I, w.f32(), I, beta, yp, O);
+  if (io) product(false, false, N, O, I, xp, I, w.f32(), O, beta, yp, O);
+  else product(false, true, N, O, I, xp, I, w.f32(), I, beta, yp, O);
 }
 
 void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate, bool io) {
@@ -87,8 +98,8 @@ void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool ac
   if (N == 0) return;
   const float beta = accumulate ? 1.0f : 0.0f;
   const float* dyp = operand(dy, 0);
-  if (io) gemm(false, true, N, I, O, dyp, O, w.f32(), O, beta, dx.f32(), I);
-  else gemm(false, false, N, I, O, dyp, O, w.f32(), I, beta, dx.f32(), I);
+  if (io) product(false, true, N, I, O, dyp, O, w.f32(), O, beta, dx.f32(), I);
+  else product(false, false, N, I, O, dyp, O, w.f32(), I, beta, dx.f32(), I);
 }
 
 void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io);
@@ -163,8 +174,8 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
   }
   if (N == 0) return;
   const float *dyp = operand(dy, 0), *xp = operand(x, 1);
-  if (io) gemm(true, false, I, O, N, xp, I, dyp, O, 1.0f, dw.f32(), O);
-  else gemm(true, false, O, I, N, dyp, O, xp, I, 1.0f, dw.f32(), I);
+  if (io) product(true, false, I, O, N, xp, I, dyp, O, 1.0f, dw.f32(), O);
+  else product(true, false, O, I, N, dyp, O, xp, I, 1.0f, dw.f32(), I);
   if (db) bias_backward(*db, dy);  // from dy as it is: a bias's gradient is a sum, not a product
 }
 

@@ -16,6 +16,7 @@
 #include "nn/hf.h"
 #include "nn/model.h"
 #include "ops/gemm.h"
+#include "ops/gemm_bf16.h"
 #include "parallel/context.h"
 #include "parallel/data_parallel.h"
 #include "optim/loss_scale.h"
@@ -270,7 +271,8 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
                     "fused attention and loss, AdamW on the GPU; deterministic kernels");
   else
     run.log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
-                    " threads, fixed tile grid");
+                    " threads, fixed tile grid" +
+                    (c.model.precision == "bf16" ? "; bf16 products: " + bf16_gemm_description() : std::string()));
   if (const std::string w = blas_kernel_warning(); !w.empty()) run.log.message("warning: " + w);
   std::snprintf(head, sizeof head, "data: %s, %lld tokens | global batch %lld x %d tokens = %lld micro-batch%s of %d per rank",
                 run.builtin ? "built-in tasks" : c.data.path.c_str(), static_cast<long long>(run.train_data.num_tokens()),

@@ -383,8 +383,11 @@ WRONG_RUN_VARIANT = "truncate"
 # element (p0 - p1), compared with the "spec" reference's gradient, relative L2 over all
 # parameters. Before training amplifies anything, two implementations of the same
 # semantics differ only where fp32 summation order flips a bf16 rounding (whose effect then
-# propagates): meshtrain 9.8e-4 / 1.1e-3 (1.1e-3 / 1.1e-3 with OPENBLAS_CORETYPE Haswell or
-# Sandybridge), spec_acc64 1.2e-3 / 1.2e-3 (4 other seeds: up to 1.2e-3). The wrong ones:
+# propagates): meshtrain 9.8e-4 / 1.1e-3 with fp32 products of the rounded operands
+# (MESHTRAIN_CPU_BF16=off; 1.1e-3 / 1.1e-3 with OPENBLAS_CORETYPE Haswell or Sandybridge),
+# 1.0e-3 / 1.7e-3 with its AVX512_BF16 kernel, which sums in another order than the spec's
+# fp32 products (4 other seeds: 6.1e-4..1.2e-3), spec_acc64 1.2e-3 / 1.2e-3 (4 other seeds:
+# up to 1.2e-3). The wrong ones:
 # weights_only 4.0e-3 / 5.9e-3 and spec_alt 4.2e-3 / 5.9e-3 (other seeds: both down to
 # 2.8e-3), fp32 and fp16 7.3e-3 / 1.0e-2 (meshtrain's own fp32 and fp16 runs the same),
 # autocast 8.0e-3 / 1.1e-2, truncate 1.7e-2 / 2.6e-2. The spec's attention backward reads
