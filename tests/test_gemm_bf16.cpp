@@ -1,9 +1,10 @@
 // gemm_bf16 (ops/gemm_bf16.h), the bf16 products on AVX512_BF16: against a float64
 // reference of the same bf16 operands for each transpose combination, beta 0 and 1, and
-// shapes that cut every blocking (rows past a 14-row panel, columns past a 32-column panel
-// and a 4096-column block, odd K and K past a 512 block); non-bf16 inputs rounded to the
-// nearest; bit-identical results for 1 to 4 threads; a linear layer under a bf16 Autocast
-// scope runs it. Skipped where the CPU has no AVX512_BF16 (or MESHTRAIN_CPU_BF16=off).
+// shapes that cut every blocking (rows past a 14-row panel and a 4088-row block, columns
+// past a 32-column panel and a 4096-column block, odd K and K past a 512 block); non-bf16
+// inputs rounded to the nearest; bf16 bits read as the same values; bit-identical results
+// for 1 to 4 threads; a linear layer under a bf16 Autocast scope runs it. Skipped where the
+// CPU has no AVX512_BF16 (or MESHTRAIN_CPU_BF16=off).
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -24,7 +25,7 @@ namespace {
 struct Case {
   int64_t M, N, K;
 };
-const Case kCases[] = {{1, 1, 1}, {14, 32, 2}, {15, 33, 3}, {29, 70, 1025}, {100, 4100, 40}, {3, 5, 0}};
+const Case kCases[] = {{1, 1, 1}, {14, 32, 2}, {15, 33, 3}, {29, 70, 1025}, {100, 4100, 40}, {4103, 20, 600}, {3, 5, 0}};
 
 struct Operands {
   int64_t lda, ldb, ldc;  // leading dims, padded past the used width
@@ -102,6 +103,33 @@ TEST(GemmBf16, RoundsOtherInputsToTheNearest) {
   round_to(DType::bf16, rounded.B.data(), rounded.B.data(), static_cast<int64_t>(rounded.B.size()));
   EXPECT_NE(raw.A, rounded.A);
   EXPECT_EQ(run(c, false, true, 0.0f, raw), run(c, false, true, 0.0f, rounded));
+}
+
+// bf16 operands given as their 16 bits (a kept activation) give the bits of the same values
+// given as fp32, for either operand, every transpose and every blocking.
+TEST(GemmBf16, ReadsBf16Bits) {
+  SKIP_WITHOUT_BF16();
+  std::mt19937 g(7);
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> h(v.size());
+    convert(DType::bf16, h.data(), DType::f32, v.data(), static_cast<int64_t>(v.size()));
+    return h;
+  };
+  for (const Case& c : kCases)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true}) {
+        const Operands o = make(c, ta, tb, g);
+        const std::vector<uint16_t> a = bits(o.A), b = bits(o.B);
+        const std::vector<float> ref = run(c, ta, tb, 1.0f, o);
+        for (int which = 1; which < 4; ++which) {  // A's bits, B's bits, both
+          std::vector<float> C = o.C0;
+          const Bf16Src A = which & 1 ? Bf16Src(a.data()) : Bf16Src(o.A.data());
+          const Bf16Src B = which & 2 ? Bf16Src(b.data()) : Bf16Src(o.B.data());
+          gemm_bf16(ta, tb, c.M, c.N, c.K, A, o.lda, B, o.ldb, 1.0f, C.data(), o.ldc);
+          EXPECT_EQ(C, ref) << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ta=" << ta << " tb=" << tb
+                            << (which == 1 ? ": A" : which == 2 ? ": B" : ": A and B") << " as bf16 bits";
+        }
+      }
 }
 
 TEST(GemmBf16, BitIdenticalForAnyThreadCount) {

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "ops/gemm_bf16.h"
 #include "plan/hardware.h"
 #include "test_util.h"
 
@@ -251,6 +252,11 @@ TEST(PlanHardware, BenchProfileWritesAProfile) {
   EXPECT_NE(text.find("#   estimated: one rank on the machine"), std::string::npos) << text;
   EXPECT_NE(text.find("#   not measured: all ranks are on one machine"), std::string::npos) << text;
   EXPECT_NE(text.find("#   measured: forward + backward of gpt2"), std::string::npos) << text;
+  // bf16's rate is that of the products a bf16 run uses (ops/gemm_bf16.h).
+  EXPECT_NE(text.find(bf16_gemm_available() ? "#   measured: meshtrain's AVX512_BF16 kernel"
+                                            : "#   not measured, fp32's rate: bf16 runs fp32 products"),
+            std::string::npos)
+      << text;
 
   // --out - prints the profile on stdout (progress on stderr).
   std::string printed;

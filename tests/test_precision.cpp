@@ -117,6 +117,19 @@ TEST(Autocast, ScopesNestAndEnd) {
   round_to(DType::bf16, v.data(), v.data(), 2);
   EXPECT_EQ(v[0], 1.0f);  // a tie: to even
   EXPECT_EQ(v[1], 3.0f);
+
+  // With bits: the same rounded floats, and their 16 bits, in one pass (3000 values: past
+  // fp16's blocks of 1024).
+  std::vector<float> src(3000), plain(3000), fused(3000), back(3000);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = std::ldexp(std::sin(1.0f + i), int(i % 40) - 20);
+  for (DType t : {DType::bf16, DType::f16}) {
+    std::vector<uint16_t> bits(3000);
+    round_to(t, src.data(), plain.data(), 3000);
+    round_to(t, src.data(), fused.data(), 3000, bits.data());
+    convert(DType::f32, back.data(), t, bits.data(), 3000);
+    EXPECT_EQ(fused, plain) << dtype_name(t);
+    EXPECT_EQ(back, plain) << dtype_name(t);
+  }
 }
 
 namespace {

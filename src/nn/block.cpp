@@ -268,12 +268,16 @@ void round_activation(const Tensor& x) {
   if (t != DType::f32 && x.device() == Device::cpu) round_to(t, x.f32(), x.f32(), x.numel());
 }
 
-// The same, then stored into kept when that is not x itself: exact, as x holds 16-bit values.
+// The same, and stored into kept when that is not x itself (in the same pass on the CPU):
+// exact, as x holds 16-bit values.
 void round_and_keep(const Tensor& x, const Tensor& kept) {
-  round_activation(x);
-  if (x.raw() == kept.raw()) return;
+  if (x.raw() == kept.raw()) return round_activation(x);
   MT_CHECK(kept.dtype() == autocast_dtype(), "internal: activations kept in " << dtype_name(kept.dtype())
                                                   << " outside a " << dtype_name(kept.dtype()) << " Autocast scope");
+  MT_CHECK(x.numel() == kept.numel(), "internal: keeping " << x.numel() << " values in " << kept.numel());
+  if (x.device() == Device::cpu && kept.device() == Device::cpu)
+    return round_to(kept.dtype(), x.f32(), x.f32(), x.numel(), static_cast<uint16_t*>(kept.raw()));
+  round_activation(x);
   kept.convert_from(x);
 }
 

@@ -21,21 +21,25 @@ Autocast::~Autocast() { g_autocast = prev_; }
 
 DType autocast_dtype() { return g_autocast; }
 
-void round_to(DType t, const float* src, float* dst, int64_t n) {
-  if (t == DType::bf16) {
+void round_to(DType t, const float* src, float* dst, int64_t n, uint16_t* bits) {
+  if (t == DType::bf16 && bits) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(bits[i] = f32_to_bf16(src[i]));
+  } else if (t == DType::bf16) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src[i]));
   } else if (t == DType::f16) {
     constexpr int64_t kBlock = 1024;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < n; b += kBlock) {
-      uint16_t h[kBlock];
+      uint16_t own[kBlock];
+      uint16_t* h = bits ? bits + b : own;
       const int64_t m = std::min(kBlock, n - b);
       f32_to_f16_n(src + b, h, m);
       f16_to_f32_n(h, dst + b, m);
     }
   } else {
-    MT_CHECK(t == DType::f32, "internal: round_to " << dtype_name(t));
+    MT_CHECK(t == DType::f32 && !bits, "internal: round_to " << dtype_name(t));
     if (dst != src)
       for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
   }

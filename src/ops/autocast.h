@@ -32,7 +32,8 @@ class Autocast {
 DType autocast_dtype();
 
 // dst[i] = src[i] rounded to the nearest value of dtype t (bf16 or f16, ties to even;
-// fp16 overflows to +-inf as the hardware does), as a float. dst may equal src.
-void round_to(DType t, const float* src, float* dst, int64_t n);
+// fp16 overflows to +-inf as the hardware does), as a float. dst may equal src. bits, where
+// given: the same values in t's 16 bits as well (in the same pass).
+void round_to(DType t, const float* src, float* dst, int64_t n, uint16_t* bits = nullptr);
 
 }  // namespace mt

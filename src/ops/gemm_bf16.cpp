@@ -1,15 +1,15 @@
 // bf16 matrix products on AVX512_BF16 (see gemm_bf16.h).
 //
-// Blocking: k in blocks of kKC (even); for each, op(A)'s rows are packed into panels of kMR
-// rows and op(B)'s columns, kNC at a time, into panels of kNR columns, both in bf16 pairs
-// along k (the layout vdpbf16ps reads). A micro-kernel computes a kMR x kNR tile over the
-// block in 28 fp32 registers and adds it into C: each element's sum runs over the k blocks
-// in order, whatever thread computes its tile. Packing rounds and pairs 16 values per
-// instruction (a scalar packing cost as much as the products at K = 2048). Measured with 2
-// threads on an AMD EPYC (AVX-512, AVX512_BF16) on the benchmark GPT-2's 15 products (2048
-// tokens; forward, input and weight gradients) against gemm on the same operands: 1.10x to
-// 1.95x OpenBLAS's AVX-512 kernels (1.47x over all; ~350 GFLOP/s against ~520), 2.68x its
-// AVX2 ones; a whole bf16 step: bench/bf16.sh.
+// Blocking: k in blocks of kKC (even); for each, op(B)'s columns, kNC at a time, are packed
+// into panels of kNR columns and then op(A)'s rows, kMB at a time, into panels of kMR rows,
+// both in bf16 pairs along k (the layout vdpbf16ps reads). A micro-kernel computes a kMR x
+// kNR tile over the block in 28 fp32 registers and adds it into C: each element's sum runs
+// over the k blocks in order, whatever thread computes its tile. Packing reads fp32 or bf16
+// operands, rounds and pairs 16 values per instruction (a scalar packing cost as much as
+// the products at K = 2048). Measured with 2 threads on an AMD EPYC (AVX-512, AVX512_BF16)
+// on the benchmark GPT-2's 15 products (2048 tokens; forward, input and weight gradients)
+// against gemm on the same operands: 1.10x to 1.95x OpenBLAS's AVX-512 kernels (1.47x over
+// all; ~350 GFLOP/s against ~520), 2.68x its AVX2 ones; a whole bf16 step: bench/bf16.sh.
 #include "ops/gemm_bf16.h"
 
 #include <immintrin.h>
@@ -26,7 +26,7 @@ namespace mt {
 
 namespace {
 
-constexpr int64_t kMR = 14, kNR = 32, kKC = 512, kNC = 4096;
+constexpr int64_t kMR = 14, kNR = 32, kKC = 512, kNC = 4096, kMB = 292 * kMR;
 
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -73,19 +73,28 @@ __attribute__((target("avx512f"))) __m512i round_high(__m512 x) {
   return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
 }
 
-// Pairs from two rows: out[j] = (bf16 of r1[j]) << 16 | bf16 of r0[j], for the lanes in m
-// (others 0); r1 null: its half is 0.
-__attribute__((target("avx512f"))) __m512i pair_rows(const float* r0, const float* r1, __mmask16 m) {
-  const __m512i lo = _mm512_maskz_srli_epi32(0xffff, round_high(_mm512_maskz_loadu_ps(m, r0)), 16);
-  if (!r1) return lo;
-  const __m512i hi = _mm512_and_si512(round_high(_mm512_maskz_loadu_ps(m, r1)), _mm512_set1_epi32(int(0xffff0000)));
+// 16 elements of src from element i (those in m; others 0) as bf16, each in the high 16
+// bits of its 32: fp32 values rounded (round_high), bf16 bits widened.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) __m512i load_high(Bf16Src src, int64_t i, __mmask16 m) {
+  if (!src.bf16) return round_high(_mm512_maskz_loadu_ps(m, static_cast<const float*>(src.data) + i));
+  const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(src.data) + i);
+  return _mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, h), 16);
+}
+
+// Pairs from two rows at elements i0 and i1 of src: out[j] = (bf16 of row 1's j) << 16 |
+// bf16 of row 0's j, for the lanes in m (others 0); i1 < 0: row 1's half is 0.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) __m512i pair_rows(Bf16Src src, int64_t i0, int64_t i1,
+                                                                        __mmask16 m) {
+  const __m512i lo = _mm512_maskz_srli_epi32(0xffff, load_high(src, i0, m), 16);
+  if (i1 < 0) return lo;
+  const __m512i hi = _mm512_and_si512(load_high(src, i1, m), _mm512_set1_epi32(int(0xffff0000)));
   return _mm512_or_si512(lo, hi);
 }
 
-// Pairs of neighbours: out[j] = (bf16 of s[2j + 1]) << 16 | bf16 of s[2j], j < 8, from the
-// elements of s in m (others 0).
-__attribute__((target("avx512f"))) __m256i pair_neighbours(const float* s, __mmask16 m) {
-  const __m512i r = round_high(_mm512_maskz_loadu_ps(m, s));  // 64-bit lanes: s[2j] low, s[2j + 1] high
+// Pairs of neighbours from element i of src: out[j] = (bf16 of s[2j + 1]) << 16 | bf16 of
+// s[2j], j < 8, with s = src from i and only its elements in m (others 0).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) __m256i pair_neighbours(Bf16Src src, int64_t i, __mmask16 m) {
+  const __m512i r = load_high(src, i, m);  // 64-bit lanes: s[2j] high in the low half, s[2j + 1] high in the high
   const __m512i lo = _mm512_and_si512(_mm512_maskz_srli_epi64(0xff, r, 16), _mm512_set1_epi64(0xffff));
   const __m512i hi = _mm512_and_si512(_mm512_maskz_srli_epi64(0xff, r, 32), _mm512_set1_epi64(0xffff0000));
   return _mm512_maskz_cvtepi64_epi32(0xff, _mm512_or_si512(lo, hi));
@@ -95,17 +104,16 @@ __attribute__((target("avx512f"))) __m256i pair_neighbours(const float* s, __mma
 // k from k0 (kc values of k): out[k][lane] = the pair at (first + lane, k0 + 2k). along_k:
 // the panel's lanes are rows of src (element (lane, k) at src[lane * ld + k]), else columns
 // (at src[k * ld + lane]); `count` lanes exist (the rest are 0).
-__attribute__((target("avx512f"))) void pack_panel(uint32_t* out, int64_t width, const float* src, int64_t ld,
-                                                    bool along_k, int64_t first, int64_t count, int64_t k0,
-                                                    int64_t kc) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void pack_panel(uint32_t* out, int64_t width, Bf16Src src,
+                                                                      int64_t ld, bool along_k, int64_t first,
+                                                                      int64_t count, int64_t k0, int64_t kc) {
   const int64_t kp = cdiv(kc, 2);
   if (!along_k) {  // rows k and k + 1 of src hold the pair's halves for every lane
     for (int64_t k = 0; k < kp; ++k) {
-      const float* r0 = src + (k0 + 2 * k) * ld + first;
-      const float* r1 = 2 * k + 1 < kc ? r0 + ld : nullptr;
+      const int64_t r0 = (k0 + 2 * k) * ld + first, r1 = 2 * k + 1 < kc ? r0 + ld : -1;
       for (int64_t l = 0; l < width; l += 16)
         _mm512_mask_storeu_epi32(out + k * width + l, lanes(width - l),
-                                 pair_rows(r0 + l, r1 ? r1 + l : nullptr, lanes(count - l)));
+                                 pair_rows(src, r0 + l, r1 < 0 ? -1 : r1 + l, lanes(count - l)));
     }
     return;
   }
@@ -114,7 +122,7 @@ __attribute__((target("avx512f"))) void pack_panel(uint32_t* out, int64_t width,
     for (int64_t k = 0; k < kp; k += 8) {  // 8 pairs of one lane at a time
       if (lane < count)
         _mm256_store_si256(reinterpret_cast<__m256i*>(p),
-                           pair_neighbours(src + (first + lane) * ld + k0 + 2 * k, lanes(kc - 2 * k)));
+                           pair_neighbours(src, (first + lane) * ld + k0 + 2 * k, lanes(kc - 2 * k)));
       for (int64_t j = 0; j < 8 && k + j < kp; ++j) out[(k + j) * width + lane] = lane < count ? p[j] : 0;
     }
 }
@@ -138,8 +146,8 @@ std::string bf16_gemm_description() {
   return "fp32 products of rounded operands (this CPU has no AVX512_BF16)";
 }
 
-void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-               int64_t ldb, float beta, float* C, int64_t ldc) {
+void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, Bf16Src A, int64_t lda, Bf16Src B, int64_t ldb,
+               float beta, float* C, int64_t ldc) {
   MT_CHECK(bf16_gemm_available(), "internal: gemm_bf16 called where the CPU has no AVX512_BF16 kernel");
   MT_CHECK(beta == 0.0f || beta == 1.0f, "internal: gemm_bf16 takes beta 0 or 1, got " << beta);
   if (M == 0 || N == 0) return;
@@ -148,34 +156,44 @@ void gemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A
       for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
     return;
   }
-  const int64_t pm = cdiv(M, kMR), nc_max = std::min(N, kNC);
-  thread_local std::vector<uint32_t> a_pack;  // [pm][kp][kMR]
+  const int64_t nc_max = std::min(N, kNC);
+  thread_local std::vector<uint32_t> a_pack;  // [panels of the row block][kp][kMR]
   thread_local std::vector<uint16_t> b_pack;  // [panels of the column block][kp][kNR][2]
-  a_pack.resize(static_cast<size_t>(pm * kMR * (kKC / 2)));
+  a_pack.resize(static_cast<size_t>(cdiv(std::min(M, kMB), kMR) * kMR * (kKC / 2)));
   b_pack.resize(static_cast<size_t>(cdiv(nc_max, kNR) * kNR * kKC));
   uint32_t* ap = a_pack.data();  // the calling thread's buffers (inside the parallel regions
   uint16_t* bp = b_pack.data();  // a thread_local name would be each thread's own)
   for (int64_t k0 = 0; k0 < K; k0 += kKC) {
     const int64_t kc = std::min(kKC, K - k0), kp = cdiv(kc, 2);
     const bool add = k0 > 0 || beta == 1.0f;
-    // op(A)[:, k0 : k0 + kc] in row panels (rows past M and the odd k past kc are zero)
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < pm; ++p)
-      pack_panel(ap + p * kp * kMR, kMR, A, lda, !ta, p * kMR, std::min(kMR, M - p * kMR), k0, kc);
     for (int64_t n0 = 0; n0 < N; n0 += kNC) {
       const int64_t nc = std::min(kNC, N - n0), pn = cdiv(nc, kNR);
+      // op(B)[k0 : k0 + kc, n0 : n0 + nc] in column panels (columns past N and the odd k
+      // past kc are zero)
 #pragma omp parallel for schedule(static)
       for (int64_t q = 0; q < pn; ++q) {
         const int64_t n = n0 + q * kNR;
         pack_panel(reinterpret_cast<uint32_t*>(bp) + q * kp * kNR, kNR, B, ldb, tb, n, std::min(kNR, N - n), k0, kc);
       }
-#pragma omp parallel for schedule(static) collapse(2)
-      for (int64_t p = 0; p < pm; ++p)
-        for (int64_t q = 0; q < pn; ++q) {
-          const int64_t m = p * kMR, n = n0 + q * kNR, cols = std::min(kNR, N - n);
-          tile(kp, &ap[p * kp * kMR], &bp[q * kp * kNR * 2], C + m * ldc + n, ldc, std::min(kMR, M - m),
-               lanes(cols), lanes(cols - 16), add);
+      for (int64_t m0 = 0; m0 < M; m0 += kMB) {
+        const int64_t pm = cdiv(std::min(kMB, M - m0), kMR);
+        // op(A)[m0 : m0 + kMB, k0 : k0 + kc] in row panels (rows past M are zero); a single
+        // row block stays packed across the column blocks
+        if (M > kMB || n0 == 0) {
+#pragma omp parallel for schedule(static)
+          for (int64_t p = 0; p < pm; ++p) {
+            const int64_t m = m0 + p * kMR;
+            pack_panel(ap + p * kp * kMR, kMR, A, lda, !ta, m, std::min(kMR, M - m), k0, kc);
+          }
         }
+#pragma omp parallel for schedule(static) collapse(2)
+        for (int64_t p = 0; p < pm; ++p)
+          for (int64_t q = 0; q < pn; ++q) {
+            const int64_t m = m0 + p * kMR, n = n0 + q * kNR, cols = std::min(kNR, N - n);
+            tile(kp, &ap[p * kp * kMR], &bp[q * kp * kNR * 2], C + m * ldc + n, ldc, std::min(kMR, M - m),
+                 lanes(cols), lanes(cols - 16), add);
+          }
+      }
     }
   }
 }

@@ -19,12 +19,15 @@ using namespace detail;
 
 namespace {
 
-// An activation operand of a product: its own data, or under an Autocast scope a copy
-// rounded to the scope's dtype in this thread's scratch `slot` (0 or 1; kept between calls).
-// A 16-bit operand (an activation kept in the working precision) is widened there: the
-// values the rounded fp32 copy would have.
-const float* operand(const Tensor& t, int slot) {
+// An activation operand of a product. Under a bf16 scope where gemm_bf16 runs: the tensor
+// itself, fp32 or bf16 (gemm_bf16 rounds and widens as it packs). Otherwise its fp32 data,
+// or under an Autocast scope a copy rounded to the scope's dtype in this thread's scratch
+// `slot` (0 or 1; kept between calls); a 16-bit operand (an activation kept in the working
+// precision) is widened there: the values the rounded fp32 copy would have.
+Bf16Src operand(const Tensor& t, int slot) {
   const DType d = autocast_dtype();
+  if (d == DType::bf16 && bf16_gemm_available())
+    return t.dtype() == DType::bf16 ? Bf16Src(static_cast<const uint16_t*>(t.raw())) : Bf16Src(t.f32());
   if (d == DType::f32 && t.dtype() == DType::f32) return t.f32();
   thread_local std::vector<float> scratch[2];
   std::vector<float>& s = scratch[slot];
@@ -35,12 +38,14 @@ const float* operand(const Tensor& t, int slot) {
 }
 
 // A product of a linear layer: on the bf16 instructions under a bf16 scope where the CPU
-// has them (its operands hold bf16 values then), else gemm.
-void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-             int64_t ldb, float beta, float* C, int64_t ldc) {
+// has them, else gemm (its operands are fp32 then: operand()).
+void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, Bf16Src A, int64_t lda, Bf16Src B, int64_t ldb,
+             float beta, float* C, int64_t ldc) {
   if (autocast_dtype() == DType::bf16 && bf16_gemm_available())
     return gemm_bf16(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
-  gemm(ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+  MT_CHECK(!A.bf16 && !B.bf16, "internal: 16-bit operands reach gemm");
+  gemm(ta, tb, M, N, K, static_cast<const float*>(A.data), lda, static_cast<const float*>(B.data), ldb, beta, C,
+       ldc);
 }
 
 // An activation operand's dtype check: fp32, or 16-bit on the host (kept activations).
@@ -81,7 +86,7 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
     for (int64_t n = 0; n < N; ++n) std::copy(bp, bp + O, yp + n * O);
     beta = 1.0f;
   }
-  const float* xp = operand(x, 0);
+  const Bf16Src xp = operand(x, 0);
   if (io) product(false, false, N, O, I, xp, I, w.f32(), O, beta, yp, O);
   else product(false, true, N, O, I, xp, I, w.f32(), I, beta, yp, O);
 }
@@ -97,7 +102,7 @@ void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool ac
            "linear_backward_input: dx has " << dx.numel() / I << " rows but dy has " << N);
   if (N == 0) return;
   const float beta = accumulate ? 1.0f : 0.0f;
-  const float* dyp = operand(dy, 0);
+  const Bf16Src dyp = operand(dy, 0);
   if (io) product(false, true, N, I, O, dyp, O, w.f32(), O, beta, dx.f32(), I);
   else product(false, false, N, I, O, dyp, O, w.f32(), I, beta, dx.f32(), I);
 }
@@ -173,7 +178,7 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
     check_numel(*db, O, "linear_backward_weight: db");
   }
   if (N == 0) return;
-  const float *dyp = operand(dy, 0), *xp = operand(x, 1);
+  const Bf16Src dyp = operand(dy, 0), xp = operand(x, 1);
   if (io) product(true, false, I, O, N, xp, I, dyp, O, 1.0f, dw.f32(), O);
   else product(true, false, O, I, N, dyp, O, xp, I, 1.0f, dw.f32(), I);
   if (db) bias_backward(*db, dy);  // from dy as it is: a bias's gradient is a sum, not a product

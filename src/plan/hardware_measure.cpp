@@ -1,6 +1,5 @@
 // Measuring this machine for the planner (meshtrain bench profile): collectives timed,
 // matrix products, memory bandwidth and links between ranks.
-#include <dlfcn.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -20,6 +19,7 @@
 #include "core/error.h"
 #include "nn/model.h"
 #include "ops/gemm.h"
+#include "ops/gemm_bf16.h"
 #include "plan/hardware.h"
 
 namespace mt::plan {
@@ -142,32 +142,30 @@ Rate sgemm_rate(const MeasureOptions& o, double budget) {
   return best;
 }
 
-// bf16 matrix FLOP/s: OpenBLAS sbgemm where the CPU has AVX512_BF16 and this OpenBLAS was
-// built with bf16 products (looked up at run time: Debian's is not); otherwise fp32's rate.
-Rate sbgemm_rate(double fp32, double budget) {
-  using Sbgemm = void (*)(CBLAS_ORDER, CBLAS_TRANSPOSE, CBLAS_TRANSPOSE, blasint, blasint, blasint, float,
-                          const uint16_t*, blasint, const uint16_t*, blasint, float, float*, blasint);
-  __builtin_cpu_init();
-  const bool cpu = __builtin_cpu_supports("avx512bf16");
-  auto sbgemm = reinterpret_cast<Sbgemm>(dlsym(RTLD_DEFAULT, "cblas_sbgemm"));
-  if (!cpu || !sbgemm)
-    return {fp32, std::string("not measured, fp32's rate: ") +
-                      (!cpu ? "this CPU has no AVX512_BF16 bf16 products"
-                            : "this OpenBLAS has no bf16 matrix product (cblas_sbgemm)")};
-  Rate best;
-  std::string each;
-  for (int64_t n : {1024, 2048}) {
-    std::vector<uint16_t> a(n * n, 0x3F00), b(n * n, 0x3E80);  // 0.5 and 0.25 in bf16
-    std::vector<float> c(n * n);
-    const double t = fastest(
-        [&] { sbgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n); },
-        budget / 2, 2);
-    const double rate = 2.0 * n * n * n / t;
-    best.value = std::max(best.value, rate);
-    each += (each.empty() ? "" : ", ") + std::to_string(n) + "^3 " + gflops(rate);
+// bf16 matrix FLOP/s, of the products a bf16 run uses: meshtrain's AVX512_BF16 kernel where
+// it runs (ops/gemm_bf16.h), timed on the same shapes as sgemm_rate; otherwise fp32's rate,
+// as bf16 runs fp32 products of rounded operands there.
+Rate bf16_rate(const MeasureOptions& o, double fp32, double budget) {
+  if (bf16_gemm_available()) {
+    Rate best;
+    std::string each;
+    const int64_t tokens = std::min<int64_t>(4096, int64_t(o.micro_batch) * o.model.seq_len);
+    const int64_t shapes[][3] = {{1024, 1024, 1024}, {2048, 2048, 2048}, {tokens, o.model.ff_dim(), o.model.d_model}};
+    for (const auto& s : shapes) {
+      const int64_t m = s[0], n = s[1], k = s[2];
+      std::vector<float> a(m * k, 0.5f), b(n * k, 0.25f), c(m * n);
+      const double t = fastest([&] { gemm_bf16(false, true, m, n, k, a.data(), k, b.data(), k, 0.0f, c.data(), n); },
+                               budget / 3, 2);
+      const double rate = 2.0 * m * n * k / t;
+      best.value = std::max(best.value, rate);
+      each += (each.empty() ? "" : ", ") + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
+              " " + gflops(rate);
+    }
+    best.how = "measured: meshtrain's AVX512_BF16 kernel with " + std::to_string(omp_get_max_threads()) +
+               " thread(s) per rank, the fastest of " + each;
+    return best;
   }
-  best.how = "OpenBLAS sbgemm (" + std::string(openblas_get_corename()) + " kernels), the faster of " + each;
-  return best;
+  return {fp32, "not measured, fp32's rate: bf16 runs " + bf16_gemm_description()};
 }
 
 // Memory bandwidth: a STREAM triad a = b + 3 c over three arrays of 64 MiB of doubles,
@@ -473,8 +471,8 @@ Measured hardware_measure(Communicator& world, const MeasureOptions& o, const Sa
   m.summary.push_back("flops_fp32    " + gflops(hw.flops_fp32));
   say("  " + m.summary.back());
 
-  say("measuring bf16 matrix products");
-  const Rate bf = sbgemm_rate(hw.flops_fp32, 0.1 * S);
+  say("measuring bf16 matrix products (" + bf16_gemm_description() + ")");
+  const Rate bf = bf16_rate(o, hw.flops_fp32, 0.1 * S);
   hw.flops_bf16 = world_min(world, bf.value);
   note["flops_bf16"] = bf.how + (bf.how.rfind("not", 0) == 0 ? "" : slowest);
   hw.flops_fp16 = hw.flops_fp32;

@@ -71,11 +71,14 @@ CASES = [
 ]
 
 
+SEED_OFFSET = 0  # --seed-offset: other draws, to see how far the measured distances move
+
+
 def case_inputs(case):
     """Initial weights (as run_parity.py draws them) and Markov-chain tokens, seeded by the
     case's position in CASES. Exactly as many tokens as the run reads (no wrap-around)."""
     m, t = case["model"], case["train"]
-    seed = 2000 + [c["name"] for c in CASES].index(case["name"])
+    seed = 2000 + [c["name"] for c in CASES].index(case["name"]) + SEED_OFFSET
     init = tm.init_params(m, seed, rp.init_std(m))
     rng = np.random.default_rng(seed)
     V = m["vocab_size"]
@@ -682,7 +685,12 @@ def main():
     ap.add_argument("--under-test", default="bf16", choices=("bf16", "fp32", "fp16"),
                     help="the training.precision of the run checked as bf16 (fp32 or fp16: to "
                          "see the checks fail on a real engine run that is not bf16)")
+    ap.add_argument("--seed-offset", type=int, default=0,
+                    help="add this to each case's seed: other draws of weights and tokens, to "
+                         "see how far the distances the tolerances rest on move")
     a = ap.parse_args()
+    global SEED_OFFSET
+    SEED_OFFSET = a.seed_offset
     torch.set_num_threads(1)
     torch.manual_seed(0)
     t0 = time.time()
