@@ -337,11 +337,19 @@ def first_gradient(case, init, tokens, variant):
 # cases' weights and tokens, to see how much the numbers move.
 #
 # fp32 (meshtrain fp32 vs the PyTorch fp32 reference): run_parity.py's tolerances, 1e-4 in
-# per-step loss and grad_norm and per-tensor max|diff|/max|ref| of the final parameters.
-# Adam eps is 1e-6 in the cases: with 1e-8, elements whose gradient is ~eps turn fp32
-# rounding noise into lr-sized updates (GPT-2's wpe: 1.7e-3 between fp32 and fp64 after 40
-# steps); with 1e-6 fp32 vs fp64 stays at <= 2e-7 in loss, 5e-7 in grad_norm, 3e-5 in the
-# parameters, and meshtrain fp32 vs PyTorch fp32 measures 1.5e-7, 1e-6, 1.6e-5.
+# per-step loss and grad_norm; the final parameters' per-tensor max|diff|/max|ref| within
+# FP32_PARAM_TOL. Adam eps is 1e-6 in the cases: with 1e-8, elements whose gradient is ~eps
+# turn fp32 rounding noise into lr-sized updates (GPT-2's wpe: 1.7e-3 between fp32 and
+# fp64 after 40 steps); with 1e-6 fp32 vs fp64 stays at <= 2e-7 in loss, 5e-7 in grad_norm,
+# and meshtrain fp32 vs PyTorch fp32 measures 1.5e-7, 1e-6 and 1.6e-5 in the parameters.
+# The parameters' distance is heavy-tailed over draws even so (--seed-offset 0, 10, .., 60):
+# PyTorch fp32 vs fp64 sits at 9e-6..4e-5 but reaches 3.3e-4 (llama_amp, offset 20: the
+# embedding); meshtrain fp32 vs fp64 1e-5..1e-4, 5.0e-4 there; meshtrain vs PyTorch fp32
+# 1e-5..6e-5, 1.4e-4 / 1.7e-4 at offset 20. So two correct fp32 engines can sit 3e-4 apart
+# after 40 steps, and 1e-4 (run_parity's, for 6 steps) failed on correct runs; 1e-3 is 3x
+# the widest. Formula errors are run_parity's (1e-4 at 6 steps) and the fp32 probe's to
+# catch (FP32_PROBE_TOL), with loss and grad_norm at every step.
+FP32_PARAM_TOL = 1e-3
 #
 # bf16: rounding to 8 mantissa bits costs up to 2^-9 ~ 2e-3 relative per rounding. Its
 # effect on the loss at one step is a zero-mean sum of many such errors (~1e-5 relative at
@@ -517,14 +525,14 @@ def check_case(case, refs, grads, mt32, mt16, probe32, probe16, say):
                                       for s, (l, g) in enumerate(mt32["log"])}
     errors += ["fp32: " + e for e in rp.compare(case, refs["fp32"]["log"], refs["fp32"]["params"],
                                                 metrics, mt32["params"], mt32.get("header"),
-                                                lambda *a: None)]
+                                                lambda *a: None, FP32_PARAM_TOL)]
     m["fp32_loss"] = loss_dist(mt32["log"], refs["fp32"]["log"])[0]
     m["fp32_gnorm"] = gnorm_max(mt32["log"], refs["fp32"]["log"])
     m["fp32_param"] = max(rp.param_error(n, mt32["params"][n], refs["fp32"]["params"][n], cfg)
                           for n in refs["fp32"]["params"])
     m["fp32_probe"] = rl2(probe32, grads["fp32"], cfg)
     say(f"    loss {m['fp32_loss']:.1e}, grad_norm {m['fp32_gnorm']:.1e} (tol {rp.LOSS_RTOL:g}); "
-        f"parameters {m['fp32_param']:.1e} (tol {rp.PARAM_TOL:g}); probe gradient "
+        f"parameters {m['fp32_param']:.1e} (tol {FP32_PARAM_TOL:g}); probe gradient "
         f"{m['fp32_probe']:.1e} (tol {FP32_PROBE_TOL:g})")
     if not m["fp32_probe"] <= FP32_PROBE_TOL:
         errors.append(f"fp32 probe gradient: rel L2 {m['fp32_probe']:.2e} (tol {FP32_PROBE_TOL:g})")

@@ -193,7 +193,7 @@ def param_error(name, got, ref, cfg):
     return float(np.abs(got - ref).max()) / max(float(np.abs(ref).max()), 1e-6)
 
 
-def compare(case, ref_log, ref_params, metrics, got, header, say):
+def compare(case, ref_log, ref_params, metrics, got, header, say, param_tol=PARAM_TOL):
     """Compare meshtrain's metrics records and exported parameters (got, with the file's
     header, or None) with the reference; prints the table, returns a list of errors."""
     t, cfg = case["train"], tm.normalize_config(case["model"])
@@ -238,8 +238,8 @@ def compare(case, ref_log, ref_params, metrics, got, header, say):
         if header is not None and header[n]["dtype"] != "F32":
             errors.append(f"export: {n} has dtype {header[n]['dtype']}, expected F32")
         err = param_error(n, got[n], ref_params[n], cfg)
-        if not err <= PARAM_TOL:
-            errors.append(f"param {n}: max|diff|/max|ref| = {err:.2e} (tol {PARAM_TOL:g})")
+        if not err <= param_tol:
+            errors.append(f"param {n}: max|diff|/max|ref| = {err:.2e} (tol {param_tol:g})")
         if not err <= worst[0]:
             worst = (err, n)
         if cfg["family"] == "gpt2" and n.endswith("attn.c_attn.bias"):
@@ -247,7 +247,7 @@ def compare(case, ref_log, ref_params, metrics, got, header, say):
             d = float(np.abs(got[n][C:2 * C].astype(np.float64) - ref_params[n][C:2 * C]).max())
             if not d <= key_bias_bound:
                 errors.append(f"param {n}: key part differs by {d:.2e} (bound {key_bias_bound:.2e})")
-    say(f"    final parameters: {len(got)} tensors, worst {worst[1]} at {worst[0]:.1e} (tol {PARAM_TOL:g})")
+    say(f"    final parameters: {len(got)} tensors, worst {worst[1]} at {worst[0]:.1e} (tol {param_tol:g})")
     return errors
 
 
