@@ -406,8 +406,8 @@ void measure_links(Communicator& world, const Place& place, double budget, Measu
 }
 
 // efficiency: one forward + backward of the model at its micro-batch (halved until two
-// steps fit the budget), its model FLOPs over (time x flops_fp32).
-void measure_efficiency(Communicator& world, const MeasureOptions& o, double budget, Measured& m, const Say& say) {
+// steps fit the budget), its model FLOPs over (time x flops_fp32). Returns the micro-batch.
+int measure_efficiency(Communicator& world, const MeasureOptions& o, double budget, Measured& m, const Say& say) {
   Hardware& hw = m.hw;
   ModelConfig cfg = o.model;
   cfg.validate();
@@ -432,6 +432,31 @@ void measure_efficiency(Communicator& world, const MeasureOptions& o, double bud
     << " matmul parameters x tokens + 12 x layers x seq_len x d_model x tokens for attention) = "
     << gflops(flops / t) << " = " << fmt("%.3f", flops / t / hw.flops_fp32) << " of flops_fp32" << clipped;
   m.notes.field["efficiency"] = s.str();
+  return B;
+}
+
+// flops_bf16 where meshtrain's bf16 kernel runs. Its products run ~3x fp32's, but a bf16
+// step's other work (norms, attention, the rounding passes) does not speed up with them, so
+// the kernel's peak x the fp32 step's efficiency would predict a bf16 step far too fast
+// (by ~45% on the benchmark GPT-2). This times a bf16 forward + backward of the same model
+// at the same micro-batch and lowers flops_bf16 to its model FLOP/s / efficiency (never
+// above the peak): the planner's peak x efficiency is then the bf16 step's measured rate.
+void calibrate_bf16(Communicator& world, const MeasureOptions& o, int B, double budget, Measured& m, const Say& say) {
+  Hardware& hw = m.hw;
+  ModelConfig cfg = o.model;
+  cfg.precision = "bf16";
+  cfg.validate();
+  say("measuring a bf16 training step at micro-batch " + std::to_string(B));
+  int reps = 0;
+  const double t = world_max(world, step_seconds(cfg, B, budget, &reps));
+  const double rate = step_flops(cfg, B) / t, peak = hw.flops_bf16;
+  hw.flops_bf16 = std::min(peak, rate / hw.efficiency);
+  std::string& note = m.notes.field["flops_bf16"];
+  note = "measured: a bf16 forward + backward of the same model at micro-batch " + std::to_string(B) + ": " +
+         fmt("%.1f ms", t * 1e3) + " (fastest of " + std::to_string(reps) + ") = " + gflops(rate) +
+         " of model FLOPs;\nflops_bf16 = that / efficiency, so that flops_bf16 x efficiency is a bf16 step's rate" +
+         (rate / hw.efficiency > peak ? " (above the products' peak: the peak)" : "") + ".\nThe products alone: " +
+         note.substr(std::string("measured: ").size());
 }
 
 }  // namespace
@@ -502,7 +527,12 @@ Measured hardware_measure(Communicator& world, const MeasureOptions& o, const Sa
   m.summary.push_back("latency_s     " + fmt("%.2f us", hw.latency_s * 1e6));
   say("  " + m.summary[m.summary.size() - 3]);
 
-  measure_efficiency(world, o, 0.4 * S, m, say);
+  const int B = measure_efficiency(world, o, (bf16_gemm_available() ? 0.3 : 0.4) * S, m, say);
+  if (bf16_gemm_available()) {
+    calibrate_bf16(world, o, B, 0.1 * S, m, say);
+    for (std::string& line : m.summary)
+      if (line.rfind("flops_bf16", 0) == 0) line = "flops_bf16    " + gflops(hw.flops_bf16) + " (a bf16 step's rate / efficiency)";
+  }
   for (double* x : {&hw.flops_fp32, &hw.flops_bf16, &hw.flops_fp16, &hw.mem_bw, &hw.intra_node_bw, &hw.inter_node_bw,
                     &hw.latency_s, &hw.efficiency})
     *x = std::stod(fmt("%.4g", *x));  // measurements vary by more than 4 digits
