@@ -1,8 +1,10 @@
 // core/cuda.h: the caching CudaAllocator (counts per tag, reuse of freed blocks, the cache's
 // release), copies between host and device, Tensor::zero_ on the device, and cuda_convert
-// against the host's convert bit for bit. Without a GPU only the allocator's refusal runs.
+// and round_tensor against the host's convert and round_to bit for bit. Without a GPU only
+// the allocator's refusal runs.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -14,6 +16,7 @@
 #include "core/cuda.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "ops/autocast.h"
 
 using namespace mt;
 
@@ -210,6 +213,31 @@ TEST(CudaRuntime, ConvertMatchesHostBitForBit) {
   std::vector<float> back(n);
   Tensor::wrap(back.data(), {n}, DType::f32).copy_from(d2);
   EXPECT_EQ(0, std::memcmp(back.data(), h.data(), n * 4));
+}
+
+// Rounding in place on the device (round_tensor, the activations a 16-bit scope rounds)
+// gives the host's round_to bit for bit; NaN stays NaN.
+TEST(CudaRuntime, RoundMatchesHostBitForBit) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  CudaAllocator gpu;
+  std::vector<float> h = conversion_values();
+  h.push_back(std::numeric_limits<float>::quiet_NaN());
+  const int64_t n = static_cast<int64_t>(h.size());
+  for (DType half : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(half));
+    std::vector<float> want(n), got(n);
+    round_to(half, h.data(), want.data(), n);
+    Tensor d = Tensor::empty({n}, DType::f32, gpu, MemTag::other);
+    d.copy_from(Tensor::wrap(h.data(), {n}, DType::f32));
+    round_tensor(half, d);
+    Tensor::wrap(got.data(), {n}, DType::f32).copy_from(d);
+    EXPECT_TRUE(std::isnan(got[n - 1]));
+    int bad = 0;
+    for (int64_t i = 0; i + 1 < n; ++i)
+      if (std::memcmp(&got[i], &want[i], 4) != 0 && bad++ < 5)
+        ADD_FAILURE() << "value " << h[i] << ": device " << got[i] << ", host " << want[i];
+    EXPECT_EQ(bad, 0);
+  }
 }
 
 #endif

@@ -41,6 +41,10 @@ void cuda_convert(DType to, void* dst, DType from, const void* src, int64_t n);
 // src in f32 or dst's dtype, summed in float and rounded once (nearest even), bit for bit as
 // accumulate() in core/tensor.h does on the host.
 void cuda_accumulate(DType to, void* dst, DType from, const void* src, int64_t n);
+// x[i] rounded in place to the nearest value of t (bf16 or f16, ties to even), kept as
+// float, bit for bit as round_to() in ops/autocast.h does on the host (NaN stays NaN), n
+// elements, on the compute stream.
+void cuda_round(DType t, float* x, int64_t n);
 
 // Device memory, cached: freed blocks go to a free list by size and serve later requests
 // of the same rounded size without cudaMalloc (which synchronizes the device); when

@@ -261,11 +261,11 @@ Tensor norm_forward_kept(const BlockEnv& env, const BlockScratch& s, const Tenso
 // fp32 `work` when kept holds 16 bits.
 Tensor fp32_home(const Tensor& kept, const Tensor& work) { return kept.dtype() == DType::f32 ? kept : work; }
 
-// An activation computed in fp32 in x: under a 16-bit Autocast scope on the CPU rounded in
-// place to the scope's dtype, as a 16-bit op returns its output (the GPU does not round yet).
+// An activation computed in fp32 in x: under a 16-bit Autocast scope rounded in place to
+// the scope's dtype, as a 16-bit op returns its output.
 void round_activation(const Tensor& x) {
   const DType t = autocast_dtype();
-  if (t != DType::f32 && x.device() == Device::cpu) round_to(t, x.f32(), x.f32(), x.numel());
+  if (t != DType::f32) round_tensor(t, x);
 }
 
 // The same, and stored into kept when that is not x itself (in the same pass on the CPU):

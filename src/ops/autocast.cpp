@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/cuda.h"
 #include "core/error.h"
 #include "core/half.h"
 
@@ -43,6 +44,12 @@ void round_to(DType t, const float* src, float* dst, int64_t n, uint16_t* bits) 
     if (dst != src)
       for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
   }
+}
+
+void round_tensor(DType t, const Tensor& x) {
+  MT_CHECK(x.dtype() == DType::f32, "internal: round_tensor of a " << dtype_name(x.dtype()) << " tensor");
+  if (x.device() == Device::cuda) cuda_round(t, x.f32(), x.numel());
+  else round_to(t, x.f32(), x.f32(), x.numel());
 }
 
 }  // namespace mt

@@ -117,7 +117,32 @@ void launch_accumulate(void* dst, const void* src, int64_t n) {
   MT_CUDA_CHECK(cudaGetLastError());
 }
 
+// x[i] rounded in place to the nearest value of Half (ties to even), kept as float, as
+// round_to() in ops/autocast.h does on the host. One thread per element, grid-stride.
+template <class Half>
+__global__ void round_kernel(float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    if constexpr (std::is_same_v<Half, __nv_bfloat16>) x[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
+    else x[i] = __half2float(__float2half_rn(x[i]));
+  }
+}
+
+template <class Half>
+void launch_round(float* x, int64_t n) {
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
+  round_kernel<Half><<<blocks, threads, 0, stream()>>>(x, n);
+  MT_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
+
+void cuda_round(DType t, float* x, int64_t n) {
+  if (n == 0) return;
+  if (t == DType::bf16) return launch_round<__nv_bfloat16>(x, n);
+  if (t == DType::f16) return launch_round<__half>(x, n);
+  MT_FAIL("internal: no device rounding to " << dtype_name(t));
+}
 
 void cuda_accumulate(DType to, void* dst, DType from, const void* src, int64_t n) {
   if (n == 0) return;
