@@ -527,8 +527,10 @@ Measured hardware_measure(Communicator& world, const MeasureOptions& o, const Sa
   m.summary.push_back("latency_s     " + fmt("%.2f us", hw.latency_s * 1e6));
   say("  " + m.summary[m.summary.size() - 3]);
 
-  const int B = measure_efficiency(world, o, (bf16_gemm_available() ? 0.3 : 0.4) * S, m, say);
-  if (bf16_gemm_available()) {
+  // whether every rank runs the bf16 kernel (the same answer on all: calibrate_bf16 is collective)
+  const bool bf16_kernel = world_min(world, bf16_gemm_available() ? 1.0 : 0.0) > 0;
+  const int B = measure_efficiency(world, o, (bf16_kernel ? 0.3 : 0.4) * S, m, say);
+  if (bf16_kernel) {
     calibrate_bf16(world, o, B, 0.1 * S, m, say);
     for (std::string& line : m.summary)
       if (line.rfind("flops_bf16", 0) == 0) line = "flops_bf16    " + gflops(hw.flops_bf16) + " (a bf16 step's rate / efficiency)";
