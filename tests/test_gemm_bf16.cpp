@@ -6,13 +6,12 @@
 // for 1 to 4 threads; a linear layer under a bf16 Autocast scope runs it. Skipped where the
 // CPU has no AVX512_BF16 (or MESHTRAIN_CPU_BF16=off).
 #include <gtest/gtest.h>
-#include <omp.h>
 
-#include <cmath>
 #include <random>
 #include <vector>
 
 #include "core/tensor.h"
+#include "gemm_cases.h"
 #include "ops/autocast.h"
 #include "ops/gemm.h"
 #include "ops/gemm_bf16.h"
@@ -22,34 +21,22 @@ using namespace mt;
 
 namespace {
 
-struct Case {
-  int64_t M, N, K;
-};
-const Case kCases[] = {{1, 1, 1}, {14, 32, 2}, {15, 33, 3}, {29, 70, 1025}, {100, 4100, 40}, {4103, 20, 600}, {3, 5, 0}};
+using test::GemmCase;
+using test::GemmOperands;
 
-struct Operands {
-  int64_t lda, ldb, ldc;  // leading dims, padded past the used width
-  std::vector<float> A, B, C0;
-};
+const GemmCase kCases[] = {{1, 1, 1},       {14, 32, 2},      {15, 33, 3}, {29, 70, 1025},
+                           {100, 4100, 40}, {4103, 20, 600}, {3, 5, 0}};
 
 // Operands of bf16 values (round: left as fp32 draws instead, for the rounding check).
-Operands make(const Case& c, bool ta, bool tb, std::mt19937& g, bool round = true) {
+GemmOperands make(const GemmCase& c, bool ta, bool tb, std::mt19937& g, bool round = true) {
   std::normal_distribution<float> n;
-  Operands o;
-  const int64_t a_rows = ta ? c.K : c.M, a_cols = ta ? c.M : c.K;
-  const int64_t b_rows = tb ? c.N : c.K, b_cols = tb ? c.K : c.N;
-  o.lda = a_cols + 3, o.ldb = b_cols + 2, o.ldc = c.N + 5;
-  o.A.resize(a_rows * o.lda), o.B.resize(b_rows * o.ldb), o.C0.resize(c.M * o.ldc);
-  for (auto* v : {&o.A, &o.B, &o.C0}) {
-    for (float& x : *v) x = n(g);
-    if (round && v != &o.C0) round_to(DType::bf16, v->data(), v->data(), static_cast<int64_t>(v->size()));
-  }
+  GemmOperands o = test::make_gemm_operands(c, ta, tb, [&] { return n(g); });
+  if (round)
+    for (auto* v : {&o.A, &o.B}) round_to(DType::bf16, v->data(), v->data(), static_cast<int64_t>(v->size()));
   return o;
 }
 
-float at(const std::vector<float>& m, int64_t ld, bool t, int64_t r, int64_t c) { return t ? m[c * ld + r] : m[r * ld + c]; }
-
-std::vector<float> run(const Case& c, bool ta, bool tb, float beta, const Operands& o) {
+std::vector<float> run(const GemmCase& c, bool ta, bool tb, float beta, const GemmOperands& o) {
   std::vector<float> C = o.C0;
   gemm_bf16(ta, tb, c.M, c.N, c.K, o.A.data(), o.lda, o.B.data(), o.ldb, beta, C.data(), o.ldc);
   return C;
@@ -60,36 +47,19 @@ std::vector<float> run(const Case& c, bool ta, bool tb, float beta, const Operan
 
 }  // namespace
 
-// Each element against the float64 product of the bf16 operands. The products are exact in
-// fp32, so only the additions round: any order of K of them is within gamma_K sum |a_k b_k|
-// (gamma_K ~ K u, u = 2^-24), plus beta C's add. Padding columns of C beyond N stay untouched.
+// Each element against the float64 product of the bf16 operands: the products are exact in
+// fp32, so only the additions round, within test::expect_matches_float64's bound.
 TEST(GemmBf16, MatchesFloat64Reference) {
   SKIP_WITHOUT_BF16();
   std::mt19937 g(3);
-  const double u = std::ldexp(1.0, -24);
-  for (const Case& c : kCases)
+  for (const GemmCase& c : kCases)
     for (bool ta : {false, true})
       for (bool tb : {false, true})
         for (float beta : {0.0f, 1.0f}) {
           SCOPED_TRACE(testing::Message() << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ta=" << ta
                                           << " tb=" << tb << " beta=" << beta);
-          const Operands o = make(c, ta, tb, g);
-          const std::vector<float> C = run(c, ta, tb, beta, o);
-          int bad = 0;
-          for (int64_t i = 0; i < c.M; ++i) {
-            for (int64_t j = 0; j < c.N; ++j) {
-              double exact = beta * double(o.C0[i * o.ldc + j]), mag = std::fabs(exact);
-              for (int64_t k = 0; k < c.K; ++k) {
-                const double p = double(at(o.A, o.lda, ta, i, k)) * at(o.B, o.ldb, tb, k, j);
-                exact += p, mag += std::fabs(p);
-              }
-              const double tol = (c.K + 2) * u * mag / (1 - (c.K + 2) * u) + 1e-30;
-              if (!(std::fabs(C[i * o.ldc + j] - exact) <= tol) && bad++ < 3)
-                ADD_FAILURE() << "C[" << i << "," << j << "] = " << C[i * o.ldc + j] << ", exact " << exact
-                              << " (bound " << tol << ")";
-            }
-            for (int64_t j = c.N; j < o.ldc; ++j) ASSERT_EQ(C[i * o.ldc + j], o.C0[i * o.ldc + j]) << "padding";
-          }
+          const GemmOperands o = make(c, ta, tb, g);
+          test::expect_matches_float64(c, ta, tb, beta, o, run(c, ta, tb, beta, o));
         }
 }
 
@@ -97,8 +67,8 @@ TEST(GemmBf16, MatchesFloat64Reference) {
 TEST(GemmBf16, RoundsOtherInputsToTheNearest) {
   SKIP_WITHOUT_BF16();
   std::mt19937 g(4);
-  const Case c{29, 70, 1025};
-  Operands raw = make(c, false, true, g, /*round=*/false), rounded = raw;
+  const GemmCase c{29, 70, 1025};
+  GemmOperands raw = make(c, false, true, g, /*round=*/false), rounded = raw;
   round_to(DType::bf16, rounded.A.data(), rounded.A.data(), static_cast<int64_t>(rounded.A.size()));
   round_to(DType::bf16, rounded.B.data(), rounded.B.data(), static_cast<int64_t>(rounded.B.size()));
   EXPECT_NE(raw.A, rounded.A);
@@ -115,10 +85,10 @@ TEST(GemmBf16, ReadsBf16Bits) {
     convert(DType::bf16, h.data(), DType::f32, v.data(), static_cast<int64_t>(v.size()));
     return h;
   };
-  for (const Case& c : kCases)
+  for (const GemmCase& c : kCases)
     for (bool ta : {false, true})
       for (bool tb : {false, true}) {
-        const Operands o = make(c, ta, tb, g);
+        const GemmOperands o = make(c, ta, tb, g);
         const std::vector<uint16_t> a = bits(o.A), b = bits(o.B);
         const std::vector<float> ref = run(c, ta, tb, 1.0f, o);
         for (int which = 1; which < 4; ++which) {  // A's bits, B's bits, both
@@ -135,20 +105,9 @@ TEST(GemmBf16, ReadsBf16Bits) {
 TEST(GemmBf16, BitIdenticalForAnyThreadCount) {
   SKIP_WITHOUT_BF16();
   std::mt19937 g(5);
-  const int saved = omp_get_max_threads();
-  for (const Case& c : kCases)
+  for (const GemmCase& c : kCases)
     for (bool ta : {false, true})
-      for (bool tb : {false, true}) {
-        const Operands o = make(c, ta, tb, g);
-        omp_set_num_threads(1);
-        const std::vector<float> ref = run(c, ta, tb, 1.0f, o);
-        for (int threads : {2, 3, 4}) {
-          omp_set_num_threads(threads);
-          EXPECT_EQ(run(c, ta, tb, 1.0f, o), ref) << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ta=" << ta
-                                                 << " tb=" << tb << ": " << threads << " threads differ from 1";
-        }
-      }
-  omp_set_num_threads(saved);
+      for (bool tb : {false, true}) test::expect_same_bits_for_any_thread_count(c, ta, tb, make(c, ta, tb, g), run);
 }
 
 // Under a bf16 scope a linear layer's forward is gemm_bf16's product of the rounded
@@ -157,8 +116,8 @@ TEST(GemmBf16, LinearUnderBf16RunsIt) {
   SKIP_WITHOUT_BF16();
   std::mt19937 g(6);
   const int64_t N = 37, I = 1030, O = 45;
-  const Case c{N, O, I};
-  Operands o = make(c, false, true, g);  // x [N, I] (lda I + 3), w [O, I] (ldb I + 2)
+  const GemmCase c{N, O, I};
+  GemmOperands o = make(c, false, true, g);  // x [N, I] (lda I + 3), w [O, I] (ldb I + 2)
   std::vector<float> x(N * I), w(O * I), y(N * O);
   for (int64_t i = 0; i < N; ++i)
     for (int64_t k = 0; k < I; ++k) x[i * I + k] = o.A[i * o.lda + k];
