@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cblas.h>
 #include <cmath>
 #include <cstdio>
@@ -109,63 +110,67 @@ struct Rate {
   std::string how;
 };
 
-// fp32 matrix FLOP/s: OpenBLAS sgemm on square sizes with all of the rank's threads, and
-// meshtrain's gemm (a fixed grid of single-threaded sgemm tiles) on the model's MLP product
-// (tokens of a micro-batch x d_ff x d_model); the fastest of them.
-Rate sgemm_rate(const MeasureOptions& o, double budget) {
-  struct Shape {
-    int64_t m, n, k;
-    bool grid;
-  };
-  const int64_t tokens = std::min<int64_t>(4096, int64_t(o.micro_batch) * o.model.seq_len);
-  const std::vector<Shape> shapes = {
-      {512, 512, 512, false}, {1024, 1024, 1024, false}, {2048, 2048, 2048, false},
-      {tokens, o.model.ff_dim(), o.model.d_model, true}};
+// One timed product: C[m, n] = A[m, k] B[n, k]^T by `kernel` (a name for the notes), on
+// constant operands.
+struct Product {
+  std::string kernel;
+  int64_t m, n, k;
+  std::function<void(const float* a, const float* b, float* c)> run;
+};
+
+// The fastest of the products, each timed within budget / their count: its FLOP/s, and
+// each one's as "kernel MxNxK rate" in how.
+Rate fastest_product(const std::vector<Product>& products, double budget) {
   Rate best;
-  std::string each;
-  for (const Shape& s : shapes) {
-    std::vector<float> a(s.m * s.k, 0.5f), b(s.n * s.k, 0.25f), c(s.m * s.n);
-    const double t = fastest(
-        [&] {
-          if (s.grid) gemm(false, true, s.m, s.n, s.k, a.data(), s.k, b.data(), s.k, 0.0f, c.data(), s.n);
-          else
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s.m, s.n, s.k, 1.0f, a.data(), s.k, b.data(), s.k,
-                        0.0f, c.data(), s.n);
-        },
-        budget / shapes.size(), 2);
-    const double rate = 2.0 * s.m * s.n * s.k / t;
+  for (const Product& p : products) {
+    std::vector<float> a(p.m * p.k, 0.5f), b(p.n * p.k, 0.25f), c(p.m * p.n);
+    const double t = fastest([&] { p.run(a.data(), b.data(), c.data()); }, budget / products.size(), 2);
+    const double rate = 2.0 * p.m * p.n * p.k / t;
     best.value = std::max(best.value, rate);
-    each += (each.empty() ? "" : ", ") + std::string(s.grid ? "meshtrain gemm " : "sgemm ") + std::to_string(s.m) +
-            "x" + std::to_string(s.n) + "x" + std::to_string(s.k) + " " + gflops(rate);
+    best.how += (best.how.empty() ? "" : ", ") + p.kernel + " " + std::to_string(p.m) + "x" + std::to_string(p.n) +
+                "x" + std::to_string(p.k) + " " + gflops(rate);
   }
-  best.how = "the fastest product with " + std::to_string(omp_get_max_threads()) + " thread(s) per rank: " + each;
+  return best;
+}
+
+// The model's MLP product: tokens of a micro-batch (at most 4096) x d_ff x d_model.
+std::array<int64_t, 3> mlp_shape(const MeasureOptions& o) {
+  return {std::min<int64_t>(4096, int64_t(o.micro_batch) * o.model.seq_len), o.model.ff_dim(), o.model.d_model};
+}
+
+// fp32 matrix FLOP/s: OpenBLAS sgemm on square sizes with all of the rank's threads, and
+// meshtrain's gemm (a fixed grid of single-threaded sgemm tiles) on the model's MLP product;
+// the fastest of them.
+Rate sgemm_rate(const MeasureOptions& o, double budget) {
+  auto sgemm = [](int64_t n) {
+    return Product{"sgemm", n, n, n, [n](const float* a, const float* b, float* c) {
+                     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+                   }};
+  };
+  const auto [m, n, k] = mlp_shape(o);
+  const Product grid{"meshtrain gemm", m, n, k, [m, n, k](const float* a, const float* b, float* c) {
+                       gemm(false, true, m, n, k, a, k, b, k, 0.0f, c, n);
+                     }};
+  Rate best = fastest_product({sgemm(512), sgemm(1024), sgemm(2048), grid}, budget);
+  best.how = "the fastest product with " + std::to_string(omp_get_max_threads()) + " thread(s) per rank: " + best.how;
   return best;
 }
 
 // bf16 matrix FLOP/s, of the products a bf16 run uses: meshtrain's AVX512_BF16 kernel where
-// it runs (ops/gemm_bf16.h), timed on the same shapes as sgemm_rate; otherwise fp32's rate,
-// as bf16 runs fp32 products of rounded operands there.
+// it runs (ops/gemm_bf16.h), timed on sgemm_rate's two largest squares and the MLP's
+// product; otherwise fp32's rate, as bf16 runs fp32 products of rounded operands there.
 Rate bf16_rate(const MeasureOptions& o, double fp32, double budget) {
-  if (bf16_gemm_available()) {
-    Rate best;
-    std::string each;
-    const int64_t tokens = std::min<int64_t>(4096, int64_t(o.micro_batch) * o.model.seq_len);
-    const int64_t shapes[][3] = {{1024, 1024, 1024}, {2048, 2048, 2048}, {tokens, o.model.ff_dim(), o.model.d_model}};
-    for (const auto& s : shapes) {
-      const int64_t m = s[0], n = s[1], k = s[2];
-      std::vector<float> a(m * k, 0.5f), b(n * k, 0.25f), c(m * n);
-      const double t = fastest([&] { gemm_bf16(false, true, m, n, k, a.data(), k, b.data(), k, 0.0f, c.data(), n); },
-                               budget / 3, 2);
-      const double rate = 2.0 * m * n * k / t;
-      best.value = std::max(best.value, rate);
-      each += (each.empty() ? "" : ", ") + std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k) +
-              " " + gflops(rate);
-    }
-    best.how = "measured: meshtrain's AVX512_BF16 kernel with " + std::to_string(omp_get_max_threads()) +
-               " thread(s) per rank, the fastest of " + each;
-    return best;
-  }
-  return {fp32, "not measured, fp32's rate: bf16 runs " + bf16_gemm_description()};
+  if (!bf16_gemm_available()) return {fp32, "not measured, fp32's rate: bf16 runs " + bf16_gemm_description()};
+  auto bf16 = [](int64_t m, int64_t n, int64_t k) {
+    return Product{"gemm_bf16", m, n, k, [m, n, k](const float* a, const float* b, float* c) {
+                     gemm_bf16(false, true, m, n, k, a, k, b, k, 0.0f, c, n);
+                   }};
+  };
+  const auto [m, n, k] = mlp_shape(o);
+  Rate best = fastest_product({bf16(1024, 1024, 1024), bf16(2048, 2048, 2048), bf16(m, n, k)}, budget);
+  best.how = "measured: meshtrain's AVX512_BF16 kernel with " + std::to_string(omp_get_max_threads()) +
+             " thread(s) per rank, the fastest of " + best.how;
+  return best;
 }
 
 // Memory bandwidth: a STREAM triad a = b + 3 c over three arrays of 64 MiB of doubles,
@@ -502,6 +507,7 @@ Measured hardware_measure(Communicator& world, const MeasureOptions& o, const Sa
   note["flops_bf16"] = bf.how + (bf.how.rfind("not", 0) == 0 ? "" : slowest);
   hw.flops_fp16 = hw.flops_fp32;
   note["flops_fp16"] = "not measured, fp32's rate: OpenBLAS has no fp16 matrix product";
+  const size_t bf16_line = m.summary.size();
   m.summary.push_back("flops_bf16    " + gflops(hw.flops_bf16) + (bf.how.rfind("not", 0) == 0 ? " (fp32's)" : ""));
   m.summary.push_back("flops_fp16    " + gflops(hw.flops_fp16) + " (fp32's)");
   say("  " + m.summary[m.summary.size() - 2]);
@@ -532,8 +538,7 @@ Measured hardware_measure(Communicator& world, const MeasureOptions& o, const Sa
   const int B = measure_efficiency(world, o, (bf16_kernel ? 0.3 : 0.4) * S, m, say);
   if (bf16_kernel) {
     calibrate_bf16(world, o, B, 0.1 * S, m, say);
-    for (std::string& line : m.summary)
-      if (line.rfind("flops_bf16", 0) == 0) line = "flops_bf16    " + gflops(hw.flops_bf16) + " (a bf16 step's rate / efficiency)";
+    m.summary[bf16_line] = "flops_bf16    " + gflops(hw.flops_bf16) + " (a bf16 step's rate / efficiency)";
   }
   for (double* x : {&hw.flops_fp32, &hw.flops_bf16, &hw.flops_fp16, &hw.mem_bw, &hw.intra_node_bw, &hw.inter_node_bw,
                     &hw.latency_s, &hw.efficiency})
