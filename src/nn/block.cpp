@@ -268,17 +268,15 @@ void round_activation(const Tensor& x) {
   if (t != DType::f32) round_tensor(t, x);
 }
 
-// The same, and stored into kept when that is not x itself (in the same pass on the CPU):
-// exact, as x holds 16-bit values.
+// The same, and stored into kept when that is not x itself (16 bits, on the host only), in
+// the same pass: exact, as x holds 16-bit values.
 void round_and_keep(const Tensor& x, const Tensor& kept) {
   if (x.raw() == kept.raw()) return round_activation(x);
   MT_CHECK(kept.dtype() == autocast_dtype(), "internal: activations kept in " << dtype_name(kept.dtype())
                                                   << " outside a " << dtype_name(kept.dtype()) << " Autocast scope");
-  MT_CHECK(x.numel() == kept.numel(), "internal: keeping " << x.numel() << " values in " << kept.numel());
-  if (x.device() == Device::cpu && kept.device() == Device::cpu)
-    return round_to(kept.dtype(), x.f32(), x.f32(), x.numel(), static_cast<uint16_t*>(kept.raw()));
-  round_activation(x);
-  kept.convert_from(x);
+  MT_CHECK(x.numel() == kept.numel() && x.device() == Device::cpu && kept.device() == Device::cpu,
+           "internal: keeping " << x.numel() << " values in " << kept.numel() << " 16-bit ones off the host");
+  round_to(kept.dtype(), x.f32(), x.f32(), x.numel(), static_cast<uint16_t*>(kept.raw()));
 }
 
 // A kept activation in fp32 for an op that reads it: kept itself, or widened into work.
