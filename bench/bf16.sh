@@ -10,17 +10,7 @@
 #   bash bench/bf16.sh [--threads N] [--steps K] [--model gpt2|llama]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-threads=$(nproc) steps=5 model=gpt2
-while (($#)); do
-  case "$1" in
-    --threads) threads=$2; shift 2 ;;
-    --steps) steps=$2; shift 2 ;;
-    --model) model=$2; shift 2 ;;
-    *) echo "unknown option $1" >&2; exit 2 ;;
-  esac
-done
-bash scripts/setup.sh
-export OMP_NUM_THREADS=$threads
+source bench/step_options.sh "$@"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 mt() {  # name, precision, extra environment

@@ -10,17 +10,7 @@
 # Targets: meshtrain's step at most 0.6x PyTorch's and at least 85% of the sgemm rate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-threads=$(nproc) steps=5 model=gpt2
-while (($#)); do
-  case "$1" in
-    --threads) threads=$2; shift 2 ;;
-    --steps) steps=$2; shift 2 ;;
-    --model) model=$2; shift 2 ;;
-    *) echo "unknown option $1" >&2; exit 2 ;;
-  esac
-done
-bash scripts/setup.sh
-export OMP_NUM_THREADS=$threads
+source bench/step_options.sh "$@"
 mt=$(./build/bench/bench_step --family "$model" --threads "$threads" --steps "$steps")
 pt=$(/usr/bin/python3 bench/torch_step.py --model "$model" --threads "$threads" --steps "$steps")
 /usr/bin/python3 - "$mt" "$pt" <<'PY'
