@@ -1,12 +1,14 @@
 // The CUDA loss and optimizer kernels (ops/cuda/loss_optim.cu) against the CPU ops: fused
-// cross-entropy forward and backward, the AdamW update against mt::Optimizer, sums of
-// squares against a double host sum, in-place scaling; determinism (two runs, the same
+// cross-entropy forward and backward, the AdamW, SGD, LARS and LAMB updates against
+// mt::Optimizer, sums of squares against a double host sum, in-place scaling; determinism (two runs, the same
 // bits) and the errors on bad operands. Skips where there is no GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/cuda.h"
@@ -247,6 +249,183 @@ TEST(CudaOptim, AdamWRejectsBadOperands) {
   EXPECT_THROW(cuda::adamw_step(w, g, m, v, {}, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0), Error);  // t starts at 1
   VecF host(n, 1.0f);
   EXPECT_THROW(cuda::adamw_step(tf(host, {n}), g, m, v, {}, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1), Error);
+}
+
+// ---- SGD, LARS, LAMB ----
+
+namespace {
+
+// One segment of several tensors, updated by the CPU optimizer and by one whose buffers live
+// on the GPU, for 5 steps with new gradients each step: a matrix (decays), a bias, a matrix
+// that a tp replica holds too (not counted in its norms), an empty tensor, a matrix with
+// zero gradients and a large matrix (more than one sumsq block per thread). The per-tensor
+// sums pass through a hook that adds what "other holders" would (the same on both), so the
+// GPU must hand the sums over in the CPU's order. w and the state compared after each step.
+void layerwise_case(const std::string& name, bool nesterov, uint32_t seed) {
+  CudaAllocator& gpu = test::gpu();
+  CpuAllocator cpu;
+  std::mt19937 rng(seed);
+  OptimConfig cfg;
+  cfg.name = name;
+  cfg.lr = name == "lars" ? 0.5 : 1e-2;
+  cfg.weight_decay = 0.1;
+  cfg.eps = 1e-8;
+  cfg.nesterov = nesterov;
+  cfg.trust_coef = 0.01;
+  struct Piece {
+    int64_t n;
+    bool decay, counted, zero_g;
+  };
+  const std::vector<Piece> pieces = {{300, true, true, false},  {17, false, true, false}, {260, true, false, false},
+                                     {0, true, true, false},    {64, true, true, true},   {600001, true, true, false}};
+  std::vector<OptimTensor> tensors;
+  std::vector<std::pair<int64_t, int64_t>> decay, replicas;
+  int64_t n = 0;
+  for (const Piece& p : pieces) {
+    tensors.push_back({n, n + p.n, p.decay, p.counted});
+    if (p.decay && p.n) decay.push_back({n, n + p.n});
+    if (!p.counted) replicas.push_back({n, n + p.n});
+    n += p.n;
+  }
+  VecF w0 = randv(n, rng);
+  auto segment = [&](Allocator& a) {
+    OptimSegment s;
+    s.w = Tensor::empty({n}, DType::f32, a, MemTag::params);
+    s.g = Tensor::empty({n}, DType::f32, a, MemTag::grads);
+    s.w.copy_from(tf(w0, {n}));
+    s.decay_ranges = decay;
+    s.replica_ranges = replicas;
+    s.tensors = tensors;
+    return s;
+  };
+  OptimSegment cs = segment(cpu), gs = segment(gpu);
+  Optimizer copt(cfg, {cs}, cpu), gopt(cfg, {gs}, gpu);
+  ASSERT_EQ(copt.norm_sums(), gopt.norm_sums());
+  std::vector<std::vector<double>> seen_cpu, seen_gpu;  // the sums each hook was handed
+  auto hook = [](std::vector<std::vector<double>>& seen) {
+    return [&seen](std::vector<double>& sums) {
+      seen.push_back(sums);
+      for (size_t k = 0; k < sums.size(); ++k) sums[k] += 0.25 * static_cast<double>(k % 3);
+    };
+  };
+  for (int t = 1; t <= 5; ++t) {
+    SCOPED_TRACE(testing::Message() << name << (nesterov ? " nesterov" : "") << " step " << t);
+    VecF g = randv(n, rng, -0.5f, 0.5f);
+    int64_t at = 0;
+    for (const Piece& p : pieces) {
+      if (p.zero_g) std::fill(g.begin() + at, g.begin() + at + p.n, 0.0f);
+      at += p.n;
+    }
+    cs.g.copy_from(tf(g, {n}));
+    gs.g.copy_from(tf(g, {n}));
+    const double lr = cfg.lr * (1.0 - 0.1 * t);
+    copt.step(lr, hook(seen_cpu));
+    gopt.step(lr, hook(seen_gpu));
+    if (name == "lamb" || name == "lars") {
+      ASSERT_EQ(seen_gpu.size(), seen_cpu.size());
+      const std::vector<double>&a = seen_cpu.back(), &b = seen_gpu.back();
+      ASSERT_EQ(a.size(), b.size());
+      // doubles summed in other orders (and u from fp32 operations the CPU may contract)
+      for (size_t k = 0; k < a.size(); ++k) EXPECT_NEAR(b[k], a[k], 1e-6 * std::abs(a[k])) << "sum " << k;
+    }
+    // As for AdamW: the same float operations, but the CPU compiler contracts under
+    // -march=native; an ulp or so per step, carried by the moments over 5 steps.
+    EXPECT_LT(rel_err(to_host(gs.w), to_host(cs.w)), 1e-5);
+    const auto cst = copt.state(0), gst = gopt.state(0);
+    ASSERT_EQ(cst.size(), gst.size());
+    for (size_t k = 0; k < cst.size(); ++k)
+      EXPECT_LT(rel_err(to_host(gst[k].second), to_host(cst[k].second)), 1e-5) << cst[k].first;
+  }
+}
+
+}  // namespace
+
+TEST(CudaOptim, SgdLarsLambMatchCpuOptimizer) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  layerwise_case("sgd", false, 31);
+  layerwise_case("sgd", true, 32);
+  layerwise_case("lars", false, 33);
+  layerwise_case("lars", true, 34);
+  layerwise_case("lamb", false, 35);
+}
+
+TEST(CudaOptim, SumsqEachMatchesSumsqAndLambsDirection) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  CudaAllocator& gpu = test::gpu();
+  std::mt19937 rng(23);
+  const int n = 70001;
+  VecF x = randv(n, rng), m = randv(n, rng, -0.01f, 0.01f), v = randv(n, rng, 1e-6f, 1e-4f);
+  const Tensor dx = to_dev(x, {n}), dm = to_dev(m, {n}), dv = to_dev(v, {n});
+  const cuda::LambConsts c = {0.9f, 0.95f, 0.1f, 0.05f, 1.5f, 0.4f, 1e-8f};
+  const float wd = 0.1f;
+  const std::vector<double> sums = cuda::sumsq_each({{dx, {}, {}, 0.0f},
+                                                     {},
+                                                     {dx.view(0, {0}), {}, {}, 0.0f},
+                                                     {dx, dm, dv, wd},
+                                                     {dx.view(5, {100}), {}, {}, 0.0f}},
+                                                    c);
+  ASSERT_EQ(sums.size(), 5u);
+  const double one = cuda::sumsq(dx), part = cuda::sumsq(dx.view(5, {100}));
+  EXPECT_EQ(0, std::memcmp(&sums[0], &one, sizeof(double))) << "not sumsq's order";
+  EXPECT_EQ(sums[1], 0.0);  // undefined
+  EXPECT_EQ(sums[2], 0.0);  // empty
+  EXPECT_EQ(0, std::memcmp(&sums[4], &part, sizeof(double))) << "a view: not sumsq's order";
+  long double ref = 0;  // u in float with the kernel's rounding of each operation, summed exactly
+  for (int i = 0; i < n; ++i) {
+    volatile float a = m[i] * c.inv_bc1, r = std::sqrt(v[i]), q = r / c.bc2_sqrt, den = q + c.eps, dq = a / den,
+                   wdw = wd * x[i], u = dq + wdw;
+    ref += (long double)u * u;
+  }
+  EXPECT_NEAR(sums[3], (double)ref, 1e-12 * (double)ref);
+  EXPECT_THROW(cuda::sumsq_each({{dx, dm, dv.view(0, {n - 1}), wd}}, c), Error);  // v shorter than w
+}
+
+// 16-bit gradients (training.grad_dtype) on the GPU: the optimizer widens them into its GPU
+// scratch and applies the clip / unscale factor there, so every optimizer updates exactly as
+// over fp32 gradients holding the widened values times the factor; the gradient norm of
+// 16-bit gradients is that of their widened values. Both bit for bit (the same kernels over
+// the same floats), as on the CPU (tests/test_precision.cpp).
+TEST(CudaOptim, Reads16BitGradientsAsWidenedAndScaled) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  CudaAllocator& gpu = test::gpu();
+  CpuAllocator cpu;
+  const int64_t n = 40000;
+  std::mt19937 rng(8);
+  VecF w0 = randv(n, rng);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    const Tensor h16 = Tensor::empty({n}, dt, cpu, MemTag::grads);
+    VecF values = randv(n, rng, -0.02f, 0.02f);
+    h16.convert_from(tf(values, {n}));
+    const Tensor g16 = Tensor::empty({n}, dt, gpu, MemTag::grads);
+    g16.copy_from(h16);
+    const float c = 0.37f;  // a clip coefficient times 1 / loss scale
+    VecF widened(n), scaled(n);
+    tf(widened, {n}).convert_from(h16);
+    for (int64_t i = 0; i < n; ++i) scaled[i] = widened[i] * c;
+    for (const char* name : {"adamw", "sgd", "lamb", "lars"}) {
+      OptimConfig cfg;
+      cfg.name = name;
+      auto segment = [&](const Tensor& g) {
+        OptimSegment s{to_dev(w0, {n}), g, {{1000, 30000}}, {}};
+        s.tensors = {{0, 1000, false, true}, {1000, 30000, true, true}, {30000, n, false, true}};
+        return std::vector<OptimSegment>{s};
+      };
+      const auto wide_segs = segment(to_dev(scaled, {n})), half_segs = segment(g16);
+      Optimizer wide(cfg, wide_segs, gpu), half(cfg, half_segs, gpu);
+      for (int step = 0; step < 3; ++step) {
+        wide.step(1e-2);
+        half.step(1e-2, {}, c);
+      }
+      EXPECT_TRUE(same_bits(to_host(wide_segs[0].w), to_host(half_segs[0].w))) << name << " " << dtype_name(dt);
+    }
+    const OptimSegment a{to_dev(w0, {n}), to_dev(widened, {n}), {}, {{5, 17}}};
+    const OptimSegment b{to_dev(w0, {n}), g16, {}, {{5, 17}}};
+    EXPECT_EQ(grad_sumsq({a}), grad_sumsq({b})) << dtype_name(dt);
+    long double ref = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (i < 5 || i >= 17) ref += (long double)widened[i] * widened[i];
+    EXPECT_NEAR(grad_sumsq({b}), (double)ref, 1e-12 * (double)ref) << dtype_name(dt);
+  }
 }
 
 // ---- sums of squares, scaling ----

@@ -1,7 +1,9 @@
 // ZeRO stages 1-3 with training.device = cuda and two ranks sharing the GPU (collectives
 // through host memory) against one rank on the GPU; a ZeRO-3 checkpoint written on the GPU
-// that resumes bit-exactly on the GPU and carries on on the CPU at dp 1; and the shards'
-// accumulation on the device against the host's, bit for bit. Skipped without a GPU.
+// that resumes bit-exactly on the GPU and carries on on the CPU at dp 1; SGD, LAMB and
+// LARS on the GPU against the CPU and across layouts; 16-bit gradients; hierarchical
+// reductions; and the shards' accumulation on the device against the host's, bit for bit.
+// Skipped without a GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -110,6 +112,110 @@ TEST_P(CudaZeroFamily, TwoRanksSharingTheGpuMatchOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, CudaZeroFamily, ::testing::Values("gpt2", "llama"));
+
+// SGD, LAMB and LARS on the GPU (the kernels of ops/cuda/loss_optim.cu): one rank on the GPU
+// against one on the CPU (the bound of the GPU-against-CPU runs of tests/test_cuda_model.cpp,
+// 1e-4: the same updates with float sums in other orders), and LAMB / LARS at dp 2 with
+// ZeRO 3 and tp 2 sharing the GPU against one rank on it, where each tensor's trust ratio
+// needs the norms summed over the ranks holding its pieces (the dp-only runs' 1e-5). LAMB
+// at lr 0.02 moves each matrix by ~2% of its norm per step, LARS at lr 0.5 with trust_coef
+// 0.02 by ~1% (tests/test_lamb_lars.cpp): a missing or misordered sum is far outside.
+TEST(CudaZero, SgdLambLarsMatchTheCpuAndOneRank) {
+  SKIP_WITHOUT_GPU();
+  test::TempDir d;
+  const std::string data = " --data.path=" + test::write_tokens(d, "t.bin", 3000, 37) + kClip;
+  for (const std::string name : {"sgd", "lamb", "lars"}) {
+    const std::string fam = name == "lars" ? "llama" : "gpt2";
+    std::string o = data + " --optim.name=" + name;
+    o += name == "lars"  ? " --optim.lr=0.5 --optim.trust_coef=0.02"
+         : name == "sgd" ? " --optim.lr=0.1"
+                         : " --optim.lr=0.02";
+    const std::string gpu = o + " --training.device=cuda";
+    const test::RunResult cpu = test::train_run(d, name + "_cpu", 1, test::options(fam, 8, 2) + o);
+    const test::RunResult one = test::train_run(d, name + "_one", 1, test::options(fam, 8, 2) + gpu);
+    ASSERT_EQ(one.loss.size(), cpu.loss.size()) << name << "\n" << one.output;
+    EXPECT_LT(loss_diff(cpu.loss, one.loss), 1e-4) << name << " on the GPU against the CPU";
+    EXPECT_LT(rel_diff(cpu.units, one.units), 1e-4) << name << " on the GPU against the CPU";
+    if (name == "sgd") continue;
+    for (const std::string layout : {" --parallel.dp=2 --parallel.zero=3", " --parallel.tp=2"}) {
+      const test::RunResult r = test::train_run(d, name + "_layout", 2, test::options(fam, 8, 1) + gpu + layout);
+      ASSERT_EQ(r.loss.size(), one.loss.size()) << name << layout << "\n" << r.output;
+      EXPECT_LT(loss_diff(one.loss, r.loss), 1e-5) << name << layout;
+      EXPECT_LT(rel_diff(one.units, r.units), 1e-5) << name << layout;
+      std::filesystem::remove_all(d / (name + "_layout"));
+      std::filesystem::remove(d / (name + "_layout.jsonl"));
+    }
+  }
+}
+
+// parallel.hierarchical with four ranks sharing the GPU as two nodes of two: the by-node
+// all-reduce (DDP) and reduce-scatter (ZeRO 2) stage the GPU tensors through host memory
+// as the flat ones do and sum every element in rank order, so the runs equal their flat
+// twins bit for bit, as on the CPU (tests/test_comm_reduce.cpp).
+TEST(CudaZero, HierarchicalTrainsTheFlatRunBitForBit) {
+  SKIP_WITHOUT_GPU();
+  test::TempDir d;
+  const std::string o = test::options("llama", 8, 1) + " --training.device=cuda --parallel.ranks_per_node=2" +
+                        " --parallel.bucket_mb=0.02 --data.path=" + test::write_tokens(d, "t.bin", 3000, 37);
+  for (const std::string zero : {"0", "2"}) {
+    const std::string c = o + " --parallel.zero=" + zero;
+    const test::RunResult flat = test::train_run(d, "flat" + zero, 4, c);
+    const test::RunResult hier = test::train_run(d, "hier" + zero, 4, c + " --parallel.hierarchical=true");
+    test::expect_bit_identical(flat, hier, "hierarchical on the GPU, zero " + zero);
+  }
+}
+
+// training.grad_dtype = bf16 on the GPU: each unit's fp32 gradient added into the bf16 one
+// on the device (cuda_accumulate, bit for bit the host's rounding), the optimizer widening
+// them into its GPU scratch, the norm read from 16 bits. The CPU's bounds
+// (tests/test_precision.cpp): against fp32 gradients 1e-3 in loss; dp 2 (DDP with a bf16
+// all-reduce, ZeRO 2) against one rank with bf16 gradients 1e-4 in loss and 1e-2 in
+// parameters; memory per tag the formula's 2 + 2 + 12 bytes per parameter.
+TEST(CudaZero, Bf16GradientsTrainWhatOneRankTrains) {
+  SKIP_WITHOUT_GPU();
+  test::TempDir d;
+  const std::string rest = " --training.device=cuda --training.precision=bf16 --data.path=" +
+                           test::write_tokens(d, "t.bin", 3000, 37) + kClip;
+  const std::string g16 = " --training.grad_dtype=bf16";
+  const test::RunResult f32g = test::train_run(d, "f32g", 1, test::options("gpt2", 8, 2) + rest);
+  const test::RunResult one = test::train_run(d, "g16", 1, test::options("gpt2", 8, 2) + rest + g16);
+  ASSERT_EQ(one.loss.size(), f32g.loss.size()) << one.output;
+  EXPECT_LT(loss_diff(f32g.loss, one.loss), 1e-3);
+  EXPECT_EQ(2 * one.summary["mem_grads"].get<double>(), f32g.summary["mem_grads"].get<double>());
+  test::expect_memory_as_predicted(one, "g16");
+  EXPECT_NE(one.output.find("2 + 2 + 12 bytes per parameter"), std::string::npos) << one.output;
+  for (const std::string layout : {" --parallel.grad_comm_dtype=bf16", " --parallel.zero=2"}) {
+    const test::RunResult r =
+        test::train_run(d, "g16_dp2", 2, test::options("gpt2", 8, 1) + rest + g16 + " --parallel.dp=2" + layout);
+    ASSERT_EQ(r.loss.size(), one.loss.size()) << layout << "\n" << r.output;
+    EXPECT_LT(loss_diff(one.loss, r.loss), 1e-4) << layout;
+    EXPECT_LT(rel_diff(one.units, r.units), 1e-2) << layout;
+    test::expect_memory_as_predicted(r, "g16_dp2" + layout);
+    std::filesystem::remove_all(d / "g16_dp2");
+    std::filesystem::remove(d / "g16_dp2.jsonl");
+  }
+}
+
+// fp16 gradients on the GPU keep fp16's range: exactly the steps with an injected overflow
+// (rank 1 of dp 2, DDP reducing fp16 in place) are skipped on both ranks, the scale halving
+// at each and doubling after 3 clean steps (tests/test_precision.cpp on the CPU).
+TEST(CudaZero, Fp16GradientsSkipExactlyTheOverflowingSteps) {
+  SKIP_WITHOUT_GPU();
+  test::TempDir d;
+  const std::string o = test::options("gpt2", 8, 1) + " --training.device=cuda --training.precision=fp16" +
+                        " --training.grad_dtype=fp16 --parallel.grad_comm_dtype=fp16 --training.steps=8" +
+                        " --parallel.dp=2 --optim.loss_scale=4096 --optim.loss_scale_window=3 --data.path=" +
+                        test::write_tokens(d, "t.bin", 3000, 37);
+  const test::RunResult r = test::train_run(d, "injected", 2, o + " --parallel.test_fault=overflow:1:2,5");
+  const std::vector<nlohmann::json> st = test::steps_of(d, "injected");
+  ASSERT_EQ(st.size(), 8u) << r.output;
+  const double expect_scale[] = {4096, 4096, 4096, 2048, 2048, 2048, 1024, 1024};
+  for (int s = 0; s < 8; ++s) {
+    EXPECT_EQ(st[s]["skipped"].get<bool>(), s == 2 || s == 5) << "step " << s;
+    EXPECT_EQ(st[s]["loss_scale"].get<double>(), expect_scale[s]) << "step " << s;
+    EXPECT_TRUE(std::isfinite(r.loss[s])) << "step " << s;
+  }
+}
 
 // ZeRO composed with the other axes, four ranks sharing the GPU, against one rank on the
 // GPU (llama, fp32): tp 2 x dp 2 at ZeRO 1, pp 2 x dp 2 at ZeRO 3 (1f1b: each unit gathered

@@ -52,8 +52,7 @@ void Model::unstage_grads(int unit) {
   for (int v : units_used(unit)) {
     if (!narrow_g_[v].defined()) continue;
     Unit& u = units_[v];
-    const Tensor& g = narrow_g_[v];  // g = round(g + staged): one rounding per unit and micro-batch
-    accumulate(g.dtype(), g.raw(), DType::f32, u.g.raw(), u.numel);
+    accumulate(narrow_g_[v], u.g);  // g = round(g + staged) on their device: one rounding per unit and micro-batch
     u.g = std::move(narrow_g_[v]);  // moved-from: empty again
   }
 }

@@ -127,6 +127,41 @@ double sumsq_of(int64_t begin, int64_t end, F f) {
 // ||a|| / ||b|| from their sums of squares; 1 when either norm is 0.
 double norm_ratio(double a2, double b2) { return a2 > 0 && b2 > 0 ? std::sqrt(a2) / std::sqrt(b2) : 1.0; }
 
+// LAMB's constants at step t, rounded to float once (the GPU kernels take the same).
+cuda::LambConsts lamb_consts(const OptimConfig& cfg, int64_t t) {
+  const double bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(cfg.beta2, static_cast<double>(t));
+  return {static_cast<float>(cfg.beta1),        static_cast<float>(cfg.beta2),
+          static_cast<float>(1.0 - cfg.beta1),  static_cast<float>(1.0 - cfg.beta2),
+          static_cast<float>(1.0 / bc1),        static_cast<float>(std::sqrt(bc2)),
+          static_cast<float>(cfg.eps)};
+}
+
+// LARS's local learning rate for a tensor from the sums of squares of its w and g, and the
+// weight decay that goes with it (see step_lars).
+double lars_scale(const OptimConfig& cfg, bool decay, double w2, double g2, double& wd) {
+  const double w_norm = std::sqrt(w2), g_norm = std::sqrt(g2);
+  const bool adapt = decay && w_norm > 0 && g_norm > 0;
+  wd = adapt ? cfg.weight_decay : 0.0;
+  return adapt ? cfg.trust_coef * w_norm / (g_norm + wd * w_norm + cfg.eps) : 1.0;
+}
+
+// f(begin, end, decay) over a segment's elements as alternating no-decay / decay ranges
+// (empty ones skipped).
+template <class F>
+void for_each_decay_run(const OptimSegment& s, F f) {
+  int64_t pos = 0;
+  auto run = [&](int64_t begin, int64_t end, bool decay) {
+    if (end > begin) f(begin, end, decay);
+  };
+  for (const auto& [b, e] : s.decay_ranges) {
+    run(pos, b, false);
+    run(b, e, true);
+    pos = e;
+  }
+  run(pos, s.w.numel(), false);
+}
+
 }  // namespace
 
 const float* Optimizer::grad(size_t si) const {
@@ -149,13 +184,11 @@ const float* Optimizer::grad(size_t si) const {
 // Two passes: the moments and the partial norms, then (after the norms are summed over the
 // tensor's holders) the update, recomputing u from the stored moments.
 void Optimizer::step_lamb(double lr, const SumFn& sum_over_holders) {
-  const double bc1 = 1.0 - std::pow(cfg_.beta1, static_cast<double>(t_));
-  const double bc2 = 1.0 - std::pow(cfg_.beta2, static_cast<double>(t_));
-  const float b1 = static_cast<float>(cfg_.beta1), b2 = static_cast<float>(cfg_.beta2);
-  const float one_minus_b1 = static_cast<float>(1.0 - cfg_.beta1), one_minus_b2 = static_cast<float>(1.0 - cfg_.beta2);
-  const float inv_bc1 = static_cast<float>(1.0 / bc1), bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  const float eps = static_cast<float>(cfg_.eps);
-  auto update = [=](float m, float v, float w, float wd) { return (m * inv_bc1) / (std::sqrt(v) / bc2_sqrt + eps) + wd * w; };
+  const cuda::LambConsts c = lamb_consts(cfg_, t_);
+  const float b1 = c.b1, b2 = c.b2, one_minus_b1 = c.one_minus_b1, one_minus_b2 = c.one_minus_b2;
+  auto update = [c](float m, float v, float w, float wd) {
+    return (m * c.inv_bc1) / (std::sqrt(v) / c.bc2_sqrt + c.eps) + wd * w;
+  };
   std::vector<double> sums;  // per tensor: sum of w^2, sum of u^2 over this rank's counted elements
   for (size_t si = 0; si < segments_.size(); ++si) {
     float *p = segments_[si].w.f32(), *m = m_[si].f32(), *v = v_[si].f32();
@@ -206,11 +239,9 @@ void Optimizer::step_lars(double lr, const SumFn& sum_over_holders) {
     const OptimSegment& s = segments_[si];
     const float* g = grad(si);
     for (const OptimTensor& t : s.tensors) {
-      const double w_norm = std::sqrt(sums[k]), g_norm = std::sqrt(sums[k + 1]);
+      double wd = 0.0;
+      const double scale = lars_scale(cfg_, t.decay, sums[k], sums[k + 1], wd);
       k += 2;
-      const bool adapt = t.decay && w_norm > 0 && g_norm > 0;
-      const double wd = adapt ? cfg_.weight_decay : 0.0;
-      const double scale = adapt ? cfg_.trust_coef * w_norm / (g_norm + wd * w_norm + cfg_.eps) : 1.0;
       sgd_range(s.w.f32() + t.begin, g + t.begin, m_[si].f32() + t.begin, t.end - t.begin,
                 static_cast<float>(wd), static_cast<float>(lr), static_cast<float>(cfg_.momentum), t_ == 1,
                 cfg_.nesterov, static_cast<float>(scale));
@@ -218,7 +249,7 @@ void Optimizer::step_lars(double lr, const SumFn& sum_over_holders) {
   }
 }
 
-// Segments in GPU memory (training.device = cuda): AdamW in one launch per segment.
+// Segments in GPU memory (training.device = cuda).
 [[maybe_unused]] static bool on_gpu(const std::vector<OptimSegment>& segments) {
   return !segments.empty() && segments[0].w.device() == Device::cuda;
 }
@@ -227,14 +258,7 @@ void Optimizer::step(double lr, const SumFn& sum_over_holders, float grad_scale)
   ++t_;
   grad_scale_ = grad_scale;
 #if MESHTRAIN_CUDA
-  if (on_gpu(segments_)) {
-    MT_CHECK(cfg_.name == "adamw", "optim.name = " << cfg_.name << " has no GPU implementation yet; use adamw");
-    for (size_t si = 0; si < segments_.size(); ++si)
-      if (segments_[si].w.numel())
-        cuda::adamw_step(segments_[si].w, segments_[si].g, m_[si], v_[si], segments_[si].decay_ranges, lr, cfg_.beta1,
-                         cfg_.beta2, cfg_.eps, cfg_.weight_decay, t_);
-    return;
-  }
+  if (on_gpu(segments_)) return step_gpu(lr, sum_over_holders);
 #endif
   if (cfg_.name == "lamb") return step_lamb(lr, sum_over_holders);
   if (cfg_.name == "lars") return step_lars(lr, sum_over_holders);
@@ -244,10 +268,7 @@ void Optimizer::step(double lr, const SumFn& sum_over_holders, float grad_scale)
     const OptimSegment& s = segments_[si];
     float* p = s.w.f32();
     const float* g = grad(si);
-    // Walk the segment as alternating no-decay / decay ranges.
-    int64_t pos = 0;
-    auto run = [&](int64_t begin, int64_t end, bool decay) {
-      if (end <= begin) return;
+    for_each_decay_run(s, [&](int64_t begin, int64_t end, bool decay) {
       const double wd = decay ? cfg_.weight_decay : 0.0;
       if (cfg_.name == "adamw") {
         adamw_range(p + begin, g + begin, m_[si].f32() + begin, v_[si].f32() + begin, end - begin,
@@ -258,15 +279,93 @@ void Optimizer::step(double lr, const SumFn& sum_over_holders, float grad_scale)
         sgd_range(p + begin, g + begin, m_[si].f32() + begin, end - begin, static_cast<float>(wd),
                   static_cast<float>(lr), static_cast<float>(cfg_.momentum), t_ == 1, cfg_.nesterov);
       }
-    };
-    for (const auto& [b, e] : s.decay_ranges) {
-      run(pos, b, false);
-      run(b, e, true);
-      pos = e;
-    }
-    run(pos, s.w.numel(), false);
+    });
   }
 }
+
+#if MESHTRAIN_CUDA
+// The same updates through the kernels of ops/cuda (loss_optim.cu), which round every
+// operation as the host loops do: AdamW in one launch per segment, SGD per decay run, LAMB
+// and LARS per tensor, with a segment's per-tensor sums of squares taken together (one wait).
+void Optimizer::step_gpu(double lr, const SumFn& sum_over_holders) {
+  // Segment si's gradients as fp32 times grad_scale_: g itself, or (16-bit gradients) widened
+  // and scaled into scratch_, valid until the next call (the kernels queued before it have
+  // read the old contents by then: one stream).
+  auto grad = [&](size_t si) {
+    const Tensor& g = segments_[si].g;
+    if (g.dtype() == DType::f32 && grad_scale_ == 1.0f) return g;
+    MT_CHECK(scratch_.defined(), "internal: fp32 gradients scaled as read (clip them in place: grad_clip)");
+    const Tensor wide = scratch_.view(0, {g.numel()});
+    wide.convert_from(g);
+    if (grad_scale_ != 1.0f) cuda::scale_inplace(wide, grad_scale_);
+    return wide;
+  };
+  auto piece = [](const Tensor& x, int64_t begin, int64_t end) { return x.view(begin, {end - begin}); };
+  const float momentum = static_cast<float>(cfg_.momentum);
+  if (cfg_.name == "adamw" || cfg_.name == "sgd") {
+    for (size_t si = 0; si < segments_.size(); ++si) {
+      const OptimSegment& s = segments_[si];
+      if (s.w.numel() == 0) continue;
+      const Tensor g = grad(si);
+      if (cfg_.name == "adamw") {
+        cuda::adamw_step(s.w, g, m_[si], v_[si], s.decay_ranges, lr, cfg_.beta1, cfg_.beta2, cfg_.eps,
+                         cfg_.weight_decay, t_);
+        continue;
+      }
+      for_each_decay_run(s, [&](int64_t begin, int64_t end, bool decay) {
+        cuda::sgd_step(piece(s.w, begin, end), piece(g, begin, end), piece(m_[si], begin, end),
+                       decay ? static_cast<float>(cfg_.weight_decay) : 0.0f, static_cast<float>(lr), momentum,
+                       t_ == 1, cfg_.nesterov, 1.0f);
+      });
+    }
+    return;
+  }
+  const bool lamb = cfg_.name == "lamb";
+  const cuda::LambConsts c = lamb_consts(cfg_, t_);
+  auto wd_of = [&](const OptimTensor& t) { return t.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f; };
+  std::vector<double> sums;  // per tensor: sum of w^2, sum of u^2 (LAMB) or g^2 (LARS) over the counted elements
+  for (size_t si = 0; si < segments_.size(); ++si) {
+    const OptimSegment& s = segments_[si];
+    const Tensor g = s.w.numel() ? grad(si) : s.g;
+    std::vector<cuda::SumsqTerm> terms;  // empty where this rank holds or counts none of the tensor
+    for (const OptimTensor& t : s.tensors) {
+      const bool held = t.end > t.begin;
+      if (held && lamb) cuda::lamb_moments(piece(g, t.begin, t.end), piece(m_[si], t.begin, t.end),
+                                           piece(v_[si], t.begin, t.end), c);
+      if (!held || !t.counted) {
+        terms.resize(terms.size() + 2);
+        continue;
+      }
+      const Tensor w = piece(s.w, t.begin, t.end);
+      terms.push_back({w, {}, {}, 0.0f});
+      if (lamb) terms.push_back({w, piece(m_[si], t.begin, t.end), piece(v_[si], t.begin, t.end), wd_of(t)});
+      else terms.push_back({piece(g, t.begin, t.end), {}, {}, 0.0f});
+    }
+    const std::vector<double> mine = cuda::sumsq_each(terms, c);  // before the next segment's gradients widen
+    sums.insert(sums.end(), mine.begin(), mine.end());
+  }
+  if (sum_over_holders) sum_over_holders(sums);
+  size_t k = 0;
+  for (size_t si = 0; si < segments_.size(); ++si) {
+    const OptimSegment& s = segments_[si];
+    const Tensor g = lamb || s.w.numel() == 0 ? s.g : grad(si);
+    for (const OptimTensor& t : s.tensors) {
+      const double a2 = sums[k], b2 = sums[k + 1];
+      k += 2;
+      if (t.end <= t.begin) continue;
+      const Tensor w = piece(s.w, t.begin, t.end), m = piece(m_[si], t.begin, t.end);
+      if (lamb) {
+        cuda::lamb_apply(w, m, piece(v_[si], t.begin, t.end), c, wd_of(t), static_cast<float>(lr * norm_ratio(a2, b2)));
+        continue;
+      }
+      double wd = 0.0;
+      const double scale = lars_scale(cfg_, t.decay, a2, b2, wd);
+      cuda::sgd_step(w, piece(g, t.begin, t.end), m, static_cast<float>(wd), static_cast<float>(lr), momentum,
+                     t_ == 1, cfg_.nesterov, static_cast<float>(scale));
+    }
+  }
+}
+#endif
 
 double lr_scale(const OptimConfig& cfg, int64_t global_batch) {
   return cfg.lr_base_batch > 0 ? static_cast<double>(global_batch) / static_cast<double>(cfg.lr_base_batch) : 1.0;
@@ -295,14 +394,18 @@ std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments) {
   constexpr int64_t kChunk = 1 << 14;
   std::vector<double> each;
 #if MESHTRAIN_CUDA
-  if (on_gpu(segments)) {
-    for (const OptimSegment& s : segments) {
+  if (on_gpu(segments)) {  // every piece at once, one wait; each segment's pieces added in order
+    std::vector<cuda::SumsqTerm> pieces;
+    std::vector<size_t> segment_of;
+    for (size_t si = 0; si < segments.size(); ++si) {
+      const OptimSegment& s = segments[si];
       // The pieces between the replicated ranges (another rank counts those), in order; a
       // segment without replicas is one piece.
-      double& total = each.emplace_back(0.0);
       int64_t i = 0;
       auto add_up_to = [&](int64_t end) {
-        if (end > i) total += cuda::sumsq(s.g.view(i, {end - i}));
+        if (end <= i) return;
+        pieces.push_back({s.g.view(i, {end - i}), {}, {}, 0.0f});
+        segment_of.push_back(si);
       };
       for (const auto& [a, b] : s.replica_ranges) {
         add_up_to(a);
@@ -310,6 +413,9 @@ std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments) {
       }
       add_up_to(s.g.numel());
     }
+    const std::vector<double> sums = cuda::sumsq_each(pieces);
+    each.assign(segments.size(), 0.0);
+    for (size_t k = 0; k < sums.size(); ++k) each[segment_of[k]] += sums[k];
     return each;
   }
 #endif

@@ -93,6 +93,7 @@ class Optimizer {
   const float* grad(size_t si) const;
   void step_lamb(double lr, const SumFn& sum_over_holders);
   void step_lars(double lr, const SumFn& sum_over_holders);
+  void step_gpu(double lr, const SumFn& sum_over_holders);  // segments in GPU memory (MESHTRAIN_CUDA builds)
 };
 
 // The linear scaling rule's factor on optim.lr: global_batch / lr_base_batch, or 1 when off.

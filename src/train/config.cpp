@@ -295,8 +295,6 @@ void Config::validate() const {
   MT_CHECK(training.threads >= 0, "training.threads must not be negative (0: all cores)");
   check_device();
   if (model.grad_working()) {  // 16-bit gradients (training.grad_dtype; model.validate checked the dtype)
-    MT_CHECK(training.device == "cpu", "training.grad_dtype = " << model.grad_dtype << " runs on the CPU only for "
-                                       << "now; use training.grad_dtype = fp32 with training.device = cuda");
     MT_CHECK(parallel.grad_comm_dtype == "fp32" || parallel.grad_comm_dtype == model.grad_dtype,
              "parallel.grad_comm_dtype = " << parallel.grad_comm_dtype << " with training.grad_dtype = "
                                            << model.grad_dtype << ": reduce the gradients in " << model.grad_dtype
@@ -398,11 +396,8 @@ void Config::check_device() const {
   if (training.device != "cuda") return;
   MT_CHECK(cuda_built(), "training.device = cuda, but this meshtrain was built without CUDA: install the CUDA toolkit "
                          "and rebuild (MESHTRAIN_CUDA=ON), or use training.device = cpu");
-  MT_CHECK(optim.name == "adamw", "training.device = cuda runs optim.name = adamw only, not "
-                                      << optim.name << " (the CUDA engine has AdamW's kernel alone so far)");
-  MT_CHECK(!parallel.hierarchical && parallel.grad_compression == "none",
-           "training.device = cuda reduces gradients with the flat collectives only for now: set "
-           "parallel.hierarchical=false and parallel.grad_compression=none");
+  MT_CHECK(parallel.grad_compression == "none",
+           "training.device = cuda reduces gradients uncompressed only for now: set parallel.grad_compression=none");
   MT_CHECK(model.fused_attention(), "training.device = cuda needs training.attention = fused (the GPU attention "
                                     "never stores the [T, T] probabilities)");
 }

@@ -1,5 +1,6 @@
 // CUDA kernels of the loss and the optimizer: fused softmax cross-entropy (forward and
-// backward), the AdamW update of a flat segment, sums of squares and in-place scaling.
+// backward), the AdamW update of a flat segment, SGD / LARS and LAMB over a tensor's
+// elements, sums of squares (of values, or of LAMB's update direction) and in-place scaling.
 //
 // Every kernel runs on the compute stream. Reductions are deterministic: block sizes and
 // grids depend only on the shape, each thread sums a fixed strided set of elements in
@@ -305,19 +306,129 @@ void adamw_step(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor&
   MT_CUDA_LAUNCHED("adamw_kernel");
 }
 
+// ---- SGD, LARS and LAMB -----------------------------------------------------------------
+
+namespace {
+
+// Grid-stride (grid_for(n) blocks of kThreads): the CPU's sgd_range, each operation rounded
+// on its own (no fused multiply-add).
+__global__ void sgd_kernel(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ buf, int64_t n,
+                           float wd, float lr, float momentum, bool first, bool nesterov, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float pi = p[i];
+    const float d = __fmul_rn(scale, __fadd_rn(g[i], __fmul_rn(wd, pi)));
+    const float b = first ? d : __fadd_rn(__fmul_rn(momentum, buf[i]), d);
+    buf[i] = b;
+    const float upd = nesterov ? __fadd_rn(d, __fmul_rn(momentum, b)) : b;
+    p[i] = __fsub_rn(pi, __fmul_rn(lr, upd));
+  }
+}
+
+// LAMB's direction u = (m inv_bc1) / (sqrt(v) / bc2_sqrt + eps) + wd w, the CPU's order.
+__device__ float lamb_direction(float m, float v, float w, float wd, const LambConsts& c) {
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.bc2_sqrt), c.eps);
+  return __fadd_rn(__fdiv_rn(__fmul_rn(m, c.inv_bc1), denom), __fmul_rn(wd, w));
+}
+
+// Grid-stride: m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g g.
+__global__ void lamb_moments_kernel(const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+                                    int64_t n, LambConsts c) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float gi = g[i];
+    m[i] = __fadd_rn(__fmul_rn(m[i], c.b1), __fmul_rn(c.one_minus_b1, gi));
+    v[i] = __fadd_rn(__fmul_rn(v[i], c.b2), __fmul_rn(__fmul_rn(c.one_minus_b2, gi), gi));
+  }
+}
+
+// Grid-stride: w -= step u.
+__global__ void lamb_apply_kernel(float* __restrict__ w, const float* __restrict__ m, const float* __restrict__ v,
+                                  int64_t n, LambConsts c, float wd, float step) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float wi = w[i];
+    w[i] = __fsub_rn(wi, __fmul_rn(step, lamb_direction(m[i], v[i], wi, wd, c)));
+  }
+}
+
+void check_same_numel(const Tensor& x, const Tensor& ref, const char* what) {
+  MT_CHECK(x.numel() == ref.numel(), what << " has " << x.numel() << " elements (shape " << shape_str(x.shape())
+                                          << "), expected " << ref.numel());
+}
+
+}  // namespace
+
+void sgd_step(const Tensor& w, const Tensor& g, const Tensor& buf, float wd, float lr, float momentum, bool first,
+              bool nesterov, float scale) {
+  check_device_f32(w, "sgd_step: w");
+  check_device_f32(g, "sgd_step: g");
+  check_device_f32(buf, "sgd_step: buf");
+  check_same_numel(g, w, "sgd_step: g");
+  check_same_numel(buf, w, "sgd_step: buf");
+  const int64_t n = w.numel();
+  if (n == 0) return;
+  sgd_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(w.data<float>(), g.data<float>(), buf.data<float>(),
+                                                                n, wd, lr, momentum, first, nesterov, scale);
+  MT_CUDA_LAUNCHED("sgd_kernel");
+}
+
+void lamb_moments(const Tensor& g, const Tensor& m, const Tensor& v, const LambConsts& c) {
+  check_device_f32(g, "lamb_moments: g");
+  check_device_f32(m, "lamb_moments: m");
+  check_device_f32(v, "lamb_moments: v");
+  check_same_numel(m, g, "lamb_moments: m");
+  check_same_numel(v, g, "lamb_moments: v");
+  const int64_t n = g.numel();
+  if (n == 0) return;
+  lamb_moments_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(g.data<float>(), m.data<float>(),
+                                                                         v.data<float>(), n, c);
+  MT_CUDA_LAUNCHED("lamb_moments_kernel");
+}
+
+void lamb_apply(const Tensor& w, const Tensor& m, const Tensor& v, const LambConsts& c, float wd, float step) {
+  check_device_f32(w, "lamb_apply: w");
+  check_device_f32(m, "lamb_apply: m");
+  check_device_f32(v, "lamb_apply: v");
+  check_same_numel(m, w, "lamb_apply: m");
+  check_same_numel(v, w, "lamb_apply: v");
+  const int64_t n = w.numel();
+  if (n == 0) return;
+  lamb_apply_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(w.data<float>(), m.data<float>(),
+                                                                       v.data<float>(), n, c, wd, step);
+  MT_CUDA_LAUNCHED("lamb_apply_kernel");
+}
+
 // ---- sums of squares, scaling ---------------------------------------------------------
 
 namespace {
 
-// Grid kSumsqBlocks x kThreads: part[b] = the sum in double of x[i]^2 over the elements
+// What a sum of squares reads at element i: x[i] (widened from 16 bits), or LAMB's direction there.
+__device__ float widen(float x) { return x; }
+__device__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ float widen(__half x) { return __half2float(x); }
+template <class T>
+struct Plain {
+  const T* x;
+  __device__ float operator()(int64_t i) const { return widen(x[i]); }
+};
+struct LambDirection {
+  const float *w, *m, *v;
+  float wd;
+  LambConsts c;
+  __device__ float operator()(int64_t i) const { return lamb_direction(m[i], v[i], w[i], wd, c); }
+};
+
+// Grid kSumsqBlocks x kThreads: part[b] = the sum in double of load(i)^2 over the elements
 // i = b * kThreads + j + k * kSumsqBlocks * kThreads (thread j, k = 0, 1, ... in order),
 // threads combined by the block tree.
-__global__ void sumsq_partial_kernel(double* __restrict__ part, const float* __restrict__ x, int64_t n) {
+template <class Load>
+__global__ void sumsq_partial_kernel(double* __restrict__ part, Load load, int64_t n) {
   __shared__ double buf[kThreads];
   double acc = 0.0;
   const int64_t step = static_cast<int64_t>(kSumsqBlocks) * kThreads;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < n; i += step) {
-    const double xi = x[i];
+    const double xi = load(i);
     acc += xi * xi;
   }
   acc = block_sum(acc, buf);
@@ -343,18 +454,55 @@ __global__ void scale_kernel(float* __restrict__ x, int64_t n, float s) {
 
 }  // namespace
 
+std::vector<double> sumsq_each(const std::vector<SumsqTerm>& terms, const LambConsts& c) {
+  const size_t k = terms.size();
+  std::vector<double> out(k, 0.0);
+  for (const SumsqTerm& t : terms) {
+    if (!t.x.defined()) continue;
+    if (!t.m.defined()) {
+      MT_CHECK(t.x.device() == Device::cuda, "sumsq: x: tensor on " << device_name(t.x.device()) << ", expected cuda");
+      MT_CHECK(t.x.dtype() == DType::f32 || t.x.dtype() == DType::bf16 || t.x.dtype() == DType::f16,
+               "sumsq: x: dtype " << dtype_name(t.x.dtype()) << ", expected f32, bf16 or f16");
+      continue;
+    }
+    check_device_f32(t.x, "sumsq: x");
+    check_device_f32(t.m, "sumsq: m");
+    check_device_f32(t.v, "sumsq: v");
+    check_same_numel(t.m, t.x, "sumsq: m");
+    check_same_numel(t.v, t.x, "sumsq: v");
+  }
+  if (k == 0) return out;
+  Scratch scratch(k * (kSumsqBlocks + 1) * sizeof(double));  // [k][kSumsqBlocks partials], then [k] totals
+  double* totals = scratch.as<double>() + k * kSumsqBlocks;
+  MT_CUDA_CHECK(cudaMemsetAsync(totals, 0, k * sizeof(double), stream()));  // the empty terms' 0
+  for (size_t j = 0; j < k; ++j) {
+    const SumsqTerm& t = terms[j];
+    const int64_t n = t.x.defined() ? t.x.numel() : 0;
+    if (n == 0) continue;
+    double* part = scratch.as<double>() + j * kSumsqBlocks;
+    if (t.m.defined())
+      sumsq_partial_kernel<<<kSumsqBlocks, kThreads, 0, stream()>>>(
+          part, LambDirection{t.x.data<float>(), t.m.data<float>(), t.v.data<float>(), t.wd, c}, n);
+    else if (t.x.dtype() == DType::bf16)
+      sumsq_partial_kernel<<<kSumsqBlocks, kThreads, 0, stream()>>>(
+          part, Plain<__nv_bfloat16>{static_cast<const __nv_bfloat16*>(t.x.raw())}, n);
+    else if (t.x.dtype() == DType::f16)
+      sumsq_partial_kernel<<<kSumsqBlocks, kThreads, 0, stream()>>>(
+          part, Plain<__half>{static_cast<const __half*>(t.x.raw())}, n);
+    else
+      sumsq_partial_kernel<<<kSumsqBlocks, kThreads, 0, stream()>>>(part, Plain<float>{t.x.data<float>()}, n);
+    MT_CUDA_LAUNCHED("sumsq_partial_kernel");
+    sum_parts_kernel<<<1, kThreads, 0, stream()>>>(totals + j, part, kSumsqBlocks);
+    MT_CUDA_LAUNCHED("sum_parts_kernel");
+  }
+  MT_CUDA_CHECK(cudaMemcpyAsync(out.data(), totals, k * sizeof(double), cudaMemcpyDeviceToHost, stream()));
+  MT_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  return out;
+}
+
 double sumsq(const Tensor& x) {
   check_device_f32(x, "sumsq: x");
-  const int64_t n = x.numel();
-  if (n == 0) return 0.0;
-  Scratch scratch((kSumsqBlocks + 1) * sizeof(double));  // [kSumsqBlocks partials, the total]
-  double* part = scratch.as<double>();
-  double* total = part + kSumsqBlocks;
-  sumsq_partial_kernel<<<kSumsqBlocks, kThreads, 0, stream()>>>(part, x.data<float>(), n);
-  MT_CUDA_LAUNCHED("sumsq_partial_kernel");
-  sum_parts_kernel<<<1, kThreads, 0, stream()>>>(total, part, kSumsqBlocks);
-  MT_CUDA_LAUNCHED("sum_parts_kernel");
-  return fetch_double(total);
+  return sumsq_each({SumsqTerm{x, {}, {}, 0.0f}})[0];
 }
 
 void scale_inplace(const Tensor& x, float s) {

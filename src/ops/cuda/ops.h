@@ -99,6 +99,29 @@ void reorder_sequence(const Tensor& full, const Tensor& ranked, int size, bool t
 void adamw_step(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor& v,
                 const std::vector<std::pair<int64_t, int64_t>>& decay, double lr, double beta1, double beta2,
                 double eps, double weight_decay, int64_t t);
+// SGD with momentum over a flat range, the CPU's sgd_range (optim/optimizer.cpp), each
+// operation rounded on its own: d = scale (g + wd w); buf = d on the first step, else
+// momentum buf + d; w -= lr (nesterov ? d + momentum buf : buf). LARS passes its local
+// learning rate as `scale` (1 for SGD).
+void sgd_step(const Tensor& w, const Tensor& g, const Tensor& buf, float wd, float lr, float momentum, bool first,
+              bool nesterov, float scale);
+// LAMB on one tensor's elements (optim/optimizer.cpp's step_lamb), its constants rounded to
+// float as the CPU optimizer rounds them: the moments m = b1 m + (1 - b1) g and
+// v = b2 v + (1 - b2) g g; the direction u = (m inv_bc1) / (sqrt(v) / bc2_sqrt + eps) + wd w;
+// the update w -= step u (step = lr times the tensor's trust ratio).
+struct LambConsts {
+  float b1, b2, one_minus_b1, one_minus_b2, inv_bc1, bc2_sqrt, eps;
+};
+void lamb_moments(const Tensor& g, const Tensor& m, const Tensor& v, const LambConsts& c);
+void lamb_apply(const Tensor& w, const Tensor& m, const Tensor& v, const LambConsts& c, float wd, float step);
+// Sums of squares in double, each in sumsq's order, taken together and fetched with one
+// wait: of x (f32, or bf16 / f16 widened), or, where m is defined, of LAMB's direction u over
+// (w = x, m, v; all f32) with wd. An undefined or empty x sums to 0.
+struct SumsqTerm {
+  Tensor x, m, v;
+  float wd = 0.0f;
+};
+std::vector<double> sumsq_each(const std::vector<SumsqTerm>& terms, const LambConsts& c = {});
 // Sum of squares of a flat f32 tensor, in double, in a fixed order.
 double sumsq(const Tensor& x);
 // x *= s (f32).
