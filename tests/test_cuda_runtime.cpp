@@ -215,6 +215,30 @@ TEST(CudaRuntime, ConvertMatchesHostBitForBit) {
   EXPECT_EQ(0, std::memcmp(back.data(), h.data(), n * 4));
 }
 
+// Tensor::convert_from between host and device in two dtypes (a compressed reduction's
+// host buffer and 16-bit gradients on the GPU) converts on the host: the host's bits, both
+// ways.
+TEST(CudaRuntime, ConvertFromAcrossDevicesMatchesTheHost) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  CudaAllocator gpu;
+  std::vector<float> h = conversion_values();
+  const int64_t n = static_cast<int64_t>(h.size());
+  const Tensor host32 = Tensor::wrap(h.data(), {n}, DType::f32);
+  for (DType half : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(half));
+    std::vector<uint16_t> want(n), got(n, 0xdead);
+    convert(half, want.data(), DType::f32, h.data(), n);
+    const Tensor d16 = Tensor::empty({n}, half, gpu, MemTag::other);
+    d16.convert_from(host32);  // host f32 -> device 16 bits
+    Tensor::wrap(got.data(), {n}, half).copy_from(d16);
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), n * 2));
+    std::vector<float> want32(n), got32(n, 0.0f);
+    convert(DType::f32, want32.data(), half, want.data(), n);
+    Tensor::wrap(got32.data(), {n}, DType::f32).convert_from(d16);  // device 16 bits -> host f32
+    EXPECT_EQ(0, std::memcmp(got32.data(), want32.data(), n * 4));
+  }
+}
+
 // Rounding in place on the device (round_tensor, the activations a 16-bit scope rounds)
 // gives the host's round_to bit for bit; NaN stays NaN.
 TEST(CudaRuntime, RoundMatchesHostBitForBit) {

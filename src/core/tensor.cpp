@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "core/cuda.h"
 #include "core/error.h"
@@ -136,12 +137,23 @@ void Tensor::copy_from(const Tensor& src) const {
 void Tensor::convert_from(const Tensor& src) const {
   MT_CHECK(src.numel() == numel(), "conversion of " << shape_str(src.shape()) << " into " << shape_str(shape_));
   if (!numel()) return;
-  if (device() == Device::cuda && src.device() == Device::cuda) cuda_convert(dtype_, raw(), src.dtype(), src.raw(), numel());
-  else {
-    MT_CHECK(device() == src.device() || dtype_ == src.dtype(),
-             "conversion between host and device: copy first, then convert on one side");
-    if (dtype_ == src.dtype()) copy_from(src);
-    else convert(dtype_, raw(), src.dtype(), src.raw(), numel());
+  if (device() == Device::cuda && src.device() == Device::cuda) {
+    cuda_convert(dtype_, raw(), src.dtype(), src.raw(), numel());
+  } else if (dtype_ == src.dtype()) {
+    copy_from(src);
+  } else if (device() == src.device()) {
+    convert(dtype_, raw(), src.dtype(), src.raw(), numel());
+  } else {  // between host and device in two dtypes: converted on the host, through a copy there
+    const bool to_host = device() == Device::cpu;
+    std::vector<char> bytes(numel() * dtype_size(to_host ? src.dtype() : dtype_));
+    const Tensor staged = wrap(bytes.data(), shape_, to_host ? src.dtype() : dtype_);
+    if (to_host) {
+      staged.copy_from(src);
+      convert(dtype_, raw(), src.dtype(), staged.raw(), numel());
+    } else {
+      convert(dtype_, staged.raw(), src.dtype(), src.raw(), numel());
+      copy_from(staged);
+    }
   }
 }
 

@@ -74,6 +74,7 @@ class Tensor {
   void copy_from(const Tensor& src) const;
   // The same with a change of dtype between f32 and bf16 / f16 (to 16 bits: rounded to
   // nearest even, as half.h does; to f32: exact), or a plain copy when the dtypes match.
+  // Between host and device the conversion runs on the host, through a temporary copy.
   void convert_from(const Tensor& src) const;
 
  private:

@@ -50,6 +50,13 @@ void quantize(float* x, int64_t count, int64_t m, Block b) {
 
 }  // namespace
 
+Allocator& compression_alloc(Communicator& group, Allocator& alloc) {
+  if (alloc.device() == Device::cpu) return alloc;
+  if (Allocator* host = group.options().alloc) return *host;
+  static CpuAllocator uncounted;  // groups made without an allocator (tests)
+  return uncounted;
+}
+
 Int8Reduction::Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc, Mode mode, bool error_feedback)
     : group_(group), alloc_(alloc), mode_(mode), error_feedback_(error_feedback), n_(numel) {
   MT_CHECK(error_feedback || mode == Mode::reduce_scatter, "internal: an int8 all-reduce without error feedback");

@@ -47,6 +47,12 @@
 
 namespace mt {
 
+// The allocator for a compressed reduction's buffers and state: `alloc` where the model
+// lives on the host; with the model on the GPU (training.device = cuda), host memory (the
+// group's communication allocator, which counts them under MemTag::comm): int8's and
+// PowerSGD's arithmetic runs on the host, over gradients copied there and back.
+Allocator& compression_alloc(Communicator& group, Allocator& alloc);
+
 class Int8Reduction {
  public:
   static constexpr int64_t kChunk = 1024;  // elements per scale

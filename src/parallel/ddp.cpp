@@ -60,10 +60,12 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
       master_.back().convert_from(u.w);
     }
   MT_CHECK(master_.empty() || master_.size() == units.size(), "internal: units of mixed working precisions");
+  // Compressed buckets are reduced on the host (their buffer, residuals and factors there).
+  Allocator& host = compression_alloc(dp, alloc);
   for (Bucket& b : buckets_) {
     if (dp.size() == 1) break;
     if (node_) {
-      make_node_compression(b, alloc);
+      make_node_compression(b, host);
       continue;
     }
     // Gradients of consecutive units in the communication dtype that lie back to back (the
@@ -76,8 +78,9 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
       contiguous = g.raw() == static_cast<char*>(prev.raw()) + prev.nbytes();
     }
     b.in_place = contiguous;
-    if (!contiguous) b.buffer = Tensor::empty({b.numel}, dtype_, alloc, MemTag::comm);
-    if (cfg.grad_compression == "int8") b.int8 = std::make_unique<Int8Reduction>(b.numel, dp, alloc);
+    if (!contiguous)
+      b.buffer = Tensor::empty({b.numel}, dtype_, cfg.grad_compression == "none" ? alloc : host, MemTag::comm);
+    if (cfg.grad_compression == "int8") b.int8 = std::make_unique<Int8Reduction>(b.numel, dp, host);
     if (cfg.grad_compression == "powersgd") {
       std::vector<PsgdMatrix> matrices;  // the bucket's 2-D parameters, [rows x cols] as stored
       int64_t off = 0;
@@ -85,7 +88,7 @@ DDP::DDP(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfig&
         for (const PsgdMatrix& m : psgd_matrices(units[u].params, 0, units[u].numel, off)) matrices.push_back(m);
         off += units[u].numel;
       }
-      b.psgd = std::make_unique<PowerSGDReduction>(b.numel, matrices, cfg.powersgd_rank, dp, alloc);
+      b.psgd = std::make_unique<PowerSGDReduction>(b.numel, matrices, cfg.powersgd_rank, dp, host);
     }
   }
 }

@@ -28,8 +28,6 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
     shard_->set_ranks_per_node(std::min(S_, L));
     replicate_->set_ranks_per_node(S_ % L == 0 ? 1 : L / S_);
   }
-  MT_CHECK(cfg.grad_compression != "int8" || alloc.device() == Device::cpu,
-           "internal: int8 gradient compression under ZeRO on the GPU (the configuration refuses it)");
   wd_ = working_dtype(model.config());
   gd_ = grad_dtype(model.config());
   const bool mixed = wd_ != DType::f32;
@@ -63,12 +61,13 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
       s.shard_g = Tensor::zeros({s.chunk}, gd_, alloc, MemTag::grads);
     }
     make_compression(static_cast<int>(u));
-    // 16-bit gradients are compressed widened: one fp32 scratch as large as the largest
-    // tensor a compression runs on (a unit's padded gradient, or under HYBRID_SHARD a chunk)
-    if ((s.int8 || s.psgd) && gd_ != DType::f32)
+    // 16-bit gradients, and gradients on the GPU, are compressed widened in host memory: one
+    // fp32 scratch as large as the largest tensor a compression runs on (a unit's padded
+    // gradient, or under HYBRID_SHARD a chunk)
+    if ((s.int8 || s.psgd) && (gd_ != DType::f32 || alloc.device() != Device::cpu))
       wide_numel = std::max(wide_numel, over_replicas_ ? s.chunk : padded);
   }
-  if (wide_numel > 0) wide_ = Tensor::empty({wide_numel}, DType::f32, alloc, MemTag::comm);
+  if (wide_numel > 0) wide_ = Tensor::empty({wide_numel}, DType::f32, compression_alloc(dp, alloc), MemTag::comm);
   fill(ranges);
   if (mixed) after_step();  // the working copies from the masters (stages 1-2: gathered)
 }
@@ -83,25 +82,26 @@ void ZeRO::make_compression(int u) {
   const std::string& kind = cfg_.grad_compression;
   if (kind == "none" || s.n == 0) return;
   const int rank = cfg_.powersgd_rank;
+  Allocator& host = compression_alloc(*shard_, alloc_);  // the state in host memory (the model maybe on the GPU)
   if (over_replicas_) {
     const int64_t b = own_begin(u), len = own_end(u) - b;
     if (len == 0) return;  // a chunk of padding only: nothing to send
-    if (kind == "int8") s.int8 = std::make_unique<Int8Reduction>(len, *replicate_, alloc_);
-    else s.psgd = std::make_unique<PowerSGDReduction>(len, psgd_matrices(unit.params, b, b + len), rank, *replicate_, alloc_);
+    if (kind == "int8") s.int8 = std::make_unique<Int8Reduction>(len, *replicate_, host);
+    else s.psgd = std::make_unique<PowerSGDReduction>(len, psgd_matrices(unit.params, b, b + len), rank, *replicate_, host);
     return;
   }
   if (S_ == 1) return;
   if (kind == "int8")
-    s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, alloc_, Int8Reduction::Mode::reduce_scatter, stage_ == 1);
+    s.int8 = std::make_unique<Int8Reduction>(s.n, *shard_, host, Int8Reduction::Mode::reduce_scatter, stage_ == 1);
   else
-    s.psgd = std::make_unique<PowerSGDReduction>(s.n, psgd_matrices(unit.params, 0, s.n), rank, *shard_, alloc_);
+    s.psgd = std::make_unique<PowerSGDReduction>(s.n, psgd_matrices(unit.params, 0, s.n), rank, *shard_, host);
 }
 
 // The unit's compressed reduction of g (its padded gradient, or under HYBRID_SHARD its
-// chunk), blocking: in place when g is fp32, else in g widened into wide_. Returns where
-// the result is (g, or the scratch's first g.numel() elements).
+// chunk), blocking: in place when g is fp32 in host memory, else in g widened (or copied from
+// the GPU) into wide_. Returns where the result is (g, or the scratch's first g.numel() elements).
 Tensor ZeRO::compressed_reduce(UnitState& s, const Tensor& g) {
-  const Tensor x = g.dtype() == DType::f32 ? g : wide_.view(0, {g.numel()});
+  const Tensor x = g.dtype() == DType::f32 && g.device() == Device::cpu ? g : wide_.view(0, {g.numel()});
   if (x.raw() != g.raw()) x.convert_from(g);
   if (s.psgd) s.psgd->reduce(x.f32());
   else if (over_replicas_) s.int8->reduce(x.f32());
@@ -199,7 +199,13 @@ void ZeRO::launch_reduce(int u) {
   }
   if ((s.int8 || s.psgd) && !over_replicas_) {  // blocking: chunk k of the result, accumulated at once
     const Tensor sum = compressed_reduce(s, s.full_g);
-    accumulate(s.shard_g, sum.view(k_ * s.chunk, {s.chunk}));  // 16-bit gradients: rounded once
+    Tensor mine = sum.view(k_ * s.chunk, {s.chunk});
+    if (mine.device() != s.shard_g.device()) {  // reduced on the host, the shard on the GPU: copied over first
+      const Tensor staged = Tensor::empty({s.chunk}, DType::f32, alloc_, MemTag::comm);
+      staged.copy_from(mine);
+      mine = staged;
+    }
+    accumulate(s.shard_g, mine);  // 16-bit gradients: rounded once
     s.full_g = Tensor();
     model_.units()[u].g = Tensor();
     return;

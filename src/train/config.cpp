@@ -396,8 +396,6 @@ void Config::check_device() const {
   if (training.device != "cuda") return;
   MT_CHECK(cuda_built(), "training.device = cuda, but this meshtrain was built without CUDA: install the CUDA toolkit "
                          "and rebuild (MESHTRAIN_CUDA=ON), or use training.device = cpu");
-  MT_CHECK(parallel.grad_compression == "none",
-           "training.device = cuda reduces gradients uncompressed only for now: set parallel.grad_compression=none");
   MT_CHECK(model.fused_attention(), "training.device = cuda needs training.attention = fused (the GPU attention "
                                     "never stores the [T, T] probabilities)");
 }
