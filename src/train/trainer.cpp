@@ -268,7 +268,7 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
   if (run.world.size() > 1) run.log.message(run.mesh.table());
   if (run.alloc.device() == Device::cuda)
     run.log.message("device: " + cuda_device_name(0) + " (training.device = cuda): cuBLASLt matrix products, " +
-                    "fused attention and loss, AdamW on the GPU; deterministic kernels");
+                    "fused attention and loss, " + c.optim.name + " on the GPU; deterministic kernels");
   else
     run.log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
                     " threads, fixed tile grid" +
