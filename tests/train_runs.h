@@ -250,6 +250,19 @@ inline std::vector<nlohmann::json> steps_of(const TempDir& d, const std::string&
   return r;
 }
 
+// An 8-step fp16 run with optim.loss_scale=4096, optim.loss_scale_window=3 and
+// parallel.test_fault=overflow:1:2,5 (its step metrics `st`, all 8 of them): exactly steps 2
+// and 5 are skipped, the scale halving at each and doubling after 3 clean steps, and every
+// loss is finite.
+inline void expect_skips_the_injected_overflows(const RunResult& r, const std::vector<nlohmann::json>& st) {
+  const double expect_scale[] = {4096, 4096, 4096, 2048, 2048, 2048, 1024, 1024};
+  for (int s = 0; s < 8; ++s) {
+    EXPECT_EQ(st[s]["skipped"].get<bool>(), s == 2 || s == 5) << "step " << s;
+    EXPECT_EQ(st[s]["loss_scale"].get<double>(), expect_scale[s]) << "step " << s;
+    EXPECT_TRUE(std::isfinite(r.loss[s])) << "step " << s;
+  }
+}
+
 // Every step's comm_bytes_<axis> of run `name` is its comm_bytes_<axis>_predicted, within
 // rel x predicted + abs bytes.
 inline void expect_comm_bytes_as_predicted(const TempDir& d, const std::string& name, const std::string& axis,

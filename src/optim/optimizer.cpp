@@ -162,20 +162,30 @@ void for_each_decay_run(const OptimSegment& s, F f) {
   run(pos, s.w.numel(), false);
 }
 
+// x *= c (f32), on x's device.
+void scale_in_place(const Tensor& x, float c) {
+#if MESHTRAIN_CUDA
+  if (x.device() == Device::cuda) {
+    if (x.numel()) cuda::scale_inplace(x, c);
+    return;
+  }
+#endif
+  float* p = x.f32();
+  const int64_t n = x.numel();
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) p[i] *= c;
+}
+
 }  // namespace
 
-const float* Optimizer::grad(size_t si) const {
+Tensor Optimizer::grad(size_t si) const {
   const Tensor& g = segments_[si].g;
-  if (g.dtype() == DType::f32 && grad_scale_ == 1.0f) return g.f32();
-  if (g.numel() == 0) return nullptr;  // a unit this rank holds none of
+  if (g.dtype() == DType::f32 && grad_scale_ == 1.0f) return g;
+  if (g.numel() == 0) return Tensor::wrap(nullptr, {0}, DType::f32);  // a unit this rank holds none of
   MT_CHECK(scratch_.defined(), "internal: fp32 gradients scaled as read (clip them in place: grad_clip)");
-  float* out = scratch_.f32();  // [g.numel()] the segment's gradients widened and scaled
-  convert(DType::f32, out, g.dtype(), g.raw(), g.numel());
-  if (grad_scale_ == 1.0f) return out;
-  const float c = grad_scale_;
-  const int64_t n = g.numel();
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) out[i] *= c;
+  const Tensor out = scratch_.view(0, {g.numel()});  // the segment's gradients widened and scaled
+  out.convert_from(g);
+  if (grad_scale_ != 1.0f) scale_in_place(out, grad_scale_);
   return out;
 }
 
@@ -192,7 +202,7 @@ void Optimizer::step_lamb(double lr, const SumFn& sum_over_holders) {
   std::vector<double> sums;  // per tensor: sum of w^2, sum of u^2 over this rank's counted elements
   for (size_t si = 0; si < segments_.size(); ++si) {
     float *p = segments_[si].w.f32(), *m = m_[si].f32(), *v = v_[si].f32();
-    const float* g = grad(si);
+    const float* g = grad(si).f32();
     for (const OptimTensor& t : segments_[si].tensors) {
       const float wd = t.decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
 #pragma omp parallel for simd schedule(static)
@@ -227,7 +237,7 @@ void Optimizer::step_lars(double lr, const SumFn& sum_over_holders) {
   std::vector<double> sums;  // per tensor: sum of w^2, sum of g^2 over this rank's counted elements
   for (size_t si = 0; si < segments_.size(); ++si) {
     const OptimSegment& s = segments_[si];
-    const float *p = s.w.f32(), *g = grad(si);
+    const float *p = s.w.f32(), *g = grad(si).f32();
     for (const OptimTensor& t : s.tensors) {
       sums.push_back(t.counted ? sumsq_of(t.begin, t.end, [&](int64_t i) { return p[i]; }) : 0.0);
       sums.push_back(t.counted ? sumsq_of(t.begin, t.end, [&](int64_t i) { return g[i]; }) : 0.0);
@@ -237,7 +247,7 @@ void Optimizer::step_lars(double lr, const SumFn& sum_over_holders) {
   size_t k = 0;
   for (size_t si = 0; si < segments_.size(); ++si) {
     const OptimSegment& s = segments_[si];
-    const float* g = grad(si);
+    const float* g = grad(si).f32();
     for (const OptimTensor& t : s.tensors) {
       double wd = 0.0;
       const double scale = lars_scale(cfg_, t.decay, sums[k], sums[k + 1], wd);
@@ -267,7 +277,7 @@ void Optimizer::step(double lr, const SumFn& sum_over_holders, float grad_scale)
   for (size_t si = 0; si < segments_.size(); ++si) {
     const OptimSegment& s = segments_[si];
     float* p = s.w.f32();
-    const float* g = grad(si);
+    const float* g = grad(si).f32();
     for_each_decay_run(s, [&](int64_t begin, int64_t end, bool decay) {
       const double wd = decay ? cfg_.weight_decay : 0.0;
       if (cfg_.name == "adamw") {
@@ -288,18 +298,6 @@ void Optimizer::step(double lr, const SumFn& sum_over_holders, float grad_scale)
 // operation as the host loops do: AdamW in one launch per segment, SGD per decay run, LAMB
 // and LARS per tensor, with a segment's per-tensor sums of squares taken together (one wait).
 void Optimizer::step_gpu(double lr, const SumFn& sum_over_holders) {
-  // Segment si's gradients as fp32 times grad_scale_: g itself, or (16-bit gradients) widened
-  // and scaled into scratch_, valid until the next call (the kernels queued before it have
-  // read the old contents by then: one stream).
-  auto grad = [&](size_t si) {
-    const Tensor& g = segments_[si].g;
-    if (g.dtype() == DType::f32 && grad_scale_ == 1.0f) return g;
-    MT_CHECK(scratch_.defined(), "internal: fp32 gradients scaled as read (clip them in place: grad_clip)");
-    const Tensor wide = scratch_.view(0, {g.numel()});
-    wide.convert_from(g);
-    if (grad_scale_ != 1.0f) cuda::scale_inplace(wide, grad_scale_);
-    return wide;
-  };
   auto piece = [](const Tensor& x, int64_t begin, int64_t end) { return x.view(begin, {end - begin}); };
   const float momentum = static_cast<float>(cfg_.momentum);
   if (cfg_.name == "adamw" || cfg_.name == "sgd") {
@@ -326,7 +324,7 @@ void Optimizer::step_gpu(double lr, const SumFn& sum_over_holders) {
   std::vector<double> sums;  // per tensor: sum of w^2, sum of u^2 (LAMB) or g^2 (LARS) over the counted elements
   for (size_t si = 0; si < segments_.size(); ++si) {
     const OptimSegment& s = segments_[si];
-    const Tensor g = s.w.numel() ? grad(si) : s.g;
+    const Tensor g = grad(si);  // widened: scratch_ until the next segment's
     std::vector<cuda::SumsqTerm> terms;  // empty where this rank holds or counts none of the tensor
     for (const OptimTensor& t : s.tensors) {
       const bool held = t.end > t.begin;
@@ -348,7 +346,7 @@ void Optimizer::step_gpu(double lr, const SumFn& sum_over_holders) {
   size_t k = 0;
   for (size_t si = 0; si < segments_.size(); ++si) {
     const OptimSegment& s = segments_[si];
-    const Tensor g = lamb || s.w.numel() == 0 ? s.g : grad(si);
+    const Tensor g = lamb ? Tensor() : grad(si);  // LARS reads it again
     for (const OptimTensor& t : s.tensors) {
       const double a2 = sums[k], b2 = sums[k + 1];
       k += 2;
@@ -461,19 +459,7 @@ float grad_clip(const std::vector<OptimSegment>& segments, double norm, double m
   const float c = static_cast<float>(coef * unscale);
   // 16-bit gradients are not rounded again: the optimizer applies c as it reads them.
   if (!segments.empty() && segments[0].g.dtype() != DType::f32) return c;
-#if MESHTRAIN_CUDA
-  if (on_gpu(segments)) {
-    for (const OptimSegment& s : segments)
-      if (s.g.numel()) cuda::scale_inplace(s.g, c);
-    return 1.0f;
-  }
-#endif
-  for (const OptimSegment& s : segments) {
-    float* g = s.g.f32();
-    const int64_t n = s.g.numel();
-#pragma omp parallel for simd schedule(static)
-    for (int64_t i = 0; i < n; ++i) g[i] *= c;
-  }
+  for (const OptimSegment& s : segments) scale_in_place(s.g, c);
   return 1.0f;
 }
 

@@ -88,9 +88,10 @@ class Optimizer {
   int64_t t_ = 0;
   Tensor scratch_;           // 16-bit gradients: [largest segment] fp32 (MemTag::other), one segment at a time
   float grad_scale_ = 1.0f;  // the step's factor on the gradients as read
-  // Segment si's gradients as fp32 times grad_scale_: g itself (fp32, factor 1), else widened
-  // into scratch_ (valid until the next call).
-  const float* grad(size_t si) const;
+  // Segment si's gradients as fp32 times grad_scale_, on the segment's device: g itself (fp32,
+  // factor 1), else widened and scaled into scratch_ (valid until the next call; on the GPU
+  // the kernels queued before it have read the old contents by then: one stream).
+  Tensor grad(size_t si) const;
   void step_lamb(double lr, const SumFn& sum_over_holders);
   void step_lars(double lr, const SumFn& sum_over_holders);
   void step_gpu(double lr, const SumFn& sum_over_holders);  // segments in GPU memory (MESHTRAIN_CUDA builds)
