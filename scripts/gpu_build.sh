@@ -27,9 +27,17 @@ elif ! pkg-config --exists tomlplusplus sentencepiece; then
   exit 1
 fi
 export PATH=/usr/local/cuda/bin:$PATH
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMESHTRAIN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 "$@" >"$build.cmake.log" 2>&1 ||
+# NCCL's header: the toolkit's, else the one in Python's nvidia packages (PyTorch's NCCL).
+nccl=()
+if [ ! -e /usr/local/cuda/include/nccl.h ]; then
+  h=$(python3 -c 'import glob, site, sys
+for d in site.getsitepackages():
+    for h in glob.glob(d + "/nvidia/**/include/nccl.h", recursive=True): print(h); sys.exit()' 2>/dev/null || true)
+  [ -n "$h" ] && nccl=(-DNCCL_ROOT="$(dirname "$(dirname "$h")")")
+fi
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMESHTRAIN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 "${nccl[@]}" "$@" >"$build.cmake.log" 2>&1 ||
   { tail -30 "$build.cmake.log"; exit 1; }
-grep -E "^-- (CUDA|OpenBLAS)" "$build.cmake.log" || true
+grep -E "^-- (CUDA|NCCL|OpenBLAS)" "$build.cmake.log" || true
 targets=()
 for t in ${GPU_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
 set +o pipefail

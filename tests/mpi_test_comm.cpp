@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <thread>
+#include <vector>
 
 #include "comm/mesh.h"
 #include "mpi_main.h"
@@ -367,6 +368,32 @@ TEST(Mesh, AxesSplitTheWorld) {
   EXPECT_EQ(t.f32()[0], w.rank() < 2 ? 1.0f : 5.0f);
   Mesh pp(w, 1, 2, 2);
   EXPECT_EQ(pp.pp().rank(), w.rank() / 2);
+}
+
+// How a group moves GPU tensors (NCCL or host memory, comm/nccl_comm.h) is decided by a
+// factory called collectively on the group, and again on every group split from it later
+// (ZeRO's and DDP's own groups); a null answer keeps the host path, whose sums are unchanged.
+TEST(DeviceCollectives, GroupsSplitLaterDecideForThemselves) {
+  Communicator& w = *g_world;
+  const int n = w.size(), r = w.rank();
+  std::vector<std::string> asked;  // "name size" per call on this rank
+  std::unique_ptr<Communicator> all = w.split(0, r, "all");
+  all->set_device_collectives([&](Communicator& g) -> std::unique_ptr<DeviceCollectives> {
+    asked.push_back(g.name() + " " + std::to_string(g.size()));
+    sum_doubles(g, 1.0);  // collective over the group it decides for, as the NCCL factory's gather is
+    return nullptr;
+  });
+  std::unique_ptr<Communicator> half = all->split(r % 2, r, "half");
+  std::unique_ptr<Communicator> plain = w.split(0, r, "plain");  // the world has no factory
+  const std::vector<std::string> want{"all " + std::to_string(n), "half " + std::to_string((n + 1 - r % 2) / 2)};
+  EXPECT_EQ(asked, want);
+  EXPECT_EQ(all->device_collectives(), "");
+  CpuAllocator a;
+  Tensor t = filled(a, 5, static_cast<float>(r + 1));
+  half->allreduce(t);
+  float want_sum = 0;
+  for (int k = r % 2; k < n; k += 2) want_sum += static_cast<float>(k + 1);
+  EXPECT_EQ(t.f32()[4], want_sum);
 }
 
 }  // namespace

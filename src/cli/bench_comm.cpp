@@ -1,15 +1,21 @@
 // meshtrain bench comm: in the spirit of nccl-tests. For each collective and message size:
 // time per operation, algorithm bandwidth (bytes / time) and bus bandwidth (algbw times the
 // fraction of the data each rank must move: 2(n-1)/n for allreduce, (n-1)/n for allgather
-// and reduce_scatter, 1 for broadcast), comparable across rank counts.
+// and reduce_scatter, 1 for broadcast), comparable across rank counts. --device cuda puts the
+// buffers on the GPUs (each rank on its machine's GPUs round robin) and carries them as a
+// training run would (parallel.gpu_comm: NCCL where every rank has its own GPU).
 #include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "cli/commands.h"
+#include "comm/mesh.h"
+#include "comm/nccl_comm.h"
+#include "core/cuda.h"
 #include "core/error.h"
 #include "plan/hardware.h"  // comm_op_seconds, comm_bus_factor
+#include "train/device_state.h"  // local_rank
 
 namespace mt {
 
@@ -32,6 +38,7 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
   int64_t min_bytes = 1024, max_bytes = 64 << 20;
   int iters = 20;
   DType dtype = DType::f32;
+  std::string device = "cpu", gpu_comm = "auto";
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     MT_CHECK(i + 1 < args.size() || a == "--help", "bench comm: option " << a << " needs a value");
@@ -42,19 +49,38 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
       const std::string d = args[++i];
       MT_CHECK(d == "f32" || d == "bf16", "bench comm: --dtype is f32 or bf16");
       dtype = d == "f32" ? DType::f32 : DType::bf16;
+    } else if (a == "--device") {
+      device = args[++i];
+      MT_CHECK(device == "cpu" || device == "cuda", "bench comm: --device is cpu or cuda");
+    } else if (a == "--gpu-comm") {
+      gpu_comm = args[++i];
+      MT_CHECK(gpu_comm == "auto" || gpu_comm == "nccl" || gpu_comm == "host", "bench comm: --gpu-comm is auto, nccl or host");
     } else {
       if (world.rank() == 0)
         std::printf("usage: meshtrain launch -n N bench comm [--min-bytes 1K] [--max-bytes 64M] [--iters 20] "
-                    "[--dtype f32|bf16]\n");
+                    "[--dtype f32|bf16] [--device cpu|cuda] [--gpu-comm auto|nccl|host]\n");
       return a == "--help" ? 0 : 2;
     }
   }
   MT_CHECK(min_bytes >= 4 && max_bytes >= min_bytes && iters >= 1, "bench comm: need 4 <= min-bytes <= max-bytes, iters >= 1");
   const int n = world.size();
   const size_t es = dtype_size(dtype);
+  // The buffers' memory, and the group that carries them (on the GPU, as training does).
+  std::unique_ptr<CudaAllocator> gpu;
+  std::string how;
+  if (device == "cuda") {
+    MT_CHECK(cuda_device_count() > 0, "bench comm --device cuda: no GPU is visible here (cudaGetDeviceCount found "
+                                      "none, or this meshtrain was built without CUDA); use --device cpu");
+    if (const int gpus = cuda_device_count(); gpus > 1) cuda_set_device(local_rank() % gpus);
+    gpu = std::make_unique<CudaAllocator>();
+  }
+  Mesh mesh(world, n, 1, 1);
+  if (gpu) how = attach_gpu_comm(mesh, gpu_comm, *gpu);
+  Communicator& group = mesh.dp();
   if (world.rank() == 0) {
     std::printf("# meshtrain bench comm: %d ranks, %s, %d iterations per size (time is the slowest rank's mean)\n", n,
                 dtype_name(dtype), iters);
+    if (gpu) std::printf("# GPU buffers (%s)%s%s\n", cuda_device_name(0).c_str(), how.empty() ? "" : "; ", how.c_str());
     std::printf("%14s %12s  %-15s %12s %12s %12s\n", "size (B)", "count", "op", "time (us)", "algbw (GB/s)",
                 "busbw (GB/s)");
   }
@@ -62,7 +88,7 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
     const int64_t count = std::max<int64_t>(n, bytes / es / n * n);  // divisible by n
     for (CommOp op : ops) {
-      const double per_op = plan::comm_op_seconds(world, op, count, dtype, iters);
+      const double per_op = plan::comm_op_seconds(group, op, count, dtype, iters, gpu.get());
       const double data = static_cast<double>(count * es);  // nccl-tests: the full buffer's size
       const double algbw = data / per_op / 1e9;
       if (world.rank() == 0)

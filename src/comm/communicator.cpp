@@ -7,8 +7,8 @@
 #include <sstream>
 #include <thread>
 
+#include "comm/sum.h"
 #include "core/error.h"
-#include "core/half.h"
 
 namespace mt {
 
@@ -24,70 +24,19 @@ struct Descriptor {
   int32_t peer, pad;
 };
 
-bool is_reducible(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
-
 // How the communication thread naps while other ranks are not ready (see the header).
 constexpr int64_t kFirstNapUs = 50, kLongestNapUs = 500;
 
-// The element types a reduction adds, each summed in float: f32 from its first term (as
-// one would write it), bf16/f16 from zero and rounded once at the end.
-struct F32 {
-  using T = float;
-  static float first(float x) { return x; }
-  static float load(float x) { return x; }
-  static float store(float x) { return x; }
-};
-template <float (*Widen)(uint16_t), uint16_t (*Narrow)(float)>
-struct Half {
-  using T = uint16_t;
-  static float first(uint16_t x) { return 0.0f + Widen(x); }
-  static float load(uint16_t x) { return Widen(x); }
-  static uint16_t store(float x) { return Narrow(x); }
-};
-using BF16 = Half<bf16_to_f32, f32_to_bf16>;
-using F16 = Half<f16_to_f32, f32_to_f16>;
-
-// out[i] = carry[i] + src[0][i] + src[1][i] + ... in that order (without a carry: from
-// src[0][i], as E::first reads it), block by block so that `out` may be one of the sources
-// (every element's terms are read before it is written). The sum goes to `partial` in
-// float (which may be `carry`), to be carried on, or, when partial is null, to `out` in E's type.
-template <class E>
-void sum_in_order(const float* carry, const std::vector<const void*>& src, float* partial, void* out, int64_t n) {
-  using T = typename E::T;
-  constexpr int64_t kBlock = 1024;
-  float acc[kBlock];
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t m = std::min(kBlock, n - b);
-    size_t k = 0;
-    if (carry) {
-      for (int64_t i = 0; i < m; ++i) acc[i] = carry[b + i];
-    } else {
-      const T* s0 = static_cast<const T*>(src[k++]) + b;
-      for (int64_t i = 0; i < m; ++i) acc[i] = E::first(s0[i]);
-    }
-    for (; k < src.size(); ++k) {
-      const T* s = static_cast<const T*>(src[k]) + b;
-      for (int64_t i = 0; i < m; ++i) acc[i] += E::load(s[i]);
-    }
-    if (partial) {
-      std::copy_n(acc, m, partial + b);
-      continue;
-    }
-    T* o = static_cast<T*>(out) + b;
-    for (int64_t i = 0; i < m; ++i) o[i] = E::store(acc[i]);
-  }
-}
-
-void sum_in_order(DType dt, const float* carry, const std::vector<const void*>& src, float* partial, void* out,
-                  int64_t n) {
-  switch (dt) {
-    case DType::f32: sum_in_order<F32>(carry, src, partial, out, n); break;
-    case DType::bf16: sum_in_order<BF16>(carry, src, partial, out, n); break;
-    default: sum_in_order<F16>(carry, src, partial, out, n); break;
-  }
+// Rank j's range of n elements split over `size` ranks: [n j / size, n (j + 1) / size).
+std::vector<int64_t> even_bounds(int64_t n, int size) {
+  std::vector<int64_t> b(size + 1);
+  for (int j = 0; j <= size; ++j) b[j] = n * j / size;
+  return b;
 }
 
 }  // namespace
+
+using comm_sum::is_reducible;
 
 const char* comm_op_name(CommOp op) {
   switch (op) {
@@ -403,8 +352,12 @@ void Communicator::exchange(const std::vector<Message>& sends, const std::vector
     for (const Message& m : sends)
       if (m.peer / L != rank_ / L) bytes_between_nodes_ += m.bytes;
   std::unique_ptr<Transfer> t = start(sends, recvs, tag);
+  poll([&] { return t->test(); });
+}
+
+void Communicator::poll(const std::function<bool()>& done) {
   int64_t nap = kFirstNapUs;
-  while (!t->test()) {
+  while (!done()) {
     if (waiters_->any()) {  // a caller is blocked on this group: its core is free
       std::this_thread::yield();
       nap = kFirstNapUs;
@@ -413,6 +366,28 @@ void Communicator::exchange(const std::vector<Message>& sends, const std::vector
     waiters_->nap(nap);
     nap = std::min(2 * nap, kLongestNapUs);
   }
+}
+
+void Communicator::set_device_collectives(DeviceCollectivesFactory make) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);  // between operations, like set_options
+    cv_.wait(lock, [&] { return queue_.empty() && running_since_ms_ < 0; });
+  }
+  device_ = nullptr;
+  device_make_ = std::move(make);
+  if (device_make_) device_ = device_make_(*this);  // collective over the group
+}
+
+void Communicator::pass_device_collectives(Communicator& child) const {
+  if (device_make_) child.set_device_collectives(device_make_);
+}
+
+WorkPtr Communicator::submit_device(const CommRecord& rec, std::function<void(DeviceCollectives&, void*)> op) {
+  std::shared_ptr<void> ready = device_->issued();  // on the issuing thread, after the work it waits for
+  return submit(rec, [this, ready, op = std::move(op)] {
+    op(*device_, ready.get());
+    poll([this] { return device_->done(); });
+  });
 }
 
 void Communicator::allgather_raw(const void* in, void* out, size_t bytes) {
@@ -445,7 +420,7 @@ void Communicator::reduce_ranges(const Tensor& in, const std::vector<int64_t>& b
     terms.push_back(slot);
   }
   exchange(sends, recvs);
-  sum_in_order(in.dtype(), nullptr, terms, nullptr, out.raw(), n);
+  comm_sum::sum_in_order(in.dtype(), nullptr, terms, nullptr, out.raw(), n);
 }
 
 WorkPtr Communicator::allreduce_async(const Tensor& t) {
@@ -456,6 +431,11 @@ WorkPtr Communicator::allreduce_async(const Tensor& t) {
     return work;
   }
   CommRecord rec{0, CommOp::allreduce, t.dtype(), t.numel()};
+  if (on_device(t))
+    return submit_device(rec, [this, t](DeviceCollectives& d, void* ready) {
+      const std::vector<int64_t> b = even_bounds(t.numel(), size_);
+      d.reduce_ranges(t, b, t.view(b[rank_], {b[rank_ + 1] - b[rank_]}), /*gather=*/true, ready);
+    });
   return submit(rec, [this, t] {
     const Tensor h = host_of(t, 0, true);
     allreduce_run(h);
@@ -466,10 +446,8 @@ WorkPtr Communicator::allreduce_async(const Tensor& t) {
 void Communicator::allreduce_run(const Tensor& t) {
   // Rank j owns elements [n j / size, n (j + 1) / size): it sums them, then sends the
   // sum to every other rank, which receives it in place.
-  const int64_t n = t.numel();
   const size_t es = dtype_size(t.dtype());
-  std::vector<int64_t> bounds(size_ + 1);
-  for (int j = 0; j <= size_; ++j) bounds[j] = n * j / size_;
+  const std::vector<int64_t> bounds = even_bounds(t.numel(), size_);
   const int64_t mine = bounds[rank_], len = bounds[rank_ + 1] - mine;
   reduce_ranges(t, bounds, t.view(mine, {len}));
   char* base = static_cast<char*>(t.raw());
@@ -493,11 +471,15 @@ void Communicator::check_reduce_scatter(const Tensor& in, const Tensor& out) con
 WorkPtr Communicator::reduce_scatter_async(const Tensor& in, const Tensor& out) {
   check_reduce_scatter(in, out);
   CommRecord rec{0, CommOp::reduce_scatter, in.dtype(), in.numel()};
-  return submit(rec, [this, in, out] {
+  std::vector<int64_t> bounds(size_ + 1);
+  for (int j = 0; j <= size_; ++j) bounds[j] = out.numel() * j;
+  if (on_device(in) && on_device(out))
+    return submit_device(rec, [in, out, bounds](DeviceCollectives& d, void* ready) {
+      d.reduce_ranges(in, bounds, out, /*gather=*/false, ready);
+    });
+  return submit(rec, [this, in, out, bounds] {
     // On the GPU, out (maybe in's chunk) gets its own host buffer: the same sums land there.
     const Tensor hin = host_of(in, 0, true), hout = host_of(out, 1, false);
-    std::vector<int64_t> bounds(size_ + 1);
-    for (int j = 0; j <= size_; ++j) bounds[j] = out.numel() * j;
     reduce_ranges(hin, bounds, hout);
     put_back(out, hout);
   });
@@ -509,6 +491,8 @@ WorkPtr Communicator::allgather_async(const Tensor& in, const Tensor& out) {
                                                                     << " elements is not " << size_
                                                                     << " x the input's " << in.numel());
   CommRecord rec{0, CommOp::allgather, in.dtype(), in.numel()};
+  if (on_device(in) && on_device(out))
+    return submit_device(rec, [in, out](DeviceCollectives& d, void* ready) { d.allgather(in, out, ready); });
   return submit(rec, [this, in, out] {
     const Tensor hin = host_of(in, 1, true), hout = host_of(out, 0, false);  // in may be out's chunk
     allgather_raw(hin.raw(), hout.raw(), in.nbytes());
@@ -519,6 +503,8 @@ WorkPtr Communicator::allgather_async(const Tensor& in, const Tensor& out) {
 WorkPtr Communicator::broadcast_async(const Tensor& t, int root) {
   MT_CHECK(root >= 0 && root < size_, "broadcast root " << root << " is not a rank of group '" << name_ << "'");
   CommRecord rec{0, CommOp::broadcast, t.dtype(), t.numel(), root};
+  if (on_device(t))
+    return submit_device(rec, [t, root](DeviceCollectives& d, void* ready) { d.broadcast(t, root, ready); });
   return submit(rec, [this, t, root] {
     // The root sends to every rank directly (a tree would pay across many nodes).
     const Tensor h = host_of(t, 0, rank_ == root);
@@ -550,154 +536,6 @@ WorkPtr Communicator::alltoall_async(const Tensor& in, const Tensor& out) {
     exchange(sends, recvs);
     put_back(out, hout);
   });
-}
-
-void Communicator::set_ranks_per_node(int n) {
-  MT_CHECK(n >= 0 && (n == 0 || size_ % n == 0),
-           "group '" << name_ << "' of " << size_ << " ranks does not split into nodes of " << n << " ranks");
-  std::unique_lock<std::mutex> lock(mu_);  // between operations, like set_options
-  cv_.wait(lock, [&] { return queue_.empty() && running_since_ms_ < 0; });
-  ranks_per_node_ = n;
-}
-
-int ranks_per_machine(Communicator& group) {
-  const std::vector<int> machine = group.machine_of_ranks();
-  const int n = static_cast<int>(machine.size());
-  const int L = static_cast<int>(std::count(machine.begin(), machine.end(), machine[0]));
-  bool blocks = n % L == 0;
-  for (int r = 0; r < n && blocks; ++r) blocks = machine[r] == r / L * L;
-  return blocks ? L : 0;
-}
-
-WorkPtr Communicator::allreduce_hierarchical_async(const Tensor& t) {
-  MT_CHECK(is_reducible(t.dtype()), "allreduce of " << dtype_name(t.dtype()) << ": only f32, bf16 and f16 reduce");
-  const int L = ranks_per_node_;
-  MT_CHECK(L > 0, "internal: hierarchical all-reduce on group '" << name_ << "' before set_ranks_per_node");
-  CommRecord rec{0, CommOp::allreduce_hierarchical, t.dtype(), t.numel()};
-  return submit(rec, [this, t, L] {
-    const Tensor h = host_of(t, 0, true);
-    allreduce_hierarchical_run(h, L);
-    put_back(t, h);
-  });
-}
-
-// Node k = rank / L holds ranks kL ... kL + L - 1; rank kL + j owns shard j, elements
-// [n j / L, n (j + 1) / L), on every node.
-void Communicator::allreduce_hierarchical_run(const Tensor& t, int L) {
-  const int nodes = size_ / L, node = rank_ / L, j = rank_ % L, first = node * L;
-  const bool last = node == nodes - 1;
-  const int64_t n = t.numel();
-  const size_t es = dtype_size(t.dtype());
-  std::vector<int64_t> b(L + 1);
-  for (int i = 0; i <= L; ++i) b[i] = n * i / L;
-  const int64_t m = b[j + 1] - b[j];
-  char* base = static_cast<char*>(t.raw());
-  char* shard = base + b[j] * es;
-  // staging: the node's other pieces of this shard [(L - 1) m] in t's dtype, then the
-  // partial sum [m] in float, received and passed on in place
-  const int64_t piece_words = ((L - 1) * m * static_cast<int64_t>(es) + 3) / 4;
-  Tensor st = staging(piece_words + m, DType::f32);
-  char* pieces = static_cast<char*>(st.raw());
-  float* carry = st.f32() + piece_words;
-  std::vector<Message> sends, recvs;
-  // 1. Inside the node, each rank sends every peer its piece of that peer's shard; the
-  // partial sum of ranks 0 ... first - 1 arrives from the previous node.
-  std::vector<const void*> terms;  // in rank order
-  for (int i = 0; i < L; ++i) {
-    if (i == j) {
-      terms.push_back(shard);
-      continue;
-    }
-    sends.push_back({base + b[i] * es, static_cast<size_t>(b[i + 1] - b[i]) * es, first + i});
-    char* slot = pieces + (i < j ? i : i - 1) * m * es;
-    recvs.push_back({slot, m * es, first + i});
-    terms.push_back(slot);
-  }
-  if (node > 0) recvs.push_back({carry, m * sizeof(float), rank_ - L});
-  exchange_step(sends, recvs);
-  // 2. This node's terms added to the partial, in rank order: to pass on, or finished.
-  sum_in_order(t.dtype(), node > 0 ? carry : nullptr, terms, last ? nullptr : carry, shard, m);
-  // 3. Between nodes: the partial to the next node; the finished shard back from the last.
-  if (!last) {
-    sends.push_back({carry, m * sizeof(float), rank_ + L});
-    recvs.push_back({shard, m * es, (nodes - 1) * L + j});
-  }
-  for (int k = 0; last && k < nodes - 1; ++k) sends.push_back({shard, m * es, k * L + j});
-  exchange_step(sends, recvs);
-  // 4. Inside the node, every rank gathers the other shards.
-  for (int i = 0; i < L; ++i) {
-    if (i == j) continue;
-    sends.push_back({shard, m * es, first + i});
-    recvs.push_back({base + b[i] * es, static_cast<size_t>(b[i + 1] - b[i]) * es, first + i});
-  }
-  exchange_step(sends, recvs);
-}
-
-WorkPtr Communicator::reduce_scatter_hierarchical_async(const Tensor& in, const Tensor& out) {
-  check_reduce_scatter(in, out);
-  const int L = ranks_per_node_;
-  MT_CHECK(L > 0, "internal: hierarchical reduce-scatter on group '" << name_ << "' before set_ranks_per_node");
-  CommRecord rec{0, CommOp::reduce_scatter_hierarchical, in.dtype(), in.numel()};
-  return submit(rec, [this, in, out, L] {
-    const Tensor hin = host_of(in, 0, true), hout = host_of(out, 1, false);
-    reduce_scatter_hierarchical_run(hin, hout, L);
-    put_back(out, hout);
-  });
-}
-
-// Node a holds ranks aL ... aL + L - 1; chunk k (c elements) belongs to rank k. Rank aL + j
-// handles the chunks of position j, bL + j for every node b: their terms from its node,
-// their partial sums from node a - 1. `out` may be this rank's chunk of `in`.
-void Communicator::exchange_step(std::vector<Message>& sends, std::vector<Message>& recvs) {
-  for (const Message& m : sends) bytes_sent_ += m.bytes;
-  exchange(sends, recvs);
-  sends.clear(), recvs.clear();
-}
-
-void Communicator::reduce_scatter_hierarchical_run(const Tensor& in, const Tensor& out, int L) {
-  const int nodes = size_ / L, node = rank_ / L, j = rank_ % L, first = node * L;
-  const bool last = node == nodes - 1;
-  const int64_t c = out.numel();
-  const size_t es = dtype_size(in.dtype());
-  const char* base = static_cast<const char*>(in.raw());
-  auto chunk = [&](int k) { return const_cast<char*>(base) + k * c * es; };
-  // staging: the node's pieces [(L - 1) x nodes x c] in in's dtype, the partial sums
-  // [nodes x c] in float, and (last node) the finished chunks [nodes x c] in in's dtype
-  const int64_t piece_words = ((L - 1) * nodes * c * static_cast<int64_t>(es) + 3) / 4;
-  const int64_t done_words = (nodes * c * static_cast<int64_t>(es) + 3) / 4;
-  Tensor st = staging(piece_words + nodes * c + done_words, DType::f32);
-  char* pieces = static_cast<char*>(st.raw());
-  float* carry = st.f32() + piece_words;
-  char* done = reinterpret_cast<char*>(carry + nodes * c);
-  auto slot = [&](int i, int b) { return pieces + ((i < j ? i : i - 1) * nodes + b) * c * es; };
-  std::vector<Message> sends, recvs;
-  // 1. Inside the node: each peer's position's chunks of this rank's input to that peer;
-  // the partial sums of this position's chunks from the previous node.
-  for (int i = 0; i < L; ++i) {
-    if (i == j) continue;
-    for (int b = 0; b < nodes; ++b) {
-      sends.push_back({chunk(b * L + i), c * es, first + i});
-      recvs.push_back({slot(i, b), c * es, first + i});
-    }
-  }
-  if (node > 0) recvs.push_back({carry, nodes * c * sizeof(float), rank_ - L});
-  exchange_step(sends, recvs);
-  // 2. This node's terms added to each partial, in rank order: to pass on, or finished
-  // (this rank's own chunk straight into out).
-  for (int b = 0; b < nodes; ++b) {
-    std::vector<const void*> terms;
-    for (int i = 0; i < L; ++i) terms.push_back(i == j ? chunk(b * L + j) : slot(i, b));
-    float* partial = carry + b * c;
-    void* finished = b == node ? out.raw() : done + b * c * es;
-    sum_in_order(in.dtype(), node > 0 ? partial : nullptr, terms, last ? nullptr : partial, finished, c);
-  }
-  // 3. Between nodes: the partials on to the next node; each finished chunk to its owner.
-  if (!last) {
-    sends.push_back({carry, nodes * c * sizeof(float), rank_ + L});
-    recvs.push_back({out.raw(), c * es, (nodes - 1) * L + j});
-  }
-  for (int b = 0; last && b < nodes - 1; ++b) sends.push_back({done + b * c * es, c * es, b * L + j});
-  exchange_step(sends, recvs);
 }
 
 WorkPtr Communicator::send_async(const Tensor& t, int peer) {

@@ -11,9 +11,12 @@
 // rank's chunk to its owner, the owner sums, then sends the sum to everyone; only the
 // pieces a rank receives for its own chunk are staged.
 //
-// Tensors may live on the GPU (training.device = cuda, ranks sharing a GPU, before NCCL):
-// every operation then copies them to host buffers, runs as on the host, and copies the
-// results back, with the same bits as host tensors give.
+// Tensors may live on the GPU (training.device = cuda). A group whose ranks each have their
+// own GPU runs its all-reduces, reduce-scatters, all-gathers and broadcasts of GPU tensors
+// through NCCL (set_device_collectives, comm/nccl_comm.h), with the same sums as the host
+// path below, bit for bit; otherwise (ranks sharing a GPU, parallel.gpu_comm = host) and for
+// every other operation, the tensors are copied to host buffers, the operation runs as on
+// the host, and the results are copied back, with the same bits as host tensors give.
 //
 // Sums are deterministic: each rank receives every rank's piece of its chunk and adds
 // them in rank order (0, 1, ...), so a result does not depend on message sizes or
@@ -109,6 +112,32 @@ struct CommOptions {
   double timeout_s = 300;   // watchdog: fail an operation running longer than this; 0: never
   Allocator* alloc = nullptr;  // counts staging buffers under MemTag::comm (may be null)
 };
+
+class Communicator;
+
+// A group's collectives on GPU tensors between ranks that each have their own GPU (NCCL:
+// comm/nccl_comm.h). They give what the host path gives, bit for bit: every sum is taken in
+// rank order, in float, rounded once. Each operation is called on the group's communication
+// thread, waits on the GPU for `ready` (the compute stream's work issued before it), starts,
+// and returns; done() then says whether it completed (and throws if it failed).
+class DeviceCollectives {
+ public:
+  virtual ~DeviceCollectives() = default;
+  virtual std::string describe() const = 0;  // "NCCL 2.28.9"
+  // On the issuing thread: a mark of the work queued so far on the compute stream.
+  virtual std::shared_ptr<void> issued() = 0;
+  // Rank j sums elements [bounds[j], bounds[j + 1]) of `in` into `out` (which may be that
+  // range of in); with `gather`, every rank's range then goes to the same range of every
+  // rank's `in` (the all-reduce: out is in's own range).
+  virtual void reduce_ranges(const Tensor& in, const std::vector<int64_t>& bounds, const Tensor& out, bool gather,
+                             void* ready) = 0;
+  virtual void allgather(const Tensor& in, const Tensor& out, void* ready) = 0;
+  virtual void broadcast(const Tensor& t, int root, void* ready) = 0;
+  virtual bool done() = 0;
+};
+// Makes a group's device collectives, collectively over the group; null: the group stages
+// its GPU tensors through host memory.
+using DeviceCollectivesFactory = std::function<std::unique_ptr<DeviceCollectives>(Communicator&)>;
 
 class Communicator {
  public:
@@ -216,11 +245,19 @@ class Communicator {
   // Takes effect from the next operation. Staging buffers made with an earlier allocator
   // are dropped first (once the queue is empty), so none outlives the allocator it came from.
   void set_options(const CommOptions& o);
+  // How this group runs collectives on GPU tensors: `make` is called now, collectively over
+  // the group, and again for every group split from this one later (each decides for its own
+  // ranks). Between operations, on every rank alike.
+  void set_device_collectives(DeviceCollectivesFactory make);
+  // "NCCL 2.28.9", or "" when GPU tensors go through host memory.
+  std::string device_collectives() const { return device_ ? device_->describe() : std::string(); }
 
  protected:
   Communicator(int rank, int size, int world_rank, int ranks_on_node, bool spans_machines, std::string name,
                CommOptions opts);
   void stop_thread();  // implementations call this first in their destructor
+  // A group just split from this one gets its device collectives the same way (split calls it).
+  void pass_device_collectives(Communicator& child) const;
 
   // The transport, used only on the communication thread: point-to-point messages to or
   // from group rank `peer`, started without blocking; test() says when all completed.
@@ -271,6 +308,11 @@ class Communicator {
   Tensor host_of(const Tensor& t, int slot, bool fetch);
   static void put_back(const Tensor& t, const Tensor& host);
   void allreduce_run(const Tensor& t);  // the flat all-reduce, on the communication thread
+  // Whether `t` goes through the device collectives, and the operation that runs them.
+  bool on_device(const Tensor& t) const { return device_ && t.device() == Device::cuda; }
+  WorkPtr submit_device(const CommRecord& rec, std::function<void(DeviceCollectives&, void*)> op);
+  // Polls done() with the naps of exchange() until it is true.
+  void poll(const std::function<bool()>& done);
 
   int rank_, size_, world_rank_, ranks_on_node_;
   bool spans_machines_;
@@ -295,6 +337,8 @@ class Communicator {
   std::thread thread_, watchdog_;
   Tensor staging_;  // used only on the communication thread
   Tensor host_stage_[2];  // likewise
+  DeviceCollectivesFactory device_make_;
+  std::unique_ptr<DeviceCollectives> device_;  // null: GPU tensors are staged on the host
 };
 
 // A group of one rank: every operation is a local copy (or nothing).

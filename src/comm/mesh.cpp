@@ -57,9 +57,14 @@ std::string Mesh::table(int max_ranks) const {
   return out;
 }
 
+std::vector<Communicator*> Mesh::groups() const {
+  std::vector<Communicator*> g{dp_.get(), pp_.get(), tp_.get(), cp_.get()};
+  if (data_) g.push_back(data_.get());
+  return g;
+}
+
 void Mesh::set_options(const CommOptions& o) {
-  for (Communicator* c : {dp_.get(), pp_.get(), tp_.get(), cp_.get(), data_.get()})
-    if (c) c->set_options(o);
+  for (Communicator* c : groups()) c->set_options(o);
 }
 
 }  // namespace mt

@@ -11,6 +11,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 
@@ -32,6 +33,7 @@ class Mesh {
   Communicator& cp() const { return *cp_; }
   Communicator& data() const { return data_ ? *data_ : *dp_; }  // dp x cp (dp itself when cp = 1)
   void set_options(const CommOptions& o);  // on the groups (not the world)
+  std::vector<Communicator*> groups() const;  // dp, pp, tp, cp and dp x cp (when cp > 1)
   int dp_size() const { return dp_->size(); }
   int dp_rank() const { return dp_->rank(); }
   MeshCoords coords(int world_rank) const;

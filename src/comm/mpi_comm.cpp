@@ -59,7 +59,9 @@ class MpiComm final : public Communicator {
     MPI_Comm sub = MPI_COMM_NULL;
     barrier();
     check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
-    return std::make_unique<MpiComm>(sub, ranks_on_node(), name, options());
+    auto child = std::make_unique<MpiComm>(sub, ranks_on_node(), name, options());
+    pass_device_collectives(*child);  // NCCL for the new group too, where its ranks have their own GPUs
+    return child;
   }
 
   std::vector<int> machine_of_ranks() override {

@@ -45,6 +45,14 @@ void cuda_accumulate(DType to, void* dst, DType from, const void* src, int64_t n
 // float, bit for bit as round_to() in ops/autocast.h does on the host (NaN stays NaN), n
 // elements, on the compute stream.
 void cuda_round(DType t, float* x, int64_t n);
+// A reduction's sum, bit for bit as the host communicator takes it (comm/sum.h): out[i] =
+// the sum over k = 0 .. count - 1, in that order, of term k's element i, in float (f32 from
+// term 0; bf16 and f16 from 0 + term 0), rounded once to dt (nearest even). Term k is
+// own[i] when k == own_at, else the next slot of `pieces` (slot s at pieces + s * stride
+// elements, the slots in rank order without own). `out` may be `own`. n elements of dt, on
+// `stream` (a cudaStream_t).
+void cuda_sum_in_order(DType dt, const void* pieces, int64_t stride, int count, const void* own, int own_at, void* out,
+                       int64_t n, void* stream);
 
 // Device memory, cached: freed blocks go to a free list by size and serve later requests
 // of the same rounded size without cudaMalloc (which synchronizes the device); when

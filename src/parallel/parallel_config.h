@@ -21,6 +21,7 @@ struct ParallelConfig {
   std::string grad_compression = "none";  // none | int8 | powersgd: DDP's and ZeRO's gradient reductions (parallel/compress.h, powersgd.h)
   int powersgd_rank = 4;               // grad_compression = powersgd: the rank r of each matrix's approximation
   bool debug_collectives = false;      // cross-check every collective across ranks
+  std::string gpu_comm = "auto";       // auto | nccl | host: how GPU tensors travel between ranks (comm/nccl_comm.h)
   double timeout_s = 300;              // watchdog: a collective running longer ends the job
   std::string test_fault;              // test-only: "die:R", "hang:R", "throw:R", "mismatch:R" at step 1;
                                        // "slow_save:R" pauses rank R inside each checkpoint save

@@ -59,8 +59,10 @@ std::string hardware_to_toml(const Hardware& hw, const HardwareNotes& notes = {}
 // operations after one warm-up): op is allreduce, allgather, reduce_scatter or broadcast
 // (root 0), on a buffer of `count` elements of `dtype` in all (a multiple of the group's
 // size; allgather and reduce_scatter exchange count / size per rank). Every rank of the
-// group must call it with the same arguments. `meshtrain bench comm` prints these.
-double comm_op_seconds(Communicator& group, CommOp op, int64_t count, DType dtype, int iters);
+// group must call it with the same arguments. `meshtrain bench comm` prints these. The
+// buffers come from `alloc` (GPU memory for bench comm --device cuda); null: host memory.
+double comm_op_seconds(Communicator& group, CommOp op, int64_t count, DType dtype, int iters,
+                       Allocator* alloc = nullptr);
 
 // nccl-tests' bus-bandwidth factor of a collective on n ranks: 2(n-1)/n for allreduce,
 // (n-1)/n for allgather and reduce_scatter, 1 for broadcast.

@@ -33,13 +33,14 @@ double comm_bus_factor(CommOp op, int n) {
   return 1.0;
 }
 
-double comm_op_seconds(Communicator& group, CommOp op, int64_t count, DType dtype, int iters) {
+double comm_op_seconds(Communicator& group, CommOp op, int64_t count, DType dtype, int iters, Allocator* alloc) {
   const int n = group.size();
   MT_CHECK(count >= n && count % n == 0 && iters >= 1,
            "internal: comm_op_seconds needs a count that " << n << " ranks divide and iters >= 1");
-  CpuAllocator alloc;
-  Tensor big = Tensor::zeros({count}, dtype, alloc, MemTag::comm);
-  Tensor part = Tensor::zeros({count / n}, dtype, alloc, MemTag::comm);
+  CpuAllocator host;
+  Allocator& a = alloc ? *alloc : host;
+  Tensor big = Tensor::zeros({count}, dtype, a, MemTag::comm);
+  Tensor part = Tensor::zeros({count / n}, dtype, a, MemTag::comm);
   auto run = [&] {
     switch (op) {
       case CommOp::allreduce: group.allreduce(big); break;

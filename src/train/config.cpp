@@ -166,6 +166,7 @@ const std::vector<Key>& keys() {
                         {"none", "int8", "powersgd"}));
     v.push_back(int_key("parallel.powersgd_rank", &C::parallel, &ParallelConfig::powersgd_rank));
     v.push_back(bool_key("parallel.debug_collectives", &C::parallel, &ParallelConfig::debug_collectives));
+    v.push_back(str_key("parallel.gpu_comm", &C::parallel, &ParallelConfig::gpu_comm, {"auto", "nccl", "host"}));
     v.push_back(num_key("parallel.timeout_s", &C::parallel, &ParallelConfig::timeout_s));
     v.push_back(int_key("parallel.zero", &C::parallel, &ParallelConfig::zero));
     v.push_back(str_key("parallel.sharding", &C::parallel, &ParallelConfig::sharding,
@@ -393,6 +394,10 @@ std::string compression_state_layout(const Config& c, int world_size) {
 // Context parallelism cuts every sequence into 2 cp chunks (two per rank, one early and one
 // late); under sequence parallelism each rank's T / cp positions split tp ways again.
 void Config::check_device() const {
+  MT_CHECK(parallel.gpu_comm != "nccl" || training.device == "cuda",
+           "parallel.gpu_comm = nccl carries GPU tensors between ranks, but training.device = "
+               << training.device << " keeps them in host memory: set training.device = cuda, or leave "
+               << "parallel.gpu_comm = auto");
   if (training.device != "cuda") return;
   MT_CHECK(cuda_built(), "training.device = cuda, but this meshtrain was built without CUDA: install the CUDA toolkit "
                          "and rebuild (MESHTRAIN_CUDA=ON), or use training.device = cpu");

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "comm/mesh.h"
+#include "comm/nccl_comm.h"
 #include "core/cuda.h"
 #include "core/error.h"
 #include "data/loader.h"
@@ -690,6 +691,8 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (c.logging.profile) profiler.emplace(now_seconds(), c.logging.trace.empty() ? 0 : StepTrace::kMaxSteps);
   Mesh mesh(world, c.parallel.dp, c.parallel.pp, c.parallel.tp, c.parallel.cp);
   mesh.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, &host_alloc});
+  // GPU tensors between ranks: NCCL where each rank has its own GPU (parallel.gpu_comm)
+  const std::string gpu_comm_note = gpu_alloc ? attach_gpu_comm(mesh, c.parallel.gpu_comm, *gpu_alloc) : "";
   Communicator& dp = mesh.dp();
   set_nodes(c.parallel, mesh.data());
 
@@ -763,6 +766,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   log_header(run, resumed_from, p.steps_done);
   for (const std::string& note : resume_notes) log.message(note);
   if (!compress_note.empty()) log.message(compress_note);
+  if (!gpu_comm_note.empty()) log.message(gpu_comm_note);
   run_steps(run, p);
   if (!p.stop.stop_signal) return report_end(run, p, baseline, seconds_since(t_start));
   report_stop(run, p);

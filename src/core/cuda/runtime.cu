@@ -135,7 +135,46 @@ void launch_round(float* x, int64_t n) {
   MT_CUDA_CHECK(cudaGetLastError());
 }
 
+// A reduction's sum over `count` terms in rank order (core/cuda.h: cuda_sum_in_order), each
+// element's terms read before it is written, so `out` may be `own`. __fadd_rn keeps every
+// addition rounded on its own, as the host loop adds.
+template <class T>
+__global__ void sum_in_order_kernel(const T* pieces, int64_t stride, int count, const T* own, int own_at, T* out,
+                                    int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    float acc = 0.0f;
+    for (int k = 0, slot = 0; k < count; ++k) {
+      const float x = static_cast<float>(k == own_at ? own[i] : pieces[slot++ * stride + i]);
+      if (k == 0) acc = std::is_same_v<T, float> ? x : __fadd_rn(0.0f, x);  // comm/sum.h's first()
+      else acc = __fadd_rn(acc, x);
+    }
+    if constexpr (std::is_same_v<T, float>) out[i] = acc;
+    else if constexpr (std::is_same_v<T, __nv_bfloat16>) out[i] = __float2bfloat16_rn(acc);
+    else out[i] = __float2half_rn(acc);
+  }
+}
+
+template <class T>
+void launch_sum_in_order(const void* pieces, int64_t stride, int count, const void* own, int own_at, void* out,
+                         int64_t n, cudaStream_t st) {
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
+  sum_in_order_kernel<<<blocks, threads, 0, st>>>(static_cast<const T*>(pieces), stride, count,
+                                                  static_cast<const T*>(own), own_at, static_cast<T*>(out), n);
+  MT_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace
+
+void cuda_sum_in_order(DType dt, const void* pieces, int64_t stride, int count, const void* own, int own_at, void* out,
+                       int64_t n, void* stream) {
+  if (n == 0) return;
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (dt == DType::f32) return launch_sum_in_order<float>(pieces, stride, count, own, own_at, out, n, st);
+  if (dt == DType::bf16) return launch_sum_in_order<__nv_bfloat16>(pieces, stride, count, own, own_at, out, n, st);
+  if (dt == DType::f16) return launch_sum_in_order<__half>(pieces, stride, count, own, own_at, out, n, st);
+  MT_FAIL("internal: no device sum of " << dtype_name(dt));
+}
 
 void cuda_round(DType t, float* x, int64_t n) {
   if (n == 0) return;

@@ -1,0 +1,146 @@
+// NCCL between ranks that each have their own GPU (comm/nccl_comm.h), under mpirun with 2
+// and 4 ranks (tests/CMakeLists.txt): attach_gpu_comm chooses NCCL for the mesh's groups and
+// for groups split from them; every collective NCCL carries (all-reduce, reduce-scatter into
+// a separate output and into its own chunk, all-gather from a separate input and in place,
+// broadcast from every root) gives the host path's bytes, for f32, bf16 and f16, at lengths
+// that do not divide evenly; and an operation issued right after a kernel sees that
+// kernel's result. Skipped unless the machine has a GPU per rank (NCCL refuses two ranks on
+// one GPU) and NCCL loads.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "comm/mesh.h"
+#include "comm/nccl_comm.h"
+#include "core/cuda.h"
+#include "core/half.h"
+#include "mpi_main.h"
+
+using namespace mt;
+
+namespace {
+
+Communicator* g_world = nullptr;  // the test program's world, set in main
+
+#if MESHTRAIN_CUDA
+
+// Why this machine cannot run the test, or "" (then this rank is on its own GPU).
+std::string unable() {
+  const int gpus = cuda_device_count(), n = g_world->size();
+  if (gpus < n) return std::to_string(n) + " ranks need as many GPUs, this machine has " + std::to_string(gpus);
+  if (!nccl_built()) return "built without NCCL's header";
+  if (const std::string s = nccl_status(); s.rfind('!', 0) == 0) return "NCCL: " + s.substr(1);
+  static const bool set = (cuda_set_device(g_world->rank()), true);
+  (void)set;
+  return "";
+}
+#define SKIP_UNLESS_GPU_PER_RANK() \
+  if (const std::string why = unable(); !why.empty()) GTEST_SKIP() << why
+
+Tensor host_values(CpuAllocator& a, int64_t n, DType dt, int rank, int seed) {
+  Tensor t = Tensor::empty({n}, dt, a, MemTag::comm);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::sin(0.37f * i + 1.3f * rank + seed) * static_cast<float>(1 + (i * 7 + rank) % 13);
+    if (dt == DType::f32) t.f32()[i] = v;
+    else t.data<uint16_t>()[i] = dt == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+  }
+  return t;
+}
+
+Tensor on_gpu(CudaAllocator& g, const Tensor& h) {
+  Tensor d = Tensor::empty(h.shape(), h.dtype(), g, MemTag::comm);
+  d.copy_from(h);
+  return d;
+}
+
+std::vector<unsigned char> bytes_of(const Tensor& t) {
+  std::vector<unsigned char> b(t.nbytes());
+  if (t.device() == Device::cuda) cuda_memcpy(b.data(), t.raw(), t.nbytes());
+  else std::memcpy(b.data(), t.raw(), t.nbytes());
+  return b;
+}
+
+const DType kReducible[] = {DType::f32, DType::bf16, DType::f16};
+const int64_t kLengths[] = {1, 7, 1000, 65537};
+
+TEST(Nccl, CarriesEveryCollectiveWithTheHostsBytes) {
+  SKIP_UNLESS_GPU_PER_RANK();
+  Communicator& w = *g_world;  // no device collectives: the host path
+  CudaAllocator g;
+  CpuAllocator a;
+  Mesh mesh(w, w.size(), 1, 1);
+  const std::string how = attach_gpu_comm(mesh, "nccl", g);
+  Communicator& dp = mesh.dp();
+  ASSERT_EQ(dp.device_collectives(), "NCCL " + nccl_status()) << how;
+  const int n = w.size(), r = w.rank();
+  for (DType dt : kReducible)
+    for (int64_t len : kLengths) {
+      const std::string what = std::string(dtype_name(dt)) + " x " + std::to_string(len);
+      Tensor h = host_values(a, len, dt, r, 1), d = on_gpu(g, h);
+      w.allreduce(h);
+      dp.allreduce(d);
+      EXPECT_EQ(bytes_of(d), bytes_of(h)) << "allreduce " << what;
+
+      Tensor hin = host_values(a, n * len, dt, r, 2), din = on_gpu(g, hin);
+      Tensor hout = Tensor::zeros({len}, dt, a, MemTag::comm), dout = Tensor::zeros({len}, dt, g, MemTag::comm);
+      w.reduce_scatter(hin, hout);
+      dp.reduce_scatter(din, dout);
+      EXPECT_EQ(bytes_of(dout), bytes_of(hout)) << "reduce_scatter " << what;
+      EXPECT_EQ(bytes_of(din), bytes_of(hin)) << "reduce_scatter's input " << what;
+      w.reduce_scatter(hin, hin.view(r * len, {len}));
+      dp.reduce_scatter(din, din.view(r * len, {len}));
+      EXPECT_EQ(bytes_of(din), bytes_of(hin)) << "reduce_scatter in place " << what;
+
+      Tensor hg = Tensor::zeros({n * len}, dt, a, MemTag::comm), dg = Tensor::zeros({n * len}, dt, g, MemTag::comm);
+      w.allgather(h, hg);
+      dp.allgather(d, dg);
+      EXPECT_EQ(bytes_of(dg), bytes_of(hg)) << "allgather " << what;
+      w.allgather(hin.view(r * len, {len}), hin);
+      dp.allgather(din.view(r * len, {len}), din);
+      EXPECT_EQ(bytes_of(din), bytes_of(hin)) << "allgather in place " << what;
+
+      for (int root = 0; root < n; ++root) {
+        Tensor hb = host_values(a, len, dt, r, 5 + root), db = on_gpu(g, hb);
+        w.broadcast(hb, root);
+        dp.broadcast(db, root);
+        EXPECT_EQ(bytes_of(db), bytes_of(hb)) << "broadcast from " << root << " " << what;
+      }
+    }
+}
+
+TEST(Nccl, GroupsSplitLaterUseItTooAndOperationsFollowTheComputeStream) {
+  SKIP_UNLESS_GPU_PER_RANK();
+  Communicator& w = *g_world;
+  CudaAllocator g;
+  CpuAllocator a;
+  Mesh mesh(w, w.size(), 1, 1);
+  attach_gpu_comm(mesh, "auto", g);
+  const int r = w.rank();
+  std::unique_ptr<Communicator> half = mesh.dp().split(r % 2, r, "half"), host_half = w.split(r % 2, r, "half");
+  if (half->size() > 1) EXPECT_EQ(half->device_collectives(), "NCCL " + nccl_status());
+  const int64_t len = int64_t{1} << 22;
+  for (DType dt : kReducible) {
+    // x + y, added by a kernel queued just before the all-reduce and not waited for
+    Tensor hx = host_values(a, len, dt, r, 20), hy = host_values(a, len, dt, r, 21);
+    Tensor dx = on_gpu(g, hx), dy = on_gpu(g, hy);
+    accumulate(hx, hy);
+    host_half->allreduce(hx);
+    accumulate(dx, dy);
+    half->allreduce_async(dx)->wait();
+    EXPECT_EQ(bytes_of(dx), bytes_of(hx)) << "allreduce after a kernel, " << dtype_name(dt);
+  }
+}
+
+#else
+
+TEST(Nccl, NotBuilt) { GTEST_SKIP() << "built without CUDA"; }
+
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return mt::test::mpi_test_main(argc, argv, mt::CommOptions{false, 60, nullptr}, &g_world);
+}
