@@ -118,17 +118,20 @@ TEST(Nccl, GroupsSplitLaterUseItTooAndOperationsFollowTheComputeStream) {
   Mesh mesh(w, w.size(), 1, 1);
   attach_gpu_comm(mesh, "auto", g);
   const int r = w.rank();
-  std::unique_ptr<Communicator> half = mesh.dp().split(r % 2, r, "half"), host_half = w.split(r % 2, r, "half");
-  if (half->size() > 1) EXPECT_EQ(half->device_collectives(), "NCCL " + nccl_status());
+  // pairs of ranks (the whole world at 2 ranks), split from a group with NCCL
+  std::unique_ptr<Communicator> pair = mesh.dp().split(r / 2, r, "pair"), host_pair = w.split(r / 2, r, "pair");
+  ASSERT_EQ(pair->size(), 2);
+  EXPECT_EQ(pair->device_collectives(), "NCCL " + nccl_status());
+  EXPECT_EQ(host_pair->device_collectives(), "");
   const int64_t len = int64_t{1} << 22;
   for (DType dt : kReducible) {
-    // x + y, added by a kernel queued just before the all-reduce and not waited for
+    // x + 4 y, added by kernels queued just before the all-reduce and not waited for
     Tensor hx = host_values(a, len, dt, r, 20), hy = host_values(a, len, dt, r, 21);
     Tensor dx = on_gpu(g, hx), dy = on_gpu(g, hy);
-    accumulate(hx, hy);
-    host_half->allreduce(hx);
-    accumulate(dx, dy);
-    half->allreduce_async(dx)->wait();
+    for (int k = 0; k < 4; ++k) accumulate(hx, hy);
+    host_pair->allreduce(hx);
+    for (int k = 0; k < 4; ++k) accumulate(dx, dy);
+    pair->allreduce_async(dx)->wait();
     EXPECT_EQ(bytes_of(dx), bytes_of(hx)) << "allreduce after a kernel, " << dtype_name(dt);
   }
 }

@@ -94,7 +94,7 @@ TEST(CudaNccl, OneRankGroupRunsEveryOperationAfterTheComputeStream) {
     }
   };
   const int64_t n = int64_t{1} << 22;
-  for (DType dt : {DType::f32, DType::bf16}) {
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
     const size_t es = dtype_size(dt);
     const std::vector<uint8_t> a = values(dt, n, 1), b = values(dt, n, 2);
     Tensor x = Tensor::empty({n}, dt, gpu, MemTag::comm), y = Tensor::empty({n}, dt, gpu, MemTag::comm);

@@ -34,6 +34,9 @@ std::vector<int64_t> even_bounds(int64_t n, int size) {
   return b;
 }
 
+// `bytes` to each of `size` ranks.
+std::vector<int64_t> to_each(int size, size_t bytes) { return std::vector<int64_t>(size, static_cast<int64_t>(bytes)); }
+
 }  // namespace
 
 using comm_sum::is_reducible;
@@ -382,9 +385,13 @@ void Communicator::pass_device_collectives(Communicator& child) const {
   if (device_make_) child.set_device_collectives(device_make_);
 }
 
-WorkPtr Communicator::submit_device(const CommRecord& rec, std::function<void(DeviceCollectives&, void*)> op) {
+WorkPtr Communicator::submit_device(const CommRecord& rec, std::vector<int64_t> bytes_to,
+                                   std::function<void(DeviceCollectives&, void*)> op) {
   std::shared_ptr<void> ready = device_->issued();  // on the issuing thread, after the work it waits for
-  return submit(rec, [this, ready, op = std::move(op)] {
+  return submit(rec, [this, ready, bytes_to = std::move(bytes_to), op = std::move(op)] {
+    if (const int L = ranks_per_node_; L > 0 && count_nodes_)  // as exchange() counts the host path's messages
+      for (int k = 0; k < size_; ++k)
+        if (k / L != rank_ / L) bytes_between_nodes_ += bytes_to[k];
     op(*device_, ready.get());
     poll([this] { return device_->done(); });
   });
@@ -431,11 +438,14 @@ WorkPtr Communicator::allreduce_async(const Tensor& t) {
     return work;
   }
   CommRecord rec{0, CommOp::allreduce, t.dtype(), t.numel()};
-  if (on_device(t))
-    return submit_device(rec, [this, t](DeviceCollectives& d, void* ready) {
-      const std::vector<int64_t> b = even_bounds(t.numel(), size_);
+  if (on_device(t)) {
+    const std::vector<int64_t> b = even_bounds(t.numel(), size_);
+    std::vector<int64_t> bytes_to(size_);  // a piece to each owner, then this rank's sum to everyone
+    for (int k = 0; k < size_; ++k) bytes_to[k] = (b[k + 1] - b[k] + b[rank_ + 1] - b[rank_]) * dtype_size(t.dtype());
+    return submit_device(rec, std::move(bytes_to), [this, t, b](DeviceCollectives& d, void* ready) {
       d.reduce_ranges(t, b, t.view(b[rank_], {b[rank_ + 1] - b[rank_]}), /*gather=*/true, ready);
     });
+  }
   return submit(rec, [this, t] {
     const Tensor h = host_of(t, 0, true);
     allreduce_run(h);
@@ -474,7 +484,7 @@ WorkPtr Communicator::reduce_scatter_async(const Tensor& in, const Tensor& out) 
   std::vector<int64_t> bounds(size_ + 1);
   for (int j = 0; j <= size_; ++j) bounds[j] = out.numel() * j;
   if (on_device(in) && on_device(out))
-    return submit_device(rec, [in, out, bounds](DeviceCollectives& d, void* ready) {
+    return submit_device(rec, to_each(size_, out.nbytes()), [in, out, bounds](DeviceCollectives& d, void* ready) {
       d.reduce_ranges(in, bounds, out, /*gather=*/false, ready);
     });
   return submit(rec, [this, in, out, bounds] {
@@ -492,7 +502,8 @@ WorkPtr Communicator::allgather_async(const Tensor& in, const Tensor& out) {
                                                                     << " x the input's " << in.numel());
   CommRecord rec{0, CommOp::allgather, in.dtype(), in.numel()};
   if (on_device(in) && on_device(out))
-    return submit_device(rec, [in, out](DeviceCollectives& d, void* ready) { d.allgather(in, out, ready); });
+    return submit_device(rec, to_each(size_, in.nbytes()),
+                         [in, out](DeviceCollectives& d, void* ready) { d.allgather(in, out, ready); });
   return submit(rec, [this, in, out] {
     const Tensor hin = host_of(in, 1, true), hout = host_of(out, 0, false);  // in may be out's chunk
     allgather_raw(hin.raw(), hout.raw(), in.nbytes());
@@ -504,7 +515,8 @@ WorkPtr Communicator::broadcast_async(const Tensor& t, int root) {
   MT_CHECK(root >= 0 && root < size_, "broadcast root " << root << " is not a rank of group '" << name_ << "'");
   CommRecord rec{0, CommOp::broadcast, t.dtype(), t.numel(), root};
   if (on_device(t))
-    return submit_device(rec, [t, root](DeviceCollectives& d, void* ready) { d.broadcast(t, root, ready); });
+    return submit_device(rec, to_each(size_, rank_ == root ? t.nbytes() : 0),
+                         [t, root](DeviceCollectives& d, void* ready) { d.broadcast(t, root, ready); });
   return submit(rec, [this, t, root] {
     // The root sends to every rank directly (a tree would pay across many nodes).
     const Tensor h = host_of(t, 0, rank_ == root);

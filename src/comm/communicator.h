@@ -237,7 +237,8 @@ class Communicator {
   // The hierarchical all-reduce counts the messages it sends.
   uint64_t bytes_sent() const { return bytes_sent_; }
   // Bytes of the messages this rank sent to ranks of other nodes, by every collective since
-  // set_ranks_per_node (0 before).
+  // set_ranks_per_node (0 before). Through NCCL, the all-gather and broadcast are counted as
+  // the host path sends them (directly to each rank); NCCL routes them its own way.
   uint64_t bytes_between_nodes() const { return bytes_between_nodes_; }
   std::vector<CommRecord> flight_record() const;  // oldest first
   std::string flight_dump() const;                // human-readable
@@ -310,7 +311,9 @@ class Communicator {
   void allreduce_run(const Tensor& t);  // the flat all-reduce, on the communication thread
   // Whether `t` goes through the device collectives, and the operation that runs them.
   bool on_device(const Tensor& t) const { return device_ && t.device() == Device::cuda; }
-  WorkPtr submit_device(const CommRecord& rec, std::function<void(DeviceCollectives&, void*)> op);
+  // bytes_to[k]: what the operation sends to group rank k, for bytes_between_nodes.
+  WorkPtr submit_device(const CommRecord& rec, std::vector<int64_t> bytes_to,
+                        std::function<void(DeviceCollectives&, void*)> op);
   // Polls done() with the naps of exchange() until it is true.
   void poll(const std::function<bool()>& done);
 

@@ -1,5 +1,6 @@
 #include "comm/nccl_comm.h"
 
+#include <exception>
 #include <iomanip>
 #include <memory>
 #include <set>
@@ -126,8 +127,9 @@ const Nccl* load_nccl(std::string* why) {
   static std::string error;
   static const std::unique_ptr<Nccl> lib = []() -> std::unique_ptr<Nccl> {
     void* h = nullptr;
-    for (const std::string& name : {std::string(MESHTRAIN_NCCL_DIR) + "/libnccl.so.2", std::string("libnccl.so.2")})
-      if ((h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
+    for (const std::string& dir : {std::string(MESHTRAIN_NCCL_DIR), std::string()})
+      if ((h = dlopen((dir.empty() ? std::string() : dir + "/").append("libnccl.so.2").c_str(), RTLD_NOW | RTLD_LOCAL)))
+        break;
     if (!h) {
       error = std::string("cannot load libnccl.so.2 (") + dlerror() + ")";
       return nullptr;
@@ -152,8 +154,9 @@ const Nccl* load_nccl(std::string* why) {
     get(l->Broadcast, "ncclBroadcast");
     if (!ok) return nullptr;
     int v = 0;
-    l->GetVersion(&v);  // major * 10000 + minor * 100 + patch since 2.9
-    l->version = std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+    l->GetVersion(&v);  // major * 10000 + minor * 100 + patch since 2.9, major * 1000 + ... before
+    const int major = v >= 10000 ? v / 10000 : v / 1000, minor = v >= 10000 ? v / 100 % 100 : v / 100 % 10;
+    l->version = std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(v % 100);
     return l;
   }();
   if (why) *why = error;
@@ -174,10 +177,12 @@ class NcclCollectives final : public DeviceCollectives {
     MT_CUDA_OK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
   }
   ~NcclCollectives() override {
-    stage_ = Tensor();
+    // Destroying a communicator waits for the group's other ranks on this machine; after a
+    // failure (ours, or an exception unwinding this rank towards abort_job) they may never
+    // come, so the communicator is left to the process's end instead.
+    if (comm_ && !failed_ && std::uncaught_exceptions() == 0) lib_.CommDestroy(comm_);
     if (done_) cudaEventDestroy(done_);
     if (stream_) cudaStreamDestroy(stream_);
-    if (comm_) lib_.CommDestroy(comm_);
   }
 
   std::string describe() const override { return "NCCL " + lib_.version; }
@@ -198,24 +203,23 @@ class NcclCollectives final : public DeviceCollectives {
     char* base = static_cast<char*>(in.raw());
     // The other ranks' pieces of this rank's range [size - 1, n], in rank order.
     char* slots = stage(static_cast<size_t>(n) * (size_ - 1) * es);
-    check(lib_.GroupStart(), "ncclGroupStart");
-    for (int k = 0, slot = 0; k < size_; ++k) {
-      if (k == rank_) continue;
-      if (const int64_t len = bounds[k + 1] - bounds[k]) send(base + bounds[k] * es, len * es, k);
-      if (n) recv(slots + static_cast<size_t>(slot) * n * es, n * es, k);
-      ++slot;
-    }
-    check(lib_.GroupEnd(), "ncclGroupEnd");
-    cuda_sum_in_order(in.dtype(), slots, n, size_, base + bounds[rank_] * es, rank_, out.raw(), n, stream_);
-    if (gather) {  // every owner's sum to every rank, into the same range of its `in`
-      check(lib_.GroupStart(), "ncclGroupStart");
-      for (int k = 0; k < size_; ++k) {
+    grouped([&] {
+      for (int k = 0, slot = 0; k < size_; ++k) {
         if (k == rank_) continue;
-        if (n) send(out.raw(), n * es, k);
-        if (const int64_t len = bounds[k + 1] - bounds[k]) recv(base + bounds[k] * es, len * es, k);
+        if (const int64_t len = bounds[k + 1] - bounds[k]) send(base + bounds[k] * es, len * es, k);
+        if (n) recv(slots + static_cast<size_t>(slot) * n * es, n * es, k);
+        ++slot;
       }
-      check(lib_.GroupEnd(), "ncclGroupEnd");
-    }
+    });
+    cuda_sum_in_order(in.dtype(), slots, n, size_, base + bounds[rank_] * es, rank_, out.raw(), n, stream_);
+    if (gather)  // every owner's sum to every rank, into the same range of its `in`
+      grouped([&] {
+        for (int k = 0; k < size_; ++k) {
+          if (k == rank_) continue;
+          if (n) send(out.raw(), n * es, k);
+          if (const int64_t len = bounds[k + 1] - bounds[k]) recv(base + bounds[k] * es, len * es, k);
+        }
+      });
     finish();
   }
 
@@ -235,7 +239,10 @@ class NcclCollectives final : public DeviceCollectives {
   bool done() override {
     const cudaError_t e = cudaEventQuery(done_);
     if (e == cudaSuccess) return true;
-    MT_CHECK(e == cudaErrorNotReady, "CUDA error while NCCL ran on group '" << name_ << "': " << cudaGetErrorString(e));
+    if (e != cudaErrorNotReady) {
+      failed_ = true;
+      MT_FAIL("CUDA error while NCCL ran on group '" << name_ << "': " << cudaGetErrorString(e));
+    }
     ncclResult_t async = ncclSuccess;
     check(lib_.CommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
     check(async, "an operation (asynchronous error)");
@@ -243,13 +250,30 @@ class NcclCollectives final : public DeviceCollectives {
   }
 
  private:
-  void check(ncclResult_t r, const char* what) const {
-    MT_CHECK(r == ncclSuccess || r == ncclInProgress,
-             "NCCL " << what << " failed on group '" << name_ << "' (rank " << rank_ << " of " << size_
-                     << "): " << lib_.GetErrorString(r) << "; NCCL_DEBUG=WARN prints NCCL's reason");
+  // A failed NCCL call leaves the communicator unusable: every later operation fails too
+  // (the error reaches the caller's wait(), and the job ends through abort_job).
+  void check(ncclResult_t r, const char* what) {
+    if (r == ncclSuccess || r == ncclInProgress) return;
+    failed_ = true;
+    MT_FAIL("NCCL " << what << " failed on group '" << name_ << "' (rank " << rank_ << " of " << size_
+                    << "): " << lib_.GetErrorString(r) << "; NCCL_DEBUG=WARN prints NCCL's reason");
+  }
+  // Sends and receives queued by f, started together (every pair at once); the group is
+  // closed even when f fails.
+  template <class F>
+  void grouped(F&& f) {
+    check(lib_.GroupStart(), "ncclGroupStart");
+    try {
+      f();
+    } catch (...) {
+      lib_.GroupEnd();
+      throw;
+    }
+    check(lib_.GroupEnd(), "ncclGroupEnd");
   }
   // On the communication thread, whose current device is its own (per thread in CUDA).
   void begin(void* ready) {
+    MT_CHECK(!failed_, "an earlier NCCL operation on group '" << name_ << "' failed (see above)");
     MT_CUDA_OK(cudaSetDevice(device_));
     MT_CUDA_OK(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ready), 0));
   }
@@ -258,14 +282,14 @@ class NcclCollectives final : public DeviceCollectives {
     check(lib_.Send(p, bytes, ncclUint8, peer, comm_, stream_), "ncclSend");
   }
   void recv(void* p, size_t bytes, int peer) { check(lib_.Recv(p, bytes, ncclUint8, peer, comm_, stream_), "ncclRecv"); }
-  // The receive buffer, grown as needed. A block the compute thread freed may still be in use
-  // by kernels queued on the compute stream (the allocator caches without streams): growing
-  // first waits for that stream, so no such kernel runs once NCCL writes here.
+  // The receive buffer, grown as needed. The block may be one the compute thread freed while
+  // kernels queued on the compute stream still use it (the allocator caches without
+  // streams): after taking it, wait for that stream, so no such kernel runs once NCCL writes.
   char* stage(size_t bytes) {
     if (!stage_.defined() || stage_.nbytes() < bytes) {
       stage_ = Tensor();
-      cuda_synchronize();
       stage_ = Tensor::empty({static_cast<int64_t>((bytes + 3) / 4)}, DType::f32, gpu_, MemTag::comm);
+      cuda_synchronize();
     }
     return static_cast<char*>(stage_.raw());
   }
@@ -274,6 +298,7 @@ class NcclCollectives final : public DeviceCollectives {
   Allocator& gpu_;
   int rank_, size_, device_ = 0;
   std::string name_;
+  bool failed_ = false;  // a call failed: no more operations, and the communicator is not destroyed
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t done_ = nullptr;  // recorded after each operation's last step
