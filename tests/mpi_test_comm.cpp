@@ -370,22 +370,33 @@ TEST(Mesh, AxesSplitTheWorld) {
   EXPECT_EQ(pp.pp().rank(), w.rank() / 2);
 }
 
+// A factory that records the groups it decides for ("name size") and keeps them on host memory.
+DeviceCollectivesFactory recording_factory(std::vector<std::string>& asked) {
+  return [&asked](Communicator& g) -> std::unique_ptr<DeviceCollectives> {
+    asked.push_back(g.name() + " " + std::to_string(g.size()));
+    sum_doubles(g, 1.0);  // collective over the group it decides for, as the NCCL factory's gather is
+    return nullptr;
+  };
+}
+
 // How a group moves GPU tensors (NCCL or host memory, comm/nccl_comm.h) is decided by a
-// factory called collectively on the group, and again on every group split from it later
-// (ZeRO's and DDP's own groups); a null answer keeps the host path, whose sums are unchanged.
+// factory called collectively on the group (not on pp and cp, which only pass it on), and
+// again on every group split from it later (ZeRO's and DDP's own groups, the tied head's
+// pair); a null answer keeps the host path, whose sums are unchanged.
 TEST(DeviceCollectives, GroupsSplitLaterDecideForThemselves) {
   Communicator& w = *g_world;
   const int n = w.size(), r = w.rank();
   std::vector<std::string> asked;  // "name size" per call on this rank
   std::unique_ptr<Communicator> all = w.split(0, r, "all");
-  all->set_device_collectives([&](Communicator& g) -> std::unique_ptr<DeviceCollectives> {
-    asked.push_back(g.name() + " " + std::to_string(g.size()));
-    sum_doubles(g, 1.0);  // collective over the group it decides for, as the NCCL factory's gather is
-    return nullptr;
-  });
+  all->set_device_collectives(recording_factory(asked));
   std::unique_ptr<Communicator> half = all->split(r % 2, r, "half");
   std::unique_ptr<Communicator> plain = w.split(0, r, "plain");  // the world has no factory
-  const std::vector<std::string> want{"all " + std::to_string(n), "half " + std::to_string((n + 1 - r % 2) / 2)};
+  // A group of point-to-point messages only (pp, cp) passes the factory on without using it.
+  std::unique_ptr<Communicator> messages = w.split(0, r, "messages");
+  messages->set_device_collectives(recording_factory(asked), /*own=*/false);
+  std::unique_ptr<Communicator> pair = messages->split(r / 2, r, "pair");
+  const std::vector<std::string> want{"all " + std::to_string(n), "half " + std::to_string((n + 1 - r % 2) / 2),
+                                      "pair 2"};
   EXPECT_EQ(asked, want);
   EXPECT_EQ(all->device_collectives(), "");
   CpuAllocator a;

@@ -371,14 +371,14 @@ void Communicator::poll(const std::function<bool()>& done) {
   }
 }
 
-void Communicator::set_device_collectives(DeviceCollectivesFactory make) {
+void Communicator::set_device_collectives(DeviceCollectivesFactory make, bool own) {
   {
     std::unique_lock<std::mutex> lock(mu_);  // between operations, like set_options
     cv_.wait(lock, [&] { return queue_.empty() && running_since_ms_ < 0; });
   }
   device_ = nullptr;
   device_make_ = std::move(make);
-  if (device_make_) device_ = device_make_(*this);  // collective over the group
+  if (device_make_ && own) device_ = device_make_(*this);  // collective over the group
 }
 
 void Communicator::pass_device_collectives(Communicator& child) const {

@@ -247,9 +247,10 @@ class Communicator {
   // are dropped first (once the queue is empty), so none outlives the allocator it came from.
   void set_options(const CommOptions& o);
   // How this group runs collectives on GPU tensors: `make` is called now, collectively over
-  // the group, and again for every group split from this one later (each decides for its own
+  // the group (unless `own` is false: a group whose GPU tensors travel only as point-to-point
+  // messages), and again for every group split from this one later (each decides for its own
   // ranks). Between operations, on every rank alike.
-  void set_device_collectives(DeviceCollectivesFactory make);
+  void set_device_collectives(DeviceCollectivesFactory make, bool own = true);
   // "NCCL 2.28.9", or "" when GPU tensors go through host memory.
   std::string device_collectives() const { return device_ ? device_->describe() : std::string(); }
 

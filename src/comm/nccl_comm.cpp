@@ -80,7 +80,9 @@ std::string attach_gpu_comm(Mesh& mesh, const std::string& mode, Allocator& gpu)
     notes->push_back(group.name() + " (" + std::to_string(group.size()) + " ranks) " + choice.why);
     return choice.nccl ? nccl_collectives(group, gpu) : nullptr;
   };
-  for (Communicator* g : mesh.groups()) g->set_device_collectives(make);
+  // pp and cp move GPU tensors only as posted messages (host memory): their own groups get
+  // no communicator, the groups split from them (the tied head's pair) decide for themselves.
+  for (Communicator* g : mesh.groups()) g->set_device_collectives(make, g != &mesh.pp() && g != &mesh.cp());
   std::string line = "GPU tensors between ranks:";
   for (size_t i = 0; i < notes->size(); ++i) line += (i ? "; " : " ") + (*notes)[i];
   return notes->empty() ? std::string() : line;

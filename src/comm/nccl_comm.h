@@ -5,8 +5,9 @@
 //   Mesh mesh(world, dp, pp, tp, cp);
 //   std::string how = attach_gpu_comm(mesh, "auto", gpu_alloc);  // "dp: NCCL 2.28.9; tp: ..."
 //
-// Each group of two or more ranks (and every group split from it later: ZeRO's shard and
-// replica groups, DDP's node groups) first gathers every rank's GPU (its UUID) and decides:
+// Each group of two or more ranks that reduces or gathers GPU tensors (dp, tp, dp x cp, and
+// every group split later: ZeRO's shard and replica groups, DDP's node groups, the tied head's
+// pair of pipeline stages) first gathers every rank's GPU (its UUID) and decides:
 // NCCL when every rank has a GPU of its own and NCCL loads; otherwise its GPU tensors keep
 // going through host memory and MPI (comm/communicator.h), as ranks sharing one GPU must
 // (NCCL refuses two ranks on one GPU). parallel.gpu_comm = nccl makes the fallback an error
@@ -54,10 +55,11 @@ struct GpuCommChoice {
 GpuCommChoice choose_gpu_comm(const std::string& mode, const std::string& group, const std::vector<std::string>& gpus,
                               const std::string& version);
 
-// Gives every group of the mesh (and groups split from them later) NCCL where
-// choose_gpu_comm says so; `mode` is parallel.gpu_comm (host: nothing). Collective over the
-// world. Returns one line for the run header: each group of two or more ranks and how its
-// GPU tensors travel.
+// Gives the mesh's groups that reduce or gather GPU tensors (dp, tp, dp x cp) and every group
+// split later from any mesh group NCCL where choose_gpu_comm says so (pp and cp themselves
+// carry only point-to-point messages); `mode` is parallel.gpu_comm (host: nothing).
+// Collective over the world. Returns one line for the run header: each of those groups of two
+// or more ranks and how its GPU tensors travel.
 std::string attach_gpu_comm(Mesh& mesh, const std::string& mode, Allocator& gpu);
 
 // NCCL collectives over `group` (collective over it: rank 0 makes the unique id and
