@@ -69,12 +69,17 @@ std::string attach_gpu_comm(Mesh& mesh, const std::string& mode, Allocator& gpu)
   DeviceCollectivesFactory make = [mode, &gpu, notes](Communicator& group) -> std::unique_ptr<DeviceCollectives> {
     if (group.size() == 1) return nullptr;  // nothing moves
     // Every rank's GPU first; NCCL is loaded only where the ranks have one each.
-    std::string status = nccl_built() ? "?" : nccl_status();
-    std::vector<std::string> gpus(group.size(), status);
-    if (nccl_built()) gpus = allgather_strings(group, gpu_uuid());
-    if (nccl_built() && std::set<std::string>(gpus.begin(), gpus.end()).size() == gpus.size()) {
+    std::string status;  // this rank's NCCL: its version, or "!why"
+    std::vector<std::string> gpus;
+    if (!nccl_built()) {
       status = nccl_status();
-      gpus = allgather_strings(group, status.rfind('!', 0) == 0 ? status : gpus[group.rank()]);
+      gpus.assign(group.size(), status);  // one build on every rank: each says why
+    } else {
+      gpus = allgather_strings(group, gpu_uuid());
+      if (std::set<std::string>(gpus.begin(), gpus.end()).size() == gpus.size()) {
+        status = nccl_status();
+        gpus = allgather_strings(group, status.rfind('!', 0) == 0 ? status : gpus[group.rank()]);
+      }
     }
     const GpuCommChoice choice = choose_gpu_comm(mode, group.name(), gpus, status);
     notes->push_back(group.name() + " (" + std::to_string(group.size()) + " ranks) " + choice.why);
