@@ -10,11 +10,11 @@
 #include "core/error.h"
 
 #if MESHTRAIN_NCCL
-#include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <nccl.h>
 
 #include "core/cuda.h"
+#include "core/cuda/check.h"
 #endif
 
 namespace mt {
@@ -106,12 +106,6 @@ std::unique_ptr<DeviceCollectives> nccl_collectives(Communicator&, Allocator&) {
 
 namespace {
 
-#define MT_CUDA_OK(call)                                                                    \
-  do {                                                                                      \
-    cudaError_t err_ = (call);                                                              \
-    MT_CHECK(err_ == cudaSuccess, "CUDA error in " #call ": " << cudaGetErrorString(err_)); \
-  } while (0)
-
 // The NCCL functions used here, from the library loaded on first use.
 struct Nccl {
   decltype(&ncclGetVersion) GetVersion;
@@ -174,14 +168,14 @@ class NcclCollectives final : public DeviceCollectives {
  public:
   NcclCollectives(Communicator& group, Allocator& gpu, const Nccl& lib)
       : lib_(lib), gpu_(gpu), rank_(group.rank()), size_(group.size()), name_(group.name()) {
-    MT_CUDA_OK(cudaGetDevice(&device_));
+    MT_CUDA_CHECK(cudaGetDevice(&device_));
     ncclUniqueId id{};
     if (rank_ == 0) check(lib_.GetUniqueId(&id), "ncclGetUniqueId");
     static_assert(sizeof(id) % 4 == 0);
     group.broadcast(Tensor::wrap(&id, {static_cast<int64_t>(sizeof(id) / 4)}, DType::u32), 0);
     check(lib_.CommInitRank(&comm_, size_, id, rank_), "ncclCommInitRank");
-    MT_CUDA_OK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    MT_CUDA_OK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
   }
   ~NcclCollectives() override {
     // Destroying a communicator waits for the group's other ranks on this machine; after a
@@ -195,10 +189,10 @@ class NcclCollectives final : public DeviceCollectives {
   std::string describe() const override { return "NCCL " + lib_.version; }
 
   std::shared_ptr<void> issued() override {
-    MT_CUDA_OK(cudaSetDevice(device_));  // the event on the compute stream's device, whichever thread issues
+    MT_CUDA_CHECK(cudaSetDevice(device_));  // the event on the compute stream's device, whichever thread issues
     cudaEvent_t ev = nullptr;
-    MT_CUDA_OK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    MT_CUDA_OK(cudaEventRecord(ev, static_cast<cudaStream_t>(cuda_stream())));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    MT_CUDA_CHECK(cudaEventRecord(ev, static_cast<cudaStream_t>(cuda_stream())));
     return std::shared_ptr<void>(ev, [](void* e) { cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
   }
 
@@ -281,10 +275,10 @@ class NcclCollectives final : public DeviceCollectives {
   // On the communication thread, whose current device is its own (per thread in CUDA).
   void begin(void* ready) {
     MT_CHECK(!failed_, "an earlier NCCL operation on group '" << name_ << "' failed (see above)");
-    MT_CUDA_OK(cudaSetDevice(device_));
-    MT_CUDA_OK(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ready), 0));
+    MT_CUDA_CHECK(cudaSetDevice(device_));
+    MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(ready), 0));
   }
-  void finish() { MT_CUDA_OK(cudaEventRecord(done_, stream_)); }
+  void finish() { MT_CUDA_CHECK(cudaEventRecord(done_, stream_)); }
   void send(const void* p, size_t bytes, int peer) {
     check(lib_.Send(p, bytes, ncclUint8, peer, comm_, stream_), "ncclSend");
   }

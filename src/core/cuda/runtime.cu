@@ -4,14 +4,9 @@
 #include <cuda_runtime.h>
 
 #include "core/cuda.h"
+#include "core/cuda/check.h"
 #include "core/error.h"
 #include "core/tensor.h"
-
-#define MT_CUDA_CHECK(call)                                                                    \
-  do {                                                                                         \
-    cudaError_t err_ = (call);                                                                 \
-    MT_CHECK(err_ == cudaSuccess, "CUDA error in " #call ": " << cudaGetErrorString(err_));    \
-  } while (0)
 
 namespace mt {
 

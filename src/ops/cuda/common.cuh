@@ -7,15 +7,10 @@
 #include <cstdint>
 
 #include "core/cuda.h"
+#include "core/cuda/check.h"  // MT_CUDA_CHECK
 #include "core/error.h"
 #include "core/tensor.h"
 
-// Throws mt::Error naming the call when a CUDA runtime call fails.
-#define MT_CUDA_CHECK(call)                                                                 \
-  do {                                                                                      \
-    cudaError_t err_ = (call);                                                              \
-    MT_CHECK(err_ == cudaSuccess, "CUDA error in " #call ": " << cudaGetErrorString(err_)); \
-  } while (0)
 // After each launch: a bad configuration fails here, naming the kernel.
 #define MT_CUDA_LAUNCHED(name)                                                                        \
   do {                                                                                                \
