@@ -351,11 +351,13 @@ void Communicator::put_back(const Tensor& t, const Tensor& host) {
 Tensor Communicator::staging(int64_t numel, DType dtype) { return buffer_of(staging_, numel, dtype); }
 
 void Communicator::exchange(const std::vector<Message>& sends, const std::vector<Message>& recvs, int tag) {
-  if (const int L = ranks_per_node_; L > 0 && count_nodes_)
-    for (const Message& m : sends)
-      if (m.peer / L != rank_ / L) bytes_between_nodes_ += m.bytes;
+  for (const Message& m : sends) count_between_nodes(m.peer, m.bytes);
   std::unique_ptr<Transfer> t = start(sends, recvs, tag);
   poll([&] { return t->test(); });
+}
+
+void Communicator::count_between_nodes(int peer, uint64_t bytes) {
+  if (const int L = ranks_per_node_; L > 0 && count_nodes_ && peer / L != rank_ / L) bytes_between_nodes_ += bytes;
 }
 
 void Communicator::poll(const std::function<bool()>& done) {
@@ -389,9 +391,7 @@ WorkPtr Communicator::submit_device(const CommRecord& rec, std::vector<int64_t> 
                                    std::function<void(DeviceCollectives&, void*)> op) {
   std::shared_ptr<void> ready = device_->issued();  // on the issuing thread, after the work it waits for
   return submit(rec, [this, ready, bytes_to = std::move(bytes_to), op = std::move(op)] {
-    if (const int L = ranks_per_node_; L > 0 && count_nodes_)  // as exchange() counts the host path's messages
-      for (int k = 0; k < size_; ++k)
-        if (k / L != rank_ / L) bytes_between_nodes_ += bytes_to[k];
+    for (int k = 0; k < size_; ++k) count_between_nodes(k, bytes_to[k]);
     op(*device_, ready.get());
     poll([this] { return device_->done(); });
   });

@@ -315,6 +315,9 @@ class Communicator {
   // bytes_to[k]: what the operation sends to group rank k, for bytes_between_nodes.
   WorkPtr submit_device(const CommRecord& rec, std::vector<int64_t> bytes_to,
                         std::function<void(DeviceCollectives&, void*)> op);
+  // Adds a message's bytes to bytes_between_nodes when `peer` is on another node (and the
+  // running operation's messages count: not a debug check's).
+  void count_between_nodes(int peer, uint64_t bytes);
   // Polls done() with the naps of exchange() until it is true.
   void poll(const std::function<bool()>& done);
 
