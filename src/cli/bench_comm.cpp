@@ -15,7 +15,7 @@
 #include "core/cuda.h"
 #include "core/error.h"
 #include "plan/hardware.h"  // comm_op_seconds, comm_bus_factor
-#include "train/device_state.h"  // local_rank
+#include "train/device_state.h"  // use_local_gpu
 
 namespace mt {
 
@@ -71,7 +71,7 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
   if (device == "cuda") {
     MT_CHECK(cuda_device_count() > 0, "bench comm --device cuda: no GPU is visible here (cudaGetDeviceCount found "
                                       "none, or this meshtrain was built without CUDA); use --device cpu");
-    if (const int gpus = cuda_device_count(); gpus > 1) cuda_set_device(local_rank() % gpus);
+    use_local_gpu();
     gpu = std::make_unique<CudaAllocator>();
   }
   Mesh mesh(world, n, 1, 1);

@@ -17,6 +17,12 @@ inline int local_rank() {
   return 0;
 }
 
+// Puts this process on one of its machine's GPUs, round robin by local rank (ranks beyond the
+// GPU count share them); before the first device allocation.
+inline void use_local_gpu() {
+  if (const int gpus = cuda_device_count(); gpus > 1) cuda_set_device(local_rank() % gpus);
+}
+
 // fill(slices) for parameters that may live on the GPU: filled in host memory, then copied.
 template <class Fill>
 void fill_on_device(const std::vector<ParamSlice>& slices, Device device, const Fill& fill) {

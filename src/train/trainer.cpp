@@ -671,7 +671,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   CpuAllocator host_alloc;
   std::unique_ptr<CudaAllocator> gpu_alloc;
   if (c.training.device == "cuda") {
-    if (const int gpus = cuda_device_count(); gpus > 1) cuda_set_device(local_rank() % gpus);  // ranks share them round robin
+    use_local_gpu();
     gpu_alloc = std::make_unique<CudaAllocator>();
   }
   Allocator& alloc = gpu_alloc ? static_cast<Allocator&>(*gpu_alloc) : host_alloc;
