@@ -3,6 +3,7 @@
 //
 //   bench_gpu_step [--family gpt2] [--layers 12] [--d-model 768] [--heads 12] [--seq 1024]
 //                  [--vocab 50304] [--batch 8] [--precision bf16] [--steps 20] [--warmup 3]
+//                  [--profile 1]
 //
 // Prints one JSON line: the median step time and its phases, tokens/s, the model FLOPs
 // utilisation against --peak-tflops (default 989, the H100 SXM's dense bf16 rate; pass the
@@ -10,6 +11,10 @@
 // last step (the model must learn: the batch is the same every step). FLOPs per token:
 // 6 N (N = the parameters, embedding included, counted once when tied) + 6 L T C for
 // attention's two products forward and backward (causal: half of the full 12 L T C).
+//
+// --profile 1 also prints, on stderr, where the timed steps' time went per op (the ops'
+// profile scopes, core/profile.h), largest first. Run it with CUDA_LAUNCH_BLOCKING=1: each
+// launch then returns when its kernel is done, so an op's time is its GPU time.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +23,7 @@
 #include <vector>
 
 #include "core/cuda.h"
+#include "core/profile.h"
 #include "core/rng.h"
 #include "nn/model.h"
 #if MESHTRAIN_CUDA
@@ -35,6 +41,23 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The profile's table on stderr: per op, its calls and self time per step, and its share.
+void print_profile(const Profiler& prof) {
+  std::vector<Profiler::Row> rows = prof.rows();
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.self_s > b.self_s; });
+  const double steps = static_cast<double>(prof.steps()), step = prof.step_seconds() / steps;
+  double scoped = 0;
+  std::fprintf(stderr, "%-28s %10s %12s %7s\n", "op (self time)", "calls/step", "ms/step", "share");
+  for (const Profiler::Row& r : rows) {
+    scoped += r.self_s / steps;
+    std::fprintf(stderr, "%-28s %10.1f %12.3f %6.1f%%\n", r.name.c_str(), r.calls / steps, r.self_s / steps * 1e3,
+                 100 * r.self_s / steps / step);
+  }
+  std::fprintf(stderr, "%-28s %10s %12.3f %6.1f%%\n", "other (unprofiled)", "", (step - scoped) * 1e3,
+               100 * (step - scoped) / step);
+  std::fprintf(stderr, "%-28s %10s %12.3f\n", "step", "", step * 1e3);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -47,6 +70,7 @@ int main(int argc, char** argv) {
   cfg.n_layer = 12, cfg.d_model = 768, cfg.n_head = 12, cfg.seq_len = 1024, cfg.vocab_size = 50304;
   cfg.precision = "bf16";
   int B = 8, steps = 20, warmup = 3;
+  bool profile = false;
   double peak_tflops = 989;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -62,6 +86,7 @@ int main(int argc, char** argv) {
     else if (k == "--steps") steps = std::stoi(v);
     else if (k == "--warmup") warmup = std::stoi(v);
     else if (k == "--peak-tflops") peak_tflops = std::stod(v);
+    else if (k == "--profile") profile = v != "0";
     else {
       std::fprintf(stderr, "bench_gpu_step: unknown option %s\n", k.c_str());
       return 2;
@@ -94,8 +119,11 @@ int main(int argc, char** argv) {
 
     std::vector<double> t_step, t_fwd, t_bwd, t_opt;
     double first_loss = 0, last_loss = 0;
+    Profiler prof(profile_now());
     for (int s = 0; s < warmup + steps; ++s) {
       cuda_synchronize();
+      const bool recording = profile && s >= warmup;
+      if (recording) prof.step_begin();
       const double t0 = now();
       model.zero_grad();
       const double loss = model.forward(tok.data(), tgt.data(), B, T) / N;  // returns after a sync
@@ -103,18 +131,23 @@ int main(int argc, char** argv) {
       model.backward(1.0f / N);
       cuda_synchronize();
       const double t2 = now();
-      for (size_t u = 0; u < model.units().size(); ++u) {
-        Unit& unit = model.units()[u];
-        if (unit.numel == 0) continue;
-        cuda::adamw_step(master[u], unit.g, m[u], v[u], decay[u], 3e-4, 0.9, 0.95, 1e-8, 0.1, s + 1);
-        unit.w.convert_from(master[u]);
+      {
+        ProfileScope scope("adamw and working copies");
+        for (size_t u = 0; u < model.units().size(); ++u) {
+          Unit& unit = model.units()[u];
+          if (unit.numel == 0) continue;
+          cuda::adamw_step(master[u], unit.g, m[u], v[u], decay[u], 3e-4, 0.9, 0.95, 1e-8, 0.1, s + 1);
+          unit.w.convert_from(master[u]);
+        }
+        cuda_synchronize();
       }
-      cuda_synchronize();
       const double t3 = now();
+      if (recording) prof.step_end();
       if (s == 0) first_loss = loss;
       last_loss = loss;
       if (s >= warmup) t_step.push_back(t3 - t0), t_fwd.push_back(t1 - t0), t_bwd.push_back(t2 - t1), t_opt.push_back(t3 - t2);
     }
+    if (profile) print_profile(prof);
     const double step = median(t_step), tokens_s = N / step;
     const double flops_per_token = 6.0 * n_params + 6.0 * cfg.n_layer * T * cfg.d_model;
     const double mfu = flops_per_token * tokens_s / (peak_tflops * 1e12);

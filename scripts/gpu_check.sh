@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: build (scripts/gpu_build.sh), run every CUDA test program, bf16
 # training against Hugging Face transformers (tests/parity/run_hf_gpu.py), then the GPT-2
-# benchmark beside PyTorch (bench/gpu.sh). Logs go to $OUT (or ./gpu-check) so that they
+# benchmark beside PyTorch (bench/gpu.sh) and meshtrain's step per op. Logs go to $OUT (or ./gpu-check) so that they
 # survive the machine. $PYTHON (default python3 on the PATH) must have torch and transformers.
 #
 #   bash scripts/gpu_check.sh [tests|train|hf|bench|all]     # default all
@@ -78,5 +78,9 @@ fi
 if [[ $what == bench || $what == all ]]; then
   build-gpu/bench/bench_gpu_attention 2>&1 | tee "$out/attention.log"
   bash bench/gpu.sh build-gpu 2>&1 | tee "$out/bench.log" | tail -8
+  # Where meshtrain's step goes, per op: each launch waits for its kernel, so the times are
+  # GPU times (the step itself is slower so).
+  CUDA_LAUNCH_BLOCKING=1 build-gpu/bench/bench_gpu_step --profile 1 --steps 5 2>&1 >/dev/null |
+    tee "$out/profile.txt" | head -25
 fi
 exit $status

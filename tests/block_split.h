@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda.h"
 #include "core/rng.h"
 #include "nn/block.h"
 #include "nn/model.h"
@@ -39,36 +40,44 @@ inline float split_value(const std::string& name, int64_t index, float scale) {
 }
 
 // Block 0 of cfg as tp rank `shard` holds it (units from model_layout), with everything a
-// block's forward and backward need for two micro-batches of up to B sequences.
+// block's forward and backward need for two micro-batches of up to B sequences, on the
+// host or (dev cuda) on the GPU.
 class SplitRig {
  public:
   SplitRig(const ModelConfig& cfg, TpShard shard, bool sequence_parallel, TpMappings& tp, int B,
-           DType kept = DType::f32)
+           DType kept = DType::f32, Device dev = Device::cpu)
       : cfg_(cfg), d_(local_dims(cfg, shard)), shard_(shard), tp_(tp) {
+    if (dev == Device::cuda) alloc_ = std::make_unique<CudaAllocator>();
+    else alloc_ = std::make_unique<CpuAllocator>();
     if (sequence_parallel) d_.seq_split = shard.size;
     u_ = model_layout(cfg, shard)[1];
-    u_.w = Tensor::empty({u_.numel}, DType::f32, alloc_, MemTag::params);
-    u_.g = Tensor::empty({u_.numel}, DType::f32, alloc_, MemTag::grads);
+    u_.w = Tensor::empty({u_.numel}, DType::f32, *alloc_, MemTag::params);
+    u_.g = Tensor::empty({u_.numel}, DType::f32, *alloc_, MemTag::grads);
+    std::vector<float> w(u_.numel);
     g0_.resize(u_.numel);
     // parameters by global index (ranks sharing a key/value head hold the same values);
     // norm weights near 1; the starting gradients nonzero, so accumulation shows
     for (const ParamSpec& p : u_.params)
       for (int64_t i = 0; i < p.numel(); ++i) {
         const int64_t gi = p.global_index(i);
-        u_.w.f32()[p.offset + i] = (p.init == Init::ones ? 1.0f : 0.0f) + split_value(p.name, gi, 0.2f);
+        w[p.offset + i] = (p.init == Init::ones ? 1.0f : 0.0f) + split_value(p.name, gi, 0.2f);
         g0_[p.offset + i] = split_value(p.name + ".grad", gi, 0.01f);
       }
-    scratch_ = std::make_unique<BlockScratch>(cfg, d_, B, alloc_, kept);
+    u_.w.copy_from(Tensor::wrap(w.data(), {u_.numel}, DType::f32));
+    scratch_ = std::make_unique<BlockScratch>(cfg, d_, B, *alloc_, kept);
+    const int64_t resid = static_cast<int64_t>(B) * (d_.T / d_.seq_split) * d_.C;
     for (int m = 0; m < 2; ++m) {
-      acts_.push_back(std::make_unique<BlockActs>(cfg, d_, B, alloc_, kept));
-      defer_.push_back(std::make_unique<BlockWeightInputs>(cfg, d_, B, alloc_));
+      acts_.push_back(std::make_unique<BlockActs>(cfg, d_, B, *alloc_, kept));
+      defer_.push_back(std::make_unique<BlockWeightInputs>(cfg, d_, B, *alloc_));
+      x_[m] = Tensor::empty({resid}, DType::f32, *alloc_, MemTag::activations);
     }
+    io_ = Tensor::empty({resid}, DType::f32, *alloc_, MemTag::activations);
   }
 
   const Unit& unit() const { return u_; }
   const BlockActs& acts(int m) const { return *acts_[m]; }
-  std::vector<float> grads() const { return {u_.g.f32(), u_.g.f32() + u_.numel}; }
-  void reset_grads() { std::memcpy(u_.g.f32(), g0_.data(), g0_.size() * sizeof(float)); }
+  std::vector<float> grads() const { return host(u_.g); }
+  void reset_grads() { u_.g.copy_from(Tensor::wrap(g0_.data(), {u_.numel}, DType::f32)); }
 
   // This rank's positions of a [b, t, C] tensor of stream `name` (all of them without
   // sequence parallelism): the block's input x or d(out) of micro-batch m.
@@ -86,24 +95,32 @@ class SplitRig {
   // the forward is deterministic, and the comparisons then start from the same state).
   // Returns the block's output.
   std::vector<float> forward(int m, int b, int t) {
-    x_[m] = resid("x", m, b, t);
-    std::vector<float> out(x_[m].size());
-    block_forward(env(), u_, *acts_[m], wrap(x_[m], b, t), wrap(out, b, t), b, t);
-    return out;
+    const Tensor x = filled(x_[m], resid("x", m, b, t), b, t), out = filled(io_, {}, b, t);
+    block_forward(env(), u_, *acts_[m], x, out, b, t);
+    return host(out);
   }
   // Backward of micro-batch m: returns d(x); with split, only the input half runs.
   std::vector<float> backward(int m, int b, int t, bool split) {
-    std::vector<float> dresid = resid("dout", m, b, t);
+    const Tensor dresid = filled(io_, resid("dout", m, b, t), b, t);
     const BlockWeightInputs* defer = split ? defer_[m].get() : nullptr;
-    block_backward(env(), u_, *acts_[m], wrap(x_[m], b, t), wrap(dresid, b, t), b, t, defer);
-    return dresid;
+    block_backward(env(), u_, *acts_[m], shaped(x_[m], b, t), dresid, b, t, defer);
+    return host(dresid);
   }
   void backward_weight(int m, int b, int t) { block_backward_weight(env(), u_, *acts_[m], *defer_[m], b, t); }
 
  private:
   BlockEnv env() const { return BlockEnv{cfg_, d_, tp_, *scratch_, cp_, nullptr}; }
-  Tensor wrap(std::vector<float>& v, int b, int t) const {
-    return Tensor::wrap(v.data(), {b, t / d_.seq_split, d_.C}, DType::f32);
+  // buf's first [b, t / seq_split, C] elements, holding v where given.
+  Tensor shaped(const Tensor& buf, int b, int t) const { return buf.view(0, {b, t / d_.seq_split, d_.C}); }
+  Tensor filled(const Tensor& buf, std::vector<float> v, int b, int t) const {
+    const Tensor r = shaped(buf, b, t);
+    if (!v.empty()) r.copy_from(Tensor::wrap(v.data(), r.shape(), DType::f32));
+    return r;
+  }
+  static std::vector<float> host(const Tensor& t) {
+    std::vector<float> v(t.numel());
+    Tensor::wrap(v.data(), t.shape(), DType::f32).copy_from(t);
+    return v;
   }
 
   ModelConfig cfg_;
@@ -111,13 +128,13 @@ class SplitRig {
   TpShard shard_;
   TpMappings& tp_;
   mutable CpMappings cp_;  // whole sequences
-  CpuAllocator alloc_;
+  std::unique_ptr<Allocator> alloc_;
   Unit u_;
   std::vector<float> g0_;
   std::unique_ptr<BlockScratch> scratch_;
   std::vector<std::unique_ptr<BlockActs>> acts_;
   std::vector<std::unique_ptr<BlockWeightInputs>> defer_;
-  std::vector<float> x_[2];
+  Tensor x_[2], io_;  // [B, T / seq_split, C]: each micro-batch's input; the output or d(out)
 };
 
 inline void expect_bits(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
@@ -168,12 +185,13 @@ inline void check_split(SplitRig& r, int b, int t) {
   expect_bits(r.grads(), g_two, "gradients of BI0 BI1 BW0 BW1 against B0 B1");
 }
 
-// How many of the first n values of t (fp32) are not bf16 values.
+// How many of the first n values of t (fp32, on the host or the GPU) are not bf16 values.
 inline int64_t not_bf16(const Tensor& t, int64_t n) {
-  std::vector<float> r(t.f32(), t.f32() + n);
-  round_to(DType::bf16, r.data(), r.data(), n);
+  std::vector<float> v(n), r(n);
+  Tensor::wrap(v.data(), {n}, DType::f32).copy_from(t.view(0, {n}));
+  round_to(DType::bf16, v.data(), r.data(), n);
   int64_t off = 0;
-  for (int64_t i = 0; i < n; ++i) off += r[i] != t.f32()[i];
+  for (int64_t i = 0; i < n; ++i) off += r[i] != v[i];
   return off;
 }
 

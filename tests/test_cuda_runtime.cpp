@@ -240,7 +240,8 @@ TEST(CudaRuntime, ConvertFromAcrossDevicesMatchesTheHost) {
 }
 
 // Rounding in place on the device (round_tensor, the activations a 16-bit scope rounds)
-// gives the host's round_to bit for bit; NaN stays NaN.
+// gives the host's round_to bit for bit, and with a 16-bit destination (an activation kept
+// in 16 bits) the host's bits there too; NaN stays NaN.
 TEST(CudaRuntime, RoundMatchesHostBitForBit) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   CudaAllocator gpu;
@@ -248,19 +249,27 @@ TEST(CudaRuntime, RoundMatchesHostBitForBit) {
   h.push_back(std::numeric_limits<float>::quiet_NaN());
   const int64_t n = static_cast<int64_t>(h.size());
   for (DType half : {DType::bf16, DType::f16}) {
-    SCOPED_TRACE(dtype_name(half));
-    std::vector<float> want(n), got(n);
-    round_to(half, h.data(), want.data(), n);
-    Tensor d = Tensor::empty({n}, DType::f32, gpu, MemTag::other);
-    d.copy_from(Tensor::wrap(h.data(), {n}, DType::f32));
-    round_tensor(half, d);
-    Tensor::wrap(got.data(), {n}, DType::f32).copy_from(d);
-    EXPECT_TRUE(std::isnan(got[n - 1]));
-    int bad = 0;
-    for (int64_t i = 0; i + 1 < n; ++i)
-      if (std::memcmp(&got[i], &want[i], 4) != 0 && bad++ < 5)
-        ADD_FAILURE() << "value " << h[i] << ": device " << got[i] << ", host " << want[i];
-    EXPECT_EQ(bad, 0);
+    for (bool keep : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(half)) + (keep ? ", with its 16 bits" : ""));
+      std::vector<float> want(n), got(n);
+      std::vector<uint16_t> want_bits(n), got_bits(n);
+      round_to(half, h.data(), want.data(), n, want_bits.data());
+      Tensor d = Tensor::empty({n}, DType::f32, gpu, MemTag::other);
+      Tensor bits = Tensor::empty({n}, half, gpu, MemTag::other);
+      d.copy_from(Tensor::wrap(h.data(), {n}, DType::f32));
+      round_tensor(half, d, keep ? &bits : nullptr);
+      Tensor::wrap(got.data(), {n}, DType::f32).copy_from(d);
+      Tensor::wrap(got_bits.data(), {n}, half).copy_from(bits);
+      EXPECT_TRUE(std::isnan(got[n - 1]));
+      int bad = 0;
+      for (int64_t i = 0; i + 1 < n; ++i) {
+        const bool bits_differ = keep && got_bits[i] != want_bits[i];
+        if ((std::memcmp(&got[i], &want[i], 4) != 0 || bits_differ) && bad++ < 5)
+          ADD_FAILURE() << "value " << h[i] << ": device " << got[i] << " (bits " << got_bits[i] << "), host "
+                        << want[i] << " (bits " << want_bits[i] << ")";
+      }
+      EXPECT_EQ(bad, 0);
+    }
   }
 }
 

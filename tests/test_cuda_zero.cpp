@@ -87,7 +87,8 @@ const std::string kClip = " --optim.grad_clip=0.05";  // small enough to clip: n
 // states for the CPU's layouts). fp32 also meets what tests/test_zero.cpp demands on the
 // CPU (expect_equivalent: losses 1e-6, norms 1e-4, parameters by its first-order bound on
 // rounding-level gradient differences), whose derivation does not depend on the device.
-// gpt2 runs all three stages; llama stage 3 (the one that gathers parameters).
+// gpt2 runs all three stages; llama stage 3 (the one that gathers parameters). Each run's
+// memory per tag is the formulas' (activations kept in 16 bits under bf16, as on the CPU).
 TEST_P(CudaZeroFamily, TwoRanksSharingTheGpuMatchOneRank) {
   SKIP_WITHOUT_GPU();
   test::TempDir d;
@@ -97,6 +98,7 @@ TEST_P(CudaZeroFamily, TwoRanksSharingTheGpuMatchOneRank) {
   for (const std::string precision : {"fp32", "bf16"}) {
     const std::string p = " --training.precision=" + precision;
     const test::RunResult one = test::train_run(d, "one_" + precision, 1, test::options(fam, 8, 2) + data + p);
+    test::expect_memory_as_predicted(one, fam + " one rank " + precision);
     const bool fp32 = precision == "fp32";
     for (int stage : stages) {
       const std::string name = "z" + std::to_string(stage) + "_" + precision;
@@ -107,6 +109,7 @@ TEST_P(CudaZeroFamily, TwoRanksSharingTheGpuMatchOneRank) {
       EXPECT_LT(loss_diff(one.loss, z.loss), fp32 ? 1e-5 : 1e-4) << fam << " " << name;
       EXPECT_LT(rel_diff(one.units, z.units), fp32 ? 1e-5 : 3e-3) << fam << " " << name;
       if (fp32) test::expect_equivalent(one, z, fam + " " + name);
+      test::expect_memory_as_predicted(z, fam + " " + name);
     }
   }
 }

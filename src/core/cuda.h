@@ -43,8 +43,9 @@ void cuda_convert(DType to, void* dst, DType from, const void* src, int64_t n);
 void cuda_accumulate(DType to, void* dst, DType from, const void* src, int64_t n);
 // x[i] rounded in place to the nearest value of t (bf16 or f16, ties to even), kept as
 // float, bit for bit as round_to() in ops/autocast.h does on the host (NaN stays NaN), n
-// elements, on the compute stream.
-void cuda_round(DType t, float* x, int64_t n);
+// elements, on the compute stream; bits, where given (device memory): the same values in
+// t's 16 bits as well, in the same pass.
+void cuda_round(DType t, float* x, int64_t n, uint16_t* bits = nullptr);
 // A reduction's sum, bit for bit as the host communicator takes it (comm/sum.h): out[i] =
 // the sum over k = 0 .. count - 1, in that order, of term k's element i, in float (f32 from
 // term 0; bf16 and f16 from 0 + term 0), rounded once to dt (nearest even). Term k is

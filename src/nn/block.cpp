@@ -244,9 +244,9 @@ void norm_forward(const BlockEnv& env, const Tensor& out, const Tensor& mean, co
 namespace {
 
 // A column-parallel layer's norm in forward, keeping its output in `kept` (this rank's
-// positions, [B, Tl, C]). Returns the layer's input [B, T, C] in fp32: kept itself, or
-// s.dln (under sequence parallelism the positions gathered there; with 16-bit kept, the
-// norm's fp32 output, which kept holds rounded, as the product rounds its operand anyway).
+// positions, [B, Tl, C]). Returns the layer's input [B, T, C]: kept itself (with 16-bit
+// kept, the norm's output rounded as the product would round it), or under sequence
+// parallelism s.dln, the positions gathered in fp32.
 Tensor norm_forward_kept(const BlockEnv& env, const BlockScratch& s, const Tensor& kept, const Tensor& mean,
                          const Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b) {
   const bool sp = sequence_parallel(env), half = kept.dtype() != DType::f32;
@@ -254,7 +254,7 @@ Tensor norm_forward_kept(const BlockEnv& env, const BlockScratch& s, const Tenso
   const Tensor local = half && sp ? s.local : kept;  // this rank's positions in fp32, under sequence parallelism
   norm_forward(env, in, mean, rstd, x, w, b, local);
   if (half) kept.convert_from(sp ? s.local : s.dln);
-  return in;
+  return sp ? in : kept;
 }
 
 // Where an activation kept in `kept` is computed (and read downstream): kept itself, or in
@@ -268,15 +268,13 @@ void round_activation(const Tensor& x) {
   if (t != DType::f32) round_tensor(t, x);
 }
 
-// The same, and stored into kept when that is not x itself (16 bits, on the host only), in
-// the same pass: exact, as x holds 16-bit values.
+// The same, and stored into kept when that is not x itself (16 bits), in the same pass:
+// exact, as x holds 16-bit values.
 void round_and_keep(const Tensor& x, const Tensor& kept) {
   if (x.raw() == kept.raw()) return round_activation(x);
   MT_CHECK(kept.dtype() == autocast_dtype(), "internal: activations kept in " << dtype_name(kept.dtype())
                                                   << " outside a " << dtype_name(kept.dtype()) << " Autocast scope");
-  MT_CHECK(x.numel() == kept.numel() && x.device() == Device::cpu && kept.device() == Device::cpu,
-           "internal: keeping " << x.numel() << " values in " << kept.numel() << " 16-bit ones off the host");
-  round_to(kept.dtype(), x.f32(), x.f32(), x.numel(), static_cast<uint16_t*>(kept.raw()));
+  round_tensor(kept.dtype(), x, &kept);
 }
 
 // A kept activation in fp32 for an op that reads it: kept itself, or widened into work.
@@ -335,7 +333,7 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   // attention branch: copy (or gather) into the column-parallel q|k|v of this rank's heads,
   // reduce (or reduce-scatter) after the row-parallel output projection. Each kept
   // activation is computed in fp32 (fp32_home), rounded under a 16-bit scope and stored;
-  // what follows reads the rounded fp32 values.
+  // the ops that follow read the rounded fp32 values, the products the kept ones.
   const Tensor ln1 = norm_forward_kept(env, s, a.ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b);
   const Tensor qkv = fp32_home(a.qkv, s.qkv);
   linear_forward(qkv, ln1, p.wqkv, opt(p.bqkv));
@@ -348,7 +346,7 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   if (cfg.fused_attention()) env.cp.attention_forward(atty, a.lse, qkv, NH, NKV);
   else attention_forward(atty, a.att, qkv, NH, NKV);
   round_and_keep(atty, a.atty);
-  row_parallel_forward(env, a.mid, atty, p.wo, opt(p.bo), s.seq);
+  row_parallel_forward(env, a.mid, a.atty, p.wo, opt(p.bo), s.seq);
   add_inplace(a.mid, x);  // mid = x + attn
 
   // MLP branch: the same around the column-parallel up (and gate) and row-parallel down
@@ -359,7 +357,7 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   if (llama) swiglu_forward(act, fc);
   else gelu_forward(act, fc);
   if (act.raw() != a.act.raw()) a.act.convert_from(act);  // exact: the down projection rounds act anyway
-  row_parallel_forward(env, out, act, p.wproj, opt(p.bproj), s.seq);
+  row_parallel_forward(env, out, a.act, p.wproj, opt(p.bproj), s.seq);
   add_inplace(out, a.mid);  // out = mid + mlp
 }
 

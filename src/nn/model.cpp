@@ -138,10 +138,9 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
   const int64_t B = micro_batch, T = dims_.T, C = cfg.d_model, V = dims_.V;
   const int64_t Tl = T / dims_.seq_split;  // positions of the residual stream on this rank
   auto make = [&](const Shape& s, DType t = DType::f32) { return Tensor::empty(s, t, alloc, MemTag::activations); };
-  // The activations a block keeps, in 16 bits under the CPU's 16-bit precisions (BlockActs:
-  // rounded where they are produced, or rounded by the products that read them; the GPU
-  // keeps fp32 for now).
-  const DType kept = alloc.device() == Device::cpu ? working_dtype(cfg) : DType::f32;
+  // The activations a block keeps, in 16 bits under the 16-bit precisions (BlockActs:
+  // rounded where they are produced, or rounded by the products that read them).
+  const DType kept = working_dtype(cfg);
   if (recompute) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept);
   for (const ChunkSpec& spec : share_.chunks) {
     Chunk& ch = chunks_.emplace_back();

@@ -46,10 +46,17 @@ void round_to(DType t, const float* src, float* dst, int64_t n, uint16_t* bits) 
   }
 }
 
-void round_tensor(DType t, const Tensor& x) {
+void round_tensor(DType t, const Tensor& x, const Tensor* bits) {
   MT_CHECK(x.dtype() == DType::f32, "internal: round_tensor of a " << dtype_name(x.dtype()) << " tensor");
-  if (x.device() == Device::cuda) cuda_round(t, x.f32(), x.numel());
-  else round_to(t, x.f32(), x.f32(), x.numel());
+  uint16_t* b = nullptr;
+  if (bits) {
+    MT_CHECK(bits->dtype() == t && bits->numel() == x.numel() && bits->device() == x.device(),
+             "internal: " << dtype_name(t) << " bits of " << x.numel() << " values in " << bits->numel() << " "
+                          << dtype_name(bits->dtype()) << " ones");
+    b = static_cast<uint16_t*>(bits->raw());
+  }
+  if (x.device() == Device::cuda) cuda_round(t, x.f32(), x.numel(), b);
+  else round_to(t, x.f32(), x.f32(), x.numel(), b);
 }
 
 }  // namespace mt

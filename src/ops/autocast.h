@@ -35,7 +35,9 @@ DType autocast_dtype();
 // fp16 overflows to +-inf as the hardware does), as a float. dst may equal src. bits, where
 // given: the same values in t's 16 bits as well (in the same pass).
 void round_to(DType t, const float* src, float* dst, int64_t n, uint16_t* bits = nullptr);
-// x (fp32, on the host or a GPU) rounded in place to t (bf16 or f16) as round_to does.
-void round_tensor(DType t, const Tensor& x);
+// x (fp32, on the host or a GPU) rounded in place to t (bf16 or f16) as round_to does;
+// bits, where given (t's dtype, x's size, on x's device): the same values in 16 bits as
+// well, in the same pass.
+void round_tensor(DType t, const Tensor& x, const Tensor* bits = nullptr);
 
 }  // namespace mt

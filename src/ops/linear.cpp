@@ -48,7 +48,7 @@ void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, Bf16Src A, int64
        ldc);
 }
 
-// An activation operand's dtype check: fp32, or 16-bit on the host (kept activations).
+// An activation operand's dtype check: fp32, or 16-bit (kept activations).
 void check_operand(const Tensor& t, const char* what) {
   if (t.defined() && (t.dtype() == DType::bf16 || t.dtype() == DType::f16) && t.device() == Device::cpu) return;
   check_f32(t, what);
@@ -67,7 +67,7 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
   int64_t O, I;
   weight_dims(w, io, O, I, "linear_forward: w");
   check_f32(y, "linear_forward: y");
-  check_f32(x, "linear_forward: x");
+  check_operand(x, "linear_forward: x");
   const int64_t N = rows_of(x, I, "linear_forward: x (last dim must equal w's in-dim)");
   MT_CHECK(rows_of(y, O, "linear_forward: y (last dim must equal w's out-dim)") == N,
            "linear_forward: y has " << y.numel() / O << " rows but x has " << N);

@@ -1,6 +1,9 @@
-// Linear layer on CPU through BLAS. Weights are stored [out, in] (PyTorch nn.Linear);
-// leading dims of x and y fold into N rows. Backward is two functions so that a
-// zero-bubble pipeline can run the weight gradient later than the input gradient.
+// Linear layer on CPU through BLAS (on the GPU through cuBLASLt). Weights are stored
+// [out, in] (PyTorch nn.Linear); leading dims of x and y fold into N rows. Backward is two
+// functions so that a zero-bubble pipeline can run the weight gradient later than the
+// input gradient. The activation operand x (forward and weight gradient) may hold 16 bits
+// (an activation kept in the working precision, ops/autocast.h): read as the fp32 values
+// it holds; everything else is fp32.
 #pragma once
 #include "core/tensor.h"
 

@@ -42,10 +42,10 @@ nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& 
   }
   const plan::Layout l = run_layout(c);
   plan::Precisions prec = plan::Precisions::of(c.model.precision, c.model.grad_working());
-  // The engine keeps activations in fp32, but on the CPU those a block keeps (BlockActs'
-  // kept) in the working precision.
+  // The engine keeps activations in fp32, but those a block keeps (BlockActs' kept) in the
+  // working precision.
   prec.activation = 4;
-  prec.kept = c.training.device == "cpu" ? prec.param : 4;
+  prec.kept = prec.param;
   const plan::Memory pm = plan::memory_per_rank(c.model, l, prec, c.optim.name, plan::knobs(c));
   const plan::CommBytes pc = plan::comm_bytes_rank(c.model, l, prec, /*pp_rank=*/0, plan::traffic(c));  // rank 0's, as measured
   const double predicted[] = {pm.params, pm.grads, pm.optim, pm.activations, pm.comm};

@@ -758,7 +758,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
                                                 c.model)),
           max_over(world, static_cast<double>(activation_bytes(
                               c.model, model.dims(), M, c.training.recompute, model.share(),
-                              c.training.device == "cpu" ? dtype_size(working_dtype(c.model)) : 4))),
+                              dtype_size(working_dtype(c.model))))),
           trace ? &*trace : nullptr, now_seconds(), cp_positions(c.model.seq_len, cp.shard())};
   if (profiler) run.profiler = &*profiler;
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies

@@ -113,20 +113,23 @@ void launch_accumulate(void* dst, const void* src, int64_t n) {
 }
 
 // x[i] rounded in place to the nearest value of Half (ties to even), kept as float, as
-// round_to() in ops/autocast.h does on the host. One thread per element, grid-stride.
+// round_to() in ops/autocast.h does on the host, and bits[i] = the same value (bits not
+// null). One thread per element, grid-stride.
 template <class Half>
-__global__ void round_kernel(float* x, int64_t n) {
+__global__ void round_kernel(float* x, int64_t n, Half* bits) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    if constexpr (std::is_same_v<Half, __nv_bfloat16>) x[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
-    else x[i] = __half2float(__float2half_rn(x[i]));
+    Half h;
+    if constexpr (std::is_same_v<Half, __nv_bfloat16>) h = __float2bfloat16_rn(x[i]), x[i] = __bfloat162float(h);
+    else h = __float2half_rn(x[i]), x[i] = __half2float(h);
+    if (bits) bits[i] = h;
   }
 }
 
 template <class Half>
-void launch_round(float* x, int64_t n) {
+void launch_round(float* x, int64_t n, void* bits) {
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 65536);
-  round_kernel<Half><<<blocks, threads, 0, stream()>>>(x, n);
+  round_kernel<Half><<<blocks, threads, 0, stream()>>>(x, n, static_cast<Half*>(bits));
   MT_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -171,10 +174,10 @@ void cuda_sum_in_order(DType dt, const void* pieces, int64_t stride, int count, 
   MT_FAIL("internal: no device sum of " << dtype_name(dt));
 }
 
-void cuda_round(DType t, float* x, int64_t n) {
+void cuda_round(DType t, float* x, int64_t n, uint16_t* bits) {
   if (n == 0) return;
-  if (t == DType::bf16) return launch_round<__nv_bfloat16>(x, n);
-  if (t == DType::f16) return launch_round<__half>(x, n);
+  if (t == DType::bf16) return launch_round<__nv_bfloat16>(x, n, bits);
+  if (t == DType::f16) return launch_round<__half>(x, n, bits);
   MT_FAIL("internal: no device rounding to " << dtype_name(t));
 }
 

@@ -10,8 +10,9 @@
 //
 // Precision: outside an Autocast scope, fp32 operands with CUBLAS_COMPUTE_32F (full fp32,
 // no TF32). Under a bf16 / f16 scope both operands are converted to 16-bit copies in
-// stream-ordered scratch (cudaMallocAsync) and multiplied with CUBLAS_COMPUTE_32F into an
-// fp32 C. Should cuBLASLt offer no 16-bit algorithm for a shape (odd leading dims), the
+// stream-ordered scratch (cudaMallocAsync), or read as they are when they already hold the
+// scope's dtype (activations kept in 16 bits), and multiplied with CUBLAS_COMPUTE_32F into
+// an fp32 C. Should cuBLASLt offer no 16-bit algorithm for a shape (odd leading dims), the
 // 16-bit copies are widened back to fp32 and multiplied in fp32: the same exact products
 // of the same rounded operands with fp32 accumulation.
 //
@@ -73,9 +74,12 @@ void weight_dims(const Tensor& w, bool io, int64_t& O, int64_t& I, const char* o
 
 // Device memory for one op, stream-ordered: allocated on the compute stream and freed on it
 // after the work queued so far (so a later op may reuse it only after this one's kernels).
+// None for 0 bytes.
 class Scratch {
  public:
-  explicit Scratch(size_t bytes) { MT_CUDA_CHECK(cudaMallocAsync(&p_, bytes < 256 ? 256 : bytes, stream())); }
+  explicit Scratch(size_t bytes) {
+    if (bytes) MT_CUDA_CHECK(cudaMallocAsync(&p_, bytes < 256 ? 256 : bytes, stream()));
+  }
   ~Scratch() {
     if (p_) cudaFreeAsync(p_, stream());
   }
@@ -281,37 +285,69 @@ bool gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, i
   return true;
 }
 
-// Row-major C[M, N] = op(A) op(B) + beta C (+ bias) for fp32 device operands a (na
-// elements) and b (nb elements), in the thread's Autocast precision (see the top of the
-// file). K > 0, M > 0, N > 0.
-void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* a, int64_t na, int64_t lda,
-             const float* b, int64_t nb, int64_t ldb, float beta, float* c, int64_t ldc, const float* bias,
-             const char* op) {
+// A product's operand on the device: n elements of dtype dt at p.
+struct Operand {
+  const void* p;
+  DType dt;
+  int64_t n;
+};
+Operand operand(const Tensor& t) { return {t.raw(), t.dtype(), t.numel()}; }
+
+// o in dtype `to`: o itself when it holds `to`, else converted into `slot` (device memory
+// of at least o.n elements of `to`).
+const void* in_dtype(const Operand& o, DType to, void* slot) {
+  if (o.dt == to) return o.p;
+  cuda_convert(to, slot, o.dt, o.p, o.n);
+  return slot;
+}
+
+// Row-major C[M, N] = op(A) op(B) + beta C (+ bias) for device operands a and b, in the
+// thread's Autocast precision (see the top of the file): fp32, or under a 16-bit scope
+// each operand rounded to it, an operand already in the scope's dtype (an activation kept
+// in 16 bits) read as it is. A 16-bit operand outside a scope holds values fp32 holds
+// exactly: widened. K > 0, M > 0, N > 0.
+void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Operand& a, int64_t lda, const Operand& b,
+             int64_t ldb, float beta, float* c, int64_t ldc, const float* bias, const char* op) {
   const DType d = autocast_dtype();
+  MT_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16,
+           op << ": autocast dtype " << dtype_name(d) << " not supported");
+  for (const Operand* o : {&a, &b}) {
+    const bool half = o->dt == DType::bf16 || o->dt == DType::f16;
+    MT_CHECK(o->dt == DType::f32 || o->dt == d || (d == DType::f32 && half),
+             "internal: " << op << ": a " << dtype_name(o->dt) << " operand under a " << dtype_name(d) << " scope");
+  }
+  // Each operand in `want`, converted where it is not, into stream-ordered scratch: [na]
+  // then [nb] at 256-byte aligned offsets.
+  auto run = [&](DType want, cudaDataType_t ab) {
+    const size_t off_b = round256(dtype_size(want) * (a.dt == want ? 0 : a.n));
+    Scratch conv(off_b + dtype_size(want) * (b.dt == want ? 0 : b.n));
+    const void* pa = in_dtype(a, want, conv.get());
+    const void* pb = in_dtype(b, want, conv.get() + off_b);
+    return gemm_rm(ta, tb, M, N, K, pa, lda, pb, ldb, ab, beta, c, ldc, bias);
+  };
+  if (d != DType::f32 && run(d, d == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F)) return;
+  // fp32, or no 16-bit algorithm for this shape: the rounded operands widened back, in
+  // fp32 (the same exact products of the same rounded operands, accumulated in fp32).
   if (d == DType::f32) {
-    MT_CHECK(gemm_rm(ta, tb, M, N, K, a, lda, b, ldb, CUDA_R_32F, beta, c, ldc, bias),
-             op << ": cuBLASLt has no fp32 algorithm for M=" << M << " N=" << N << " K=" << K);
+    MT_CHECK(run(DType::f32, CUDA_R_32F), op << ": cuBLASLt has no fp32 algorithm for M=" << M << " N=" << N << " K=" << K);
     return;
   }
-  MT_CHECK(d == DType::bf16 || d == DType::f16, op << ": autocast dtype " << dtype_name(d) << " not supported");
-  const cudaDataType_t ab = d == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F;
-  // 16-bit copies of a and b, each at a 256-byte aligned offset: [na] then [nb].
-  const size_t off_b = round256(sizeof(uint16_t) * na);
-  Scratch half(off_b + sizeof(uint16_t) * nb);
-  void* ha = half.get();
-  void* hb = half.get() + off_b;
-  cuda_convert(d, ha, DType::f32, a, na);
-  cuda_convert(d, hb, DType::f32, b, nb);
-  if (gemm_rm(ta, tb, M, N, K, ha, lda, hb, ldb, ab, beta, c, ldc, bias)) return;
-  // No 16-bit algorithm for this shape: the rounded operands, widened back, in fp32.
-  const size_t off_b32 = round256(sizeof(float) * na);
-  Scratch wide(off_b32 + sizeof(float) * nb);
-  float* wa = reinterpret_cast<float*>(wide.get());
-  float* wb = reinterpret_cast<float*>(wide.get() + off_b32);
-  cuda_convert(DType::f32, wa, d, ha, na);
-  cuda_convert(DType::f32, wb, d, hb, nb);
+  const size_t off_b = round256(sizeof(uint16_t) * a.n);
+  Scratch half(off_b + sizeof(uint16_t) * b.n);
+  const Operand ra{in_dtype(a, d, half.get()), d, a.n}, rb{in_dtype(b, d, half.get() + off_b), d, b.n};
+  const size_t off_b32 = round256(sizeof(float) * a.n);
+  Scratch wide(off_b32 + sizeof(float) * b.n);
+  const void* wa = in_dtype(ra, DType::f32, wide.get());
+  const void* wb = in_dtype(rb, DType::f32, wide.get() + off_b32);
   MT_CHECK(gemm_rm(ta, tb, M, N, K, wa, lda, wb, ldb, CUDA_R_32F, beta, c, ldc, bias),
            op << ": cuBLASLt has no algorithm for M=" << M << " N=" << N << " K=" << K);
+}
+
+// An activation operand's check: on the device, fp32 or 16-bit (an activation kept in the
+// working precision).
+void check_device_operand(const Tensor& t, const char* what) {
+  if (t.device() == Device::cuda && (t.dtype() == DType::bf16 || t.dtype() == DType::f16)) return;
+  check_device_f32(t, what);
 }
 
 // ---- the ops -------------------------------------------------------------------------------
@@ -320,7 +356,7 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
   int64_t O, I;
   weight_dims(w, io, O, I, "linear_forward: w");
   check_device_f32(y, "linear_forward: y");
-  check_device_f32(x, "linear_forward: x");
+  check_device_operand(x, "linear_forward: x");
   const int64_t N = rows_of(x, I, "linear_forward: x (last dim must equal w's in-dim)");
   MT_CHECK(rows_of(y, O, "linear_forward: y (last dim must equal w's out-dim)") == N,
            "linear_forward: y has " << y.numel() / O << " rows but x has " << N);
@@ -330,10 +366,9 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
   }
   if (N == 0) return;
   // y[N, O] = x[N, I] @ w^T with w [O, I], or x @ w with w [I, O]
-  if (io) product(false, false, N, O, I, x.f32(), x.numel(), I, w.f32(), w.numel(), O, 0.0f, y.f32(), O,
-                  b ? b->f32() : nullptr, "linear_forward");
-  else product(false, true, N, O, I, x.f32(), x.numel(), I, w.f32(), w.numel(), I, 0.0f, y.f32(), O,
-               b ? b->f32() : nullptr, "linear_forward");
+  const float* bias = b ? b->f32() : nullptr;
+  if (io) product(false, false, N, O, I, operand(x), I, operand(w), O, 0.0f, y.f32(), O, bias, "linear_forward");
+  else product(false, true, N, O, I, operand(x), I, operand(w), I, 0.0f, y.f32(), O, bias, "linear_forward");
 }
 
 void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate, bool io) {
@@ -347,9 +382,9 @@ void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool ac
   if (N == 0) return;
   const float beta = accumulate ? 1.0f : 0.0f;
   // dx[N, I] = dy[N, O] @ w with w [O, I], or dy @ w^T with w [I, O]
-  if (io) product(false, true, N, I, O, dy.f32(), dy.numel(), O, w.f32(), w.numel(), O, beta, dx.f32(), I, nullptr,
+  if (io) product(false, true, N, I, O, operand(dy), O, operand(w), O, beta, dx.f32(), I, nullptr,
                   "linear_backward_input");
-  else product(false, false, N, I, O, dy.f32(), dy.numel(), O, w.f32(), w.numel(), I, beta, dx.f32(), I, nullptr,
+  else product(false, false, N, I, O, operand(dy), O, operand(w), I, beta, dx.f32(), I, nullptr,
                "linear_backward_input");
 }
 
@@ -357,7 +392,7 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
   int64_t O, I;
   weight_dims(dw, io, O, I, "linear_backward_weight: dw");
   check_device_f32(dy, "linear_backward_weight: dy");
-  check_device_f32(x, "linear_backward_weight: x");
+  check_device_operand(x, "linear_backward_weight: x");
   const int64_t N = rows_of(dy, O, "linear_backward_weight: dy (last dim must equal dw's out-dim)");
   MT_CHECK(rows_of(x, I, "linear_backward_weight: x (last dim must equal dw's in-dim)") == N,
            "linear_backward_weight: x has " << x.numel() / I << " rows but dy has " << N);
@@ -367,9 +402,9 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
   }
   if (N == 0) return;
   // dw[O, I] += dy[N, O]^T @ x[N, I], or dw[I, O] += x^T @ dy
-  if (io) product(true, false, I, O, N, x.f32(), x.numel(), I, dy.f32(), dy.numel(), O, 1.0f, dw.f32(), O, nullptr,
+  if (io) product(true, false, I, O, N, operand(x), I, operand(dy), O, 1.0f, dw.f32(), O, nullptr,
                   "linear_backward_weight");
-  else product(true, false, O, I, N, dy.f32(), dy.numel(), O, x.f32(), x.numel(), I, 1.0f, dw.f32(), I, nullptr,
+  else product(true, false, O, I, N, operand(dy), O, operand(x), I, 1.0f, dw.f32(), I, nullptr,
                "linear_backward_weight");
   if (db) column_sum_add(db->f32(), dy.f32(), N, O);  // from dy as it is (a sum, not a product)
 }
