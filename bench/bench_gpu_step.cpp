@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
       last_loss = loss;
       if (s >= warmup) t_step.push_back(t3 - t0), t_fwd.push_back(t1 - t0), t_bwd.push_back(t2 - t1), t_opt.push_back(t3 - t2);
     }
-    if (profile) print_profile(prof);
+    if (profile && prof.steps() > 0) print_profile(prof);
     const double step = median(t_step), tokens_s = N / step;
     const double flops_per_token = 6.0 * n_params + 6.0 * cfg.n_layer * T * cfg.d_model;
     const double mfu = flops_per_token * tokens_s / (peak_tflops * 1e12);

@@ -5,7 +5,7 @@
 // two (BI0 BI1 BW0 BW1 against B0 B1), at the allocated batch and at a smaller one. And
 // the activations kept in 16 bits (BlockActs' kept) under a 16-bit Autocast scope against
 // kept in fp32: the output, the input gradient and every gradient, bit for bit, and the
-// fp32-kept q|k|v, attention output and pre-activation rounded to bf16 under the scope.
+// fp32-kept q|k|v, attention output and pre-activation rounded to 16 bits under the scope.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -185,36 +185,39 @@ inline void check_split(SplitRig& r, int b, int t) {
   expect_bits(r.grads(), g_two, "gradients of BI0 BI1 BW0 BW1 against B0 B1");
 }
 
-// How many of the first n values of t (fp32, on the host or the GPU) are not bf16 values.
-inline int64_t not_bf16(const Tensor& t, int64_t n) {
+// How many of the first n values of t (fp32, on the host or the GPU) are not values of dt
+// (bf16 or f16).
+inline int64_t not_rounded(DType dt, const Tensor& t, int64_t n) {
   std::vector<float> v(n), r(n);
   Tensor::wrap(v.data(), {n}, DType::f32).copy_from(t.view(0, {n}));
-  round_to(DType::bf16, v.data(), r.data(), n);
+  round_to(dt, v.data(), r.data(), n);
   int64_t off = 0;
   for (int64_t i = 0; i < n; ++i) off += r[i] != v[i];
   return off;
 }
 
-// Rig `half` keeps its activations in bf16, rig `full` in fp32, over the same block: under
-// a bf16 Autocast scope (which rounds q|k|v, the attention output and the pre-activation
-// where they are produced; the products round the others) the two give the same output,
-// d(x) and gradients bit for bit, and the split backward still matches the whole one with
-// 16-bit kept activations (its weight half reads them). full's q|k|v, attention output and
-// pre-activation hold bf16 values under the scope and not without it.
+// Rig `half` keeps its activations in 16 bits (bf16 or f16), rig `full` in fp32, over the
+// same block: under an Autocast scope of half's dtype (which rounds q|k|v, the attention
+// output and the pre-activation where they are produced; the products round the others)
+// the two give the same output, d(x) and gradients bit for bit, and the split backward
+// still matches the whole one with 16-bit kept activations (its weight half reads them).
+// full's q|k|v, attention output and pre-activation hold 16-bit values under the scope and
+// not without it.
 inline void check_kept_16bit(SplitRig& full, SplitRig& half, int b, int t) {
-  SCOPED_TRACE("kept in bf16, batch " + std::to_string(b) + " x " + std::to_string(t));
+  const DType dt = half.acts(0).qkv.dtype();
+  SCOPED_TRACE(std::string("kept in ") + dtype_name(dt) + ", batch " + std::to_string(b) + " x " + std::to_string(t));
   const BlockActs& a = full.acts(0);
   const int64_t rows = static_cast<int64_t>(b) * t;
   auto unrounded = [&] {
-    return not_bf16(a.qkv, rows * a.qkv.dim(-1)) + not_bf16(a.atty, rows * a.atty.dim(-1)) +
-           not_bf16(a.fc, rows * a.fc.dim(-1));
+    return not_rounded(dt, a.qkv, rows * a.qkv.dim(-1)) + not_rounded(dt, a.atty, rows * a.atty.dim(-1)) +
+           not_rounded(dt, a.fc, rows * a.fc.dim(-1));
   };
   full.forward(0, b, t);
   EXPECT_GT(unrounded(), 0) << "fp32 activations outside an Autocast scope";
-  Autocast scope(DType::bf16);
+  Autocast scope(dt);
   full.reset_grads(), half.reset_grads();
   expect_bits(half.forward(0, b, t), full.forward(0, b, t), "the block's output");
-  EXPECT_EQ(unrounded(), 0) << "q|k|v, attention output or pre-activation not rounded to bf16 under the scope";
+  EXPECT_EQ(unrounded(), 0) << "q|k|v, attention output or pre-activation not rounded under the scope";
   expect_bits(half.backward(0, b, t, false), full.backward(0, b, t, false), "d(x)");
   expect_bits(half.grads(), full.grads(), "gradients");
   check_split(half, b, t);

@@ -2,8 +2,8 @@
 // half; block_backward_weight: the weight half) gives bit for bit the whole backward's
 // input gradient and parameter gradients, for GPT-2 and Llama (grouped-query heads), fused
 // and materialized attention, one and two micro-batches, at the allocated batch and a
-// smaller one (tests/block_split.h); with the activations kept in bf16 under a bf16
-// Autocast scope, bit for bit what fp32 kept inputs give. Tensor parallelism:
+// smaller one (tests/block_split.h); with the activations kept in bf16 or fp16 under an
+// Autocast scope of that dtype, bit for bit what fp32 kept inputs give. Tensor parallelism:
 // mpi_test_block_split.cpp.
 #include <gtest/gtest.h>
 
@@ -25,9 +25,11 @@ TEST_P(BlockSplit, MatchesTheWholeBackwardBitForBit) {
   SplitRig rig(cfg, {}, false, no_tp, 3);
   check_split(rig, 3, cfg.seq_len);
   check_split(rig, 2, cfg.seq_len - 3);
-  SplitRig half(cfg, {}, false, no_tp, 3, DType::bf16);
-  check_kept_16bit(rig, half, 3, cfg.seq_len);
-  check_kept_16bit(rig, half, 2, cfg.seq_len - 3);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    SplitRig half(cfg, {}, false, no_tp, 3, dt);
+    check_kept_16bit(rig, half, 3, cfg.seq_len);
+    check_kept_16bit(rig, half, 2, cfg.seq_len - 3);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(FamiliesAttention, BlockSplit,

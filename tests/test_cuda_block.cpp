@@ -1,8 +1,8 @@
 // One transformer block on the GPU with its activations kept in 16 bits (BlockActs' kept,
-// as a bf16 or fp16 run keeps them): under a bf16 Autocast scope the block's output, input
-// gradient and every gradient equal, bit for bit, those of the same block keeping fp32 on
-// the GPU, and q|k|v, the attention output and the pre-activation are rounded to bf16
-// where they are produced; the split backward (zero-bubble pipelines) equals the whole one
+// as a bf16 or fp16 run keeps them): under an Autocast scope of that dtype the block's
+// output, input gradient and every gradient equal, bit for bit, those of the same block
+// keeping fp32 on the GPU, and q|k|v, the attention output and the pre-activation are
+// rounded where they are produced; the split backward (zero-bubble pipelines) equals the whole one
 // in both (tests/block_split.h, the CPU's checks on the device). Skipped without a GPU.
 #include <gtest/gtest.h>
 
@@ -34,10 +34,12 @@ TEST_P(CudaBlock, KeptIn16BitsGivesTheFp32KeptBits) {
   const ModelConfig cfg = split_config(family, attention, family == "llama" ? 2 : 0);
   TpMappings no_tp;
   SplitRig full(cfg, {}, false, no_tp, 3, DType::f32, Device::cuda);
-  SplitRig half(cfg, {}, false, no_tp, 3, DType::bf16, Device::cuda);
   check_split(full, 3, cfg.seq_len);
-  check_kept_16bit(full, half, 3, cfg.seq_len);
-  check_kept_16bit(full, half, 2, cfg.seq_len - 3);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    SplitRig half(cfg, {}, false, no_tp, 3, dt, Device::cuda);
+    check_kept_16bit(full, half, 3, cfg.seq_len);
+    check_kept_16bit(full, half, 2, cfg.seq_len - 3);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(FamiliesAttention, CudaBlock,

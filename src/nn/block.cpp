@@ -189,7 +189,7 @@ Tensor row_parallel_backward_input(const BlockEnv& env, const Tensor* db, const 
 // for backward, or under sequence parallelism (which kept this rank's [B, T / tp, C]) every
 // rank's positions gathered again into s.seq.
 Tensor column_input(const BlockEnv& env, const BlockScratch& s, const Tensor& saved) {
-  if (!sequence_parallel(env)) return saved;  // 16-bit: the product widens it
+  if (!sequence_parallel(env)) return saved;  // 16-bit: the product reads it as it is
   Tensor local = saved;
   if (saved.dtype() != DType::f32) {  // kept in 16 bits: widened before the gather
     s.local.convert_from(saved);

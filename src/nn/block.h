@@ -45,12 +45,14 @@ struct BlockActs {
   Tensor ln2, ln2_mean, ln2_rstd;  // [B, Tl, C] (in `kept`), [B, Tl], [B, Tl]
   Tensor fc;                       // [B, T, F] gpt2 pre-gelu; llama [B, T, 2F] gate|up (in `kept`)
   Tensor act;                      // [B, T, F] gelu / swiglu output (in `kept`)
-  // kept: the dtype of the six activations marked so (the working precision on the CPU
-  // under bf16 / fp16, else fp32). Under a 16-bit Autocast scope the block rounds q|k|v,
+  // kept: the dtype of the six activations marked so (the working precision under bf16 /
+  // fp16, else fp32). Under a 16-bit Autocast scope the block rounds q|k|v,
   // the attention output and the MLP's pre-activation to the scope's dtype where they are
   // produced (as 16-bit ops return them) and reads the rounded values downstream; the
   // norms' outputs and act are read only as the operands of products, which round them.
-  // So storing all six in 16 bits is exact: it gives the bits fp32 storage gives.
+  // So storing all six in 16 bits is exact: it gives the bits fp32 storage gives (on the
+  // GPU as long as each is its own allocation: cuBLASLt picks its algorithm by the
+  // operands' alignment too, and a product's converted copy is 256-byte aligned).
   // Statistics, the residual, lse and att stay fp32.
   BlockActs(const ModelConfig& cfg, const LocalDims& d, int B, Allocator& alloc, DType kept = DType::f32);
   BlockActs at(const ModelConfig& cfg, const LocalDims& d, int B, int T) const;

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <utility>
 
 #include "ops/autocast.h"
 #include "ops/cuda/common.cuh"
@@ -77,6 +78,7 @@ void weight_dims(const Tensor& w, bool io, int64_t& O, int64_t& I, const char* o
 // None for 0 bytes.
 class Scratch {
  public:
+  Scratch() = default;
   explicit Scratch(size_t bytes) {
     if (bytes) MT_CUDA_CHECK(cudaMallocAsync(&p_, bytes < 256 ? 256 : bytes, stream()));
   }
@@ -84,7 +86,10 @@ class Scratch {
     if (p_) cudaFreeAsync(p_, stream());
   }
   Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
+  Scratch& operator=(Scratch&& o) noexcept {
+    std::swap(p_, o.p_);  // o frees what this held
+    return *this;
+  }
   char* get() const { return static_cast<char*>(p_); }
 
  private:
@@ -293,6 +298,10 @@ struct Operand {
 };
 Operand operand(const Tensor& t) { return {t.raw(), t.dtype(), t.numel()}; }
 
+cudaDataType_t cuda_dtype(DType t) {
+  return t == DType::bf16 ? CUDA_R_16BF : t == DType::f16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
 // o in dtype `to`: o itself when it holds `to`, else converted into `slot` (device memory
 // of at least o.n elements of `to`).
 const void* in_dtype(const Operand& o, DType to, void* slot) {
@@ -316,29 +325,24 @@ void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Operand& a
     MT_CHECK(o->dt == DType::f32 || o->dt == d || (d == DType::f32 && half),
              "internal: " << op << ": a " << dtype_name(o->dt) << " operand under a " << dtype_name(d) << " scope");
   }
-  // Each operand in `want`, converted where it is not, into stream-ordered scratch: [na]
-  // then [nb] at 256-byte aligned offsets.
-  auto run = [&](DType want, cudaDataType_t ab) {
-    const size_t off_b = round256(dtype_size(want) * (a.dt == want ? 0 : a.n));
-    Scratch conv(off_b + dtype_size(want) * (b.dt == want ? 0 : b.n));
-    const void* pa = in_dtype(a, want, conv.get());
-    const void* pb = in_dtype(b, want, conv.get() + off_b);
-    return gemm_rm(ta, tb, M, N, K, pa, lda, pb, ldb, ab, beta, c, ldc, bias);
+  // Both operands in dtype `want`: as they are where they hold it, else converted into
+  // stream-ordered scratch ([a] then [b] at a 256-byte aligned offset; nothing when both
+  // hold it).
+  auto both_in = [&](DType want, const Operand& x, const Operand& y, Scratch& slot, const void*& px, const void*& py) {
+    const size_t off_y = round256(dtype_size(want) * (x.dt == want ? 0 : x.n));
+    slot = Scratch(off_y + dtype_size(want) * (y.dt == want ? 0 : y.n));
+    px = in_dtype(x, want, slot.get());
+    py = in_dtype(y, want, slot.get() + off_y);
   };
-  if (d != DType::f32 && run(d, d == DType::bf16 ? CUDA_R_16BF : CUDA_R_16F)) return;
-  // fp32, or no 16-bit algorithm for this shape: the rounded operands widened back, in
-  // fp32 (the same exact products of the same rounded operands, accumulated in fp32).
-  if (d == DType::f32) {
-    MT_CHECK(run(DType::f32, CUDA_R_32F), op << ": cuBLASLt has no fp32 algorithm for M=" << M << " N=" << N << " K=" << K);
-    return;
-  }
-  const size_t off_b = round256(sizeof(uint16_t) * a.n);
-  Scratch half(off_b + sizeof(uint16_t) * b.n);
-  const Operand ra{in_dtype(a, d, half.get()), d, a.n}, rb{in_dtype(b, d, half.get() + off_b), d, b.n};
-  const size_t off_b32 = round256(sizeof(float) * a.n);
-  Scratch wide(off_b32 + sizeof(float) * b.n);
-  const void* wa = in_dtype(ra, DType::f32, wide.get());
-  const void* wb = in_dtype(rb, DType::f32, wide.get() + off_b32);
+  Scratch conv, wide;
+  const void *pa, *pb;
+  both_in(d, a, b, conv, pa, pb);
+  if (gemm_rm(ta, tb, M, N, K, pa, lda, pb, ldb, cuda_dtype(d), beta, c, ldc, bias)) return;
+  MT_CHECK(d != DType::f32, op << ": cuBLASLt has no fp32 algorithm for M=" << M << " N=" << N << " K=" << K);
+  // No 16-bit algorithm for this shape (odd leading dims): the rounded operands widened
+  // back and multiplied in fp32, the same exact products accumulated in fp32.
+  const void *wa, *wb;
+  both_in(DType::f32, Operand{pa, d, a.n}, Operand{pb, d, b.n}, wide, wa, wb);
   MT_CHECK(gemm_rm(ta, tb, M, N, K, wa, lda, wb, ldb, CUDA_R_32F, beta, c, ldc, bias),
            op << ": cuBLASLt has no algorithm for M=" << M << " N=" << N << " K=" << K);
 }
