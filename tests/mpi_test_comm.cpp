@@ -395,9 +395,14 @@ TEST(DeviceCollectives, GroupsSplitLaterDecideForThemselves) {
   std::unique_ptr<Communicator> messages = w.split(0, r, "messages");
   messages->set_device_collectives(recording_factory(asked), /*own=*/false);
   std::unique_ptr<Communicator> pair = messages->split(r / 2, r, "pair");
-  const std::vector<std::string> want{"all " + std::to_string(n), "half " + std::to_string((n + 1 - r % 2) / 2),
-                                      "pair 2"};
+  // Ranks that join no group (the tied head's split, for the stages between) make nothing.
+  std::unique_ptr<Communicator> ends = all->split(r == 0 || r == n - 1 ? 0 : Communicator::kNoGroup, r, "ends");
+  std::vector<std::string> want{"all " + std::to_string(n), "half " + std::to_string((n + 1 - r % 2) / 2),
+                                "pair 2"};
+  if (r == 0 || r == n - 1) want.push_back("ends 2");
   EXPECT_EQ(asked, want);
+  EXPECT_EQ(ends != nullptr, r == 0 || r == n - 1);
+  if (ends) EXPECT_EQ(ends->size(), 2);
   EXPECT_EQ(all->device_collectives(), "");
   CpuAllocator a;
   Tensor t = filled(a, 5, static_cast<float>(r + 1));

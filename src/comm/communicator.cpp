@@ -587,7 +587,8 @@ class LocalComm final : public Communicator {
  public:
   explicit LocalComm(CommOptions o, std::string name = "world") : Communicator(0, 1, 0, 1, false, std::move(name), o) {}
   ~LocalComm() override { stop_thread(); }
-  std::unique_ptr<Communicator> split(int, int, const std::string& name) override {
+  std::unique_ptr<Communicator> split(int color, int, const std::string& name) override {
+    if (color == kNoGroup) return nullptr;
     return std::make_unique<LocalComm>(options(), name);
   }
   [[noreturn]] void abort_job(int code) override { std::_Exit(code); }

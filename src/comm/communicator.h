@@ -226,7 +226,9 @@ class Communicator {
   void recv(const Tensor& t, int peer) { recv_async(t, peer)->wait(); }
   void barrier();
 
-  // Ranks with the same color form a new group, ordered by key.
+  // Ranks with the same color form a new group, ordered by key. A rank whose color is
+  // kNoGroup joins none and gets nullptr (no communicator is made for it, NCCL's included).
+  static constexpr int kNoGroup = -1;
   virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
   // Ends the whole job now (all ranks), with this exit code.
   [[noreturn]] virtual void abort_job(int code) = 0;

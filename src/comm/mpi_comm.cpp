@@ -58,7 +58,8 @@ class MpiComm final : public Communicator {
     // after everything queued before it.
     MPI_Comm sub = MPI_COMM_NULL;
     barrier();
-    check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split");
+    check(MPI_Comm_split(comm_, color == kNoGroup ? MPI_UNDEFINED : color, key, &sub), "MPI_Comm_split");
+    if (color == kNoGroup) return nullptr;
     auto child = std::make_unique<MpiComm>(sub, ranks_on_node(), name, options());
     pass_device_collectives(*child);  // NCCL for the new group too, where its ranks have their own GPUs
     return child;

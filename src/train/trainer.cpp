@@ -723,8 +723,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   const int first = lay.rank_of(0), last = lay.rank_of(lay.stages() - 1);
   if (c.model.tied() && first != last) {
     const bool member = pp.rank() == first || pp.rank() == last;
-    tie = pp.split(member ? 0 : 1, pp.rank(), "tie");
-    if (!member) tie.reset();
+    tie = pp.split(member ? 0 : Communicator::kNoGroup, pp.rank(), "tie");
   }
   const std::string resumed_from = resume_point(c, world, log);
   Progress p;
