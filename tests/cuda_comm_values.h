@@ -1,11 +1,16 @@
 // What the MPI tests of collectives on GPU tensors share (mpi_test_cuda_comm.cpp: ranks
-// sharing a GPU; mpi_test_cuda_nccl.cpp: NCCL): per-rank test values, their GPU copies, and
-// a tensor's bytes wherever it lives, to compare the GPU paths with the host's byte for byte.
+// sharing a GPU; mpi_test_cuda_nccl.cpp: NCCL): per-rank test values, their GPU copies, a
+// tensor's bytes wherever it lives, and the check that a group carries every collective on
+// GPU tensors with the bytes the host path gives.
 #pragma once
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "core/cuda.h"
 #include "core/half.h"
 #include "core/tensor.h"
@@ -40,5 +45,49 @@ inline std::vector<unsigned char> bytes_of(const Tensor& t) {
 
 inline constexpr DType kReducible[] = {DType::f32, DType::bf16, DType::f16};
 inline constexpr int64_t kLengths[] = {1, 7, 1000, 65537};
+
+// `dev`'s collectives on GPU tensors give, byte for byte, what `host` (the same ranks, in
+// the same order) gives on host tensors: all-reduce, reduce-scatter (into a separate output,
+// its input left alone, and into its own chunk, ZeRO stage 1's), all-gather (from a
+// separate input, and in place: the input the output's own chunk, ZeRO's parameters) and
+// broadcast from every root; f32, bf16 and f16 at lengths that do not divide evenly.
+inline void expect_collectives_carry_the_hosts_bytes(Communicator& host, Communicator& dev, CpuAllocator& a,
+                                                     CudaAllocator& g) {
+  const int n = host.size(), r = host.rank();
+  for (DType dt : kReducible)
+    for (int64_t len : kLengths) {
+      const std::string what = std::string(dtype_name(dt)) + " x " + std::to_string(len);
+      Tensor h = host_values(a, len, dt, r, 1), d = on_gpu(g, h);
+      host.allreduce(h);
+      dev.allreduce(d);
+      EXPECT_EQ(bytes_of(d), bytes_of(h)) << "allreduce " << what;
+
+      Tensor hin = host_values(a, n * len, dt, r, 2), din = on_gpu(g, hin);
+      Tensor hout = Tensor::zeros({len}, dt, a, MemTag::comm), dout = Tensor::zeros({len}, dt, g, MemTag::comm);
+      host.reduce_scatter(hin, hout);
+      dev.reduce_scatter(din, dout);
+      EXPECT_EQ(bytes_of(dout), bytes_of(hout)) << "reduce_scatter " << what;
+      EXPECT_EQ(bytes_of(din), bytes_of(hin)) << "reduce_scatter's input " << what;
+      host.reduce_scatter(hin, hin.view(r * len, {len}));
+      dev.reduce_scatter(din, din.view(r * len, {len}));
+      EXPECT_EQ(bytes_of(din), bytes_of(hin)) << "reduce_scatter in place " << what;
+      EXPECT_EQ(bytes_of(din.view(r * len, {len})), bytes_of(hout)) << "reduce_scatter in place " << what;
+
+      Tensor hg = Tensor::zeros({n * len}, dt, a, MemTag::comm), dg = Tensor::zeros({n * len}, dt, g, MemTag::comm);
+      host.allgather(h, hg);
+      dev.allgather(d, dg);
+      EXPECT_EQ(bytes_of(dg), bytes_of(hg)) << "allgather " << what;
+      host.allgather(hin.view(r * len, {len}), hin);
+      dev.allgather(din.view(r * len, {len}), din);
+      EXPECT_EQ(bytes_of(din), bytes_of(hin)) << "allgather in place " << what;
+
+      for (int root = 0; root < n; ++root) {
+        Tensor hb = host_values(a, len, dt, r, 5 + root), db = on_gpu(g, hb);
+        host.broadcast(hb, root);
+        dev.broadcast(db, root);
+        EXPECT_EQ(bytes_of(db), bytes_of(hb)) << "broadcast from " << root << " " << what;
+      }
+    }
+}
 
 }  // namespace mt::test

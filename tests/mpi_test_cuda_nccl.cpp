@@ -45,40 +45,7 @@ TEST(Nccl, CarriesEveryCollectiveWithTheHostsBytes) {
   const std::string how = attach_gpu_comm(mesh, "nccl", g);
   Communicator& dp = mesh.dp();
   ASSERT_EQ(dp.device_collectives(), "NCCL " + nccl_status()) << how;
-  const int n = w.size(), r = w.rank();
-  for (DType dt : kReducible)
-    for (int64_t len : kLengths) {
-      const std::string what = std::string(dtype_name(dt)) + " x " + std::to_string(len);
-      Tensor h = host_values(a, len, dt, r, 1), d = on_gpu(g, h);
-      w.allreduce(h);
-      dp.allreduce(d);
-      EXPECT_EQ(bytes_of(d), bytes_of(h)) << "allreduce " << what;
-
-      Tensor hin = host_values(a, n * len, dt, r, 2), din = on_gpu(g, hin);
-      Tensor hout = Tensor::zeros({len}, dt, a, MemTag::comm), dout = Tensor::zeros({len}, dt, g, MemTag::comm);
-      w.reduce_scatter(hin, hout);
-      dp.reduce_scatter(din, dout);
-      EXPECT_EQ(bytes_of(dout), bytes_of(hout)) << "reduce_scatter " << what;
-      EXPECT_EQ(bytes_of(din), bytes_of(hin)) << "reduce_scatter's input " << what;
-      w.reduce_scatter(hin, hin.view(r * len, {len}));
-      dp.reduce_scatter(din, din.view(r * len, {len}));
-      EXPECT_EQ(bytes_of(din), bytes_of(hin)) << "reduce_scatter in place " << what;
-
-      Tensor hg = Tensor::zeros({n * len}, dt, a, MemTag::comm), dg = Tensor::zeros({n * len}, dt, g, MemTag::comm);
-      w.allgather(h, hg);
-      dp.allgather(d, dg);
-      EXPECT_EQ(bytes_of(dg), bytes_of(hg)) << "allgather " << what;
-      w.allgather(hin.view(r * len, {len}), hin);
-      dp.allgather(din.view(r * len, {len}), din);
-      EXPECT_EQ(bytes_of(din), bytes_of(hin)) << "allgather in place " << what;
-
-      for (int root = 0; root < n; ++root) {
-        Tensor hb = host_values(a, len, dt, r, 5 + root), db = on_gpu(g, hb);
-        w.broadcast(hb, root);
-        dp.broadcast(db, root);
-        EXPECT_EQ(bytes_of(db), bytes_of(hb)) << "broadcast from " << root << " " << what;
-      }
-    }
+  expect_collectives_carry_the_hosts_bytes(w, dp, a, g);
 }
 
 TEST(Nccl, GroupsSplitLaterUseItTooAndOperationsFollowTheComputeStream) {
