@@ -1,13 +1,18 @@
 // The CUDA linear layers (src/ops/cuda/linear.cu) against the CPU ops: every function, in
 // fp32 and under bf16 / f16 Autocast scopes, with and without bias, accumulate on and off,
 // odd shapes, N = 1, leading dims folded into rows, a GPT-2-sized product, views at
-// unaligned offsets; bit-identical reruns; bad shapes throw. Skips without a GPU.
+// unaligned offsets; bit-identical reruns; bad shapes throw; the product with GELU in its
+// epilogue against a float64 reference. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cuda.h"
@@ -201,6 +206,97 @@ TEST(CudaLinear, SixteenBitActivationOperandsGiveTheirFp32Bits) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   check_16bit_operands(37, 64, 48);
   check_16bit_operands(37, 63, 48);
+}
+
+// The 16 bits of v (a value of dt) as an ordered integer: adjacent values of dt differ by 1,
+// across zero too.
+int ordered16(DType dt, float v) {
+  uint16_t b = 0;
+  round_to(dt, &v, &v, 1, &b);
+  return (b & 0x8000) ? -(b & 0x7fff) : (b & 0x7fff);
+}
+
+// A device tensor of fp32 or 16 bits, widened to fp32 on the host.
+VecF widened_host(const Tensor& t) {
+  if (t.dtype() == DType::f32) return to_host(t);
+  const Tensor w = poisoned(t.shape());
+  w.convert_from(t);
+  return to_host(w);
+}
+
+// linear_gelu_fused under a 16-bit scope: act and pre within one 16-bit step of the
+// float64 reference, round(gelu_tanh(y)) and round(y) for y = x w^T + b of the 16-bit
+// operands (cuBLASLt accumulates in fp32, then rounds once; its GELU must be the tanh form:
+// the erf form differs by up to 4e-4 at |y| ~ 3, many steps of a value ~ 0.004). Inputs
+// span |y| up to ~ 6, so both GELU tails are exercised. fp32 act / pre hold the 16-bit
+// outputs' values bit for bit; a rerun gives the same bits; an unaligned fp32 bias (the
+// converted path) gives the same within the bound.
+void check_gelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
+  SCOPED_TRACE(std::string(dtype_name(dt)) + " N " + std::to_string(N) + " I " + std::to_string(I) + " O " +
+               std::to_string(O));
+  std::mt19937 g(5);
+  VecF x = randv(N * I, g, -1.5f, 1.5f), w = randv(O * I, g, -0.5f, 0.5f), b = randv(O + 1, g, -0.5f, 0.5f);
+  for (VecF* v : {&x, &w, &b}) round_to(dt, v->data(), v->data(), static_cast<int64_t>(v->size()));
+  std::vector<double> y(N * O);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < O; ++o) {
+      double acc = b[o];
+      for (int64_t i = 0; i < I; ++i) acc += (double)x[n * I + i] * w[o * I + i];
+      y[n * O + o] = acc;
+    }
+  const Tensor xd = to_dev(x, {N, I}), wd = to_dev(w, {O, I}), bd = to_dev(b, {O + 1});
+  const Tensor b_aligned = bd.view(0, {O}), b_unaligned = bd.view(1, {O});
+  VecF b1(b.begin() + 1, b.end());  // the unaligned view's values
+  Autocast scope(dt);
+  auto run = [&](DType out, const Tensor& bias) {
+    const Tensor act = Tensor::empty({N, O}, out, test::gpu(), MemTag::activations);
+    const Tensor pre = Tensor::empty({N, O}, out, test::gpu(), MemTag::activations);
+    EXPECT_TRUE(linear_gelu_fused(act, pre, xd, wd, &bias)) << "no fused algorithm for a GPT-2-like shape";
+    return std::pair{widened_host(act), widened_host(pre)};
+  };
+  auto expect_near_reference = [&](const std::pair<VecF, VecF>& got, const VecF& bias, const char* what) {
+    int64_t worst = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < O; ++o) {
+        const double yy = y[n * O + o] - b[o] + bias[o];
+        const double k = 0.7978845608028654, gelu = 0.5 * yy * (1.0 + std::tanh(k * (yy + 0.044715 * yy * yy * yy)));
+        const int64_t i = n * O + o;
+        // GELU's far tail cancels in fp32 (1 + tanh near -1): up to ~2e-7 absolute
+        if (std::abs(got.first[i] - gelu) > 1e-6)
+          worst = std::max<int64_t>(worst, std::abs(ordered16(dt, got.first[i]) - ordered16(dt, (float)gelu)));
+        worst = std::max<int64_t>(worst, std::abs(ordered16(dt, got.second[i]) - ordered16(dt, (float)yy)));
+      }
+    EXPECT_LE(worst, 1) << what << ": 16-bit steps from the float64 reference";
+  };
+  const auto fused16 = run(dt, b_aligned);
+  expect_near_reference(fused16, b, "16-bit act and pre");
+  const auto fused32 = run(DType::f32, b_aligned);
+  EXPECT_TRUE(same_bits(fused32.first, fused16.first) && same_bits(fused32.second, fused16.second))
+      << "fp32 act / pre against the 16-bit ones";
+  const auto again = run(dt, b_aligned);
+  EXPECT_TRUE(same_bits(again.first, fused16.first) && same_bits(again.second, fused16.second)) << "rerun";
+  expect_near_reference(run(dt, b_unaligned), b1, "an unaligned bias");
+}
+
+// Where the fusion does not apply it writes nothing and says so: outside a 16-bit scope,
+// and for O not a multiple of 8 (the aux matrix's leading dim).
+TEST(CudaLinear, GeluFusedMatchesTheFloat64Reference) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  for (DType dt : {DType::bf16, DType::f16}) {
+    check_gelu_fused(dt, 37, 64, 48);
+    check_gelu_fused(dt, 64, 96, 384);
+  }
+  std::mt19937 g(6);
+  const Tensor x = to_dev(randv(5 * 16, g), {5, 16}), w44 = to_dev(randv(44 * 16, g), {44, 16});
+  const Tensor w48 = to_dev(randv(48 * 16, g), {48, 16});
+  const Tensor act44 = poisoned({5, 44}), pre44 = poisoned({5, 44}), act48 = poisoned({5, 48}), pre48 = poisoned({5, 48});
+  EXPECT_FALSE(linear_gelu_fused(act48, pre48, x, w48, nullptr)) << "fp32";
+  {
+    Autocast scope(DType::bf16);
+    EXPECT_FALSE(linear_gelu_fused(act44, pre44, x, w44, nullptr)) << "O = 44";
+  }
+  for (const Tensor* t : {&act44, &pre44, &act48, &pre48})
+    for (float v : to_host(*t)) ASSERT_TRUE(std::isnan(v)) << "written where the fusion did not apply";
 }
 
 // Tensors that are views at odd element offsets of a larger buffer (4-byte aligned only, as

@@ -153,6 +153,33 @@ TEST(CudaPointwise, RmsNorm) {
   }
 }
 
+// The residual add fused into the norms' forward: on the GPU the bits of add_inplace then the
+// unfused norm there (x, out and the statistics), and x holds the CPU's sums exactly.
+TEST(CudaPointwise, NormsFuseTheResidualAddBitForBit) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 g(12);
+  for (const auto [N, C] : kNormShapes) {
+    const std::string tag = "N=" + std::to_string(N) + " C=" + std::to_string(C);
+    const VecF x = randv(N * C, g, -2, 2), r = randv(N * C, g), w = randv(C, g, 0.5f, 1.5f), b = randv(C, g);
+    VecF sum = x;
+    for (int64_t i = 0; i < N * C; ++i) sum[i] += r[i];
+    for (bool rms : {false, true}) {
+      auto run = [&](bool fused) {
+        const Tensor gx = to_dev(x, {N, C}), gr = to_dev(r, {N, C}), gw = to_dev(w, {C});
+        const Tensor out = poisoned({N, C}), mean = poisoned({N}), rstd = poisoned({N});
+        if (!fused) add_inplace(gx, gr);
+        const Tensor* res = fused ? &gr : nullptr;
+        if (rms) cuda::rmsnorm_forward(out, rstd, gx, gw, 1e-6f, res);
+        else cuda::layernorm_forward(out, mean, rstd, gx, gw, to_dev(b, {C}), 1e-5f, res);
+        return std::vector<VecF>{to_host(gx), to_host(out), rms ? VecF{} : to_host(mean), to_host(rstd)};
+      };
+      const auto fused = run(true);
+      expect_same_bits(fused, run(false), tag + (rms ? " rmsnorm" : " layernorm") + " fused against apart");
+      EXPECT_TRUE(same_bits(fused[0], sum)) << tag << ": x + r";
+    }
+  }
+}
+
 TEST(CudaPointwise, NormBadShapesThrow) {
   SKIP_WITHOUT_GPU();
   std::mt19937 g(3);

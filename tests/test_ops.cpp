@@ -227,6 +227,38 @@ TEST(Ops, RMSNorm) {
   }
 }
 
+// The residual add fused into the norms' forward (x += r, then the norm of the sum): the
+// bits of add_inplace then the unfused norm, in x (the residual stream) and every output.
+TEST(Ops, NormsFuseTheResidualAddBitForBit) {
+  std::mt19937 g(14);
+  for (auto [N, C] : {std::array{1, 5}, {33, 17}, {7, 64}}) {
+    SCOPED_TRACE(testing::Message() << "N=" << N << " C=" << C);
+    const VecF x0 = randv(N * C, g, -2, 3), r = randv(N * C, g);
+    VecF w = randv(C, g, 0.5, 1.5), b = randv(C, g);
+    for (bool rms : {false, true}) {
+      auto run = [&](bool fused) {
+        VecF x = x0, out(N * C, kNaN), mean(N, kNaN), rstd(N, kNaN), rv = r;
+        const Tensor xt = tf(x, {N, C}), rt = tf(rv, {N, C});
+        if (!fused) add_inplace(xt, rt);
+        const Tensor* res = fused ? &rt : nullptr;
+        if (rms) rmsnorm_forward(tf(out, {N, C}), tf(rstd, {N}), xt, tf(w, {C}), 1e-6f, res);
+        else layernorm_forward(tf(out, {N, C}), tf(mean, {N}), tf(rstd, {N}), xt, tf(w, {C}), tf(b, {C}), 1e-5f, res);
+        EXPECT_EQ(rv, r) << "the residual changed";
+        return std::vector<VecF>{x, out, mean, rstd};
+      };
+      const auto fused = run(true), apart = run(false);
+      for (size_t i = 0; i < fused.size(); ++i)
+        EXPECT_EQ(0, std::memcmp(fused[i].data(), apart[i].data(), fused[i].size() * sizeof(float)))
+            << (rms ? "rmsnorm" : "layernorm") << " output " << i << " (x, out, mean, rstd)";
+    }
+  }
+  VecF x(8), out(8), mean(2), rstd(2), w(4, 1.0f), b(4), r(6);
+  const Tensor short_r = tf(r, {6});
+  EXPECT_THROW(layernorm_forward(tf(out, {2, 4}), tf(mean, {2}), tf(rstd, {2}), tf(x, {2, 4}), tf(w, {4}),
+                                 tf(b, {4}), 1e-5f, &short_r),
+               Error);
+}
+
 // ---- activations ---------------------------------------------------------------------------
 
 TEST(Ops, Gelu) {

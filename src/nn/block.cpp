@@ -234,10 +234,10 @@ void weight_grad(const BlockEnv& env, const BlockParams& p, const BlockActs& a, 
 // Under sequence parallelism x is this rank's [B, T / tp, C]: the norm writes `local`, and
 // gather assembles every rank's positions into out.
 void norm_forward(const BlockEnv& env, const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                  const Tensor& w, const Tensor& b, const Tensor& local) {
+                  const Tensor& w, const Tensor& b, const Tensor& local, const Tensor* residual) {
   const Tensor y = sequence_parallel(env) ? local : out;
-  if (env.cfg.is_llama()) rmsnorm_forward(y, rstd, x, w, env.cfg.norm_eps);
-  else layernorm_forward(y, mean, rstd, x, w, b, env.cfg.norm_eps);
+  if (env.cfg.is_llama()) rmsnorm_forward(y, rstd, x, w, env.cfg.norm_eps, residual);
+  else layernorm_forward(y, mean, rstd, x, w, b, env.cfg.norm_eps, residual);
   if (sequence_parallel(env)) env.tp.gather_sequence(out, local);
 }
 
@@ -246,13 +246,14 @@ namespace {
 // A column-parallel layer's norm in forward, keeping its output in `kept` (this rank's
 // positions, [B, Tl, C]). Returns the layer's input [B, T, C]: kept itself (with 16-bit
 // kept, the norm's output rounded as the product would round it), or under sequence
-// parallelism s.dln, the positions gathered in fp32.
+// parallelism s.dln, the positions gathered in fp32. Given residual, x += residual first.
 Tensor norm_forward_kept(const BlockEnv& env, const BlockScratch& s, const Tensor& kept, const Tensor& mean,
-                         const Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b) {
+                         const Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
+                         const Tensor* residual = nullptr) {
   const bool sp = sequence_parallel(env), half = kept.dtype() != DType::f32;
   const Tensor in = sp || half ? s.dln : kept;
   const Tensor local = half && sp ? s.local : kept;  // this rank's positions in fp32, under sequence parallelism
-  norm_forward(env, in, mean, rstd, x, w, b, local);
+  norm_forward(env, in, mean, rstd, x, w, b, local, residual);
   if (half) kept.convert_from(sp ? s.local : s.dln);
   return sp ? in : kept;
 }
@@ -282,6 +283,22 @@ Tensor widened(const Tensor& kept, const Tensor& work) {
   if (kept.dtype() == DType::f32) return kept;
   work.convert_from(kept);
   return work;
+}
+
+// The MLP's up (and gate) projection and its activation, kept in a.fc and a.act, where no
+// fused product (linear_gelu_fused) computed them: in fp32, then rounded and kept. GELU
+// reads the product's fp32 result, as a fused epilogue does; SwiGLU reads the rounded one.
+void mlp_up_forward(bool llama, const BlockActs& a, const BlockScratch& s, const Tensor& ln2, const BlockParams& p) {
+  const Tensor fc = fp32_home(a.fc, s.dfc), act = fp32_home(a.act, s.dact);
+  linear_forward(fc, ln2, p.wfc, opt(p.bfc));
+  if (llama) {
+    round_and_keep(fc, a.fc);
+    swiglu_forward(act, fc);
+  } else {
+    gelu_forward(act, fc);
+    round_and_keep(fc, a.fc);
+  }
+  if (act.raw() != a.act.raw()) a.act.convert_from(act);  // exact: the down projection rounds act anyway
 }
 
 }  // namespace
@@ -333,7 +350,8 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   // attention branch: copy (or gather) into the column-parallel q|k|v of this rank's heads,
   // reduce (or reduce-scatter) after the row-parallel output projection. Each kept
   // activation is computed in fp32 (fp32_home), rounded under a 16-bit scope and stored;
-  // the ops that follow read the rounded fp32 values, the products the kept ones.
+  // the ops that follow read the rounded fp32 values (but GELU: mlp_up_forward), the
+  // products the kept ones.
   const Tensor ln1 = norm_forward_kept(env, s, a.ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b);
   const Tensor qkv = fp32_home(a.qkv, s.qkv);
   linear_forward(qkv, ln1, p.wqkv, opt(p.bqkv));
@@ -347,16 +365,11 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   else attention_forward(atty, a.att, qkv, NH, NKV);
   round_and_keep(atty, a.atty);
   row_parallel_forward(env, a.mid, a.atty, p.wo, opt(p.bo), s.seq);
-  add_inplace(a.mid, x);  // mid = x + attn
 
-  // MLP branch: the same around the column-parallel up (and gate) and row-parallel down
-  const Tensor ln2 = norm_forward_kept(env, s, a.ln2, a.ln2_mean, a.ln2_rstd, a.mid, p.ln2_w, p.ln2_b);
-  const Tensor fc = fp32_home(a.fc, s.dfc), act = fp32_home(a.act, s.dact);
-  linear_forward(fc, ln2, p.wfc, opt(p.bfc));
-  round_and_keep(fc, a.fc);
-  if (llama) swiglu_forward(act, fc);
-  else gelu_forward(act, fc);
-  if (act.raw() != a.act.raw()) a.act.convert_from(act);  // exact: the down projection rounds act anyway
+  // MLP branch: the same around the column-parallel up (and gate) and row-parallel down,
+  // its norm fused with the residual add mid = attn + x
+  const Tensor ln2 = norm_forward_kept(env, s, a.ln2, a.ln2_mean, a.ln2_rstd, a.mid, p.ln2_w, p.ln2_b, &x);
+  if (llama || !linear_gelu_fused(a.act, a.fc, ln2, p.wfc, opt(p.bfc))) mlp_up_forward(llama, a, s, ln2, p);
   row_parallel_forward(env, out, a.act, p.wproj, opt(p.bproj), s.seq);
   add_inplace(out, a.mid);  // out = mid + mlp
 }

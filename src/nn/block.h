@@ -109,8 +109,9 @@ struct BlockScratch {
 // The norm in front of a column-parallel layer (a block's two, the final one before the
 // head): out[B, T, C] = norm(x); under sequence parallelism x is [B, T / tp, C], the norm
 // writes `local` ([B, T / tp, C]) and gather assembles out. Statistics mean/rstd: x's rows.
+// Given residual (x's shape), x += residual first, in the norm's pass (ops/norm.h).
 void norm_forward(const BlockEnv& env, const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                  const Tensor& w, const Tensor& b, const Tensor& local);
+                  const Tensor& w, const Tensor& b, const Tensor& local, const Tensor* residual = nullptr);
 // Its backward: dln[B, T, C] is this rank's part of the layer input's gradient (summed over
 // tp, or reduce-scattered into `local` under sequence parallelism); dx += d(x), dw/db +=.
 void norm_backward(const BlockEnv& env, const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dln,

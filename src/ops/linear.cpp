@@ -119,6 +119,17 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
   }
   forward(y, x, w, b, false);
 }
+bool linear_gelu_fused(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b) {
+#if MESHTRAIN_CUDA
+  if (act.device() == Device::cuda) {
+    ProfileScope profile_scope("linear_gelu");
+    return cuda::linear_gelu_forward(act, pre, x, w, b);
+  }
+#endif
+  (void)act, (void)pre, (void)x, (void)w, (void)b;
+  return false;
+}
+
 // y[N, O] = x[N, I] @ w[I, O] (+ b[O])
 void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) {
   if (y.device() == Device::cuda) {

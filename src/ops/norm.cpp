@@ -87,13 +87,28 @@ void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t&
   check_numel(out, N * C, op);
 }
 
+// The residual r for x (nullptr: none): fp32 of x's size, not aliasing out.
+const float* residual_of(const Tensor* r, const Tensor& out, int64_t n, const char* op) {
+  if (!r) return nullptr;
+  check_f32(*r, op);
+  check_numel(*r, n, op);
+  MT_CHECK(r->raw() != out.raw(), op << ": the residual must not alias out");
+  return r->f32();
+}
+
+// x[c] += r[c] over a row (the fused residual add; r == nullptr: nothing).
+inline void add_row(float* __restrict x, const float* __restrict r, int64_t C) {
+  if (r)
+    for (int64_t c = 0; c < C; ++c) x[c] += r[c];
+}
+
 }  // namespace
 
 // out[N, C] = (x - mean) * rstd * w + b ; saves mean[N], rstd[N]
 void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                       const Tensor& w, const Tensor& b, float eps) {
+                       const Tensor& w, const Tensor& b, float eps, const Tensor* r) {
   ProfileScope profile_scope("layernorm");
-  MT_ON_CUDA(out, layernorm_forward(out, mean, rstd, x, w, b, eps));
+  MT_ON_CUDA(out, layernorm_forward(out, mean, rstd, x, w, b, eps, r));
   int64_t N, C;
   check_norm_io(out, x, w, N, C, "layernorm_forward: out/x/w (x's last dim must equal w's size)");
   check_f32(b, "layernorm_forward: b");
@@ -102,11 +117,13 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
   check_f32(rstd, "layernorm_forward: rstd");
   check_numel(mean, N, "layernorm_forward: mean");
   check_numel(rstd, N, "layernorm_forward: rstd");
-  const float *xp = x.f32(), *wp = w.f32(), *bp = b.f32();
-  float *op = out.f32(), *mp = mean.f32(), *rp = rstd.f32();
+  const float* res = residual_of(r, out, N * C, "layernorm_forward: r");
+  const float *wp = w.f32(), *bp = b.f32();
+  float *xp = x.f32(), *op = out.f32(), *mp = mean.f32(), *rp = rstd.f32();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
-    const float* xr = xp + n * C;
+    float* xr = xp + n * C;
+    add_row(xr, res ? res + n * C : nullptr, C);
     const float m = sum_f32(xr, C) / (float)C;
     // Two-pass variance (sum of squared deviations): no cancellation, and the row is in L1.
     float acc[kLanes] = {};
@@ -162,18 +179,21 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
 
 // out[N, C] = (x * rstd) * w with rstd = 1 / sqrt(mean(x^2) + eps) ; saves rstd[N]
 // (the order of Hugging Face's LlamaRMSNorm: normalise in float32, then scale by w).
-void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps) {
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
+                     const Tensor* r) {
   ProfileScope profile_scope("rmsnorm");
-  MT_ON_CUDA(out, rmsnorm_forward(out, rstd, x, w, eps));
+  MT_ON_CUDA(out, rmsnorm_forward(out, rstd, x, w, eps, r));
   int64_t N, C;
   check_norm_io(out, x, w, N, C, "rmsnorm_forward: out/x/w (x's last dim must equal w's size)");
   check_f32(rstd, "rmsnorm_forward: rstd");
   check_numel(rstd, N, "rmsnorm_forward: rstd");
-  const float *xp = x.f32(), *wp = w.f32();
-  float *op = out.f32(), *rp = rstd.f32();
+  const float* res = residual_of(r, out, N * C, "rmsnorm_forward: r");
+  const float* wp = w.f32();
+  float *xp = x.f32(), *op = out.f32(), *rp = rstd.f32();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
-    const float* xr = xp + n * C;
+    float* xr = xp + n * C;
+    add_row(xr, res ? res + n * C : nullptr, C);
     const float s = 1.0f / std::sqrt(dot_f32(xr, xr, C) / (float)C + eps);
     float* o = op + n * C;
     for (int64_t c = 0; c < C; ++c) o[c] = (xr[c] * s) * wp[c];

@@ -177,9 +177,29 @@ class _KeptAttention(torch.autograd.Function):
 
 
 # The layers whose outputs a block keeps for attention and the MLP's activation (q|k|v and
-# the pre-activation): meshtrain rounds them to the working precision where they are
-# produced, as 16-bit ops return them (src/nn/block.h, BlockActs).
-KEPT_OUTPUTS = ("c_attn", "c_fc", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# Llama's gate|up): meshtrain rounds them to the working precision where they are produced,
+# as 16-bit ops return them (src/nn/block.h, BlockActs). GPT-2's pre-activation is kept
+# rounded too, but GELU reads the product's fp32 result, as a fused epilogue does
+# (_GeluOfProduct).
+KEPT_OUTPUTS = ("c_attn", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+class _GeluOfProduct(torch.autograd.Function):
+    """The tanh GELU of a product's unrounded output y, as a fused epilogue computes it;
+    its backward reads y rounded by `rnd`, the pre-activation the block keeps in 16 bits."""
+
+    @staticmethod
+    def forward(ctx, y, rnd):
+        ctx.save_for_backward(rnd(y))
+        return F.gelu(y, approximate="tanh")
+
+    @staticmethod
+    def backward(ctx, g):
+        (yr,) = ctx.saved_tensors
+        with torch.enable_grad():
+            t = yr.detach().requires_grad_()
+            (dy,) = torch.autograd.grad(F.gelu(t, approximate="tanh"), t, g)
+        return dy, None
 
 
 class SpecModel(tm.Model):
@@ -187,7 +207,8 @@ class SpecModel(tm.Model):
     hold the 16-bit working copies (train_torch sets them), every linear layer and the head
     multiply operands rounded by `rnd` with fp32 accumulation (_Product); the outputs of
     KEPT_OUTPUTS and attention's inputs (q and k again after rope) are rounded (_Round), and
-    its output, which its backward reads (_KeptAttention); norms, softmax, attention's
+    its output, which its backward reads (_KeptAttention); GPT-2's GELU reads its product's
+    fp32 result, its backward the rounded one (_GeluOfProduct); norms, softmax, attention's
     products and the loss stay fp32. round_acts=False rounds no activation (the weights-only
     variant)."""
 
@@ -199,6 +220,8 @@ class SpecModel(tm.Model):
                 mod.forward = self._linear(mod, round_out or (round_acts and name.endswith(KEPT_OUTPUTS)))
             if round_acts and isinstance(mod, (tm.GPT2Attention, tm.LlamaAttention)):
                 mod.attend = self._attention
+            if round_acts and isinstance(mod, tm.GPT2MLP):
+                mod.forward = lambda x, m=mod: m.c_proj(_GeluOfProduct.apply(m.c_fc(x), rnd))
 
     def product(self, x, w, b, round_out=None):
         p = self.prod

@@ -182,12 +182,27 @@ struct Plan {
   bool found = false;
 };
 
-// opA, opB, m, n, k, lda, ldb, ldc, ab dtype, bias?, align A, B, C, bias
-using PlanKey = std::array<int64_t, 14>;
+// What a product's epilogue adds: the bias (bias[m] over the columns, in D's dtype unless
+// bias_dt says otherwise), and GELU writing its input to the aux matrix (ld ldaux, D's
+// dtype), as CUBLASLT_EPILOGUE_*.
+struct Epilogue {
+  const void* bias = nullptr;
+  void* aux = nullptr;  // GELU's input; nullptr: no GELU
+  int64_t ldaux = 0;
+  int32_t bias_dt = -1;  // a cudaDataType_t; -1: D's
+  uint32_t kind() const {
+    if (aux) return bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    return bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  }
+};
+
+// opA, opB, m, n, k, lda, ldb, ldc, ldaux, ab dtype, D dtype, bias dtype, epilogue,
+// align A, B, D, bias, aux
+using PlanKey = std::array<int64_t, 18>;
 
 // The process's cuBLASLt handle, workspace and plans. Created on first use (thread-safe
 // static initialisation) and kept until exit, as the compute stream is. `mu` guards the
-// plans and each launch (a plan's bias pointer is set just before its launch).
+// plans and each launch (a plan's bias and aux pointers are set just before its launch).
 struct Lt {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
@@ -205,32 +220,46 @@ Lt& lt() {
   return *s;
 }
 
+// The epilogue's pointers into a plan's descriptor (the heuristic reads their alignment;
+// a launch, their values).
+void set_pointers(const Plan& p, const Epilogue& e) {
+  if (e.bias)
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &e.bias, sizeof(e.bias)));
+  if (e.aux)
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &e.aux, sizeof(e.aux)));
+}
+
 // Builds the plan of a column-major product D[m, n] = op(A)[m, k] op(B)[k, n] + beta C
-// (+ bias[m] over the columns), C == D fp32 with leading dim ldc.
+// and the epilogue, C == D of dtype dt (fp32, or with GELU the operands' 16-bit dtype)
+// with leading dim ldc.
 Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
-               cudaDataType_t ab, const float* bias, const PlanKey& key) {
+               cudaDataType_t ab, cudaDataType_t dt, const Epilogue& e, const PlanKey& key) {
   Plan p;
   MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const int32_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa)));
   MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb)));
-  if (bias) {
-    const uint32_t epi = CUBLASLT_EPILOGUE_BIAS;
+  const uint32_t epi = e.kind();
+  if (epi != CUBLASLT_EPILOGUE_DEFAULT)
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-    // The bias's dtype is left at its default, D's (fp32).
-    // The heuristic reads the bias pointer's alignment (the key holds it).
-    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-  }
+  if (e.bias_dt >= 0)
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &e.bias_dt, sizeof(e.bias_dt)));
+  if (e.aux)
+    MT_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &e.ldaux, sizeof(e.ldaux)));
+  set_pointers(p, e);
   // Stored shapes (before op): A is [m, k] or, transposed, [k, m]; B is [k, n] or [n, k].
   MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, ab, ta ? k : m, ta ? m : k, lda));
   MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, ab, tb ? n : k, tb ? k : n, ldb));
-  MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, m, n, ldc));
+  MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, dt, m, n, ldc));
 
   cublasLtMatmulPreference_t pref = nullptr;
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = kWorkspaceBytes;
-  const uint32_t al_a = static_cast<uint32_t>(key[10]), al_b = static_cast<uint32_t>(key[11]),
-                 al_c = static_cast<uint32_t>(key[12]);
+  const uint32_t al_a = static_cast<uint32_t>(key[13]), al_b = static_cast<uint32_t>(key[14]),
+                 al_c = static_cast<uint32_t>(key[15]);
   cublasStatus_t st =
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   if (st == CUBLAS_STATUS_SUCCESS)
@@ -256,36 +285,54 @@ Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t
   return p;
 }
 
-// Column-major D[m, n] (ldc) = op(A) op(B) + beta D (+ bias[m] broadcast over the columns),
-// on the compute stream. A and B hold dtype `ab` (fp32, bf16 or f16); D is fp32. Returns
-// false, launching nothing, when cuBLASLt has no algorithm for the configuration.
+// Column-major D[m, n] (ldc) = op(A) op(B) + beta D and the epilogue, on the compute
+// stream. A and B hold dtype `ab` (fp32, bf16 or f16); D holds dt. Returns false,
+// launching nothing, when cuBLASLt has no algorithm for the configuration.
 bool lt_matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
-               int64_t ldb, cudaDataType_t ab, float beta, float* D, int64_t ldc, const float* bias) {
+               int64_t ldb, cudaDataType_t ab, float beta, void* D, cudaDataType_t dt, int64_t ldc,
+               const Epilogue& e = {}) {
   Lt& l = lt();
-  const PlanKey key{ta,   tb,  m,   n,         k,          lda,          ldb,         ldc, static_cast<int64_t>(ab),
-                    bias != nullptr, alignment(A), alignment(B), alignment(D), bias ? alignment(bias) : 0};
+  const PlanKey key{ta,
+                    tb,
+                    m,
+                    n,
+                    k,
+                    lda,
+                    ldb,
+                    ldc,
+                    e.ldaux,
+                    static_cast<int64_t>(ab),
+                    static_cast<int64_t>(dt),
+                    e.bias_dt,
+                    static_cast<int64_t>(e.kind()),
+                    alignment(A),
+                    alignment(B),
+                    alignment(D),
+                    e.bias ? alignment(e.bias) : 0,
+                    e.aux ? alignment(e.aux) : 0};
   std::lock_guard<std::mutex> lock(l.mu);
   auto it = l.plans.find(key);
-  if (it == l.plans.end()) it = l.plans.emplace(key, make_plan(l, ta, tb, m, n, k, lda, ldb, ldc, ab, bias, key)).first;
+  if (it == l.plans.end()) it = l.plans.emplace(key, make_plan(l, ta, tb, m, n, k, lda, ldb, ldc, ab, dt, e, key)).first;
   Plan& p = it->second;
   if (!p.found) return false;
-  if (bias)
-    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  set_pointers(p, e);
   const float alpha = 1.0f;
   MT_CUBLAS_CHECK(cublasLtMatmul(l.handle, p.desc, &alpha, A, p.a, B, p.b, &beta, D, p.c, D, p.c, &p.algo,
                                  l.workspace, kWorkspaceBytes, stream()));
   return true;
 }
 
-// Row-major C[M, N] (ldc) = op(A)[M, K] op(B)[K, N] + beta C (+ bias[N] on every row; C is
-// then contiguous, ldc == N): the column-major product C^T = op(B)^T op(A)^T (see the top
-// of the file). The bias is fused when cuBLASLt allows it (bias 16-byte aligned and an
+// Row-major C[M, N] (ldc, fp32) = op(A)[M, K] op(B)[K, N] + beta C (+ bias[N] on every row;
+// C is then contiguous, ldc == N): the column-major product C^T = op(B)^T op(A)^T (see the
+// top of the file). The bias is fused when cuBLASLt allows it (bias 16-byte aligned and an
 // algorithm with the epilogue exists), else added by add_bias_kernel after the product.
 // Returns false when no algorithm exists.
 bool gemm_rm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda, const void* B,
              int64_t ldb, cudaDataType_t ab, float beta, float* C, int64_t ldc, const float* bias) {
-  if (bias && alignment(bias) >= 16 && lt_matmul(tb, ta, N, M, K, B, ldb, A, lda, ab, beta, C, ldc, bias)) return true;
-  if (!lt_matmul(tb, ta, N, M, K, B, ldb, A, lda, ab, beta, C, ldc, nullptr)) return false;
+  if (bias && alignment(bias) >= 16 &&
+      lt_matmul(tb, ta, N, M, K, B, ldb, A, lda, ab, beta, C, CUDA_R_32F, ldc, Epilogue{bias}))
+    return true;
+  if (!lt_matmul(tb, ta, N, M, K, B, ldb, A, lda, ab, beta, C, CUDA_R_32F, ldc)) return false;
   if (bias) launch_add_bias(C, bias, M, N);
   return true;
 }
@@ -310,6 +357,16 @@ const void* in_dtype(const Operand& o, DType to, void* slot) {
   return slot;
 }
 
+// Operands x and y in dtype `want`: as they are where they hold it, else converted into
+// stream-ordered scratch ([x] then [y] at a 256-byte aligned offset; nothing when both hold
+// it).
+void both_in(DType want, const Operand& x, const Operand& y, Scratch& slot, const void*& px, const void*& py) {
+  const size_t off_y = round256(dtype_size(want) * (x.dt == want ? 0 : x.n));
+  slot = Scratch(off_y + dtype_size(want) * (y.dt == want ? 0 : y.n));
+  px = in_dtype(x, want, slot.get());
+  py = in_dtype(y, want, slot.get() + off_y);
+}
+
 // Row-major C[M, N] = op(A) op(B) + beta C (+ bias) for device operands a and b, in the
 // thread's Autocast precision (see the top of the file): fp32, or under a 16-bit scope
 // each operand rounded to it, an operand already in the scope's dtype (an activation kept
@@ -325,15 +382,6 @@ void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Operand& a
     MT_CHECK(o->dt == DType::f32 || o->dt == d || (d == DType::f32 && half),
              "internal: " << op << ": a " << dtype_name(o->dt) << " operand under a " << dtype_name(d) << " scope");
   }
-  // Both operands in dtype `want`: as they are where they hold it, else converted into
-  // stream-ordered scratch ([a] then [b] at a 256-byte aligned offset; nothing when both
-  // hold it).
-  auto both_in = [&](DType want, const Operand& x, const Operand& y, Scratch& slot, const void*& px, const void*& py) {
-    const size_t off_y = round256(dtype_size(want) * (x.dt == want ? 0 : x.n));
-    slot = Scratch(off_y + dtype_size(want) * (y.dt == want ? 0 : y.n));
-    px = in_dtype(x, want, slot.get());
-    py = in_dtype(y, want, slot.get() + off_y);
-  };
   Scratch conv, wide;
   const void *pa, *pb;
   both_in(d, a, b, conv, pa, pb);
@@ -436,6 +484,70 @@ void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy
 // dw[I, O] += x[N, I]^T @ dy[N, O] ; db[O] += sum over rows of dy
 void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
   backward_weight(dw, db, dy, x, true);
+}
+
+// act[N, O] = gelu(x @ w[O, I]^T + b) and pre[N, O] = x @ w^T + b under a 16-bit Autocast
+// scope, in one cuBLASLt product: its epilogue adds the bias (converted to the scope's
+// dtype, whose values the parameters hold), writes the sum rounded to 16 bits to pre (the
+// aux matrix) and GELU of the unrounded sum, rounded, to act. act and pre hold the scope's
+// dtype or fp32 (then written in 16-bit scratch and widened: the same values). Returns
+// false, writing nothing, outside a 16-bit scope, for O not a multiple of 8 (the aux
+// matrix's leading dim must be) and where cuBLASLt has no algorithm.
+bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b) {
+  const DType d = autocast_dtype();
+  if (d != DType::bf16 && d != DType::f16) return false;
+  int64_t O, I;
+  weight_dims(w, false, O, I, "linear_gelu_forward: w");
+  check_device_operand(x, "linear_gelu_forward: x");
+  const int64_t N = rows_of(x, I, "linear_gelu_forward: x (last dim must equal w's in-dim)");
+  for (const Tensor* t : {&act, &pre}) {
+    MT_CHECK(t->device() == Device::cuda && (t->dtype() == d || t->dtype() == DType::f32),
+             "linear_gelu_forward: act and pre must be fp32 or " << dtype_name(d) << " GPU tensors, got "
+                                                                 << dtype_name(t->dtype()));
+    MT_CHECK(rows_of(*t, O, "linear_gelu_forward: act / pre (last dim must equal w's out-dim)") == N,
+             "linear_gelu_forward: act / pre has " << t->numel() / O << " rows but x has " << N);
+  }
+  MT_CHECK(act.raw() != pre.raw(), "linear_gelu_forward: act and pre must not alias");
+  if (b) {
+    check_device_f32(*b, "linear_gelu_forward: b");
+    check_numel(*b, O, "linear_gelu_forward: b");
+  }
+  if (O % 8) return false;
+  if (N == 0) return true;
+  Scratch conv;
+  const void *px, *pw;
+  both_in(d, operand(x), operand(w), conv, px, pw);
+  // The outputs in 16 bits: act and pre themselves, or scratch (256-byte aligned, as the
+  // allocator's blocks are, so both cases run the same plan).
+  const size_t out_bytes = round256(dtype_size(d) * N * O);
+  Scratch outs((act.dtype() == d ? 0 : out_bytes) + (pre.dtype() == d ? 0 : out_bytes));
+  char* next = outs.get();
+  auto home16 = [&](const Tensor& t) -> void* {
+    if (t.dtype() == d) return t.raw();
+    void* p = next;
+    next += out_bytes;
+    return p;
+  };
+  void* act16 = home16(act);
+  void* pre16 = home16(pre);
+  // Column-major (top of the file): act^T[O, N] = w[O, I] x^T, ld O; pre^T likewise. The
+  // bias as it is (fp32, 16-byte aligned) where cuBLASLt adds an fp32 bias to a 16-bit
+  // output, else converted to the scope's dtype (exact: the parameters hold its values).
+  const cudaDataType_t dt = cuda_dtype(d);
+  auto run = [&](const void* bias, int32_t bias_dt) {
+    return lt_matmul(true, false, O, N, I, pw, I, px, I, dt, 0.0f, act16, dt, O, Epilogue{bias, pre16, O, bias_dt});
+  };
+  Scratch bias16;
+  bool done = b && alignment(b->raw()) >= 16 && run(b->raw(), CUDA_R_32F);
+  if (!done && b) {
+    bias16 = Scratch(dtype_size(d) * O);
+    cuda_convert(d, bias16.get(), DType::f32, b->raw(), O);
+  }
+  if (!done) done = run(bias16.get(), -1);
+  if (!done) return false;
+  if (act16 != act.raw()) cuda_convert(DType::f32, act.raw(), d, act16, N * O);
+  if (pre16 != pre.raw()) cuda_convert(DType::f32, pre.raw(), d, pre16, N * O);
+  return true;
 }
 
 // db[O] += sum over rows of dy[N, O]

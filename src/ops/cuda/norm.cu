@@ -33,15 +33,25 @@ __device__ float block_sum(float v, float* sh) {
   return t;
 }
 
+// x[n, c] += res[n, c] where res is given (the fused residual add), in the forwards' first pass
+// over the row: each thread adds the elements it reads again later, so it sees its sums.
+__device__ float with_residual(float* xr, const float* res, int64_t n, int64_t C, int64_t c) {
+  if (!res) return xr[c];
+  const float v = xr[c] + res[n * C + c];
+  xr[c] = v;
+  return v;
+}
+
 // LayerNorm forward. Grid: N blocks (one per row) of kRowThreads; threads stride over C.
-// out[n, c] = (x - mean) * rstd * w + b ; mean[n], rstd[n] (two-pass variance).
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* x, const float* w,
-                                         const float* b, int64_t C, float eps) {
+// out[n, c] = (x - mean) * rstd * w + b ; mean[n], rstd[n] (two-pass variance); x += res
+// first where res is given.
+__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, float* x, const float* res,
+                                         const float* w, const float* b, int64_t C, float eps) {
   __shared__ float sh[32];
   const int64_t n = blockIdx.x;
-  const float* xr = x + n * C;
+  float* xr = x + n * C;
   float s = 0.0f;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += xr[c];
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) s += with_residual(xr, res, n, C, c);
   const float m = block_sum(s, sh) / (float)C;
   float v = 0.0f;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
@@ -57,14 +67,18 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
   }
 }
 
-// RMSNorm forward. Grid: N blocks of kRowThreads. out[n, c] = (x * rstd) * w ; rstd[n].
-__global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* x, const float* w, int64_t C,
+// RMSNorm forward. Grid: N blocks of kRowThreads. out[n, c] = (x * rstd) * w ; rstd[n]; x +=
+// res first where res is given.
+__global__ void rmsnorm_forward_kernel(float* out, float* rstd, float* x, const float* res, const float* w, int64_t C,
                                        float eps) {
   __shared__ float sh[32];
   const int64_t n = blockIdx.x;
-  const float* xr = x + n * C;
+  float* xr = x + n * C;
   float ss = 0.0f;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) ss += xr[c] * xr[c];
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const float v = with_residual(xr, res, n, C, c);
+    ss += v * v;
+  }
   const float r = 1.0f / sqrtf(block_sum(ss, sh) / (float)C + eps);
   float* o = out + n * C;
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = (xr[c] * r) * w[c];
@@ -148,6 +162,15 @@ void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t&
   check_numel(out, N * C, op);
 }
 
+// The residual r for x (nullptr: none): fp32 on the device, of x's size, not aliasing out.
+const float* residual_of(const Tensor* r, const Tensor& out, int64_t n, const char* op) {
+  if (!r) return nullptr;
+  check_device_f32(*r, op);
+  check_numel(*r, n, op);
+  MT_CHECK(r->raw() != out.raw(), op << ": the residual must not alias out");
+  return r->f32();
+}
+
 // dw (+= ) and db (+=, when db is given) from the chunk partials: two launches plus the
 // scratch buffer's allocation and stream-ordered free.
 void reduce_weight_grads(const Tensor& dw, const Tensor* db, const Tensor& dout, const Tensor& x, const float* mean,
@@ -174,7 +197,7 @@ void reduce_weight_grads(const Tensor& dw, const Tensor* db, const Tensor& dout,
 
 // out[N, C] = (x - mean) * rstd * w + b ; saves mean[N], rstd[N]
 void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& w,
-                       const Tensor& b, float eps) {
+                       const Tensor& b, float eps, const Tensor* r) {
   int64_t N, C;
   check_norm_io(out, x, w, N, C, "layernorm_forward: out/x/w (x's last dim must equal w's size)");
   check_device_f32(b, "layernorm_forward: b");
@@ -183,9 +206,10 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
   check_device_f32(rstd, "layernorm_forward: rstd");
   check_numel(mean, N, "layernorm_forward: mean");
   check_numel(rstd, N, "layernorm_forward: rstd");
+  const float* res = residual_of(r, out, N * C, "layernorm_forward: r");
   if (N == 0) return;
   layernorm_forward_kernel<<<(unsigned)N, kRowThreads, 0, stream()>>>(out.f32(), mean.f32(), rstd.f32(), x.f32(),
-                                                                      w.f32(), b.f32(), C, eps);
+                                                                      res, w.f32(), b.f32(), C, eps);
   MT_CUDA_LAUNCHED("layernorm_forward_kernel");
 }
 
@@ -212,13 +236,16 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
 }
 
 // out[N, C] = (x * rstd) * w with rstd = 1 / sqrt(mean(x^2) + eps) ; saves rstd[N]
-void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps) {
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
+                     const Tensor* r) {
   int64_t N, C;
   check_norm_io(out, x, w, N, C, "rmsnorm_forward: out/x/w (x's last dim must equal w's size)");
   check_device_f32(rstd, "rmsnorm_forward: rstd");
   check_numel(rstd, N, "rmsnorm_forward: rstd");
+  const float* res = residual_of(r, out, N * C, "rmsnorm_forward: r");
   if (N == 0) return;
-  rmsnorm_forward_kernel<<<(unsigned)N, kRowThreads, 0, stream()>>>(out.f32(), rstd.f32(), x.f32(), w.f32(), C, eps);
+  rmsnorm_forward_kernel<<<(unsigned)N, kRowThreads, 0, stream()>>>(out.f32(), rstd.f32(), x.f32(), res, w.f32(), C,
+                                                                    eps);
   MT_CUDA_LAUNCHED("rmsnorm_forward_kernel");
 }
 

@@ -33,6 +33,7 @@ void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const 
 void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate);
 void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x);
 void bias_backward(const Tensor& db, const Tensor& dy);
+bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b);
 
 // ops/activation.h
 void gelu_forward(const Tensor& out, const Tensor& x);
@@ -44,10 +45,11 @@ void add_bias(const Tensor& y, const Tensor& b);
 
 // ops/norm.h
 void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                       const Tensor& w, const Tensor& b, float eps);
+                       const Tensor& w, const Tensor& b, float eps, const Tensor* r = nullptr);
 void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const Tensor& dout,
                         const Tensor& x, const Tensor& w, const Tensor& mean, const Tensor& rstd);
-void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps);
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
+                     const Tensor* r = nullptr);
 void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dout, const Tensor& x,
                       const Tensor& w, const Tensor& rstd);
 
