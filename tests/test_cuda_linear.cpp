@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -208,6 +209,36 @@ TEST(CudaLinear, SixteenBitActivationOperandsGiveTheirFp32Bits) {
   check_16bit_operands(37, 63, 48);
 }
 
+// linear_backward (both halves at once, dy rounded to 16 bits once for the two products)
+// gives the bits of linear_backward_input then linear_backward_weight, in fp32 and under
+// bf16 / f16 scopes, both weight layouts, with a bias, at a GPT-2-like and an odd shape.
+TEST(CudaLinear, BackwardOfBothHalvesMatchesTheTwoCallsBitForBit) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  std::mt19937 g(13);
+  for (auto [N, I, O] : {std::array<int64_t, 3>{64, 96, 384}, {37, 63, 48}})
+    for (DType scope : {DType::f32, DType::bf16, DType::f16})
+      for (bool io : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(scope)) + " io " + std::to_string(io) + " I " + std::to_string(I));
+        VecF w = randv(O * I, g), x = randv(N * I, g);
+        if (scope != DType::f32) round_to(scope, w.data(), w.data(), O * I);  // a working copy's values
+        const VecF dy = randv(N * O, g), dw0 = randv(O * I, g), db0 = randv(O, g);
+        const Shape ws = io ? Shape{I, O} : Shape{O, I};
+        const Tensor wd = to_dev(w, ws), xd = to_dev(x, {N, I}), dyd = to_dev(dy, {N, O});
+        Autocast ac(scope);
+        auto run = [&](bool both) {
+          const Tensor dx = poisoned({N, I}), dw = to_dev(dw0, ws), db = to_dev(db0, {O});
+          if (both) (io ? &mt::linear_io_backward : &mt::linear_backward)(dx, dw, &db, dyd, xd, wd);
+          else {
+            (io ? &mt::linear_io_backward_input : &mt::linear_backward_input)(dx, dyd, wd, false);
+            (io ? &mt::linear_io_backward_weight : &mt::linear_backward_weight)(dw, &db, dyd, xd);
+          }
+          return std::vector<VecF>{to_host(dx), to_host(dw), to_host(db)};
+        };
+        const auto both = run(true), apart = run(false);
+        for (int k = 0; k < 3; ++k) EXPECT_TRUE(same_bits(both[k], apart[k])) << "output " << k << " (dx, dw, db)";
+      }
+}
+
 // The 16 bits of v (a value of dt) as an ordered integer: adjacent values of dt differ by 1,
 // across zero too.
 int ordered16(DType dt, float v) {
@@ -229,8 +260,10 @@ VecF widened_host(const Tensor& t) {
 // operands (cuBLASLt accumulates in fp32, then rounds once; its GELU must be the tanh form:
 // the erf form differs by up to 4e-4 at |y| ~ 3, many steps of a value ~ 0.004). Inputs
 // span |y| up to ~ 6, so both GELU tails are exercised. fp32 act / pre hold the 16-bit
-// outputs' values bit for bit; a rerun gives the same bits; an unaligned fp32 bias (the
-// converted path) gives the same within the bound.
+// outputs' values bit for bit; a rerun gives the same bits; a bias of 16-bit values at an
+// odd offset stays within the bound, and one of fp32 values there gives the bits of the
+// same values at a block's start. A failure of the one-step bound on a GPU says how
+// accurate cuBLASLt's GELU is: the worst case is printed with its y.
 void check_gelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
   SCOPED_TRACE(std::string(dtype_name(dt)) + " N " + std::to_string(N) + " I " + std::to_string(I) + " O " +
                std::to_string(O));
@@ -256,17 +289,21 @@ void check_gelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
   };
   auto expect_near_reference = [&](const std::pair<VecF, VecF>& got, const VecF& bias, const char* what) {
     int64_t worst = 0;
+    double worst_y = 0;
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < O; ++o) {
         const double yy = y[n * O + o] - b[o] + bias[o];
         const double k = 0.7978845608028654, gelu = 0.5 * yy * (1.0 + std::tanh(k * (yy + 0.044715 * yy * yy * yy)));
         const int64_t i = n * O + o;
         // GELU's far tail cancels in fp32 (1 + tanh near -1): up to ~2e-7 absolute
-        if (std::abs(got.first[i] - gelu) > 1e-6)
-          worst = std::max<int64_t>(worst, std::abs(ordered16(dt, got.first[i]) - ordered16(dt, (float)gelu)));
-        worst = std::max<int64_t>(worst, std::abs(ordered16(dt, got.second[i]) - ordered16(dt, (float)yy)));
+        const int64_t steps =
+            std::max<int64_t>(std::abs(got.first[i] - gelu) > 1e-6
+                                  ? std::abs(ordered16(dt, got.first[i]) - ordered16(dt, (float)gelu))
+                                  : 0,
+                              std::abs(ordered16(dt, got.second[i]) - ordered16(dt, (float)yy)));
+        if (steps > worst) worst = steps, worst_y = yy;
       }
-    EXPECT_LE(worst, 1) << what << ": 16-bit steps from the float64 reference";
+    EXPECT_LE(worst, 1) << what << ": 16-bit steps from the float64 reference, at y = " << worst_y;
   };
   const auto fused16 = run(dt, b_aligned);
   expect_near_reference(fused16, b, "16-bit act and pre");
@@ -276,6 +313,48 @@ void check_gelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
   const auto again = run(dt, b_aligned);
   EXPECT_TRUE(same_bits(again.first, fused16.first) && same_bits(again.second, fused16.second)) << "rerun";
   expect_near_reference(run(dt, b_unaligned), b1, "an unaligned bias");
+  // a bias of fp32 values: the same bits wherever it lies (the plan does not follow its offset)
+  const Tensor bu = to_dev(randv(O + 1, g, -0.5f, 0.5f), {O + 1});
+  const auto at1 = run(dt, bu.view(1, {O})), moved = run(dt, to_dev(to_host(bu.view(1, {O})), {O}));
+  EXPECT_TRUE(same_bits(at1.first, moved.first) && same_bits(at1.second, moved.second))
+      << "an fp32 bias at an odd offset against the same values at the start of a block";
+}
+
+// linear_dgelu_fused (w stored [in, out]): dx = (dy w^T) * gelu'(pre) against the float64
+// reference of the 16-bit operands within kTol16 (the product's fp32 accumulation; the
+// derivative of the erf form differs from the tanh form's by up to 2e-2, far outside it);
+// pre in fp32 holding the same values gives the same bits; a rerun too.
+void check_dgelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
+  SCOPED_TRACE(std::string(dtype_name(dt)) + " N " + std::to_string(N) + " I " + std::to_string(I) + " O " +
+               std::to_string(O));
+  std::mt19937 g(7);
+  VecF pre = randv(N * I, g, -4.0f, 4.0f), w = randv(I * O, g, -0.5f, 0.5f), dy = randv(N * O, g);
+  round_to(dt, pre.data(), pre.data(), N * I);
+  round_to(dt, w.data(), w.data(), I * O);
+  VecF dy16 = dy;  // the product's operand
+  round_to(dt, dy16.data(), dy16.data(), N * O);
+  std::vector<double> ref(N * I);
+  const double k = 0.7978845608028654, a = 0.044715;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < I; ++i) {
+      double acc = 0;
+      for (int64_t o = 0; o < O; ++o) acc += (double)dy16[n * O + o] * w[i * O + o];
+      const double x = pre[n * I + i], t = std::tanh(k * (x + a * x * x * x));
+      ref[n * I + i] = acc * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * a * x * x));
+    }
+  const Tensor wd = to_dev(w, {I, O}), dyd = to_dev(dy, {N, O}), pre32 = to_dev(pre, {N, I});
+  const Tensor pre16 = Tensor::empty({N, I}, dt, test::gpu(), MemTag::activations);
+  pre16.convert_from(pre32);
+  Autocast scope(dt);
+  auto run = [&](const Tensor& p) {
+    const Tensor dx = poisoned({N, I});
+    EXPECT_TRUE(linear_dgelu_fused(dx, dyd, wd, p)) << "no fused algorithm for a GPT-2-like shape";
+    return to_host(dx);
+  };
+  const VecF got = run(pre16);
+  EXPECT_LT(rel_err(got, ref), kTol16);
+  EXPECT_TRUE(same_bits(run(pre32), got)) << "fp32 pre against 16-bit pre";
+  EXPECT_TRUE(same_bits(run(pre16), got)) << "rerun";
 }
 
 // Where the fusion does not apply it writes nothing and says so: outside a 16-bit scope,
@@ -296,6 +375,27 @@ TEST(CudaLinear, GeluFusedMatchesTheFloat64Reference) {
     EXPECT_FALSE(linear_gelu_fused(act44, pre44, x, w44, nullptr)) << "O = 44";
   }
   for (const Tensor* t : {&act44, &pre44, &act48, &pre48})
+    for (float v : to_host(*t)) ASSERT_TRUE(std::isnan(v)) << "written where the fusion did not apply";
+}
+
+// The backward's counterpart: the same checks, and false (nothing written) for fp32 and for
+// an in-dim not a multiple of 8.
+TEST(CudaLinear, DgeluFusedMatchesTheFloat64Reference) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  for (DType dt : {DType::bf16, DType::f16}) {
+    check_dgelu_fused(dt, 37, 48, 64);
+    check_dgelu_fused(dt, 64, 384, 96);
+  }
+  std::mt19937 g(8);
+  const Tensor dy = to_dev(randv(5 * 16, g), {5, 16}), w44 = to_dev(randv(44 * 16, g), {44, 16});
+  const Tensor w48 = to_dev(randv(48 * 16, g), {48, 16});
+  const Tensor dx44 = poisoned({5, 44}), dx48 = poisoned({5, 48});
+  EXPECT_FALSE(linear_dgelu_fused(dx48, dy, w48, poisoned({5, 48}))) << "fp32";
+  {
+    Autocast scope(DType::bf16);
+    EXPECT_FALSE(linear_dgelu_fused(dx44, dy, w44, poisoned({5, 44}))) << "I = 44";
+  }
+  for (const Tensor* t : {&dx44, &dx48})
     for (float v : to_host(*t)) ASSERT_TRUE(std::isnan(v)) << "written where the fusion did not apply";
 }
 

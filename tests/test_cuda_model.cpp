@@ -173,9 +173,10 @@ TEST_P(CudaModel, Fp32AdamWStepsMatchCpu) {
 // bf16 working parameters and 16-bit operands in the linear layers on both devices: the
 // operands are rounded identically, products are exact in fp32, and only the summation
 // order differs; but an activation that lands within a rounding of a bf16 tie may round
-// the other way on one device (a 2^-8 relative step in one operand), and GPT-2's GELU is
-// cuBLASLt's epilogue on the GPU (within one 16-bit step of the CPU's; linear_gelu_fused),
-// so the bounds are those of such flips: 1e-3 on the loss, 2e-2 of the largest gradient.
+// the other way on one device (a 2^-8 relative step in one operand), and GPT-2's GELU and
+// its derivative are cuBLASLt's epilogues on the GPU (linear_gelu_fused, linear_dgelu_fused;
+// within a 16-bit step and fp32 rounding of the CPU's), so the bounds are those of such
+// flips: 1e-3 on the loss, 2e-2 of the largest gradient.
 TEST_P(CudaModel, Bf16ForwardBackwardMatchesCpu) {
   const ModelConfig cfg = small(GetParam(), "bf16");
   const int B = 2, T = 48, N = B * T;

@@ -253,10 +253,14 @@ TEST(Ops, NormsFuseTheResidualAddBitForBit) {
     }
   }
   VecF x(8), out(8), mean(2), rstd(2), w(4, 1.0f), b(4), r(6);
-  const Tensor short_r = tf(r, {6});
-  EXPECT_THROW(layernorm_forward(tf(out, {2, 4}), tf(mean, {2}), tf(rstd, {2}), tf(x, {2, 4}), tf(w, {4}),
-                                 tf(b, {4}), 1e-5f, &short_r),
+  const Tensor short_r = tf(r, {6}), xt = tf(x, {2, 4}), r_overlapping = xt.view(1, {1, 4});
+  EXPECT_THROW(layernorm_forward(tf(out, {2, 4}), tf(mean, {2}), tf(rstd, {2}), xt, tf(w, {4}), tf(b, {4}), 1e-5f,
+                                 &short_r),
                Error);
+  EXPECT_THROW(rmsnorm_forward(tf(out, {2, 4}), tf(rstd, {2}), xt, tf(w, {4}), 1e-6f, &xt), Error) << "r is x";
+  EXPECT_THROW(rmsnorm_forward(tf(out, {1, 4}), tf(rstd, {1}), xt.view(0, {1, 4}), tf(w, {4}), 1e-6f, &r_overlapping),
+               Error)
+      << "r overlaps x";
 }
 
 // ---- activations ---------------------------------------------------------------------------

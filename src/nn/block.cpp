@@ -168,21 +168,15 @@ void row_parallel_forward(const BlockEnv& env, const Tensor& y, const Tensor& x,
   if (b) add_bias(y, *b);
 }
 
-// Its backward but the weight gradient, from dy (this rank's positions under sequence
-// parallelism, gathered into `full` first): dx = dy w^T, and under sequence parallelism
-// db += column sums of this rank's dy (the bias's gradient, summed over tp later; on
-// whole sequences it rides with the weight's instead). Returns dy over all positions (dy
-// itself, or full), the layer's output gradient for its weight gradient.
-Tensor row_parallel_backward_input(const BlockEnv& env, const Tensor* db, const Tensor& dx, const Tensor& dy,
-                                   const Tensor& w, const Tensor& full) {
-  Tensor dyf = dy;
-  if (sequence_parallel(env)) {
-    env.tp.gather_sequence(full, dy);
-    dyf = full;
-    if (db) bias_backward(*db, dy);
-  }
-  linear_io_backward_input(dx, dyf, w, false);
-  return dyf;
+// Its output gradient over all positions from dy (this rank's positions under sequence
+// parallelism, gathered into `full`, and db += column sums of this rank's dy: the bias's
+// gradient, summed over tp later; on whole sequences it rides with the weight's instead).
+// Returns dy itself, or full.
+Tensor row_parallel_dy(const BlockEnv& env, const Tensor* db, const Tensor& dy, const Tensor& full) {
+  if (!sequence_parallel(env)) return dy;
+  env.tp.gather_sequence(full, dy);
+  if (db) bias_backward(*db, dy);
+  return full;
 }
 
 // A column-parallel layer's input [B, T, C] for its weight gradient: the norm output kept
@@ -202,26 +196,37 @@ Tensor column_input(const BlockEnv& env, const BlockScratch& s, const Tensor& sa
 // The block's four linear layers, in backward order.
 enum class Layer { proj, fc, wo, qkv };
 
+// A product's weight gradient dw (and db) with, given dx, its input gradient in the same
+// call: linear_backward, which rounds dy to 16 bits once for both.
+void weight_and_input(bool io, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                      const Tensor* dx, const Tensor& w) {
+  if (!dx) return io ? linear_io_backward_weight(dw, db, dy, x) : linear_backward_weight(dw, db, dy, x);
+  if (io) linear_io_backward(*dx, dw, db, dy, x, w);
+  else linear_backward(*dx, dw, db, dy, x, w);
+}
+
 // One layer's weight gradient from its output gradient dy ([B, T, out], all T positions)
 // and the kept activations: dw += (the layer's input)^T dy, and db += column sums of dy for
 // the biases that ride with it (all of them except the row-parallel ones under sequence
-// parallelism: see row_parallel_backward_input). The one piece of code both the whole
-// backward and its weight half (block_backward_weight) run.
+// parallelism: see row_parallel_dy); given dx, the layer's input gradient into it too.
+// The one piece of code both the whole backward and its weight half
+// (block_backward_weight) run.
 void weight_grad(const BlockEnv& env, const BlockParams& p, const BlockActs& a, const BlockScratch& s, Layer layer,
-                 const Tensor& dy) {
+                 const Tensor& dy, const Tensor* dx = nullptr) {
   const bool sp = sequence_parallel(env);
   switch (layer) {
-    case Layer::proj: return linear_io_backward_weight(p.g_wproj, sp ? nullptr : opt(p.g_bproj), dy, a.act);
-    case Layer::fc: return linear_backward_weight(p.g_wfc, opt(p.g_bfc), dy, column_input(env, s, a.ln2));
-    case Layer::wo: return linear_io_backward_weight(p.g_wo, sp ? nullptr : opt(p.g_bo), dy, a.atty);
+    case Layer::proj: return weight_and_input(true, p.g_wproj, sp ? nullptr : opt(p.g_bproj), dy, a.act, dx, p.wproj);
+    case Layer::fc:
+      return weight_and_input(false, p.g_wfc, opt(p.g_bfc), dy, column_input(env, s, a.ln2), dx, p.wfc);
+    case Layer::wo: return weight_and_input(true, p.g_wo, sp ? nullptr : opt(p.g_bo), dy, a.atty, dx, p.wo);
     case Layer::qkv: break;
   }
   const Tensor ln1 = column_input(env, s, a.ln1);
-  if (env.d.kv_sharers == 1) return linear_backward_weight(p.g_wqkv, opt(p.g_bqkv), dy, ln1);
+  if (env.d.kv_sharers == 1) return weight_and_input(false, p.g_wqkv, opt(p.g_bqkv), dy, ln1, dx, p.wqkv);
   // This rank's key/value head is also held by other ranks, each with its own query
   // heads: this micro-batch's key/value gradient is the sum of theirs (Llama: no bias).
   s.dwqkv.zero_();
-  linear_backward_weight(s.dwqkv, nullptr, dy, ln1);
+  weight_and_input(false, s.dwqkv, nullptr, dy, ln1, dx, p.wqkv);
   const int64_t q = env.d.attn() * env.d.C;
   env.tp.sum_over_kv_sharers(s.dwqkv.reshape({s.dwqkv.numel()}).view(q, {s.dwqkv.numel() - q}),
                              static_cast<int>(env.d.kv_sharers));
@@ -391,37 +396,54 @@ void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, c
     shard_grads.emplace(s.rep, std::initializer_list<Tensor*>{&g.g_ln1_w, &g.g_ln1_b, &g.g_bo, &g.g_ln2_w,
                                                               &g.g_ln2_b, &g.g_bproj});
   // Where the four layers' output gradients go: without defer the workspace, each layer's
-  // weight gradient running as soon as its output gradient is known; with defer, its
-  // tensors, kept for the weight half (copied there when the gradient is dresid, which the
-  // norms' backward overwrites; else computed or gathered there in the first place).
+  // weight gradient running with its input gradient as soon as its output gradient is
+  // known; with defer, its tensors, kept for the weight half (copied there when the
+  // gradient is dresid, which the norms' backward overwrites; else computed or gathered
+  // there in the first place).
   Tensor dproj = s.seq, dfc = s.dfc, dwo = s.seq, dqkv = s.dqkv;  // s.seq: sequence parallelism only
   if (defer) {
     const BlockWeightInputs k = defer->at(cfg, d, B, T);
     dproj = k.dproj, dfc = k.dfc, dwo = k.dwo, dqkv = k.dqkv;
   }
-  auto weight_or_keep = [&](Layer layer, const Tensor& dy, const Tensor& kept) {
+  // A layer's weight gradient, or with defer, its output gradient dy kept for the weight half.
+  auto weight_half = [&](Layer layer, const Tensor& dy, const Tensor& kept) {
     if (!defer) weight_grad(env, p, a, s, layer, dy);
     else if (dy.raw() != kept.raw()) kept.copy_from(dy);
   };
+  // A layer's input gradient dx (dy w, or dy w^T for io: w stored [in, out]) and its weight
+  // half, in one call where the weight gradient runs now (linear_backward: dy rounded once
+  // for both).
+  auto layer_backward = [&](Layer layer, const Tensor& dy, const Tensor& dx, const Tensor& w, bool io,
+                            const Tensor& kept) {
+    if (!defer) return weight_grad(env, p, a, s, layer, dy, &dx);
+    if (io) linear_io_backward_input(dx, dy, w, false);
+    else linear_backward_input(dx, dy, w, false);
+    weight_half(layer, dy, kept);
+  };
 
-  // MLP branch: out = mid + proj(act); dresid is d(out) = d(mid) through the skip.
-  weight_or_keep(Layer::proj, row_parallel_backward_input(env, opt(g.g_bproj), s.dact, dresid, p.wproj, dproj), dproj);
-  const Tensor fc = widened(a.fc, dfc);  // 16-bit kept: widened into dfc, the backward in place
-  if (llama) swiglu_backward(dfc, fc, s.dact);
-  else gelu_backward(dfc, fc, s.dact);
-  weight_or_keep(Layer::fc, dfc, dfc);
-  linear_backward_input(s.dln, dfc, p.wfc, false);
+  // MLP branch: out = mid + proj(act); dresid is d(out) = d(mid) through the skip. GPT-2's
+  // d(fc) comes from the down projection's product with GELU's derivative in its epilogue
+  // where the device fuses them (the GPU under bf16/fp16), else through d(act) in s.dact.
+  const Tensor dyp = row_parallel_dy(env, opt(g.g_bproj), dresid, dproj);
+  if (!llama && linear_dgelu_fused(dfc, dyp, p.wproj, a.fc)) {
+    weight_half(Layer::proj, dyp, dproj);
+  } else {
+    layer_backward(Layer::proj, dyp, s.dact, p.wproj, true, dproj);
+    const Tensor fc = widened(a.fc, dfc);  // 16-bit kept: widened into dfc, the backward in place
+    if (llama) swiglu_backward(dfc, fc, s.dact);
+    else gelu_backward(dfc, fc, s.dact);
+  }
+  layer_backward(Layer::fc, dfc, s.dln, p.wfc, false, dfc);
   // the norm's backward adds into dresid, which then holds d(mid)
   norm_backward(env, dresid, g.g_ln2_w, g.g_ln2_b, s.dln, a.mid, p.ln2_w, a.ln2_mean, a.ln2_rstd, s.local);
 
   // attention branch: mid = x + proj(atty)
-  weight_or_keep(Layer::wo, row_parallel_backward_input(env, opt(g.g_bo), s.datty, dresid, p.wo, dwo), dwo);
+  layer_backward(Layer::wo, row_parallel_dy(env, opt(g.g_bo), dresid, dwo), s.datty, p.wo, true, dwo);
   const Tensor qkv = widened(a.qkv, s.qkv);
   if (cfg.fused_attention()) env.cp.attention_backward(dqkv, s.datty, qkv, widened(a.atty, s.atty), a.lse, NH, NKV);
   else attention_backward(dqkv, s.datt, s.datty, qkv, a.att, NH, NKV);
   if (llama) rope_backward(dqkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
-  weight_or_keep(Layer::qkv, dqkv, dqkv);
-  linear_backward_input(s.dln, dqkv, p.wqkv, false);
+  layer_backward(Layer::qkv, dqkv, s.dln, p.wqkv, false, dqkv);
   norm_backward(env, dresid, g.g_ln1_w, g.g_ln1_b, s.dln, x, p.ln1_w, a.ln1_mean, a.ln1_rstd, s.local);
 
   if (shard_grads) shard_grads->finish(env.tp);

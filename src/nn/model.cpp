@@ -535,9 +535,11 @@ void Model::final_backward(Slot& sl, float scale, bool with_weight) {
                                dims_.vocab_begin, dims_.vocab_valid);
   int hu = 0;
   const ParamSpec& hp = head_spec(*this, &hu);
-  if (with_weight) head_backward_weight(sl);
-  const Tensor dln = scratch_->dln.view(0, {B, T, C});
-  linear_backward_input(dln, dlogits, units_[hu].w.view(hp.offset, hp.shape), false);
+  const Tensor dln = scratch_->dln.view(0, {B, T, C}), head = units_[hu].w.view(hp.offset, hp.shape);
+  if (with_weight)  // both products in one call (dlogits rounded to 16 bits once for the two)
+    linear_backward(dln, units_[hu].g.view(hp.offset, hp.shape), nullptr, dlogits, sl.lnf.view(0, {B, T, C}), head);
+  else
+    linear_backward_input(dln, dlogits, head, false);
   const Tensor dresid = resid(sl.dresid);
   dresid.zero_();
   auto grad = [&](const char* name) {

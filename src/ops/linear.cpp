@@ -130,6 +130,17 @@ bool linear_gelu_fused(const Tensor& act, const Tensor& pre, const Tensor& x, co
   return false;
 }
 
+bool linear_dgelu_fused(const Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& pre) {
+#if MESHTRAIN_CUDA
+  if (dx.device() == Device::cuda) {
+    ProfileScope profile_scope("linear_dgelu");
+    return cuda::linear_io_dgelu_backward_input(dx, dy, w, pre);
+  }
+#endif
+  (void)dx, (void)dy, (void)w, (void)pre;
+  return false;
+}
+
 // y[N, O] = x[N, I] @ w[I, O] (+ b[O])
 void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) {
   if (y.device() == Device::cuda) {
@@ -170,6 +181,27 @@ void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor&
     ProfileScope profile_scope("linear_backward_weight");
     MT_ON_CUDA(dw, linear_io_backward_weight(dw, db, dy, x));
   }
+  backward_weight(dw, db, dy, x, true);
+}
+
+// dx[N, I] = dy[N, O] @ w[O, I] ; dw[O, I] += dy^T @ x[N, I] ; db[O] += sum over rows of dy
+void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                     const Tensor& w) {
+  if (dx.device() == Device::cuda) {
+    ProfileScope profile_scope("linear_backward");
+    MT_ON_CUDA(dx, linear_backward(dx, dw, db, dy, x, w));
+  }
+  backward_input(dx, dy, w, false, false);
+  backward_weight(dw, db, dy, x, false);
+}
+// dx[N, I] = dy[N, O] @ w[I, O]^T ; dw[I, O] += x^T @ dy ; db[O] += sum over rows of dy
+void linear_io_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                        const Tensor& w) {
+  if (dx.device() == Device::cuda) {
+    ProfileScope profile_scope("linear_backward");
+    MT_ON_CUDA(dx, linear_io_backward(dx, dw, db, dy, x, w));
+  }
+  backward_input(dx, dy, w, false, true);
   backward_weight(dw, db, dy, x, true);
 }
 

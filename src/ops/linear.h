@@ -15,15 +15,30 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate);
 // dw[O, I] += dy^T @ x ; db[O] += sum over rows of dy   (always accumulates)
 void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x);
+// Both halves at once, where the weight gradient is not deferred: dx = (not +=) dy @ w, then
+// dw, db as linear_backward_weight. The same bits as the two calls; on the GPU under a
+// 16-bit scope dy is rounded to 16 bits once for the two products instead of once each.
+void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                     const Tensor& w);
 
 // GPT-2's up projection and GELU as one product, where a device fuses them: act[N, O] =
 // gelu(x @ w[O, I]^T + b) and pre[N, O] = x @ w^T + b, GELU reading the product's fp32
 // result, both rounded to the scope's dtype. On the GPU under a 16-bit Autocast scope one
 // cuBLASLt product writes both (GELU in its epilogue: cuBLASLt's tanh form, within a 16-bit
-// rounding of gelu_forward's); act and pre hold the scope's dtype or fp32. Returns false,
-// doing nothing, everywhere else (the host, fp32, a shape without an algorithm): the caller
-// then runs linear_forward and gelu_forward on the product's fp32 result.
+// rounding of gelu_forward's); act and pre hold the scope's dtype or fp32 (whole
+// allocations or 256-byte aligned views: cuBLASLt's choice of algorithm reads alignments).
+// The bias is added in fp32, or where cuBLASLt takes no fp32 bias with a 16-bit output, in
+// the scope's dtype: exact when b holds its values, as the model's working copies do.
+// Returns false, doing nothing, everywhere else (the host, fp32, a shape without an
+// algorithm): the caller then runs linear_forward and gelu_forward on the fp32 result.
 bool linear_gelu_fused(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b);
+// Its counterpart in backward, for the down projection (w stored [in, out]) whose input is
+// gelu(pre): dx[N, I] = (dy[N, O] @ w[I, O]^T) * gelu'(pre[N, I]), GELU's derivative of the
+// kept pre-activation (the scope's dtype or fp32) times the product's fp32 result. On the GPU
+// under a 16-bit scope one cuBLASLt product (the DGELU epilogue, cuBLASLt's tanh form);
+// returns false, doing nothing, everywhere else: the caller then runs the product and
+// gelu_backward.
+bool linear_dgelu_fused(const Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& pre);
 
 // The same three for a weight stored [in, out] (the row-parallel layers, so that tensor
 // parallelism splits them by rows): y[N, O] = x[N, I] @ w[I, O] (+ b[O]),
@@ -31,6 +46,8 @@ bool linear_gelu_fused(const Tensor& act, const Tensor& pre, const Tensor& x, co
 void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b);
 void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate);
 void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x);
+void linear_io_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                        const Tensor& w);
 // db[O] += sum over rows of dy[N, O] (a bias's gradient alone).
 void bias_backward(const Tensor& db, const Tensor& dy);
 

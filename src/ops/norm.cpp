@@ -5,6 +5,7 @@
 #include "ops/norm.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "core/profile.h"
@@ -87,12 +88,16 @@ void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t&
   check_numel(out, N * C, op);
 }
 
-// The residual r for x (nullptr: none): fp32 of x's size, not aliasing out.
-const float* residual_of(const Tensor* r, const Tensor& out, int64_t n, const char* op) {
+// The residual r for x (nullptr: none): fp32, of x's size, overlapping neither x nor out.
+const float* residual_of(const Tensor* r, const Tensor& x, const Tensor& out, int64_t n, const char* op) {
   if (!r) return nullptr;
   check_f32(*r, op);
   check_numel(*r, n, op);
-  MT_CHECK(r->raw() != out.raw(), op << ": the residual must not alias out");
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(r->raw()), bytes = n * sizeof(float);
+  for (const Tensor* t : {&x, &out}) {
+    const uintptr_t tlo = reinterpret_cast<uintptr_t>(t->raw());
+    MT_CHECK(lo + bytes <= tlo || tlo + bytes <= lo, op << ": the residual must not overlap x or out");
+  }
   return r->f32();
 }
 
@@ -117,7 +122,7 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
   check_f32(rstd, "layernorm_forward: rstd");
   check_numel(mean, N, "layernorm_forward: mean");
   check_numel(rstd, N, "layernorm_forward: rstd");
-  const float* res = residual_of(r, out, N * C, "layernorm_forward: r");
+  const float* res = residual_of(r, x, out, N * C, "layernorm_forward: r");
   const float *wp = w.f32(), *bp = b.f32();
   float *xp = x.f32(), *op = out.f32(), *mp = mean.f32(), *rp = rstd.f32();
 #pragma omp parallel for schedule(static)
@@ -187,7 +192,7 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, con
   check_norm_io(out, x, w, N, C, "rmsnorm_forward: out/x/w (x's last dim must equal w's size)");
   check_f32(rstd, "rmsnorm_forward: rstd");
   check_numel(rstd, N, "rmsnorm_forward: rstd");
-  const float* res = residual_of(r, out, N * C, "rmsnorm_forward: r");
+  const float* res = residual_of(r, x, out, N * C, "rmsnorm_forward: r");
   const float* wp = w.f32();
   float *xp = x.f32(), *op = out.f32(), *rp = rstd.f32();
 #pragma omp parallel for schedule(static)

@@ -14,10 +14,14 @@
 // scope's dtype (activations kept in 16 bits), and multiplied with CUBLAS_COMPUTE_32F into
 // an fp32 C. Should cuBLASLt offer no 16-bit algorithm for a shape (odd leading dims), the
 // 16-bit copies are widened back to fp32 and multiplied in fp32: the same exact products
-// of the same rounded operands with fp32 accumulation.
+// of the same rounded operands with fp32 accumulation. Two products fuse GPT-2's GELU under
+// a 16-bit scope (linear_gelu_forward: the activation and pre-activation written in 16
+// bits; linear_io_dgelu_backward_input: the down projection's input gradient times GELU's
+// derivative), falling back to the separate ops where cuBLASLt has no such algorithm.
 //
 // Determinism: one cuBLASLt handle and one 32 MiB workspace for the process; the algorithm
-// for a configuration (shape, leading dims, transposes, dtype, bias, pointer alignments) is
+// for a configuration (shape, leading dims, transposes, dtypes, epilogue, pointer
+// alignments: PlanKey) is
 // chosen once by cublasLtMatmulAlgoGetHeuristic and cached, so the same shape always runs
 // the same algorithm (which cuBLAS documents as bit-reproducible on one GPU model). The
 // bias gradient is a two-pass column sum with a fixed grid for a shape (no atomics).
@@ -182,23 +186,27 @@ struct Plan {
   bool found = false;
 };
 
-// What a product's epilogue adds: the bias (bias[m] over the columns, in D's dtype unless
-// bias_dt says otherwise), and GELU writing its input to the aux matrix (ld ldaux, D's
-// dtype), as CUBLASLT_EPILOGUE_*.
+// What a product's epilogue does, as CUBLASLT_EPILOGUE_*: adds the bias (bias[m] over the
+// columns, in D's dtype unless bias_dt says otherwise); with an aux matrix (ld ldaux, D's
+// dtype unless aux_dt says otherwise), GELU writing its input there (forward), or
+// (dgelu) multiplying the product by GELU's derivative at the input read from there.
 struct Epilogue {
   const void* bias = nullptr;
   void* aux = nullptr;  // GELU's input; nullptr: no GELU
   int64_t ldaux = 0;
   int32_t bias_dt = -1;  // a cudaDataType_t; -1: D's
+  int32_t aux_dt = -1;   // likewise
+  bool dgelu = false;
   uint32_t kind() const {
+    if (aux && dgelu) return CUBLASLT_EPILOGUE_DGELU;
     if (aux) return bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     return bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   }
 };
 
-// opA, opB, m, n, k, lda, ldb, ldc, ldaux, ab dtype, D dtype, bias dtype, epilogue,
-// align A, B, D, bias, aux
-using PlanKey = std::array<int64_t, 18>;
+// opA, opB, m, n, k, lda, ldb, ldc, ldaux, ab dtype, D dtype, bias dtype, aux dtype,
+// epilogue, align A, B, D, bias, aux
+using PlanKey = std::array<int64_t, 19>;
 
 // The process's cuBLASLt handle, workspace and plans. Created on first use (thread-safe
 // static initialisation) and kept until exit, as the compute stream is. `mu` guards the
@@ -246,6 +254,9 @@ Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t
   if (e.bias_dt >= 0)
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &e.bias_dt, sizeof(e.bias_dt)));
+  if (e.aux_dt >= 0)
+    MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &e.aux_dt,
+                                                   sizeof(e.aux_dt)));
   if (e.aux)
     MT_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &e.ldaux, sizeof(e.ldaux)));
@@ -258,8 +269,8 @@ Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t
   cublasLtMatmulPreference_t pref = nullptr;
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = kWorkspaceBytes;
-  const uint32_t al_a = static_cast<uint32_t>(key[13]), al_b = static_cast<uint32_t>(key[14]),
-                 al_c = static_cast<uint32_t>(key[15]);
+  const uint32_t al_a = static_cast<uint32_t>(key[14]), al_b = static_cast<uint32_t>(key[15]),
+                 al_c = static_cast<uint32_t>(key[16]);
   cublasStatus_t st =
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   if (st == CUBLAS_STATUS_SUCCESS)
@@ -304,6 +315,7 @@ bool lt_matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* A,
                     static_cast<int64_t>(ab),
                     static_cast<int64_t>(dt),
                     e.bias_dt,
+                    e.aux_dt,
                     static_cast<int64_t>(e.kind()),
                     alignment(A),
                     alignment(B),
@@ -317,8 +329,17 @@ bool lt_matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* A,
   if (!p.found) return false;
   set_pointers(p, e);
   const float alpha = 1.0f;
-  MT_CUBLAS_CHECK(cublasLtMatmul(l.handle, p.desc, &alpha, A, p.a, B, p.b, &beta, D, p.c, D, p.c, &p.algo,
-                                 l.workspace, kWorkspaceBytes, stream()));
+  const cublasStatus_t st = cublasLtMatmul(l.handle, p.desc, &alpha, A, p.a, B, p.b, &beta, D, p.c, D, p.c, &p.algo,
+                                           l.workspace, kWorkspaceBytes, stream());
+  // cuBLASLt may refuse an epilogue's dtypes only at launch (cublasLt.h says so of the aux
+  // dtype): its arguments are checked before anything runs, so for a GELU or dtype-setting
+  // epilogue that refusal means no algorithm, like the heuristic's, from now on.
+  const bool optional = e.aux || e.bias_dt >= 0 || e.aux_dt >= 0;
+  if (optional && (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)) {
+    p.found = false;
+    return false;
+  }
+  MT_CUBLAS_CHECK(st);
   return true;
 }
 
@@ -423,7 +444,8 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
   else product(false, true, N, O, I, operand(x), I, operand(w), I, 0.0f, y.f32(), O, bias, "linear_forward");
 }
 
-void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate, bool io) {
+// dy's data for the products: dy itself, or (linear_backward) its 16-bit copy.
+void backward_input(const Tensor& dx, const Tensor& dy, const Operand& dyo, const Tensor& w, bool accumulate, bool io) {
   int64_t O, I;
   weight_dims(w, io, O, I, "linear_backward_input: w");
   check_device_f32(dx, "linear_backward_input: dx");
@@ -434,13 +456,12 @@ void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool ac
   if (N == 0) return;
   const float beta = accumulate ? 1.0f : 0.0f;
   // dx[N, I] = dy[N, O] @ w with w [O, I], or dy @ w^T with w [I, O]
-  if (io) product(false, true, N, I, O, operand(dy), O, operand(w), O, beta, dx.f32(), I, nullptr,
-                  "linear_backward_input");
-  else product(false, false, N, I, O, operand(dy), O, operand(w), I, beta, dx.f32(), I, nullptr,
-               "linear_backward_input");
+  if (io) product(false, true, N, I, O, dyo, O, operand(w), O, beta, dx.f32(), I, nullptr, "linear_backward_input");
+  else product(false, false, N, I, O, dyo, O, operand(w), I, beta, dx.f32(), I, nullptr, "linear_backward_input");
 }
 
-void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io) {
+void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Operand& dyo, const Tensor& x,
+                     bool io) {
   int64_t O, I;
   weight_dims(dw, io, O, I, "linear_backward_weight: dw");
   check_device_f32(dy, "linear_backward_weight: dy");
@@ -454,11 +475,25 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
   }
   if (N == 0) return;
   // dw[O, I] += dy[N, O]^T @ x[N, I], or dw[I, O] += x^T @ dy
-  if (io) product(true, false, I, O, N, operand(x), I, operand(dy), O, 1.0f, dw.f32(), O, nullptr,
-                  "linear_backward_weight");
-  else product(true, false, O, I, N, operand(dy), O, operand(x), I, 1.0f, dw.f32(), I, nullptr,
-               "linear_backward_weight");
+  if (io) product(true, false, I, O, N, operand(x), I, dyo, O, 1.0f, dw.f32(), O, nullptr, "linear_backward_weight");
+  else product(true, false, O, I, N, dyo, O, operand(x), I, 1.0f, dw.f32(), I, nullptr, "linear_backward_weight");
   if (db) column_sum_add(db->f32(), dy.f32(), N, O);  // from dy as it is (a sum, not a product)
+}
+
+// Both: under a 16-bit scope dy rounded once into stream-ordered scratch (256-byte aligned,
+// as product()'s own copy is, so the products run the same plans: the same bits).
+void backward_both(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                   const Tensor& w, bool io) {
+  check_device_f32(dy, "linear_backward: dy");
+  const DType d = autocast_dtype();
+  Scratch dy16;
+  Operand dyo = operand(dy);
+  if ((d == DType::bf16 || d == DType::f16) && dy.numel() > 0) {
+    dy16 = Scratch(dtype_size(d) * dy.numel());
+    dyo = Operand{in_dtype(dyo, d, dy16.get()), d, dy.numel()};
+  }
+  backward_input(dx, dy, dyo, w, false, io);
+  backward_weight(dw, db, dy, dyo, x, io);
 }
 
 }  // namespace
@@ -470,20 +505,31 @@ void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const 
 
 // dx[N, I] (=, or += when accumulate) dy[N, O] @ w[O, I]
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate) {
-  backward_input(dx, dy, w, accumulate, false);
+  backward_input(dx, dy, operand(dy), w, accumulate, false);
 }
 // dx[N, I] (=, or +=) dy[N, O] @ w[I, O]^T
 void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate) {
-  backward_input(dx, dy, w, accumulate, true);
+  backward_input(dx, dy, operand(dy), w, accumulate, true);
 }
 
 // dw[O, I] += dy[N, O]^T @ x[N, I] ; db[O] += sum over rows of dy
 void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
-  backward_weight(dw, db, dy, x, false);
+  backward_weight(dw, db, dy, operand(dy), x, false);
 }
 // dw[I, O] += x[N, I]^T @ dy[N, O] ; db[O] += sum over rows of dy
 void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
-  backward_weight(dw, db, dy, x, true);
+  backward_weight(dw, db, dy, operand(dy), x, true);
+}
+
+// dx = dy @ w (w [O, I]), dw += dy^T @ x, db += column sums of dy; dy's 16-bit copy shared
+void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                     const Tensor& w) {
+  backward_both(dx, dw, db, dy, x, w, false);
+}
+// dx = dy @ w^T (w [I, O]), dw += x^T @ dy, db likewise
+void linear_io_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                        const Tensor& w) {
+  backward_both(dx, dw, db, dy, x, w, true);
 }
 
 // act[N, O] = gelu(x @ w[O, I]^T + b) and pre[N, O] = x @ w^T + b under a 16-bit Autocast
@@ -508,6 +554,8 @@ bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, 
              "linear_gelu_forward: act / pre has " << t->numel() / O << " rows but x has " << N);
   }
   MT_CHECK(act.raw() != pre.raw(), "linear_gelu_forward: act and pre must not alias");
+  MT_CHECK(x.dtype() == DType::f32 || x.dtype() == d,
+           "internal: linear_gelu_forward: a " << dtype_name(x.dtype()) << " x under a " << dtype_name(d) << " scope");
   if (b) {
     check_device_f32(*b, "linear_gelu_forward: b");
     check_numel(*b, O, "linear_gelu_forward: b");
@@ -531,23 +579,64 @@ bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, 
   void* act16 = home16(act);
   void* pre16 = home16(pre);
   // Column-major (top of the file): act^T[O, N] = w[O, I] x^T, ld O; pre^T likewise. The
-  // bias as it is (fp32, 16-byte aligned) where cuBLASLt adds an fp32 bias to a 16-bit
-  // output, else converted to the scope's dtype (exact: the parameters hold its values).
+  // bias in fp32, copied into 256-byte aligned scratch (so that the plan does not depend on
+  // where the parameter lies), where cuBLASLt adds an fp32 bias to a 16-bit output; else
+  // converted to the scope's dtype (exact for the model's working copies; see linear.h).
   const cudaDataType_t dt = cuda_dtype(d);
   auto run = [&](const void* bias, int32_t bias_dt) {
     return lt_matmul(true, false, O, N, I, pw, I, px, I, dt, 0.0f, act16, dt, O, Epilogue{bias, pre16, O, bias_dt});
   };
-  Scratch bias16;
-  bool done = b && alignment(b->raw()) >= 16 && run(b->raw(), CUDA_R_32F);
-  if (!done && b) {
-    bias16 = Scratch(dtype_size(d) * O);
-    cuda_convert(d, bias16.get(), DType::f32, b->raw(), O);
+  Scratch bias_copy;
+  if (b) {
+    bias_copy = Scratch(sizeof(float) * O);
+    cuda_convert(DType::f32, bias_copy.get(), DType::f32, b->raw(), O);
   }
-  if (!done) done = run(bias16.get(), -1);
+  bool done = run(bias_copy.get(), b ? CUDA_R_32F : -1);
+  if (!done && b) {
+    cuda_convert(d, bias_copy.get(), DType::f32, b->raw(), O);  // in place of the fp32 copy
+    done = run(bias_copy.get(), -1);
+  }
   if (!done) return false;
   if (act16 != act.raw()) cuda_convert(DType::f32, act.raw(), d, act16, N * O);
   if (pre16 != pre.raw()) cuda_convert(DType::f32, pre.raw(), d, pre16, N * O);
   return true;
+}
+
+// dx[N, I] = (dy[N, O] @ w[I, O]^T) * gelu'(pre[N, I]) under a 16-bit Autocast scope, in one
+// cuBLASLt product whose DGELU epilogue reads the pre-activation in 16 bits: GPT-2's down
+// projection's input gradient through GELU. pre holds the scope's dtype, or fp32 holding
+// its values (converted into scratch, 256-byte aligned as the allocator's blocks are: the
+// same plan). Returns false, writing nothing, outside a 16-bit scope, for I not a multiple
+// of 8 (the aux matrix's leading dim) and where cuBLASLt has no algorithm.
+bool linear_io_dgelu_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& pre) {
+  const DType d = autocast_dtype();
+  if (d != DType::bf16 && d != DType::f16) return false;
+  int64_t O, I;
+  weight_dims(w, true, O, I, "linear_dgelu_fused: w");
+  check_device_f32(dx, "linear_dgelu_fused: dx");
+  check_device_f32(dy, "linear_dgelu_fused: dy");
+  const int64_t N = rows_of(dy, O, "linear_dgelu_fused: dy (last dim must equal w's out-dim)");
+  MT_CHECK(rows_of(dx, I, "linear_dgelu_fused: dx (last dim must equal w's in-dim)") == N,
+           "linear_dgelu_fused: dx has " << dx.numel() / I << " rows but dy has " << N);
+  MT_CHECK(pre.device() == Device::cuda && (pre.dtype() == d || pre.dtype() == DType::f32),
+           "linear_dgelu_fused: pre must be an fp32 or " << dtype_name(d) << " GPU tensor, got "
+                                                        << dtype_name(pre.dtype()));
+  MT_CHECK(rows_of(pre, I, "linear_dgelu_fused: pre (last dim must equal w's in-dim)") == N,
+           "linear_dgelu_fused: pre has " << pre.numel() / I << " rows but dy has " << N);
+  if (I % 8) return false;
+  if (N == 0) return true;
+  Scratch conv, pre16;
+  const void *pdy, *pw;
+  both_in(d, operand(dy), operand(w), conv, pdy, pw);
+  const void* aux = pre.raw();
+  if (pre.dtype() != d) {
+    pre16 = Scratch(dtype_size(d) * N * I);
+    aux = in_dtype(operand(pre), d, pre16.get());
+  }
+  // Column-major (top of the file): dx^T[I, N] = w[I, O] dy^T, ld I; pre^T likewise.
+  const cudaDataType_t dt = cuda_dtype(d);
+  Epilogue e{nullptr, const_cast<void*>(aux), I, -1, dt, true};
+  return lt_matmul(true, false, I, N, O, pw, O, pdy, O, dt, 0.0f, dx.raw(), CUDA_R_32F, I, e);
 }
 
 // db[O] += sum over rows of dy[N, O]

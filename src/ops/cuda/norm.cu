@@ -7,6 +7,7 @@
 // Scratch: the dw / db partials, [nchunk, 2, C] floats, from cudaMallocAsync on the
 // compute stream, freed (stream-ordered) right after the kernel that reads them.
 #include <algorithm>
+#include <cstdint>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/ops.h"
@@ -162,12 +163,16 @@ void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t&
   check_numel(out, N * C, op);
 }
 
-// The residual r for x (nullptr: none): fp32 on the device, of x's size, not aliasing out.
-const float* residual_of(const Tensor* r, const Tensor& out, int64_t n, const char* op) {
+// The residual r for x (nullptr: none): fp32 on the device, of x's size, overlapping neither x nor out.
+const float* residual_of(const Tensor* r, const Tensor& x, const Tensor& out, int64_t n, const char* op) {
   if (!r) return nullptr;
   check_device_f32(*r, op);
   check_numel(*r, n, op);
-  MT_CHECK(r->raw() != out.raw(), op << ": the residual must not alias out");
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(r->raw()), bytes = n * sizeof(float);
+  for (const Tensor* t : {&x, &out}) {
+    const uintptr_t tlo = reinterpret_cast<uintptr_t>(t->raw());
+    MT_CHECK(lo + bytes <= tlo || tlo + bytes <= lo, op << ": the residual must not overlap x or out");
+  }
   return r->f32();
 }
 
@@ -206,7 +211,7 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
   check_device_f32(rstd, "layernorm_forward: rstd");
   check_numel(mean, N, "layernorm_forward: mean");
   check_numel(rstd, N, "layernorm_forward: rstd");
-  const float* res = residual_of(r, out, N * C, "layernorm_forward: r");
+  const float* res = residual_of(r, x, out, N * C, "layernorm_forward: r");
   if (N == 0) return;
   layernorm_forward_kernel<<<(unsigned)N, kRowThreads, 0, stream()>>>(out.f32(), mean.f32(), rstd.f32(), x.f32(),
                                                                       res, w.f32(), b.f32(), C, eps);
@@ -242,7 +247,7 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, con
   check_norm_io(out, x, w, N, C, "rmsnorm_forward: out/x/w (x's last dim must equal w's size)");
   check_device_f32(rstd, "rmsnorm_forward: rstd");
   check_numel(rstd, N, "rmsnorm_forward: rstd");
-  const float* res = residual_of(r, out, N * C, "rmsnorm_forward: r");
+  const float* res = residual_of(r, x, out, N * C, "rmsnorm_forward: r");
   if (N == 0) return;
   rmsnorm_forward_kernel<<<(unsigned)N, kRowThreads, 0, stream()>>>(out.f32(), rstd.f32(), x.f32(), res, w.f32(), C,
                                                                     eps);

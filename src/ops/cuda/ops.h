@@ -32,8 +32,13 @@ void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy
 void linear_io_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b);
 void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate);
 void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x);
+void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                     const Tensor& w);
+void linear_io_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                        const Tensor& w);
 void bias_backward(const Tensor& db, const Tensor& dy);
 bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b);
+bool linear_io_dgelu_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& pre);
 
 // ops/activation.h
 void gelu_forward(const Tensor& out, const Tensor& x);
