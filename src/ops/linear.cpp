@@ -119,6 +119,8 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
   }
   forward(y, x, w, b, false);
 }
+
+// act = gelu(x @ w^T + b) and pre = x @ w^T + b in one product where the device fuses them
 bool linear_gelu_fused(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b) {
 #if MESHTRAIN_CUDA
   if (act.device() == Device::cuda) {
@@ -130,6 +132,7 @@ bool linear_gelu_fused(const Tensor& act, const Tensor& pre, const Tensor& x, co
   return false;
 }
 
+// dx = (dy @ w^T) * gelu'(pre) in one product where the device fuses them
 bool linear_dgelu_fused(const Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& pre) {
 #if MESHTRAIN_CUDA
   if (dx.device() == Device::cuda) {

@@ -533,9 +533,8 @@ void linear_io_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, co
 }
 
 // act[N, O] = gelu(x @ w[O, I]^T + b) and pre[N, O] = x @ w^T + b under a 16-bit Autocast
-// scope, in one cuBLASLt product: its epilogue adds the bias (converted to the scope's
-// dtype, whose values the parameters hold), writes the sum rounded to 16 bits to pre (the
-// aux matrix) and GELU of the unrounded sum, rounded, to act. act and pre hold the scope's
+// scope, in one cuBLASLt product: its epilogue adds the bias (below), writes the sum
+// rounded to 16 bits to pre (the aux matrix) and GELU of the unrounded sum, rounded, to act. act and pre hold the scope's
 // dtype or fp32 (then written in 16-bit scratch and widened: the same values). Returns
 // false, writing nothing, outside a 16-bit scope, for O not a multiple of 8 (the aux
 // matrix's leading dim must be) and where cuBLASLt has no algorithm.
