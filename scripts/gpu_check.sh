@@ -82,5 +82,10 @@ if [[ $what == bench || $what == all ]]; then
   # GPU times (the step itself is slower so).
   CUDA_LAUNCH_BLOCKING=1 build-gpu/bench/bench_gpu_step --profile 1 --steps 5 2>&1 >/dev/null |
     tee "$out/profile.txt" | head -25
+  # The GELU fusions' share: the same step with them off (MESHTRAIN_FUSED_GELU=off), then on.
+  for fused in off on; do
+    echo "MESHTRAIN_FUSED_GELU=$fused: $(MESHTRAIN_FUSED_GELU=$fused build-gpu/bench/bench_gpu_step --precision bf16 \
+      --steps 10 2>/dev/null)"
+  done | tee "$out/fusion_ab.txt"
 fi
 exit $status

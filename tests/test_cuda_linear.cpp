@@ -9,6 +9,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -358,7 +359,7 @@ void check_dgelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
 }
 
 // Where the fusion does not apply it writes nothing and says so: outside a 16-bit scope,
-// and for O not a multiple of 8 (the aux matrix's leading dim).
+// for O not a multiple of 8 (the aux matrix's leading dim) and with MESHTRAIN_FUSED_GELU=off.
 TEST(CudaLinear, GeluFusedMatchesTheFloat64Reference) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   for (DType dt : {DType::bf16, DType::f16}) {
@@ -373,13 +374,16 @@ TEST(CudaLinear, GeluFusedMatchesTheFloat64Reference) {
   {
     Autocast scope(DType::bf16);
     EXPECT_FALSE(linear_gelu_fused(act44, pre44, x, w44, nullptr)) << "O = 44";
+    setenv("MESHTRAIN_FUSED_GELU", "off", 1);
+    EXPECT_FALSE(linear_gelu_fused(act48, pre48, x, w48, nullptr)) << "MESHTRAIN_FUSED_GELU=off";
+    unsetenv("MESHTRAIN_FUSED_GELU");
   }
   for (const Tensor* t : {&act44, &pre44, &act48, &pre48})
     for (float v : to_host(*t)) ASSERT_TRUE(std::isnan(v)) << "written where the fusion did not apply";
 }
 
-// The backward's counterpart: the same checks, and false (nothing written) for fp32 and for
-// an in-dim not a multiple of 8.
+// The backward's counterpart: the same checks, and false (nothing written) for fp32, for an
+// in-dim not a multiple of 8 and when turned off.
 TEST(CudaLinear, DgeluFusedMatchesTheFloat64Reference) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   for (DType dt : {DType::bf16, DType::f16}) {
@@ -394,6 +398,9 @@ TEST(CudaLinear, DgeluFusedMatchesTheFloat64Reference) {
   {
     Autocast scope(DType::bf16);
     EXPECT_FALSE(linear_dgelu_fused(dx44, dy, w44, poisoned({5, 44}))) << "I = 44";
+    setenv("MESHTRAIN_FUSED_GELU", "off", 1);
+    EXPECT_FALSE(linear_dgelu_fused(dx48, dy, w48, poisoned({5, 48}))) << "MESHTRAIN_FUSED_GELU=off";
+    unsetenv("MESHTRAIN_FUSED_GELU");
   }
   for (const Tensor* t : {&dx44, &dx48})
     for (float v : to_host(*t)) ASSERT_TRUE(std::isnan(v)) << "written where the fusion did not apply";

@@ -30,7 +30,8 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const
 // The bias is added in fp32, or where cuBLASLt takes no fp32 bias with a 16-bit output, in
 // the scope's dtype: exact when b holds its values, as the model's working copies do.
 // Returns false, doing nothing, everywhere else (the host, fp32, a shape without an
-// algorithm): the caller then runs linear_forward and gelu_forward on the fp32 result.
+// algorithm, MESHTRAIN_FUSED_GELU=off): the caller then runs linear_forward and
+// gelu_forward on the fp32 result.
 bool linear_gelu_fused(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b);
 // Its counterpart in backward, for the down projection (w stored [in, out]) whose input is
 // gelu(pre): dx[N, I] = (dy[N, O] @ w[I, O]^T) * gelu'(pre[N, I]), GELU's derivative of the

@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -532,15 +534,22 @@ void linear_io_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, co
   backward_both(dx, dw, db, dy, x, w, true);
 }
 
+// Whether the two GELU products run: MESHTRAIN_FUSED_GELU=off turns them off (the separate
+// ops run instead), for an A/B of the fusion without a rebuild. Read at each call.
+bool gelu_fusion_on() {
+  const char* e = std::getenv("MESHTRAIN_FUSED_GELU");
+  return !(e && std::strcmp(e, "off") == 0);
+}
+
 // act[N, O] = gelu(x @ w[O, I]^T + b) and pre[N, O] = x @ w^T + b under a 16-bit Autocast
 // scope, in one cuBLASLt product: its epilogue adds the bias (below), writes the sum
 // rounded to 16 bits to pre (the aux matrix) and GELU of the unrounded sum, rounded, to act. act and pre hold the scope's
 // dtype or fp32 (then written in 16-bit scratch and widened: the same values). Returns
 // false, writing nothing, outside a 16-bit scope, for O not a multiple of 8 (the aux
-// matrix's leading dim must be) and where cuBLASLt has no algorithm.
+// matrix's leading dim must be), where cuBLASLt has no algorithm and when turned off.
 bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b) {
   const DType d = autocast_dtype();
-  if (d != DType::bf16 && d != DType::f16) return false;
+  if ((d != DType::bf16 && d != DType::f16) || !gelu_fusion_on()) return false;
   int64_t O, I;
   weight_dims(w, false, O, I, "linear_gelu_forward: w");
   check_device_operand(x, "linear_gelu_forward: x");
@@ -606,10 +615,10 @@ bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, 
 // projection's input gradient through GELU. pre holds the scope's dtype, or fp32 holding
 // its values (converted into scratch, 256-byte aligned as the allocator's blocks are: the
 // same plan). Returns false, writing nothing, outside a 16-bit scope, for I not a multiple
-// of 8 (the aux matrix's leading dim) and where cuBLASLt has no algorithm.
+// of 8 (the aux matrix's leading dim), where cuBLASLt has no algorithm and when turned off.
 bool linear_io_dgelu_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& pre) {
   const DType d = autocast_dtype();
-  if (d != DType::bf16 && d != DType::f16) return false;
+  if ((d != DType::bf16 && d != DType::f16) || !gelu_fusion_on()) return false;
   int64_t O, I;
   weight_dims(w, true, O, I, "linear_dgelu_fused: w");
   check_device_f32(dx, "linear_dgelu_fused: dx");
