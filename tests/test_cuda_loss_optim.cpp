@@ -14,7 +14,9 @@
 #include "core/cuda.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "ops/autocast.h"
 #include "ops/cross_entropy.h"
+#include "ops/linear.h"
 #include "optim/optimizer.h"
 #include "cuda_harness.h"
 #include "op_harness.h"
@@ -115,6 +117,49 @@ TEST(CudaLoss, CrossEntropyMatchesCpu) {
     cuda::cross_entropy_backward(dlog, dlog, dlse, dtg, scale);
     EXPECT_TRUE(same_bits(to_host(dlog), gdl)) << "in-place backward differs";
   }
+}
+
+// The loss's gradient fed straight to the head's products in 16 bits
+// (cross_entropy_head_backward) gives the bits of the loss's backward in place then
+// linear_backward: a shard with padding columns (valid < V) and an offset (begin), ignored
+// rows, bf16 and f16; the logits are left as they are; false (nothing written) in fp32.
+TEST(CudaLoss, HeadBackwardFromTheLossMatchesTheTwoStepsBitForBit) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  std::mt19937 g(21);
+  const int N = 37, V = 104, C = 48, valid = 100, begin = 200;
+  VecF logits = randv(N * V, g, -4.0f, 4.0f), x = randv(N * C, g), w = randv(V * C, g), dw0 = randv(V * C, g);
+  std::vector<int32_t> tg = make_targets(N, 2 * valid + begin, true, g);  // some in this shard, most not
+  for (int n = 0; n < N; n += 4) tg[n] = begin + n % valid;
+  VecF lse(N);
+  for (int n = 0; n < N; ++n) {
+    double m = -1e30, s = 0;
+    for (int i = 0; i < valid; ++i) m = std::max<double>(m, logits[n * V + i]);
+    for (int i = 0; i < valid; ++i) s += std::exp(logits[n * V + i] - m);
+    lse[n] = static_cast<float>(m + std::log(s));
+  }
+  const float scale = 1.0f / N;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    VecF wr = w, xr = x;
+    round_to(dt, wr.data(), wr.data(), V * C);  // a working copy's values
+    round_to(dt, xr.data(), xr.data(), N * C);  // the kept norm output's
+    const Tensor dlse = to_dev(lse, {N}), dtg = to_dev_i(tg, {N}), dx_in = to_dev(xr, {N, C}), dw_in = to_dev(wr, {V, C});
+    Autocast scope(dt);
+    const Tensor lg1 = to_dev(logits, {N, V}), dx1 = poisoned({N, C}), dw1 = to_dev(dw0, {V, C});
+    ASSERT_TRUE(cross_entropy_head_backward(dx1, dw1, lg1, dlse, dtg, scale, begin, valid, dx_in, dw_in));
+    EXPECT_TRUE(same_bits(to_host(lg1), logits)) << "the logits changed";
+    const Tensor lg2 = to_dev(logits, {N, V}), dx2 = poisoned({N, C}), dw2 = to_dev(dw0, {V, C});
+    cross_entropy_backward_shard(lg2, lg2, dlse, dtg, scale, begin, valid);
+    linear_backward(dx2, dw2, nullptr, lg2, dx_in, dw_in);
+    EXPECT_TRUE(same_bits(to_host(dx1), to_host(dx2))) << "dx";
+    EXPECT_TRUE(same_bits(to_host(dw1), to_host(dw2))) << "dw";
+  }
+  const Tensor dx = poisoned({N, C});
+  EXPECT_FALSE(cross_entropy_head_backward(dx, to_dev(dw0, {V, C}), to_dev(logits, {N, V}), to_dev(lse, {N}),
+                                           to_dev_i(tg, {N}), scale, begin, valid, to_dev(x, {N, C}),
+                                           to_dev(w, {V, C})))
+      << "fp32";
+  for (float v : to_host(dx)) ASSERT_TRUE(std::isnan(v)) << "written in fp32";
 }
 
 TEST(CudaLoss, CrossEntropyRejectsBadOperands) {

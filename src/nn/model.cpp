@@ -530,16 +530,21 @@ void Model::final_backward(Slot& sl, float scale, bool with_weight) {
   Unit& u = units_.back();
   const int B = B_, T = T_, C = cfg_.d_model;
   const Tensor x = resid(sl.resid.back());
-  const Tensor dlogits = sl.logits.view(0, {B, T, dims_.V});  // the gradient overwrites the logits in place
-  cross_entropy_backward_shard(dlogits, dlogits, sl.lse.view(0, {B, T}), sl.targets.view(0, {B, T}), scale,
-                               dims_.vocab_begin, dims_.vocab_valid);
+  const Tensor logits = sl.logits.view(0, {B, T, dims_.V}), lse = sl.lse.view(0, {B, T});
+  const Tensor targets = sl.targets.view(0, {B, T}), lnf = sl.lnf.view(0, {B, T, C});
   int hu = 0;
   const ParamSpec& hp = head_spec(*this, &hu);
   const Tensor dln = scratch_->dln.view(0, {B, T, C}), head = units_[hu].w.view(hp.offset, hp.shape);
-  if (with_weight)  // both products in one call (dlogits rounded to 16 bits once for the two)
-    linear_backward(dln, units_[hu].g.view(hp.offset, hp.shape), nullptr, dlogits, sl.lnf.view(0, {B, T, C}), head);
-  else
-    linear_backward_input(dln, dlogits, head, false);
+  const Tensor head_g = with_weight ? units_[hu].g.view(hp.offset, hp.shape) : Tensor();
+  const int64_t vb = dims_.vocab_begin, vv = dims_.vocab_valid;
+  // With the head's weight gradient: on the GPU under bf16/fp16 the loss's gradient goes
+  // straight to 16 bits for both products; else it overwrites the logits in place (where the
+  // deferred weight half reads it), and both products take it in one call.
+  if (!with_weight || !cross_entropy_head_backward(dln, head_g, logits, lse, targets, scale, vb, vv, lnf, head)) {
+    cross_entropy_backward_shard(logits, logits, lse, targets, scale, vb, vv);
+    if (with_weight) linear_backward(dln, head_g, nullptr, logits, lnf, head);
+    else linear_backward_input(dln, logits, head, false);
+  }
   const Tensor dresid = resid(sl.dresid);
   dresid.zero_();
   auto grad = [&](const char* name) {

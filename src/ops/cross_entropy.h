@@ -36,5 +36,13 @@ void cross_entropy_first_max(const Tensor& first, const Tensor& logits, const Te
 // dlogits for this rank's columns; padding columns get zero gradient.
 void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                                   const Tensor& targets, float scale, int64_t begin, int64_t valid);
+// The same gradient fed straight to the head's two products (w [V, C] over this rank's
+// columns, x [N, C] its input), where a device does it without an fp32 copy: dx = dlogits w,
+// dw += dlogits^T x, the bits of cross_entropy_backward_shard then linear_backward. On the
+// GPU under a 16-bit Autocast scope the loss's kernel writes the gradient in 16 bits into
+// scratch, and logits are left as they are. Returns false, doing nothing, everywhere else.
+bool cross_entropy_head_backward(const Tensor& dx, const Tensor& dw, const Tensor& logits, const Tensor& lse,
+                                 const Tensor& targets, float scale, int64_t begin, int64_t valid, const Tensor& x,
+                                 const Tensor& w);
 
 }  // namespace mt

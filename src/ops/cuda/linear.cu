@@ -647,6 +647,26 @@ bool linear_io_dgelu_backward_input(const Tensor& dx, const Tensor& dy, const Te
   return lt_matmul(true, false, I, N, O, pw, O, pdy, O, dt, 0.0f, dx.raw(), CUDA_R_32F, I, e);
 }
 
+// The head's backward from the loss under a 16-bit scope: the logits' gradient (the values
+// of cross_entropy_backward_shard) written by the loss's kernel straight in 16 bits into
+// scratch, 256-byte aligned as linear_backward's copy is, then dx = dlogits w and dw +=
+// dlogits^T x from it: the bits of the loss's backward in place then linear_backward, without
+// the fp32 gradient's write and conversion ([N, V]: the largest tensor of the step).
+bool cross_entropy_head_backward(const Tensor& dx, const Tensor& dw, const Tensor& logits, const Tensor& lse,
+                                 const Tensor& targets, float scale, int64_t begin, int64_t valid, const Tensor& x,
+                                 const Tensor& w) {
+  const DType d = autocast_dtype();
+  if (d != DType::bf16 && d != DType::f16) return false;
+  check_device_f32(logits, "cross_entropy_head_backward: logits");
+  const int64_t n = logits.numel();
+  Scratch dlogits16(dtype_size(d) * n);
+  cross_entropy_backward_shard_to(dlogits16.get(), d, logits, lse, targets, scale, begin, valid);
+  const Operand dyo{dlogits16.get(), d, n};
+  backward_input(dx, logits, dyo, w, false, false);  // logits: the gradient's shape (its data: dyo)
+  backward_weight(dw, nullptr, logits, dyo, x, false);
+  return true;
+}
+
 // db[O] += sum over rows of dy[N, O]
 void bias_backward(const Tensor& db, const Tensor& dy) {
   check_device_f32(db, "bias_backward: db");

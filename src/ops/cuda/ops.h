@@ -39,6 +39,10 @@ void linear_io_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, co
 void bias_backward(const Tensor& db, const Tensor& dy);
 bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b);
 bool linear_io_dgelu_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& pre);
+// ops/cross_entropy.h (in linear.cu: the loss's gradient goes straight to the products)
+bool cross_entropy_head_backward(const Tensor& dx, const Tensor& dw, const Tensor& logits, const Tensor& lse,
+                                 const Tensor& targets, float scale, int64_t begin, int64_t valid, const Tensor& x,
+                                 const Tensor& w);
 
 // ops/activation.h
 void gelu_forward(const Tensor& out, const Tensor& x);
@@ -92,6 +96,10 @@ void cross_entropy_first_max(const Tensor& first, const Tensor& logits, const Te
                              int64_t valid);
 void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, const Tensor& lse,
                                   const Tensor& targets, float scale, int64_t begin, int64_t valid);
+// The same into logits.numel() elements of dtype dt (f32, or bf16 / f16: each value rounded
+// to nearest) at device memory dlogits.
+void cross_entropy_backward_shard_to(void* dlogits, DType dt, const Tensor& logits, const Tensor& lse,
+                                     const Tensor& targets, float scale, int64_t begin, int64_t valid);
 
 // parallel/tensor.cpp: element-wise work on every tp rank's gathered [size, n] buffer
 // (out[n]: the maximum over all ranks; the sum over ranks first .. first + count - 1 in rank

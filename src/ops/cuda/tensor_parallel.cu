@@ -9,6 +9,7 @@
 // Deterministic: grids depend only on the shape, block reductions are a fixed tree, no atomics.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/ops.h"
@@ -171,27 +172,37 @@ __global__ void first_max_kernel(float* __restrict__ first, const float* __restr
   if (threadIdx.x == 0) first[n] = at < valid ? -static_cast<float>(begin + at) : -INFINITY;
 }
 
+// v as Out: itself, or rounded to the nearest bf16 / f16 (ties to even), as cuda_convert does.
+template <class Out>
+__device__ Out rounded_as(float v) {
+  if constexpr (std::is_same_v<Out, float>) return v;
+  else if constexpr (std::is_same_v<Out, __nv_bfloat16>) return __float2bfloat16_rn(v);
+  else return __float2half_rn(v);
+}
+
 // Grid (N, chunks): dlogits[n, i] = exp(logits[n, i] - lse[n]) * scale for i < valid, minus
 // scale at the target's column when this shard holds it; 0 in the padding columns and on
-// ignored rows. Each element is read before the same thread writes it: dlogits may alias logits.
-__global__ void backward_shard_kernel(float* dlogits, const float* logits, const float* __restrict__ lse,
+// ignored rows; in fp32, or rounded to Out. Each element is read before the same thread
+// writes it: fp32 dlogits may alias logits.
+template <class Out>
+__global__ void backward_shard_kernel(Out* dlogits, const float* logits, const float* __restrict__ lse,
                                       const int32_t* __restrict__ targets, float scale, int64_t V, int64_t begin,
                                       int64_t valid) {
   const int64_t n = blockIdx.x;
   const int64_t t = targets[n] < 0 ? -1 : static_cast<int64_t>(targets[n]) - begin;  // the local column, if held
   const bool ignored = targets[n] < 0;
   const float* row = logits + n * V;  // [V]
-  float* d = dlogits + n * V;         // [V]
+  Out* d = dlogits + n * V;           // [V]
   const float l = lse[n];
   const int64_t step = static_cast<int64_t>(gridDim.y) * kThreads;
   for (int64_t i = blockIdx.y * static_cast<int64_t>(kThreads) + threadIdx.x; i < V; i += step) {
     if (ignored || i >= valid) {
-      d[i] = 0.0f;
+      d[i] = rounded_as<Out>(0.0f);
       continue;
     }
     float g = __fmul_rn(expf(row[i] - l), scale);  // the CPU op's order: no fused multiply-add
     if (i == t) g = __fsub_rn(g, scale);
-    d[i] = g;
+    d[i] = rounded_as<Out>(g);
   }
 }
 
@@ -305,6 +316,13 @@ void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, c
   check_shard(logits, valid, N, V, "cross_entropy_backward");
   check_device_f32(dlogits, "cross_entropy_backward: dlogits");
   check_numel(dlogits, N * V, "cross_entropy_backward: dlogits (must match logits)");
+  cross_entropy_backward_shard_to(dlogits.raw(), DType::f32, logits, lse, targets, scale, begin, valid);
+}
+
+void cross_entropy_backward_shard_to(void* dlogits, DType dt, const Tensor& logits, const Tensor& lse,
+                                     const Tensor& targets, float scale, int64_t begin, int64_t valid) {
+  int64_t N = 0, V = 0;
+  check_shard(logits, valid, N, V, "cross_entropy_backward");
   check_device_f32(lse, "cross_entropy_backward: lse");
   check_numel(lse, N, "cross_entropy_backward: lse");
   check_device_i32(targets, "cross_entropy_backward: targets");
@@ -313,8 +331,14 @@ void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, c
   // about 4 columns per thread; at most 65535 chunks (the grid's y limit), the loop covers the rest
   const int64_t chunks = std::min<int64_t>(ceil_div(V, int64_t{kThreads} * 4), 65535);
   const dim3 grid(static_cast<unsigned>(N), static_cast<unsigned>(chunks));
-  backward_shard_kernel<<<grid, kThreads, 0, stream()>>>(dlogits.f32(), logits.f32(), lse.f32(), targets.i32(), scale,
-                                                         V, begin, valid);
+  auto launch = [&](auto* out) {
+    backward_shard_kernel<<<grid, kThreads, 0, stream()>>>(out, logits.f32(), lse.f32(), targets.i32(), scale, V,
+                                                           begin, valid);
+  };
+  if (dt == DType::f32) launch(static_cast<float*>(dlogits));
+  else if (dt == DType::bf16) launch(static_cast<__nv_bfloat16*>(dlogits));
+  else if (dt == DType::f16) launch(static_cast<__half*>(dlogits));
+  else MT_FAIL("internal: cross_entropy_backward into " << dtype_name(dt));
   MT_CUDA_LAUNCHED("backward_shard_kernel");
 }
 
