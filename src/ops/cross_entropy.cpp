@@ -215,13 +215,10 @@ void cross_entropy_backward_shard(const Tensor& dlogits, const Tensor& logits, c
 bool cross_entropy_head_backward(const Tensor& dx, const Tensor& dw, const Tensor& logits, const Tensor& lse,
                                  const Tensor& targets, float scale, int64_t begin, int64_t valid, const Tensor& x,
                                  const Tensor& w) {
-#if MESHTRAIN_CUDA
   if (dx.device() == Device::cuda) {
     ProfileScope profile_scope("cross_entropy_head_backward");
-    return cuda::cross_entropy_head_backward(dx, dw, logits, lse, targets, scale, begin, valid, x, w);
+    MT_TRY_ON_CUDA(dx, cross_entropy_head_backward(dx, dw, logits, lse, targets, scale, begin, valid, x, w));
   }
-#endif
-  (void)dx, (void)dw, (void)logits, (void)lse, (void)targets, (void)scale, (void)begin, (void)valid, (void)x, (void)w;
   return false;
 }
 

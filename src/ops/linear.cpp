@@ -122,25 +122,19 @@ void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Ten
 
 // act = gelu(x @ w^T + b) and pre = x @ w^T + b in one product where the device fuses them
 bool linear_gelu_fused(const Tensor& act, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor* b) {
-#if MESHTRAIN_CUDA
   if (act.device() == Device::cuda) {
     ProfileScope profile_scope("linear_gelu");
-    return cuda::linear_gelu_forward(act, pre, x, w, b);
+    MT_TRY_ON_CUDA(act, linear_gelu_forward(act, pre, x, w, b));
   }
-#endif
-  (void)act, (void)pre, (void)x, (void)w, (void)b;
   return false;
 }
 
 // dx = (dy @ w^T) * gelu'(pre) in one product where the device fuses them
 bool linear_dgelu_fused(const Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& pre) {
-#if MESHTRAIN_CUDA
   if (dx.device() == Device::cuda) {
     ProfileScope profile_scope("linear_dgelu");
-    return cuda::linear_io_dgelu_backward_input(dx, dy, w, pre);
+    MT_TRY_ON_CUDA(dx, linear_io_dgelu_backward_input(dx, dy, w, pre));
   }
-#endif
-  (void)dx, (void)dy, (void)w, (void)pre;
   return false;
 }
 

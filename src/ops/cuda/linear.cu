@@ -242,9 +242,10 @@ void set_pointers(const Plan& p, const Epilogue& e) {
 
 // Builds the plan of a column-major product D[m, n] = op(A)[m, k] op(B)[k, n] + beta C
 // and the epilogue, C == D of dtype dt (fp32, or with GELU the operands' 16-bit dtype)
-// with leading dim ldc.
+// with leading dim ldc; A, B and D have byte alignments al_a, al_b, al_d.
 Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
-               cudaDataType_t ab, cudaDataType_t dt, const Epilogue& e, const PlanKey& key) {
+               cudaDataType_t ab, cudaDataType_t dt, const Epilogue& e, uint32_t al_a, uint32_t al_b,
+               uint32_t al_d) {
   Plan p;
   MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const int32_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -271,8 +272,6 @@ Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t
   cublasLtMatmulPreference_t pref = nullptr;
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = kWorkspaceBytes;
-  const uint32_t al_a = static_cast<uint32_t>(key[14]), al_b = static_cast<uint32_t>(key[15]),
-                 al_c = static_cast<uint32_t>(key[16]);
   cublasStatus_t st =
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   if (st == CUBLAS_STATUS_SUCCESS)
@@ -280,9 +279,9 @@ Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof(al_b));
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof(al_c));
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_d, sizeof(al_d));
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof(al_c));
+    st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
   cublasLtMatmulHeuristicResult_t result{};
   int returned = 0;
   if (st == CUBLAS_STATUS_SUCCESS)
@@ -305,6 +304,7 @@ bool lt_matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* A,
                int64_t ldb, cudaDataType_t ab, float beta, void* D, cudaDataType_t dt, int64_t ldc,
                const Epilogue& e = {}) {
   Lt& l = lt();
+  const int64_t al_a = alignment(A), al_b = alignment(B), al_d = alignment(D);
   const PlanKey key{ta,
                     tb,
                     m,
@@ -319,14 +319,15 @@ bool lt_matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* A,
                     e.bias_dt,
                     e.aux_dt,
                     static_cast<int64_t>(e.kind()),
-                    alignment(A),
-                    alignment(B),
-                    alignment(D),
+                    al_a,
+                    al_b,
+                    al_d,
                     e.bias ? alignment(e.bias) : 0,
                     e.aux ? alignment(e.aux) : 0};
   std::lock_guard<std::mutex> lock(l.mu);
   auto it = l.plans.find(key);
-  if (it == l.plans.end()) it = l.plans.emplace(key, make_plan(l, ta, tb, m, n, k, lda, ldb, ldc, ab, dt, e, key)).first;
+  if (it == l.plans.end())
+    it = l.plans.emplace(key, make_plan(l, ta, tb, m, n, k, lda, ldb, ldc, ab, dt, e, al_a, al_b, al_d)).first;
   Plan& p = it->second;
   if (!p.found) return false;
   set_pointers(p, e);

@@ -145,7 +145,8 @@ void scale_inplace(const Tensor& x, float s);
 }  // namespace mt::cuda
 
 // Runs `call` (a function of mt::cuda, with its arguments) and returns when tensor t is on
-// the GPU; in builds without CUDA such a tensor cannot exist.
+// the GPU; in builds without CUDA such a tensor cannot exist. MT_TRY_ON_CUDA: the same for
+// an op a device may decline (a bool function), returning what `call` returns.
 #if MESHTRAIN_CUDA
 #define MT_ON_CUDA(t, call)                     \
   do {                                          \
@@ -154,8 +155,15 @@ void scale_inplace(const Tensor& x, float s);
       return;                                   \
     }                                           \
   } while (0)
+#define MT_TRY_ON_CUDA(t, call)                                                \
+  do {                                                                         \
+    if ((t).device() == ::mt::Device::cuda) return ::mt::cuda::call;           \
+  } while (0)
 #else
 #define MT_ON_CUDA(t, call) \
   do {                      \
+  } while (0)
+#define MT_TRY_ON_CUDA(t, call) \
+  do {                          \
   } while (0)
 #endif
