@@ -1,9 +1,9 @@
 // The fused causal attention on the GPU: cuda::attention_fused_forward / backward with the
 // fp32 kernels (no Autocast scope) and with the tensor-core kernels (under
-// Autocast scope(DType::bf16); the forward timed on the WMMA kernel and, on its own
-// "bf16_mma" line, on the mma.sync kernel of attention_mma.cu with cp.async tile loads, and
-// on a "bf16_mma_direct" line with synchronous ones), at GPT-2 124M's shape (B 8, NH = NKV 12, T 1024, D 64) and a
-// larger-head shape (B 2, NH = NKV 16, T 2048, D 128).
+// Autocast scope(DType::bf16); timed on the WMMA kernels and, on their own "bf16_mma" lines,
+// on the mma.sync kernels of attention_mma*.cu, given q|k|v and out in bf16 as the model keeps
+// them), at GPT-2 124M's shape (B 8, NH = NKV 12, T 1024, D 64) and a larger-head shape
+// (B 2, NH = NKV 16, T 2048, D 128).
 //
 //   bench_gpu_attention [--reps 20] [--warmup 3]
 //
@@ -106,13 +106,18 @@ void run_case(const Shape4& c, bool tc, int reps, int warmup) {
           cuda::attention_fused_forward(out, lse, qkv, c.NH, c.NKV);
       },
       reps, warmup);
-  double fwd_mma[2] = {0, 0};  // cp.async tile loads, direct loads
   const bool mma = tc && cuda::attention_mma_supported(c.D);
-  if (mma)
-    for (int v = 0; v < 2; ++v) {
-      const cuda::AttentionTcForward k = v == 0 ? cuda::AttentionTcForward::mma : cuda::AttentionTcForward::mma_direct;
-      fwd_mma[v] = time_ms([&] { cuda::attention_tc_forward(out, lse, qkv, sh, DType::bf16, k); }, reps, warmup);
-    }
+  Tensor qkv16, out16;  // the mma.sync kernels' operands as the model keeps them
+  if (mma) {
+    qkv16 = Tensor::empty({c.B, c.T, W}, DType::bf16, alloc, MemTag::activations);
+    out16 = Tensor::empty({c.B, c.T, OW}, DType::bf16, alloc, MemTag::activations);
+    qkv16.convert_from(qkv);
+  }
+  const double fwd_mma =
+      mma ? time_ms([&] { cuda::attention_tc_forward(out, lse, qkv16, sh, DType::bf16, cuda::AttentionTcForward::mma); },
+                    reps, warmup)
+          : 0.0;
+  if (mma) out16.convert_from(out);
   // the tensor-core backward line times the WMMA dK/dV, dQ kernels explicitly; mma.sync its own line
   const double bwd = time_ms(
       [&] {
@@ -125,7 +130,8 @@ void run_case(const Shape4& c, bool tc, int reps, int warmup) {
   const double bwd_mma =
       mma ? time_ms(
                 [&] {
-                  cuda::attention_tc_backward(dqkv, dout, qkv, out, lse, sh, DType::bf16, cuda::AttentionTcBackward::mma);
+                  cuda::attention_tc_backward(dqkv, dout, qkv16, out16, lse, sh, DType::bf16,
+                                              cuda::AttentionTcBackward::mma);
                 },
                 reps, warmup)
           : 0.0;
@@ -149,15 +155,15 @@ void run_case(const Shape4& c, bool tc, int reps, int warmup) {
         cuda_device_name(0).c_str(), tc ? "bf16_tensor_core" : "fp32", pass == 0 ? "forward" : "backward", c.B, c.NH,
         c.NKV, c.T, c.D, ms, flops / (ms * 1e-3) / 1e12, occ.c_str());
   }
-  for (int v = 0; mma && v < 2; ++v) {
+  if (mma) {
     int64_t smem = 0;
-    const int blocks = cuda::attention_mma_occupancy(c.D, DType::bf16, &smem, v == 0);
+    const int blocks = cuda::attention_mma_occupancy(c.D, DType::bf16, &smem);
     std::printf(
-        "{\"bench\": \"gpu_attention\", \"device\": \"%s\", \"kernels\": \"%s\", \"pass\": \"forward\", \"B\": %d, "
+        "{\"bench\": \"gpu_attention\", \"device\": \"%s\", \"kernels\": \"bf16_mma\", \"pass\": \"forward\", \"B\": %d, "
         "\"NH\": %d, \"NKV\": %d, \"T\": %d, \"D\": %d, \"ms\": %.4f, \"tflops\": %.2f, \"speedup_vs_wmma\": %.2f, "
         "\"blocks_per_sm\": {\"forward\": %d}, \"smem_bytes\": {\"forward\": %lld}}\n",
-        cuda_device_name(0).c_str(), v == 0 ? "bf16_mma" : "bf16_mma_direct", c.B, c.NH, c.NKV, c.T, c.D, fwd_mma[v],
-        fwd_flops / (fwd_mma[v] * 1e-3) / 1e12, fwd / fwd_mma[v], blocks, (long long)smem);
+        cuda_device_name(0).c_str(), c.B, c.NH, c.NKV, c.T, c.D, fwd_mma, fwd_flops / (fwd_mma * 1e-3) / 1e12,
+        fwd / fwd_mma, blocks, (long long)smem);
   }
   if (mma)
     std::printf(

@@ -456,8 +456,7 @@ GpuResult run_tc_kernel(cuda::AttentionTcForward kernel, DType dt, VecF& qkv, Ve
 // P: at most 2^-8 |v| <= 8e-3 on one output, far less in norm): out norm-relative 1e-3 and
 // max-abs 2e-2, lse norm-relative 1e-5 and max-abs 1e-4 (an indexing or layout error gives
 // O(1) differences); (3) the existing backward fed its out and lse: dqkv against the float64
-// reference (2e-2) and against the backward fed the WMMA forward's (1e-3); (4) the variant with
-// synchronous tile loads (mma_direct) gives the same bits as the cp.async one. Outputs are poisoned
+// reference (2e-2) and against the backward fed the WMMA forward's (1e-3). Outputs are poisoned
 // with NaN first (rel_err and max_abs_diff are infinite on a NaN: every row < T is written).
 TEST(CudaAttentionTc, MmaForwardMatchesReferencesAndWmma) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
@@ -475,15 +474,10 @@ TEST(CudaAttentionTc, MmaForwardMatchesReferencesAndWmma) {
 
     const GpuResult r = run_tc_kernel(cuda::AttentionTcForward::mma, cs.dt, qkv, dout, B, T, NH, NKV, D);
     const GpuResult w = run_tc_kernel(cuda::AttentionTcForward::wmma, cs.dt, qkv, dout, B, T, NH, NKV, D);
-    const GpuResult d = run_tc_kernel(cuda::AttentionTcForward::mma_direct, cs.dt, qkv, dout, B, T, NH, NKV, D);
     const Ref ref = attention_ref(to_d(qkv16), to_d(dout16), B, T, NH, NKV, D);
     EXPECT_LT(rel_err(r.out, ref.out), 1e-2) << "out vs float64";
     EXPECT_LT(rel_err(r.lse, ref.lse), 1e-3) << "lse vs float64";
     EXPECT_LT(rel_err(r.dqkv, ref.dqkv), 2e-2) << "dqkv (backward from the mma forward) vs float64";
-    // the two tile-loading variants compute the same products in the same order: same bits
-    EXPECT_TRUE(same_bits(r.out, d.out)) << "out: cp.async vs direct tile loads";
-    EXPECT_TRUE(same_bits(r.lse, d.lse)) << "lse: cp.async vs direct tile loads";
-    EXPECT_LT(rel_err(d.out, ref.out), 1e-2) << "out (direct tile loads) vs float64";
 
     const GpuResult f = run_gpu(DType::f32, qkv16, dout16, B, T, NH, NKV, D);
     EXPECT_LT(rel_err(r.out, f.out), 1e-2) << "out vs fp32 kernel";
@@ -618,6 +612,83 @@ TEST(CudaAttentionTc, MmaBackwardDispatched) {
     const GpuResult c = run_gpu(cs.dt, qkv, dout, B, T, NH, NKV, D);
     EXPECT_TRUE(same_bits(r.mma, c.dqkv)) << "dqkv via attention_fused_backward";
   }
+}
+
+// ---- q|k|v and out handed over in 16 bits --------------------------------------------------
+
+namespace {
+
+// A device tensor of dtype dt holding v rounded to dt.
+Tensor to_dev16(const VecF& v, const Shape& s, DType dt) {
+  Tensor t = Tensor::empty(s, dt, gpu(), MemTag::activations);
+  t.convert_from(to_dev(v, s));
+  return t;
+}
+
+// out, lse, dqkv from q|k|v values that are already 16-bit numbers (qkv16: rounded to dt),
+// handed over in dt (in16) or in fp32; the forward's out rounded to dt before the backward
+// reads it (in16: converted to a dt tensor; else rounded in place), as a block keeps it. kernel
+// 0: attention_fused_* under a scope of dtype `scope`; 1: the mma kernels, 2: the WMMA ones
+// (attention_tc_*, dt).
+GpuResult run_operands(int kernel, DType dt, DType scope, bool in16, const VecF& qkv16, VecF& dout, int B, int T,
+                       int NH, int NKV, int D) {
+  const int W = (NH + 2 * NKV) * D;
+  const Tensor qkv = in16 ? to_dev16(qkv16, {B, T, W}, dt) : to_dev(qkv16, {B, T, W});
+  Tensor dout_d = to_dev(dout, {B, T, NH * D});
+  Tensor out_d = poisoned({B, T, NH * D}), lse_d = poisoned({B, NH, T}), dqkv_d = poisoned({B, T, W});
+  Autocast guard(scope);
+  const AttentionShape sh = attention_shape(to_dev(qkv16, {B, T, W}), NH, NKV, "test");
+  if (kernel == 0) cuda::attention_fused_forward(out_d, lse_d, qkv, NH, NKV);
+  else cuda::attention_tc_forward(out_d, lse_d, qkv, sh, dt, kernel == 1 ? cuda::AttentionTcForward::mma
+                                                                     : cuda::AttentionTcForward::wmma);
+  const VecF out_rounded = rounded(dt, to_host(out_d));
+  const Tensor out_in = in16 ? to_dev16(out_rounded, {B, T, NH * D}, dt) : to_dev(out_rounded, {B, T, NH * D});
+  if (kernel == 0) cuda::attention_fused_backward(dqkv_d, dout_d, qkv, out_in, lse_d, NH, NKV);
+  else cuda::attention_tc_backward(dqkv_d, dout_d, qkv, out_in, lse_d, sh, dt, kernel == 1 ? cuda::AttentionTcBackward::mma
+                                                                                  : cuda::AttentionTcBackward::wmma);
+  return {to_host(out_d), to_host(lse_d), to_host(dqkv_d)};
+}
+
+}  // namespace
+
+// q|k|v and out handed over in 16 bits, as a block keeps them on the GPU, give the bits of the
+// same values in fp32: the mma kernels read 16-bit operands (fp32 ones rounded into scratch
+// first, dout by the delta kernel), the WMMA and fp32 kernels widen 16-bit ones into scratch,
+// and rounding a 16-bit number again changes nothing. For the explicit mma and WMMA kernels
+// (D = 64 and 128, grouped-query heads, T across the tiles), attention_fused_* under the
+// scope (the dispatch), at D = 40 (the fp32 kernels under a bf16 scope) and at D = 64
+// outside any scope (the fp32 kernels): out, lse and dqkv bit for bit, bf16 and f16. A 16-bit
+// qkv of the other 16-bit dtype than the scope's is refused (rounding it would round twice).
+TEST(CudaAttentionTc, SixteenBitOperandsGiveTheBitsOfTheirFp32Values) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  std::mt19937 g(6161);
+  struct Op {
+    int kernel, B, T, NH, NKV, D;
+    DType dt, scope;
+  };
+  for (Op c : {Op{1, 2, 130, 4, 2, 64, DType::bf16, DType::bf16}, {1, 1, 77, 4, 1, 128, DType::f16, DType::f16},
+               {2, 2, 130, 4, 2, 64, DType::f16, DType::f16}, {2, 1, 77, 2, 1, 128, DType::bf16, DType::bf16},
+               {0, 2, 200, 4, 2, 64, DType::bf16, DType::bf16}, {0, 1, 70, 4, 2, 40, DType::bf16, DType::bf16},
+               {0, 1, 70, 2, 2, 64, DType::f16, DType::f32}}) {
+    const int W = (c.NH + 2 * c.NKV) * c.D;
+    SCOPED_TRACE(testing::Message() << "kernel " << c.kernel << " B=" << c.B << " T=" << c.T << " NH=" << c.NH
+                                    << " NKV=" << c.NKV << " D=" << c.D << " " << dtype_name(c.dt) << " under "
+                                    << dtype_name(c.scope));
+    const VecF qkv16 = rounded(c.dt, randv((size_t)c.B * c.T * W, g, -2, 2));
+    VecF dout = randv((size_t)c.B * c.T * c.NH * c.D, g);
+    const GpuResult a = run_operands(c.kernel, c.dt, c.scope, true, qkv16, dout, c.B, c.T, c.NH, c.NKV, c.D);
+    const GpuResult f = run_operands(c.kernel, c.dt, c.scope, false, qkv16, dout, c.B, c.T, c.NH, c.NKV, c.D);
+    EXPECT_TRUE(same_bits(a.out, f.out)) << "out";
+    EXPECT_TRUE(same_bits(a.lse, f.lse)) << "lse";
+    EXPECT_TRUE(same_bits(a.dqkv, f.dqkv)) << "dqkv";
+    // every element written: a NaN left from the poison is infinitely far
+    EXPECT_LT(rel_err(a.out, f.out) + rel_err(a.lse, f.lse) + rel_err(a.dqkv, f.dqkv), 1e-30);
+  }
+  const int B = 1, T = 5, NH = 2, NKV = 1, D = 64, W = (NH + 2 * NKV) * D;
+  const VecF v = randv((size_t)B * T * W, g);
+  Tensor out = poisoned({B, T, NH * D}), lse = poisoned({B, NH, T});
+  Autocast scope(DType::f16);
+  EXPECT_THROW(cuda::attention_fused_forward(out, lse, to_dev16(v, {B, T, W}, DType::bf16), NH, NKV), Error);
 }
 
 // D = 40 (not a multiple of 16) under a bf16 scope takes the fp32 kernels: the results equal

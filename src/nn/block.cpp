@@ -356,7 +356,7 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   // reduce (or reduce-scatter) after the row-parallel output projection. Each kept
   // activation is computed in fp32 (fp32_home), rounded under a 16-bit scope and stored;
   // the ops that follow read the rounded fp32 values (but GELU: mlp_up_forward), the
-  // products the kept ones.
+  // products (and one rank's attention on the GPU) the kept ones.
   const Tensor ln1 = norm_forward_kept(env, s, a.ln1, a.ln1_mean, a.ln1_rstd, x, p.ln1_w, p.ln1_b);
   const Tensor qkv = fp32_home(a.qkv, s.qkv);
   linear_forward(qkv, ln1, p.wqkv, opt(p.bqkv));
@@ -366,7 +366,7 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   }
   round_and_keep(qkv, a.qkv);
   const Tensor atty = fp32_home(a.atty, s.atty);
-  if (cfg.fused_attention()) env.cp.attention_forward(atty, a.lse, qkv, NH, NKV);
+  if (cfg.fused_attention()) env.cp.attention_forward(atty, a.lse, env.cp.takes_kept(a.qkv) ? a.qkv : qkv, NH, NKV);
   else attention_forward(atty, a.att, qkv, NH, NKV);
   round_and_keep(atty, a.atty);
   row_parallel_forward(env, a.mid, a.atty, p.wo, opt(p.bo), s.seq);
@@ -439,9 +439,13 @@ void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, c
 
   // attention branch: mid = x + proj(atty)
   layer_backward(Layer::wo, row_parallel_dy(env, opt(g.g_bo), dresid, dwo), s.datty, p.wo, true, dwo);
-  const Tensor qkv = widened(a.qkv, s.qkv);
-  if (cfg.fused_attention()) env.cp.attention_backward(dqkv, s.datty, qkv, widened(a.atty, s.atty), a.lse, NH, NKV);
-  else attention_backward(dqkv, s.datt, s.datty, qkv, a.att, NH, NKV);
+  if (cfg.fused_attention() && env.cp.takes_kept(a.qkv)) {  // 16-bit q|k|v and out read as they are
+    env.cp.attention_backward(dqkv, s.datty, a.qkv, a.atty, a.lse, NH, NKV);
+  } else {
+    const Tensor qkv = widened(a.qkv, s.qkv);
+    if (cfg.fused_attention()) env.cp.attention_backward(dqkv, s.datty, qkv, widened(a.atty, s.atty), a.lse, NH, NKV);
+    else attention_backward(dqkv, s.datt, s.datty, qkv, a.att, NH, NKV);
+  }
   if (llama) rope_backward(dqkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
   layer_backward(Layer::qkv, dqkv, s.dln, p.wqkv, false, dqkv);
   norm_backward(env, dresid, g.g_ln1_w, g.g_ln1_b, s.dln, x, p.ln1_w, a.ln1_mean, a.ln1_rstd, s.local);

@@ -30,4 +30,6 @@ void CpMappings::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
   attention_fused_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head);
 }
 
+bool CpMappings::takes_kept(const Tensor& kept) const { return kept.device() == Device::cuda; }
+
 }  // namespace mt

@@ -36,6 +36,8 @@ class ContextParallel final : public CpMappings {
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head) override;
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                           const Tensor& lse, int n_head, int n_kv_head) override;
+  // The ring's parts read fp32 only.
+  bool takes_kept(const Tensor& kept) const override { return cp_.size() == 1 && CpMappings::takes_kept(kept); }
 
  private:
   struct Ring;  // one pass's geometry and buffers

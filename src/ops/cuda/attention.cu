@@ -422,16 +422,30 @@ __global__ void attention_dq_kernel(float* __restrict__ dqkv, const float* __res
   }
 }
 
-// The checked shape (attention_shape reads only qkv's shape and dtype; it also insists on a
-// host tensor, so it is given a host-side handle of the same shape that is never read).
+// The checked shape of q|k|v on the device, in f32 or (the fused ops) already rounded to 16
+// bits: bf16 or f16, the dtype of a 16-bit Autocast scope if one is open (rounding a bf16
+// value to f16 would round twice). attention_shape reads only qkv's shape; it also insists on
+// an f32 tensor, so it is given an f32 handle of the same shape that is never read.
 AttentionShape checked_shape(const Tensor& qkv, int n_head, int n_kv_head, const char* op) {
-  check_device_f32(qkv, op);
+  MT_CHECK(qkv.device() == Device::cuda, op << ": qkv on " << device_name(qkv.device()) << ", expected cuda");
+  MT_CHECK(qkv.dtype() == DType::f32 || qkv.dtype() == DType::bf16 || qkv.dtype() == DType::f16,
+           op << ": qkv in " << dtype_name(qkv.dtype()) << ", expected f32, bf16 or f16");
   const AttentionShape s = attention_shape(Tensor::wrap(qkv.raw(), qkv.shape(), DType::f32), n_head, n_kv_head, op);
   MT_CHECK(s.D <= kMaxD, op << ": head dim D = " << s.D << " is above the CUDA kernels' limit of " << kMaxD);
   MT_CHECK(s.T <= (int64_t)1 << 30 && s.B <= 65535 && s.NH <= 65535,
            op << ": B = " << s.B << ", T = " << s.T << ", NH = " << s.NH
               << " outside the CUDA grid (B, NH <= 65535, T <= 2^30)");
   return s;
+}
+
+// A fused op's q|k|v or out: f32, or 16 bits as checked_shape says.
+void check_operand(const Tensor& t, const char* op, const char* what) {
+  MT_CHECK(t.device() == Device::cuda, op << ": " << what << " on " << device_name(t.device()) << ", expected cuda");
+  const DType scope = autocast_dtype();
+  MT_CHECK(t.dtype() == DType::f32 || ((t.dtype() == DType::bf16 || t.dtype() == DType::f16) &&
+                                       (scope == DType::f32 || scope == t.dtype())),
+           op << ": " << what << " in " << dtype_name(t.dtype()) << " under a " << dtype_name(scope)
+              << " scope; expected f32, or the 16-bit dtype of the scope");
 }
 
 // The part q of qkv_q (s: its shape) against the part k of a [B, Tbk, W] qkv_kv; the
@@ -505,6 +519,7 @@ void launch_backward(float* dqkv_q, float* dqkv_kv, const float* dout, const flo
 // kernels' int range. *Tbk: qkv_kv's rows.
 AttentionShape part_shape(const Tensor& qkv_q, AttentionRows q, const Tensor& qkv_kv, AttentionRows k, int n_head,
                           int n_kv_head, const char* op, int64_t* Tbk) {
+  check_device_f32(qkv_q, op);  // the parts read fp32 only
   const AttentionShape s = checked_shape(qkv_q, n_head, n_kv_head, op);
   check_device_f32(qkv_kv, op);
   MT_CHECK(qkv_kv.ndim() == 3 && qkv_kv.dim(0) == s.B && qkv_kv.dim(2) == s.W,
@@ -528,6 +543,7 @@ AttentionShape part_shape(const Tensor& qkv_q, AttentionRows q, const Tensor& qk
 void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head) {
   const char* op = "attention_fused_forward";
   const AttentionShape s = checked_shape(qkv, n_head, n_kv_head, op);
+  check_operand(qkv, op, "qkv");
   check_device_f32(out, "attention_fused_forward: out");
   check_device_f32(lse, "attention_fused_forward: lse");
   MT_CHECK(out.numel() == s.B * s.T * s.NH * s.D, op << ": out has shape " << shape_str(out.shape())
@@ -539,17 +555,20 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
   if (autocast_dtype() != DType::f32 && attention_tc_supported(s.D))
     return attention_tc_forward(out, lse, qkv, s, autocast_dtype());  // 16-bit tensor cores
   if (s.B == 0 || s.T == 0) return;
+  Scratch q_slot;  // a 16-bit qkv widened
+  const Tensor q32 = as_dtype(qkv, DType::f32, q_slot);
   const AttentionRows all{0, s.T, 0};
-  launch_forward(out.f32(), lse.f32(), qkv.f32(), qkv.f32(), make_dims(s, s.T, all, all), s.B);
+  launch_forward(out.f32(), lse.f32(), q32.f32(), q32.f32(), make_dims(s, s.T, all, all), s.B);
 }
 
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, int n_head, int n_kv_head) {
   const char* op = "attention_fused_backward";
   const AttentionShape s = checked_shape(qkv, n_head, n_kv_head, op);
+  check_operand(qkv, op, "qkv");
+  check_operand(out, op, "out");
   check_device_f32(dqkv, "attention_fused_backward: dqkv");
   check_device_f32(dout, "attention_fused_backward: dout");
-  check_device_f32(out, "attention_fused_backward: out");
   check_device_f32(lse, "attention_fused_backward: lse");
   const int64_t n_out = s.B * s.T * s.NH * s.D;
   MT_CHECK(dqkv.numel() == qkv.numel(), op << ": dqkv has shape " << shape_str(dqkv.shape())
@@ -564,8 +583,10 @@ void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tens
   if (autocast_dtype() != DType::f32 && attention_tc_supported(s.D))
     return attention_tc_backward(dqkv, dout, qkv, out, lse, s, autocast_dtype());  // 16-bit tensor cores
   if (s.B == 0 || s.T == 0) return;
+  Scratch q_slot, o_slot;  // 16-bit qkv, out widened
+  const Tensor q32 = as_dtype(qkv, DType::f32, q_slot), o32 = as_dtype(out, DType::f32, o_slot);
   const AttentionRows all{0, s.T, 0};
-  launch_backward(dqkv.f32(), dqkv.f32(), dout.f32(), qkv.f32(), out.f32(), lse.f32(), qkv.f32(),
+  launch_backward(dqkv.f32(), dqkv.f32(), dout.f32(), q32.f32(), o32.f32(), lse.f32(), q32.f32(),
                   make_dims(s, s.T, all, all), s.B);
 }
 

@@ -2,7 +2,8 @@
 // style) for D = 64 and 128, 16-bit operands (bf16 or f16), fp32 accumulation. Same
 // semantics, bit for bit in every rounding step but the fp32 summation order, as the WMMA
 // forward in attention_tc.cu (see attention_tc.h):
-//   - q, k, v read from qkv[B, T, W] fp32 and rounded to T16 (round to nearest) on load;
+//   - q, k, v read from qkv[B, T, W] in T16 (the caller rounds fp32 values to T16, round to
+//     nearest, where it holds them in fp32: attention_tc_forward);
 //   - x = s * scale in fp32 (s the fp32-accumulated Q K^T, scale = 1/sqrt(D));
 //   - a lazily updated reference max m per row: per 64-key tile, mt = max x over the row's
 //     unmasked keys; if mt > m + kSlack (8): O, l *= expf(m - mt) (when m was finite), m = mt;
@@ -32,27 +33,23 @@
 // P as the A operand of the k-step over keys [16 s, 16 s + 16) packs, without any data
 // movement, register j = (s[2 s + j / 2][2 (j % 2)], s[2 s + j / 2][2 (j % 2) + 1]).
 //
-// Shared memory (dynamic): K and V tiles [64 keys][D + 8] of T16 (row stride D + 8
-// elements = 16 bytes past a multiple of 128: the 8 row addresses of an ldmatrix hit
-// distinct bank quads), 18,432 bytes at D = 64, 34,816 at D = 128. K feeds the B operand of
-// S = Q K^T by ldmatrix.x4 (8 keys x 32 dims), V the B operand of O += P V by
-// ldmatrix.x4.trans (16 keys x 16 dims). Tile loading, kAsync = true (the default): fp32
-// staging tiles Kst, Vst [64][D] (+32,768 / +65,536 bytes: 51,200 at D = 64, 100,352 at
-// D = 128, the limit raised with cudaFuncSetAttribute). Per key tile kt:
-//   cp.async.wait_group 0 (this thread's copies of tile kt landed); __syncthreads (all
-//   landed; every warp done reading Ks, Vs of tile kt - 1); each thread converts its own
-//   16-byte chunks of Kst, Vst to T16 into Ks, Vs; __syncthreads (Ks, Vs ready, staging
-//   free); cp.async of tile kt + 1 into Kst, Vst (16-byte .cg copies, zero-filled rows >= T),
-//   commit; then the tile's products, overlapping the copies.
-// kAsync = false (mma_direct): float4 global loads to registers, converted and stored to Ks,
-// Vs between the two __syncthreads (no staging, no overlap within the block).
+// Shared memory (dynamic): two buffers of K and V tiles [64 keys][D + 8] of T16 (row stride
+// D + 8 elements = 16 bytes past a multiple of 128: the 8 row addresses of an ldmatrix hit
+// distinct bank quads), 36,864 bytes at D = 64, 69,632 at D = 128 (the limit raised with
+// cudaFuncSetAttribute). K feeds the B operand of S = Q K^T by ldmatrix.x4 (8 keys x 32
+// dims), V the B operand of O += P V by ldmatrix.x4.trans (16 keys x 16 dims). Tiles are
+// loaded by 16-byte cp.async (.cg) copies straight into buffer kt % 2 (zero-filled rows >= T),
+// one tile ahead. Per key tile kt:
+//   cp.async.wait_group 0 (this thread's copies of tile kt landed); __syncthreads (all landed;
+//   every warp done reading buffer (kt + 1) % 2, tile kt - 1's); cp.async of tile kt + 1 into
+//   buffer (kt + 1) % 2, commit; then the tile's products, overlapping the copies.
 //
 // Work skipped where masked (warp-uniform): S blocks of 8 keys wholly after the warp's last
 // row and P V k-steps of 16 keys wholly after it.
 //
 // Expected occupancy (H100: 64K registers, 228 KB shared memory per SM): D = 64: 128
-// registers x 256 threads (ptxas: a few bytes spilled with kAsync), 50 KB: 2 blocks (16
-// warps) per SM; D = 128: 255 registers x 128 threads, 98 KB: 2 blocks (8 warps) per SM.
+// registers x 256 threads, 36 KB: 2 blocks (16 warps) per SM; D = 128: 255 registers x 128
+// threads, 68 KB: 2 blocks (8 warps) per SM.
 // Register-bound (__launch_bounds__(32 NW, 2)); the shared memory fits 2 blocks either way.
 //
 // Determinism: no atomics; every accumulator sums its k-steps in a fixed order; the grid
@@ -62,9 +59,7 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <type_traits>
 
 #include "ops/cuda/attention_mma_layout.h"
 #include "ops/cuda/attention_tc.h"
@@ -90,10 +85,9 @@ struct MmaDims {
 };
 
 template <int D> constexpr int mma_ld() { return D + 8; }
-// Dynamic shared memory: Ks, Vs [64][D + 8] T16; with cp.async also the fp32 staging tiles
-// Kst, Vst [64][D] (after the 16-bit tiles: 18,432 and 34,816 bytes are multiples of 128).
-template <int D> constexpr int mma_tiles_bytes() { return 2 * kN * mma_ld<D>() * 2; }
-template <int D> constexpr int mma_smem_bytes(bool async) { return mma_tiles_bytes<D>() + (async ? 2 * kN * D * 4 : 0); }
+// One [64][D + 8] T16 tile; dynamic shared memory: two buffers of (K, V) tiles.
+template <int D> constexpr int mma_tile_bytes() { return kN * mma_ld<D>() * 2; }
+template <int D> constexpr int mma_smem_bytes() { return 4 * mma_tile_bytes<D>(); }
 
 // Two floats rounded to T16 and packed: lo in bits 0..15 (the lower column index).
 template <class T16> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
@@ -144,7 +138,7 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
 
 // 16-byte cp.async global -> shared (.cg: through L2 only); src_size 0 writes zeros (rows >= T;
 // src is then a valid address that is not read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const float* src, bool valid) {
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                "l"((unsigned long long)__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
                : "memory");
@@ -152,55 +146,23 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const float* src, bool 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// Thread's float4 chunks of a [64, D] fp32 tile: chunk c = threadIdx.x + i * (32 NW) is row
-// c / (D / 4), dims 4 (c % (D / 4)) .. + 4.
-template <int D> constexpr int chunks_per_thread() { return kN * (D / 4) / (32 * mma_warps<D>()); }
-
-// v[] = rows [r0, r0 + 64) of a [T, D] fp32 matrix at src (row stride ld), zeros past T.
-template <int D>
-__device__ __forceinline__ void load_chunks(float4 (&v)[chunks_per_thread<D>()], const float* __restrict__ src,
-                                            int64_t ld, int r0, int T) {
-  constexpr int C4 = D / 4;
-  #pragma unroll
-  for (int i = 0; i < chunks_per_thread<D>(); ++i) {
-    const int c = threadIdx.x + i * 32 * mma_warps<D>(), r = c / C4, row = r0 + r;
-    v[i] = row < T ? __ldg(reinterpret_cast<const float4*>(src + (int64_t)row * ld) + c % C4)
-                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-}
-// cp.async of the thread's chunks of rows [r0, r0 + 64) of a [T, D] fp32 matrix at src (row
-// stride ld) into the fp32 staging tile at shared address dst ([64][D]); zeros past T.
-template <int D>
-__device__ __forceinline__ void issue_chunks(uint32_t dst, const float* __restrict__ src, int64_t ld, int r0, int T) {
-  constexpr int C4 = D / 4;
-  #pragma unroll
-  for (int i = 0; i < chunks_per_thread<D>(); ++i) {
-    const int c = threadIdx.x + i * 32 * mma_warps<D>(), r = c / C4, row = r0 + r;
-    cp_async16(dst + 16u * (uint32_t)c, row < T ? src + (int64_t)row * ld + 4 * (c % C4) : src, row < T);
-  }
-}
-// v[] = the thread's chunks of the fp32 staging tile st ([64][D], chunk c at st + 4 c).
-template <int D>
-__device__ __forceinline__ void read_chunks(float4 (&v)[chunks_per_thread<D>()], const float* st) {
-  #pragma unroll
-  for (int i = 0; i < chunks_per_thread<D>(); ++i)
-    v[i] = reinterpret_cast<const float4*>(st)[threadIdx.x + i * 32 * mma_warps<D>()];
-}
-// dst[64][D + 8] (shared, T16) = v[] rounded to T16 (8-byte stores: (D + 8) * 2 and 8 (c % C4)
-// are multiples of 8 bytes).
+// cp.async of rows [r0, r0 + 64) of a [T, D] T16 matrix at src (row stride ld elements, rows
+// 16-byte aligned) into the [64][D + 8] tile at shared address dst, zeros past T: chunk
+// c = threadIdx.x + i (32 NW) of 8 elements is row c / (D / 8), dims 8 (c % (D / 8)) .. + 8.
 template <class T16, int D>
-__device__ __forceinline__ void store_chunks(T16* dst, const float4 (&v)[chunks_per_thread<D>()]) {
-  constexpr int C4 = D / 4, LD = mma_ld<D>();
+__device__ __forceinline__ void issue_tile(uint32_t dst, const T16* __restrict__ src, int64_t ld, int r0, int T) {
+  constexpr int C8 = D / 8, NT = 32 * mma_warps<D>();
+  static_assert(kN * C8 % NT == 0, "whole chunks per thread");
   #pragma unroll
-  for (int i = 0; i < chunks_per_thread<D>(); ++i) {
-    const int c = threadIdx.x + i * 32 * mma_warps<D>(), r = c / C4, d = 4 * (c % C4);
-    *reinterpret_cast<uint2*>(dst + r * LD + d) = make_uint2(pack2<T16>(v[i].x, v[i].y), pack2<T16>(v[i].z, v[i].w));
+  for (int i = 0; i < kN * C8 / NT; ++i) {
+    const int c = threadIdx.x + i * NT, r = c / C8, d = 8 * (c % C8), row = r0 + r;
+    cp_async16(dst + 2u * (uint32_t)(r * mma_ld<D>() + d), row < T ? src + (int64_t)row * ld + d : src, row < T);
   }
 }
 
-template <class T16, int D, bool kAsync>
+template <class T16, int D>
 __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
-    attention_mma_forward_kernel(float* __restrict__ out, float* __restrict__ lse, const float* __restrict__ qkv,
+    attention_mma_forward_kernel(float* __restrict__ out, float* __restrict__ lse, const T16* __restrict__ qkv,
                                  MmaDims z) {
   static_assert(D % 32 == 0 && D <= 128, "D = 64 or 128");
   constexpr int LD = mma_ld<D>();
@@ -208,30 +170,25 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
   constexpr int NO = D / 8;   // O accumulators of 8 dims
   constexpr int NS = kN / 8;  // S accumulators of 8 keys
   constexpr int kM = 16 * mma_warps<D>();  // query rows per block
-  static_assert(chunks_per_thread<D>() * 32 * mma_warps<D>() == kN * D / 4, "whole float4 chunks per thread");
-  extern __shared__ __align__(128) unsigned char smem[];
-  T16* Ks = reinterpret_cast<T16*>(smem);                              // [64][LD]
-  T16* Vs = Ks + kN * LD;                                              // [64][LD]
-  float* Kst = reinterpret_cast<float*>(smem + mma_tiles_bytes<D>());  // [64][D] (kAsync)
-  float* Vst = Kst + kN * D;                                           // [64][D] (kAsync)
+  constexpr uint32_t kTileB = mma_tile_bytes<D>();
+  extern __shared__ __align__(128) unsigned char smem[];  // buffer f: K at 2 f kTileB, V at (2 f + 1) kTileB
 
   const int qt = gridDim.x - 1 - blockIdx.x, q0 = qt * kM, h = blockIdx.y, b = blockIdx.z, kh = h / z.G;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, w0 = 16 * warp;  // w0: warp's first row in the tile
   const int g = lane / 4, tq = lane % 4;
-  const float* base = qkv + (int64_t)b * z.T * z.W;
-  const float* Kg = base + (int64_t)(z.NH + kh) * D;
-  const float* Vg = base + (int64_t)(z.NH + z.NKV + kh) * D;
+  const T16* base = qkv + (int64_t)b * z.T * z.W;
+  const T16* Kg = base + (int64_t)(z.NH + kh) * D;
+  const T16* Vg = base + (int64_t)(z.NH + z.NKV + kh) * D;
 
-  // Q fragments, straight from global memory (rows >= T: zeros).
+  // Q fragments, straight from global memory: register j = the pair of 16-bit columns (col,
+  // col + 1), lower column in the low half as stored (rows >= T: zeros).
   uint32_t qf[NQ][4];
   #pragma unroll
   for (int kk = 0; kk < NQ; ++kk)
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int row = q0 + w0 + ml::q_reg_row(lane, j), col = 16 * kk + ml::q_reg_col(lane, j);
-      float2 x = make_float2(0.0f, 0.0f);
-      if (row < z.T) x = *reinterpret_cast<const float2*>(base + (int64_t)row * z.W + (int64_t)h * D + col);
-      qf[kk][j] = pack2<T16>(x.x, x.y);
+      qf[kk][j] = row < z.T ? *reinterpret_cast<const uint32_t*>(base + (int64_t)row * z.W + (int64_t)h * D + col) : 0u;
     }
 
   float o[NO][4];
@@ -241,46 +198,28 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
     for (int i = 0; i < 4; ++i) o[n][i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows w0 + g, w0 + g + 8
 
-  const uint32_t ks = (uint32_t)__cvta_generic_to_shared(Ks), vs = (uint32_t)__cvta_generic_to_shared(Vs);
-  // this lane's ldmatrix row addresses (bytes), before the tile offsets
-  const uint32_t k_lane = ks + 2u * (uint32_t)(ml::k_ldm_key(lane) * LD + ml::k_ldm_dim(lane));
-  const uint32_t v_lane = vs + 2u * (uint32_t)(ml::v_ldm_key(lane) * LD + ml::v_ldm_dim(lane));
+  const uint32_t tiles = (uint32_t)__cvta_generic_to_shared(smem);
+  // this lane's ldmatrix row addresses (bytes) in buffer 0's K and V tiles, before the tile offsets
+  const uint32_t k_lane = tiles + 2u * (uint32_t)(ml::k_ldm_key(lane) * LD + ml::k_ldm_dim(lane));
+  const uint32_t v_lane = tiles + kTileB + 2u * (uint32_t)(ml::v_ldm_key(lane) * LD + ml::v_ldm_dim(lane));
 
   // key tiles: those holding a key <= the block's last row, and < T
   const int nkt = (int)min((int64_t)(q0 + kM + kN - 1) / kN, (int64_t)(z.T + kN - 1) / kN);
   const int wr = q0 + w0;  // the warp's first row
-  const uint32_t kst = (uint32_t)__cvta_generic_to_shared(Kst), vst = (uint32_t)__cvta_generic_to_shared(Vst);
-  if constexpr (kAsync) {  // tile 0 in flight
-    issue_chunks<D>(kst, Kg, z.W, 0, z.T);
-    issue_chunks<D>(vst, Vg, z.W, 0, z.T);
-    cp_async_commit();
-  }
+  issue_tile<T16, D>(tiles, Kg, z.W, 0, z.T);  // tile 0 in flight, into buffer 0
+  issue_tile<T16, D>(tiles + kTileB, Vg, z.W, 0, z.T);
+  cp_async_commit();
   for (int kt = 0; kt < nkt; ++kt) {
     const int k0 = kt * kN;
-    if constexpr (kAsync) cp_async_wait_all();  // this thread's copies of tile kt have landed
-    __syncthreads();  // every warp is done reading the previous K, V (and every copy landed)
-    {
-      float4 v[chunks_per_thread<D>()];
-      if constexpr (kAsync) {  // staging (fp32) -> Ks, Vs (T16); each thread its own chunks
-        read_chunks<D>(v, Kst);
-        store_chunks<T16, D>(Ks, v);
-        read_chunks<D>(v, Vst);
-        store_chunks<T16, D>(Vs, v);
-      } else {
-        load_chunks<D>(v, Kg, z.W, k0, z.T);
-        store_chunks<T16, D>(Ks, v);
-        load_chunks<D>(v, Vg, z.W, k0, z.T);
-        store_chunks<T16, D>(Vs, v);
-      }
+    cp_async_wait_all();  // this thread's copies of tile kt have landed
+    __syncthreads();      // every thread's have; every warp is done reading tile kt - 1's buffer
+    if (kt + 1 < nkt) {   // tile kt + 1 in flight into the other buffer during this tile's products
+      const uint32_t next = tiles + 2u * kTileB * (uint32_t)((kt + 1) % 2);
+      issue_tile<T16, D>(next, Kg, z.W, k0 + kN, z.T);
+      issue_tile<T16, D>(next + kTileB, Vg, z.W, k0 + kN, z.T);
+      cp_async_commit();
     }
-    __syncthreads();  // Ks, Vs ready; every read of the staging tiles done
-    if constexpr (kAsync) {
-      if (kt + 1 < nkt) {  // tile kt + 1 in flight during this tile's products
-        issue_chunks<D>(kst, Kg, z.W, k0 + kN, z.T);
-        issue_chunks<D>(vst, Vg, z.W, k0 + kN, z.T);
-        cp_async_commit();
-      }
-    }
+    const uint32_t kb = k_lane + 2u * kTileB * (uint32_t)(kt % 2), vb = v_lane + 2u * kTileB * (uint32_t)(kt % 2);
     if (k0 > wr + 15) continue;  // every key after every row of the warp (warp-uniform): P = 0
     const bool diag = k0 + kN - 1 > wr;  // some key after some row of the warp: mask key > row
 
@@ -294,7 +233,7 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
       #pragma unroll
       for (int c = 0; c < D / 32; ++c) {
         uint32_t bk[4];
-        ldsm_x4(bk, k_lane + 2u * (uint32_t)(8 * n * LD + 32 * c));
+        ldsm_x4(bk, kb + 2u * (uint32_t)(8 * n * LD + 32 * c));
         mma16816<T16>(s[n], qf[2 * c], bk[0], bk[1]);
         mma16816<T16>(s[n], qf[2 * c + 1], bk[2], bk[3]);
       }
@@ -356,7 +295,7 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
       #pragma unroll
       for (int n2 = 0; n2 < D / 16; ++n2) {
         uint32_t bv[4];
-        ldsm_x4_trans(bv, v_lane + 2u * (uint32_t)(16 * st * LD + 16 * n2));
+        ldsm_x4_trans(bv, vb + 2u * (uint32_t)(16 * st * LD + 16 * n2));
         mma16816<T16>(o[2 * n2], pa, bv[0], bv[1]);
         mma16816<T16>(o[2 * n2 + 1], pa, bv[2], bv[3]);
       }
@@ -376,11 +315,11 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
   }
 }
 
-template <class T16, int D, bool kAsync>
+template <class T16, int D>
 void launch(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
-  constexpr int bytes = mma_smem_bytes<D>(kAsync);
+  constexpr int bytes = mma_smem_bytes<D>();
   static_assert(bytes <= 227 * 1024, "shared memory above the H100's 227 KiB per block");
-  auto kernel = attention_mma_forward_kernel<T16, D, kAsync>;
+  auto kernel = attention_mma_forward_kernel<T16, D>;
   // every launch, as attention_tc.cu does (the attribute is per device)
   if (bytes > 48 * 1024)
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -396,22 +335,23 @@ void launch(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Atten
   z.scale = 1.0f / std::sqrt((float)s.D);  // as the WMMA forward
   constexpr int kM = 16 * mma_warps<D>();
   const dim3 grid((unsigned)ceil_div(s.T, kM), (unsigned)s.NH, (unsigned)s.B);
-  kernel<<<grid, 32 * mma_warps<D>(), bytes, stream()>>>(out.f32(), lse.f32(), qkv.f32(), z);
+  kernel<<<grid, 32 * mma_warps<D>(), bytes, stream()>>>(out.f32(), lse.f32(), static_cast<const T16*>(qkv.raw()),
+                                                         z);
   MT_CUDA_LAUNCHED("attention_mma_forward_kernel");
 }
 
-template <class T16, bool kAsync>
+template <class T16>
 void launch_typed(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
   if (s.D == 64)
-    launch<T16, 64, kAsync>(out, lse, qkv, s);
+    launch<T16, 64>(out, lse, qkv, s);
   else
-    launch<T16, 128, kAsync>(out, lse, qkv, s);
+    launch<T16, 128>(out, lse, qkv, s);
 }
 
-template <class T16, int D, bool kAsync>
+template <class T16, int D>
 int occupancy_d() {
-  constexpr int bytes = mma_smem_bytes<D>(kAsync);
-  auto kernel = attention_mma_forward_kernel<T16, D, kAsync>;
+  constexpr int bytes = mma_smem_bytes<D>();
+  auto kernel = attention_mma_forward_kernel<T16, D>;
   if (bytes > 48 * 1024)
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -421,39 +361,37 @@ int occupancy_d() {
   return n;
 }
 
-template <class T16>
-int occupancy_typed(int64_t D, bool async) {
-  if (D == 64) return async ? occupancy_d<T16, 64, true>() : occupancy_d<T16, 64, false>();
-  return async ? occupancy_d<T16, 128, true>() : occupancy_d<T16, 128, false>();
-}
-
 }  // namespace
 
 bool attention_mma_supported(int64_t D) { return D == 64 || D == 128; }
 
 bool attention_mma_aligned(const Tensor& out, const Tensor& qkv) {
-  return reinterpret_cast<uintptr_t>(qkv.f32()) % 16 == 0 && reinterpret_cast<uintptr_t>(out.f32()) % 8 == 0;
+  // an fp32 qkv is converted into (256-byte aligned) scratch first
+  return (qkv.dtype() == DType::f32 || reinterpret_cast<uintptr_t>(qkv.raw()) % 16 == 0) &&
+         reinterpret_cast<uintptr_t>(out.f32()) % 8 == 0;
 }
 
 void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s,
-                           DType dt, bool async_copy) {
+                           DType dt) {
   MT_CHECK(attention_mma_supported(s.D), "attention_mma_forward: head dim D = " << s.D << " not supported (64, 128)");
   MT_CHECK(dt == DType::bf16 || dt == DType::f16,
            "attention_mma_forward: 16-bit dtype expected, got " << dtype_name(dt));
+  MT_CHECK(qkv.dtype() == dt, "attention_mma_forward: qkv in " << dtype_name(qkv.dtype()) << ", expected " << dtype_name(dt));
   MT_CHECK(attention_mma_aligned(out, qkv), "attention_mma_forward: qkv must be 16-byte and out 8-byte aligned");
   MT_CHECK(s.T <= (int64_t)1 << 30 && s.B <= 65535 && s.NH <= 65535,
            "attention_mma_forward: B = " << s.B << ", T = " << s.T << ", NH = " << s.NH << " outside the CUDA grid");
   if (s.B == 0 || s.T == 0) return;
   if (dt == DType::bf16)
-    async_copy ? launch_typed<__nv_bfloat16, true>(out, lse, qkv, s) : launch_typed<__nv_bfloat16, false>(out, lse, qkv, s);
+    launch_typed<__nv_bfloat16>(out, lse, qkv, s);
   else
-    async_copy ? launch_typed<half, true>(out, lse, qkv, s) : launch_typed<half, false>(out, lse, qkv, s);
+    launch_typed<half>(out, lse, qkv, s);
 }
 
-int attention_mma_occupancy(int64_t D, DType dt, int64_t* smem_bytes, bool async_copy) {
+int attention_mma_occupancy(int64_t D, DType dt, int64_t* smem_bytes) {
   MT_CHECK(attention_mma_supported(D), "attention_mma_occupancy: head dim D = " << D << " not supported (64, 128)");
-  if (smem_bytes) *smem_bytes = D == 64 ? mma_smem_bytes<64>(async_copy) : mma_smem_bytes<128>(async_copy);
-  return dt == DType::f16 ? occupancy_typed<half>(D, async_copy) : occupancy_typed<__nv_bfloat16>(D, async_copy);
+  if (smem_bytes) *smem_bytes = D == 64 ? mma_smem_bytes<64>() : mma_smem_bytes<128>();
+  if (D == 64) return dt == DType::f16 ? occupancy_d<half, 64>() : occupancy_d<__nv_bfloat16, 64>();
+  return dt == DType::f16 ? occupancy_d<half, 128>() : occupancy_d<__nv_bfloat16, 128>();
 }
 
 }  // namespace mt::cuda

@@ -3,7 +3,8 @@
 // attention_tc_backward (attention_tc.cu) runs after its delta kernel where they apply. Same
 // semantics, in every rounding step but the fp32 summation order, as the WMMA dK/dV and dQ
 // kernels in attention_tc.cu:
-//   - q, k, v, dout read fp32 and rounded to T16 (round to nearest) as matrix operands;
+//   - q, k, v, dout read in T16, the matrix operands (rounded from fp32 to nearest by the
+//     caller where it holds them in fp32: attention_tc_backward; dout by its delta kernel);
 //   - s = the fp32-accumulated score of the rounded q, k; p = expf(s * scale - lse) (fp32, the
 //     same expression), 0 unless key <= query < T;
 //   - dp = the fp32-accumulated dO V^T; ds = p * (dp - delta) * scale (scale = 1/sqrt(D)
@@ -17,7 +18,7 @@
 // [64][D + 8] T16 tiles (row stride D + 8: the 8 row addresses of an ldmatrix hit distinct
 // bank quads, as in the forward) and two [64] fp32 vectors (lse, delta): 37,376 bytes at
 // D = 64, 70,144 at D = 128 (limit raised with cudaFuncSetAttribute). Tiles are loaded with
-// float4 global loads (zeros past T), rounded and stored as T16; synchronous (no cp.async).
+// 16-byte global loads (zeros past T) and stored as they are; synchronous (no cp.async).
 // Fragment layouts: attention_mma_layout.h (g = lane / 4, t = lane % 4):
 //   A operands from shared memory by ldmatrix.x4 (a_ldm_*): 16 rows x 16 cols per x4;
 //   B operands of score products (S^T = K Q^T, S = Q K^T) by ldmatrix.x4 (k_ldm_*): 8 rows x
@@ -104,17 +105,17 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "memory");
 }
 
-// dst[64][D + 8] (shared, T16) = rows [r0, r0 + 64) of a [T, D] fp32 matrix at src (row stride
-// ld, 16-byte aligned rows), rounded; zeros past T. All threads take part.
+// dst[64][D + 8] (shared, T16) = rows [r0, r0 + 64) of a [T, D] T16 matrix at src (row
+// stride ld, 16-byte aligned rows); zeros past T. All threads take part.
 template <class T16, int D>
-__device__ __forceinline__ void load_tile(T16* dst, const float* __restrict__ src, int64_t ld, int r0, int T) {
-  constexpr int C4 = D / 4, LD = bwd_ld<D>();
+__device__ __forceinline__ void load_tile(T16* dst, const T16* __restrict__ src, int64_t ld, int r0, int T) {
+  constexpr int C8 = D / 8, LD = bwd_ld<D>();
   #pragma unroll 4
-  for (int c = threadIdx.x; c < kB * C4; c += kBT) {
-    const int r = c / C4, d = 4 * (c % C4), row = r0 + r;
-    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (row < T) v = __ldg(reinterpret_cast<const float4*>(src + (int64_t)row * ld + d));
-    *reinterpret_cast<uint2*>(dst + r * LD + d) = make_uint2(pack2<T16>(v.x, v.y), pack2<T16>(v.z, v.w));
+  for (int c = threadIdx.x; c < kB * C8; c += kBT) {
+    const int r = c / C8, d = 8 * (c % C8), row = r0 + r;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (row < T) v = __ldg(reinterpret_cast<const uint4*>(src + (int64_t)row * ld + d));
+    *reinterpret_cast<uint4*>(dst + r * LD + d) = v;
   }
 }
 // dst[64] = src[r0 .. r0 + 64) (zeros past T).
@@ -202,7 +203,7 @@ __device__ __forceinline__ void store_acc(float* dst, int64_t ld, int row0, int 
 // accumulators, B = dO / Q by v_ldm .trans, k = query, n = dim).
 template <class T16, int D>
 __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
-    attention_mma_dkv_kernel(float* __restrict__ dqkv, const float* __restrict__ qkv, const float* __restrict__ dout,
+    attention_mma_dkv_kernel(float* __restrict__ dqkv, const T16* __restrict__ qkv, const T16* __restrict__ dout,
                              const float* __restrict__ lse, const float* __restrict__ delta, BwdDims z) {
   static_assert(D == 64 || D == 128, "D = 64 or 128");
   constexpr int LD = bwd_ld<D>();
@@ -216,7 +217,7 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
 
   const int k0 = blockIdx.x * kB, kh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wk = k0 + 16 * warp;
-  const float* base = qkv + (int64_t)b * z.T * z.W;
+  const T16* base = qkv + (int64_t)b * z.T * z.W;
   load_tile<T16, D>(Ks, base + (int64_t)(z.NH + kh) * D, z.W, k0, z.T);
   load_tile<T16, D>(Vs, base + (int64_t)(z.NH + z.NKV + kh) * D, z.W, k0, z.T);
 
@@ -283,7 +284,7 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
 // the dS accumulators, B = K by v_ldm .trans, k = key, n = dim).
 template <class T16, int D>
 __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
-    attention_mma_dq_kernel(float* __restrict__ dqkv, const float* __restrict__ qkv, const float* __restrict__ dout,
+    attention_mma_dq_kernel(float* __restrict__ dqkv, const T16* __restrict__ qkv, const T16* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ delta, BwdDims z) {
   static_assert(D == 64 || D == 128, "D = 64 or 128");
   constexpr int LD = bwd_ld<D>();
@@ -298,7 +299,7 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
   const int qt = gridDim.x - 1 - blockIdx.x, q0 = qt * kB, h = blockIdx.y, b = blockIdx.z, kh = h / z.G;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wq = q0 + 16 * warp;
   const int64_t bh = (int64_t)b * z.NH + h;
-  const float* base = qkv + (int64_t)b * z.T * z.W;
+  const T16* base = qkv + (int64_t)b * z.T * z.W;
   load_tile<T16, D>(Qs, base + (int64_t)h * D, z.W, q0, z.T);
   load_tile<T16, D>(dOs, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
   load_vec64(Ls, lse + bh * z.T, q0, z.T);
@@ -369,13 +370,14 @@ void launch(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Ten
   const unsigned tiles = (unsigned)ceil_div(s.T, kB);
   auto dkv = attention_mma_dkv_kernel<T16, D>;
   prepare(dkv, bytes);
-  dkv<<<dim3(tiles, (unsigned)s.NKV, (unsigned)s.B), kBT, bytes, stream()>>>(dqkv.f32(), qkv.f32(), dout.f32(),
-                                                                           lse.f32(), delta, z);
+  const T16* q16 = static_cast<const T16*>(qkv.raw());
+  const T16* d16 = static_cast<const T16*>(dout.raw());
+  dkv<<<dim3(tiles, (unsigned)s.NKV, (unsigned)s.B), kBT, bytes, stream()>>>(dqkv.f32(), q16, d16, lse.f32(), delta,
+                                                                           z);
   MT_CUDA_LAUNCHED("attention_mma_dkv_kernel");
   auto dq = attention_mma_dq_kernel<T16, D>;
   prepare(dq, bytes);
-  dq<<<dim3(tiles, (unsigned)s.NH, (unsigned)s.B), kBT, bytes, stream()>>>(dqkv.f32(), qkv.f32(), dout.f32(),
-                                                                         lse.f32(), delta, z);
+  dq<<<dim3(tiles, (unsigned)s.NH, (unsigned)s.B), kBT, bytes, stream()>>>(dqkv.f32(), q16, d16, lse.f32(), delta, z);
   MT_CUDA_LAUNCHED("attention_mma_dq_kernel");
 }
 
@@ -390,8 +392,9 @@ void launch_typed(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, con
 
 }  // namespace
 
-bool attention_mma_backward_aligned(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv) {
-  return reinterpret_cast<uintptr_t>(qkv.f32()) % 16 == 0 && reinterpret_cast<uintptr_t>(dout.f32()) % 16 == 0 &&
+bool attention_mma_backward_aligned(const Tensor& dqkv, const Tensor& qkv) {
+  // an fp32 qkv is converted into (256-byte aligned) scratch first, as dout always is
+  return (qkv.dtype() == DType::f32 || reinterpret_cast<uintptr_t>(qkv.raw()) % 16 == 0) &&
          reinterpret_cast<uintptr_t>(dqkv.f32()) % 8 == 0;
 }
 
@@ -400,7 +403,10 @@ void attention_mma_backward_kernels(const Tensor& dqkv, const Tensor& dout, cons
   MT_CHECK(attention_mma_supported(s.D), "attention_mma_backward: head dim D = " << s.D << " not supported (64, 128)");
   MT_CHECK(dt == DType::bf16 || dt == DType::f16,
            "attention_mma_backward: 16-bit dtype expected, got " << dtype_name(dt));
-  MT_CHECK(attention_mma_backward_aligned(dqkv, dout, qkv),
+  MT_CHECK(qkv.dtype() == dt && dout.dtype() == dt, "attention_mma_backward: qkv and dout in "
+                                                        << dtype_name(qkv.dtype()) << " and " << dtype_name(dout.dtype())
+                                                        << ", expected " << dtype_name(dt));
+  MT_CHECK(attention_mma_backward_aligned(dqkv, qkv) && reinterpret_cast<uintptr_t>(dout.raw()) % 16 == 0,
            "attention_mma_backward: qkv, dout must be 16-byte and dqkv 8-byte aligned");
   if (s.B == 0 || s.T == 0) return;
   if (dt == DType::bf16)

@@ -268,19 +268,30 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2)
   }
 }
 
+__device__ __forceinline__ float as_float(float x) { return x; }
+__device__ __forceinline__ float as_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float as_float(half x) { return __half2float(x); }
+
 // delta[b, h, t] = round16(dout[b, t, h]) . out[b, t, h] (D-vectors; dout rounded as in the
-// dP = dO V^T product, so dP - delta stays consistent). One warp per (b, h, t) row: lanes
-// sum columns lane, lane + 32, ... in order, then a butterfly. Grid ceil(rows / 4), 128.
-template <class T16>
-__global__ void attention_tc_delta_kernel(float* __restrict__ delta, const float* __restrict__ dout,
-                                          const float* __restrict__ out, int64_t rows, TcDims z) {
+// dP = dO V^T product, so dP - delta stays consistent; out (O) in fp32 or already in T16).
+// dout16, where given: the rounded dout written there too, the mma kernels' operand. One warp
+// per (b, h, t) row: lanes sum columns lane, lane + 32, ... in order, then a butterfly. Grid
+// ceil(rows / 4), 128.
+template <class T16, class O>
+__global__ void attention_tc_delta_kernel(float* __restrict__ delta, T16* __restrict__ dout16,
+                                          const float* __restrict__ dout, const O* __restrict__ out, int64_t rows,
+                                          TcDims z) {
   const int64_t row = (int64_t)blockIdx.x * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;  // whole warps leave together
   const int64_t t = row % z.T, bh = row / z.T, h = bh % z.NH, b = bh / z.NH;
   const int64_t at = (b * z.T + t) * z.OW + h * z.D;
   float s = 0.0f;
-  for (int d = lane; d < z.D; d += 32) s += from16<T16>(to16<T16>(dout[at + d])) * out[at + d];
+  for (int d = lane; d < z.D; d += 32) {
+    const T16 r = to16<T16>(dout[at + d]);
+    if (dout16 != nullptr) dout16[at + d] = r;
+    s += from16<T16>(r) * as_float(out[at + d]);
+  }
   s = warp_sum(s);
   if (lane == 0) delta[row] = s;
 }
@@ -607,32 +618,40 @@ void backward_typed(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, c
                     const AttentionShape& s, DType dt, bool mma) {
   const TcDims z = make_dims(s);
   const int64_t rows = s.B * s.NH * s.T;
-  // delta[B, NH, T] scratch, stream-ordered
-  float* delta = nullptr;
-  MT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&delta), sizeof(float) * rows, stream()));
-  attention_tc_delta_kernel<T16><<<(unsigned)ceil_div(rows, kWarps), kThreads, 0, stream()>>>(delta, dout.f32(),
-                                                                                             out.f32(), rows, z);
+  // delta[B, NH, T]; for the mma kernels dout rounded to T16 [B, T, NH D] in the same pass
+  Scratch delta(sizeof(float) * rows), dout16(mma ? sizeof(T16) * dout.numel() : 0);
+  const unsigned grid = (unsigned)ceil_div(rows, kWarps);
+  if (out.dtype() == DType::f32)
+    attention_tc_delta_kernel<T16, float><<<grid, kThreads, 0, stream()>>>(delta.as<float>(), dout16.as<T16>(),
+                                                                          dout.f32(), out.f32(), rows, z);
+  else
+    attention_tc_delta_kernel<T16, T16><<<grid, kThreads, 0, stream()>>>(
+        delta.as<float>(), dout16.as<T16>(), dout.f32(), static_cast<const T16*>(out.raw()), rows, z);
   MT_CUDA_LAUNCHED("attention_tc_delta_kernel");
 
+  Scratch q_slot;
   if (mma)
-    attention_mma_backward_kernels(dqkv, dout, qkv, lse, delta, s, dt);
+    attention_mma_backward_kernels(dqkv, Tensor::wrap(dout16.get(), dout.shape(), dt), as_dtype(qkv, dt, q_slot), lse,
+                                   delta.as<float>(), s, dt);
   else
-    backward_kernels<T16>(dqkv, dout, qkv, lse, delta, z, s);
-  MT_CUDA_CHECK(cudaFreeAsync(delta, stream()));
+    backward_kernels<T16>(dqkv, dout, as_dtype(qkv, DType::f32, q_slot), lse, delta.as<float>(), z, s);
+}
+
+// q|k|v (and out) of the tensor-core entry points: fp32, or already in the scope's dt.
+void check_operand(const Tensor& t, DType dt, const char* op, const char* what) {
+  MT_CHECK(t.dtype() == DType::f32 || t.dtype() == dt,
+           op << ": " << what << " in " << dtype_name(t.dtype()) << ", expected f32 or the operands' " << dtype_name(dt));
 }
 
 }  // namespace
 
 bool attention_tc_supported(int64_t D) { return D >= kF && D <= kMaxD && D % kF == 0; }
 
-// MESHTRAIN_ATTENTION_KERNEL (read once) under AttentionTcForward::automatic: wmma keeps the
-// WMMA forward, mma_direct takes the mma kernel with synchronous tile loads.
-static AttentionTcForward forward_from_env() {
-  static const AttentionTcForward k = [] {
+// MESHTRAIN_ATTENTION_KERNEL=wmma (read once) keeps the WMMA kernels under automatic.
+static bool wmma_from_env() {
+  static const bool k = [] {
     const char* e = std::getenv("MESHTRAIN_ATTENTION_KERNEL");
-    if (e != nullptr && std::strcmp(e, "wmma") == 0) return AttentionTcForward::wmma;
-    if (e != nullptr && std::strcmp(e, "mma_direct") == 0) return AttentionTcForward::mma_direct;
-    return AttentionTcForward::automatic;
+    return e != nullptr && std::strcmp(e, "wmma") == 0;
   }();
   return k;
 }
@@ -640,34 +659,34 @@ static AttentionTcForward forward_from_env() {
 void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt,
                           AttentionTcForward kernel) {
   check_tc(s, dt, "attention_tc_forward");
+  check_operand(qkv, dt, "attention_tc_forward", "qkv");
   if (s.B == 0 || s.T == 0) return;
-  if (kernel == AttentionTcForward::automatic) {
-    const AttentionTcForward env = forward_from_env();
-    if (env == AttentionTcForward::wmma || !attention_mma_supported(s.D) || !attention_mma_aligned(out, qkv))
-      kernel = AttentionTcForward::wmma;
-    else
-      kernel = env == AttentionTcForward::mma_direct ? env : AttentionTcForward::mma;
-  }
-  if (kernel != AttentionTcForward::wmma)
-    return attention_mma_forward(out, lse, qkv, s, dt, kernel == AttentionTcForward::mma);
+  if (kernel == AttentionTcForward::automatic)
+    kernel = wmma_from_env() || !attention_mma_supported(s.D) || !attention_mma_aligned(out, qkv)
+                 ? AttentionTcForward::wmma
+                 : AttentionTcForward::mma;
+  Scratch q_slot;
+  if (kernel == AttentionTcForward::mma) return attention_mma_forward(out, lse, as_dtype(qkv, dt, q_slot), s, dt);
+  const Tensor q32 = as_dtype(qkv, DType::f32, q_slot);
   if (dt == DType::bf16)
-    forward_typed<__nv_bfloat16>(out, lse, qkv, s);
+    forward_typed<__nv_bfloat16>(out, lse, q32, s);
   else
-    forward_typed<half>(out, lse, qkv, s);
+    forward_typed<half>(out, lse, q32, s);
 }
 
 void attention_tc_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                            const Tensor& lse, const AttentionShape& s, DType dt, AttentionTcBackward kernel) {
   check_tc(s, dt, "attention_tc_backward");
+  check_operand(qkv, dt, "attention_tc_backward", "qkv");
+  check_operand(out, dt, "attention_tc_backward", "out");
   if (kernel == AttentionTcBackward::mma) {
     MT_CHECK(attention_mma_supported(s.D), "attention_tc_backward: the mma kernels take D = 64, 128, not " << s.D);
-    MT_CHECK(attention_mma_backward_aligned(dqkv, dout, qkv),
-             "attention_tc_backward: the mma kernels need qkv, dout 16-byte and dqkv 8-byte aligned");
+    MT_CHECK(attention_mma_backward_aligned(dqkv, qkv),
+             "attention_tc_backward: the mma kernels need a 16-bit qkv 16-byte and dqkv 8-byte aligned");
   }
   if (s.B == 0 || s.T == 0) return;
   if (kernel == AttentionTcBackward::automatic)
-    kernel = forward_from_env() == AttentionTcForward::wmma || !attention_mma_supported(s.D) ||
-                     !attention_mma_backward_aligned(dqkv, dout, qkv)
+    kernel = wmma_from_env() || !attention_mma_supported(s.D) || !attention_mma_backward_aligned(dqkv, qkv)
                  ? AttentionTcBackward::wmma
                  : AttentionTcBackward::mma;
   const bool mma = kernel == AttentionTcBackward::mma;

@@ -5,7 +5,11 @@
 // Semantics as PyTorch's bf16 / f16 autocast of scaled_dot_product_attention: q, k, v (and
 // in backward dout, the probabilities P and dS) are rounded to the scope's 16-bit type as
 // matrix operands; products accumulate in fp32; softmax statistics (max, sum, lse), out,
-// lse and dqkv stay fp32 in memory (tiles are converted while loading into shared memory).
+// lse and dqkv stay fp32 in memory. q|k|v (and out, which the backward reads) may come in
+// fp32 or already rounded in the operands' 16-bit type, with the same results: the mma.sync
+// kernels read 16-bit operands (an fp32 qkv is rounded into scratch first, dout by the
+// backward's delta kernel), the WMMA kernels read fp32 and round tiles while loading them
+// into shared memory (a 16-bit qkv is widened into scratch first).
 #pragma once
 #include <cstdint>
 
@@ -18,47 +22,46 @@ namespace mt::cuda {
 bool attention_tc_supported(int64_t D);
 
 // Which forward kernel attention_tc_forward runs. automatic: the mma.sync kernel
-// (attention_mma.cu) where it applies (D = 64 or 128, qkv 16-byte and out 8-byte aligned),
-// the WMMA kernel otherwise, unless the environment variable MESHTRAIN_ATTENTION_KERNEL=wmma
-// (read once) keeps the WMMA kernel everywhere. wmma / mma: that kernel (mma throws where it
-// does not apply). Both compute the same softmax with the same roundings (only the fp32
-// summation order differs) and write the out and lse the backward kernels read.
-// mma_direct: the mma kernel with synchronous tile loads (global -> registers -> shared)
-// instead of cp.async double buffering (MESHTRAIN_ATTENTION_KERNEL=mma_direct under automatic).
-enum class AttentionTcForward { automatic, wmma, mma, mma_direct };
+// (attention_mma.cu) where it applies (D = 64 or 128, a 16-bit qkv 16-byte and out 8-byte
+// aligned), the WMMA kernel otherwise, unless the environment variable
+// MESHTRAIN_ATTENTION_KERNEL=wmma (read once) keeps the WMMA kernel everywhere. wmma / mma:
+// that kernel (mma throws where it does not apply). Both compute the same softmax with the
+// same roundings (only the fp32 summation order differs) and write the out and lse the
+// backward kernels read.
+enum class AttentionTcForward { automatic, wmma, mma };
 
-// out[B, T, NH D], lse[B, NH, T] from qkv[B, T, (NH + 2 NKV) D]; all f32 on the device, the
-// shapes already checked by the caller (s from attention_shape). dt: bf16 or f16, the
-// operands' 16-bit type.
+// out[B, T, NH D], lse[B, NH, T] (f32) from qkv[B, T, (NH + 2 NKV) D] (f32 or dt), on the
+// device, the shapes already checked by the caller (s from attention_shape). dt: bf16 or
+// f16, the operands' 16-bit type.
 void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt,
                           AttentionTcForward kernel = AttentionTcForward::automatic);
 
 // The mma.sync forward (attention_mma.cu): head dims it takes (64, 128); whether the
-// pointers allow its vector loads and stores; the forward itself (same contract as
-// attention_tc_forward; async_copy: cp.async staging of the next K, V tile, else synchronous
-// loads); its resident blocks per SM (needs a GPU) and its dynamic shared memory in bytes.
+// pointers allow its vector loads and stores (of qkv as attention_tc_forward is given it);
+// the forward itself (as attention_tc_forward, but qkv in dt); its resident blocks per SM
+// (needs a GPU) and its dynamic shared memory in bytes.
 bool attention_mma_supported(int64_t D);
 bool attention_mma_aligned(const Tensor& out, const Tensor& qkv);
-void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt,
-                           bool async_copy = true);
-int attention_mma_occupancy(int64_t D, DType dt, int64_t* smem_bytes, bool async_copy = true);
+void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt);
+int attention_mma_occupancy(int64_t D, DType dt, int64_t* smem_bytes);
 
 // Which dK/dV and dQ kernels attention_tc_backward runs (after its delta kernel).
 // automatic: the mma.sync kernels (attention_mma_backward.cu) where they apply (D = 64 or
-// 128, qkv and dout 16-byte, dqkv 8-byte aligned), WMMA otherwise or when
+// 128, a 16-bit qkv 16-byte and dqkv 8-byte aligned), WMMA otherwise or when
 // MESHTRAIN_ATTENTION_KERNEL=wmma. wmma / mma: that one (mma throws where it does not apply).
 // Both round the same operands (q, k, v, dout, P, dS) with the same expressions; only the
 // fp32 summation order differs.
 enum class AttentionTcBackward { automatic, wmma, mma };
-// dqkv[B, T, (NH + 2 NKV) D] (overwritten) from dout[B, T, NH D], qkv and the forward's out
-// and lse; shapes already checked by the caller, dt as above.
+// dqkv[B, T, (NH + 2 NKV) D] (overwritten) from dout[B, T, NH D] (f32), qkv and the
+// forward's out (f32 or dt) and lse; shapes already checked by the caller, dt as above.
 void attention_tc_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                            const Tensor& lse, const AttentionShape& s, DType dt,
                            AttentionTcBackward kernel = AttentionTcBackward::automatic);
 // The mma.sync dK/dV and dQ kernels (attention_mma_backward.cu): whether the pointers allow
-// their vector loads and stores; the two kernels given delta[B, NH, T] (device memory, from
-// attention_tc_backward's delta kernel).
-bool attention_mma_backward_aligned(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv);
+// their vector loads and stores (of qkv as attention_tc_backward is given it); the two
+// kernels given qkv and dout in dt (16-byte aligned) and delta[B, NH, T] (device memory,
+// from attention_tc_backward's delta kernel).
+bool attention_mma_backward_aligned(const Tensor& dqkv, const Tensor& qkv);
 void attention_mma_backward_kernels(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                                     const float* delta, const AttentionShape& s, DType dt);
 

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "core/cuda.h"
 #include "core/cuda/check.h"  // MT_CUDA_CHECK
@@ -28,6 +29,40 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline unsigned grid_for(int64_t n, int threads = 256) {
   const int64_t b = ceil_div(n, threads);
   return static_cast<unsigned>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
+}
+
+// Device memory for one op, stream-ordered: allocated on the compute stream and freed on it
+// after the work queued so far (so a later op may reuse it only after this one's kernels).
+// None for 0 bytes; 256-byte aligned.
+class Scratch {
+ public:
+  Scratch() = default;
+  explicit Scratch(size_t bytes) {
+    if (bytes) MT_CUDA_CHECK(cudaMallocAsync(&p_, bytes < 256 ? 256 : bytes, stream()));
+  }
+  ~Scratch() {
+    if (p_) cudaFreeAsync(p_, stream());
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(Scratch&& o) noexcept {
+    std::swap(p_, o.p_);  // o frees what this held
+    return *this;
+  }
+  char* get() const { return static_cast<char*>(p_); }
+  template <class T> T* as() const { return static_cast<T*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// t's elements in dtype `to` (f32, bf16 or f16), as a handle to device memory (for the
+// kernels' pointers only): t itself where it holds them, else a copy converted into `slot`
+// (rounded to nearest even, or widened exactly: cuda_convert).
+inline Tensor as_dtype(const Tensor& t, DType to, Scratch& slot) {
+  if (t.dtype() == to) return t;
+  slot = Scratch(static_cast<size_t>(t.numel()) * dtype_size(to));
+  cuda_convert(to, slot.get(), t.dtype(), t.raw(), t.numel());
+  return Tensor::wrap(slot.get(), t.shape(), to);
 }
 
 // The op's tensors must all be f32 on the device (the CPU ops' rule, plus the device).

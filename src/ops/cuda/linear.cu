@@ -77,31 +77,6 @@ void weight_dims(const Tensor& w, bool io, int64_t& O, int64_t& I, const char* o
   I = io ? w.dim(0) : w.dim(1);
 }
 
-// ---- scratch ---------------------------------------------------------------------------
-
-// Device memory for one op, stream-ordered: allocated on the compute stream and freed on it
-// after the work queued so far (so a later op may reuse it only after this one's kernels).
-// None for 0 bytes.
-class Scratch {
- public:
-  Scratch() = default;
-  explicit Scratch(size_t bytes) {
-    if (bytes) MT_CUDA_CHECK(cudaMallocAsync(&p_, bytes < 256 ? 256 : bytes, stream()));
-  }
-  ~Scratch() {
-    if (p_) cudaFreeAsync(p_, stream());
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(Scratch&& o) noexcept {
-    std::swap(p_, o.p_);  // o frees what this held
-    return *this;
-  }
-  char* get() const { return static_cast<char*>(p_); }
-
- private:
-  void* p_ = nullptr;
-};
-
 inline size_t round256(size_t b) { return (b + 255) / 256 * 256; }
 
 // ---- small kernels -----------------------------------------------------------------------

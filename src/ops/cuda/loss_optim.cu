@@ -23,19 +23,6 @@ constexpr int kThreads = 256;        // threads per block of every kernel here (
 constexpr int kSumsqBlocks = 1024;   // sumsq's fixed grid: per-block partials, then one block
 constexpr int kDecayInline = 16;     // decay ranges passed by value; more go through device memory
 
-// Device scratch for one op call, stream-ordered: freed on the stream when the op returns,
-// after the kernels queued before that point.
-struct Scratch {
-  void* p = nullptr;
-  explicit Scratch(size_t bytes) { MT_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream())); }
-  ~Scratch() {
-    if (p) cudaFreeAsync(p, stream());
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  template <class T> T* as() const { return static_cast<T*>(p); }
-};
-
 // Copies one double from the device and waits for it (the functions that return a value).
 double fetch_double(const double* d) {
   double h = 0.0;
@@ -298,7 +285,7 @@ void adamw_step(const Tensor& w, const Tensor& g, const Tensor& m, const Tensor&
       flat.push_back(e);
     }
     dev_ranges = std::make_unique<Scratch>(flat.size() * sizeof(int64_t));
-    cuda_memcpy(dev_ranges->p, flat.data(), flat.size() * sizeof(int64_t));  // waits: `flat` is freed after
+    cuda_memcpy(dev_ranges->get(), flat.data(), flat.size() * sizeof(int64_t));  // waits: `flat` is freed after
     r.dev = dev_ranges->as<int64_t>();
   }
   adamw_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(w.data<float>(), g.data<float>(), m.data<float>(),
