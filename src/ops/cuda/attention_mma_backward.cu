@@ -14,11 +14,13 @@
 // Deterministic: no atomics, each accumulator sums its k-steps in a fixed order, the grid
 // depends only on the shapes.
 //
-// Both kernels: 4 warps (128 threads), 64-row tiles. Shared memory (dynamic): four
+// Both kernels: 4 warps (128 threads), 64-row tiles. Shared memory (dynamic): six
 // [64][D + 8] T16 tiles (row stride D + 8: the 8 row addresses of an ldmatrix hit distinct
-// bank quads, as in the forward) and two [64] fp32 vectors (lse, delta): 37,376 bytes at
-// D = 64, 70,144 at D = 128 (limit raised with cudaFuncSetAttribute). Tiles are loaded with
-// 16-byte global loads (zeros past T) and stored as they are; synchronous (no cp.async).
+// bank quads, as in the forward): the two the block keeps and two buffers of the two it
+// walks; then [64] fp32 vectors (lse, delta), two buffers of them in dK/dV: 56,320 bytes at
+// D = 64 (3 blocks per SM), 105,472 at D = 128 (2) (limit raised with cudaFuncSetAttribute).
+// Tiles and vectors are copied by cp.async straight into shared memory (zeros past T), the
+// next step's into the other buffer while a step computes: one __syncthreads per step.
 // Fragment layouts: attention_mma_layout.h (g = lane / 4, t = lane % 4):
 //   A operands from shared memory by ldmatrix.x4 (a_ldm_*): 16 rows x 16 cols per x4;
 //   B operands of score products (S^T = K Q^T, S = Q K^T) by ldmatrix.x4 (k_ldm_*): 8 rows x
@@ -57,7 +59,10 @@ struct BwdDims {
 
 template <int D> constexpr int bwd_ld() { return D + 8; }
 template <int D> constexpr int bwd_tile_bytes() { return kB * bwd_ld<D>() * 2; }
-template <int D> constexpr int bwd_smem_bytes() { return 4 * bwd_tile_bytes<D>() + 2 * kB * 4; }
+// Dynamic shared memory: six tiles (dK/dV: K, V, then Q, dO of buffer 0 and of buffer 1; dQ:
+// Q, dO, then K, V of buffer 0 and of buffer 1), then two buffers of the [64] fp32 vectors
+// (lse, delta), of which the dQ kernel uses buffer 0.
+template <int D> constexpr int bwd_smem_bytes() { return 6 * bwd_tile_bytes<D>() + 4 * kB * 4; }
 
 // Two floats rounded to T16 and packed: lo in bits 0..15 (the lower column index).
 template <class T16> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
@@ -105,22 +110,42 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "memory");
 }
 
-// dst[64][D + 8] (shared, T16) = rows [r0, r0 + 64) of a [T, D] T16 matrix at src (row
-// stride ld, 16-byte aligned rows); zeros past T. All threads take part.
+// cp.async global -> shared of 16 bytes (.cg: through L2 only) or 4 bytes (.ca); src_size 0
+// writes zeros (src is then a valid address that is not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"((unsigned long long)__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst),
+               "l"((unsigned long long)__cvta_generic_to_global(src)), "r"(valid ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// cp.async of rows [r0, r0 + 64) of a [T, D] T16 matrix at src (row stride ld elements, rows
+// 16-byte aligned) into the [64][D + 8] tile at shared address dst, zeros past T: chunk
+// c = threadIdx.x + i kBT of 8 elements is row c / (D / 8), dims 8 (c % (D / 8)) .. + 8.
 template <class T16, int D>
-__device__ __forceinline__ void load_tile(T16* dst, const T16* __restrict__ src, int64_t ld, int r0, int T) {
-  constexpr int C8 = D / 8, LD = bwd_ld<D>();
-  #pragma unroll 4
-  for (int c = threadIdx.x; c < kB * C8; c += kBT) {
-    const int r = c / C8, d = 8 * (c % C8), row = r0 + r;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (row < T) v = __ldg(reinterpret_cast<const uint4*>(src + (int64_t)row * ld + d));
-    *reinterpret_cast<uint4*>(dst + r * LD + d) = v;
+__device__ __forceinline__ void issue_tile(uint32_t dst, const T16* __restrict__ src, int64_t ld, int r0, int T) {
+  constexpr int C8 = D / 8;
+  static_assert(kB * C8 % kBT == 0, "whole chunks per thread");
+  #pragma unroll
+  for (int i = 0; i < kB * C8 / kBT; ++i) {
+    const int c = threadIdx.x + i * kBT, r = c / C8, d = 8 * (c % C8), row = r0 + r;
+    cp_async16(dst + 2u * (uint32_t)(r * bwd_ld<D>() + d), row < T ? src + (int64_t)row * ld + d : src, row < T);
   }
 }
-// dst[64] = src[r0 .. r0 + 64) (zeros past T).
-__device__ __forceinline__ void load_vec64(float* dst, const float* __restrict__ src, int r0, int T) {
-  for (int i = threadIdx.x; i < kB; i += kBT) dst[i] = r0 + i < T ? src[r0 + i] : 0.0f;
+// cp.async of lse[r0 .. r0 + 64) (threads 0..63) and delta[r0 .. r0 + 64) (threads 64..127)
+// into the [64] fp32 vectors at shared addresses ls and dl (zeros past T).
+__device__ __forceinline__ void issue_vecs(uint32_t ls, const float* __restrict__ lse, uint32_t dl,
+                                           const float* __restrict__ delta, int r0, int T) {
+  static_assert(kBT == 2 * kB, "one element per thread");
+  const int i = threadIdx.x % kB, row = r0 + i;
+  const float* src = threadIdx.x < kB ? lse : delta;
+  cp_async4((threadIdx.x < kB ? ls : dl) + 4u * (uint32_t)i, row < T ? src + row : src, row < T);
 }
 
 // acc[n] (n < kC / 8: columns [8 n, 8 n + 8) of the chunk) += A (16 rows x D, ldmatrix at
@@ -194,38 +219,49 @@ __device__ __forceinline__ void store_acc(float* dst, int64_t ld, int row0, int 
 // x owns keys k0 = 64 x + [0, 64) of kv head kh = y, batch b = z (x = 0, the longest, first);
 // warp w the 16 keys wk = k0 + 16 w + [0, 16), its dK, dV [16 keys, D] in registers
 // (dk[D / 8][4], dv[D / 8][4]: accumulator layout, row = key, col = dim). Ks, Vs: the
-// block's keys, loaded once; for each query head h = kh G + g (g in order) and query tile
-// q0 = k0, k0 + 64, ... < T (in order) all threads load Qs, dOs (queries [q0, q0 + 64)), lse
-// and delta; warp w walks the tile's two 32-query chunks (skipping one wholly before its
-// keys): S^T = K_w Q^T, dP^T = V_w dO^T (score_chunk: A = K_w / V_w rows by a_ldm, B = Q /
-// dO rows by k_ldm; s[n][i] at key wk + g + 8 (i / 2), query 8 n + 2 t + i % 2 of the chunk),
-// P^T and dS^T elementwise in place, then dV += P^T dO, dK += dS^T Q (grad_chunk: A = the
-// accumulators, B = dO / Q by v_ldm .trans, k = query, n = dim).
+// block's keys, loaded once; step j = 0, 1, ... walks each query head h = kh G + g (g in
+// order) and, within it, the query tiles q0 = k0, k0 + 64, ... < T (in order): Qs, dOs
+// (queries [q0, q0 + 64)), lse and delta of step j lie in buffer j % 2, copied by cp.async
+// during step j - 1 (step 0's with Ks, Vs); warp w walks the tile's two 32-query chunks
+// (skipping one wholly before its keys): S^T = K_w Q^T, dP^T = V_w dO^T (score_chunk: A = K_w
+// / V_w rows by a_ldm, B = Q / dO rows by k_ldm; s[n][i] at key wk + g + 8 (i / 2), query
+// 8 n + 2 t + i % 2 of the chunk), P^T and dS^T elementwise in place, then dV += P^T dO,
+// dK += dS^T Q (grad_chunk: A = the accumulators, B = dO / Q by v_ldm .trans, k = query,
+// n = dim).
 template <class T16, int D>
 __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
     attention_mma_dkv_kernel(float* __restrict__ dqkv, const T16* __restrict__ qkv, const T16* __restrict__ dout,
                              const float* __restrict__ lse, const float* __restrict__ delta, BwdDims z) {
   static_assert(D == 64 || D == 128, "D = 64 or 128");
   constexpr int LD = bwd_ld<D>();
+  constexpr uint32_t kTileB = bwd_tile_bytes<D>();
+  // tiles: K, V, then (Q, dO) of buffer 0 and of buffer 1; then (lse, delta) of buffers 0, 1
   extern __shared__ __align__(128) unsigned char smem[];
-  T16* Ks = reinterpret_cast<T16*>(smem);  // [64 keys][LD]
-  T16* Vs = Ks + kB * LD;
-  T16* Qs = Vs + kB * LD;                  // [64 queries][LD]
-  T16* dOs = Qs + kB * LD;
-  float* Ls = reinterpret_cast<float*>(smem + 4 * bwd_tile_bytes<D>());  // [64]
-  float* Dl = Ls + kB;                                                    // [64]
+  const float* vecs = reinterpret_cast<const float*>(smem + 6 * kTileB);  // [2][lse, delta][64]
 
   const int k0 = blockIdx.x * kB, kh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wk = k0 + 16 * warp;
   const T16* base = qkv + (int64_t)b * z.T * z.W;
-  load_tile<T16, D>(Ks, base + (int64_t)(z.NH + kh) * D, z.W, k0, z.T);
-  load_tile<T16, D>(Vs, base + (int64_t)(z.NH + z.NKV + kh) * D, z.W, k0, z.T);
+  const uint32_t ks = (uint32_t)__cvta_generic_to_shared(smem), vs = ks + kTileB;
+  const uint32_t vec_s = ks + 6 * kTileB;
+  const int nq = (z.T - k0 + kB - 1) / kB, steps = z.G * nq;  // query tiles per head (k0 < T), steps
+  // Step j's Q, dO, lse, delta (head kh G + j / nq, queries from k0 + 64 (j % nq)) into buffer j % 2.
+  auto issue_step = [&](int j) {
+    const int h = kh * z.G + j / nq, q0 = k0 + kB * (j % nq);
+    const int64_t bh = (int64_t)b * z.NH + h;
+    const uint32_t qs = ks + (2 + 2 * (j % 2)) * kTileB, vb = vec_s + (uint32_t)(j % 2) * 2 * kB * 4;
+    issue_tile<T16, D>(qs, base + (int64_t)h * D, z.W, q0, z.T);
+    issue_tile<T16, D>(qs + kTileB, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
+    issue_vecs(vb, lse + bh * z.T, vb + kB * 4, delta + bh * z.T, q0, z.T);
+  };
+  issue_tile<T16, D>(ks, base + (int64_t)(z.NH + kh) * D, z.W, k0, z.T);
+  issue_tile<T16, D>(vs, base + (int64_t)(z.NH + z.NKV + kh) * D, z.W, k0, z.T);
+  issue_step(0);
+  cp_async_commit();
 
   const uint32_t a_off = 2u * (uint32_t)((16 * warp + ml::a_ldm_row(lane)) * LD + ml::a_ldm_col(lane));
   const uint32_t b_off = 2u * (uint32_t)(ml::k_ldm_key(lane) * LD + ml::k_ldm_dim(lane));
   const uint32_t bt_off = 2u * (uint32_t)(ml::v_ldm_key(lane) * LD + ml::v_ldm_dim(lane));
-  const uint32_t ks = (uint32_t)__cvta_generic_to_shared(Ks), vs = (uint32_t)__cvta_generic_to_shared(Vs);
-  const uint32_t qs = (uint32_t)__cvta_generic_to_shared(Qs), dos = (uint32_t)__cvta_generic_to_shared(dOs);
 
   float dk[D / 8][4], dv[D / 8][4];
   #pragma unroll
@@ -233,39 +269,39 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
     #pragma unroll
     for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.0f;
 
-  for (int gq = 0; gq < z.G; ++gq) {
-    const int h = kh * z.G + gq;
-    const int64_t bh = (int64_t)b * z.NH + h;
-    for (int q0 = k0; q0 < z.T; q0 += kB) {
-      __syncthreads();  // every warp is done with the previous Qs, dOs, Ls, Dl (and Ks, Vs stored)
-      load_tile<T16, D>(Qs, base + (int64_t)h * D, z.W, q0, z.T);
-      load_tile<T16, D>(dOs, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
-      load_vec64(Ls, lse + bh * z.T, q0, z.T);
-      load_vec64(Dl, delta + bh * z.T, q0, z.T);
-      __syncthreads();
-      #pragma unroll 1
-      for (int qc = 0; qc < kB; qc += kC) {
-        const int qa = q0 + qc;  // the chunk's first query
-        if (qa + kC - 1 < wk) continue;  // every query precedes every key of the warp: P = 0
-        float s[kC / 8][4], dp[kC / 8][4];
-        auto skip8 = [&](int n) { return qa + 8 * n + 7 < wk; };  // 8 queries all before the keys
-        score_chunk<T16, D>(s, ks + a_off, qs + b_off + 2u * (uint32_t)(qc * LD), skip8);
-        score_chunk<T16, D>(dp, vs + a_off, dos + b_off + 2u * (uint32_t)(qc * LD), skip8);
+  for (int j = 0; j < steps; ++j) {
+    cp_async_wait_all();  // this thread's copies of step j (and at j = 0 of K, V) have landed
+    __syncthreads();      // every thread's have; every warp is done with step j - 1's buffer
+    if (j + 1 < steps) {  // step j + 1's tiles in flight into the other buffer during this step
+      issue_step(j + 1);
+      cp_async_commit();
+    }
+    const int q0 = k0 + kB * (j % nq);
+    const uint32_t qs = ks + (2 + 2 * (j % 2)) * kTileB, dos = qs + kTileB;
+    const float* Ls = vecs + (j % 2) * 2 * kB;  // [64]
+    const float* Dl = Ls + kB;                  // [64]
+    #pragma unroll 1
+    for (int qc = 0; qc < kB; qc += kC) {
+      const int qa = q0 + qc;  // the chunk's first query
+      if (qa + kC - 1 < wk) continue;  // every query precedes every key of the warp: P = 0
+      float s[kC / 8][4], dp[kC / 8][4];
+      auto skip8 = [&](int n) { return qa + 8 * n + 7 < wk; };  // 8 queries all before the keys
+      score_chunk<T16, D>(s, ks + a_off, qs + b_off + 2u * (uint32_t)(qc * LD), skip8);
+      score_chunk<T16, D>(dp, vs + a_off, dos + b_off + 2u * (uint32_t)(qc * LD), skip8);
+      #pragma unroll
+      for (int n = 0; n < kC / 8; ++n)
         #pragma unroll
-        for (int n = 0; n < kC / 8; ++n)
-          #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int key = wk + ml::c_row(lane, i), ql = qc + 8 * n + ml::c_col(lane, i), t = q0 + ql;
-            const bool seen = key <= t && t < z.T;
-            const float p = seen ? expf(s[n][i] * z.scale - Ls[ql]) : 0.0f;
-            const float ds = seen ? p * (dp[n][i] - Dl[ql]) * z.scale : 0.0f;
-            s[n][i] = p;
-            dp[n][i] = ds;
-          }
-        auto skip16 = [&](int st) { return qa + 16 * st + 15 < wk; };
-        grad_chunk<T16, D>(dv, s, dos + bt_off + 2u * (uint32_t)(qc * LD), skip16);
-        grad_chunk<T16, D>(dk, dp, qs + bt_off + 2u * (uint32_t)(qc * LD), skip16);
-      }
+        for (int i = 0; i < 4; ++i) {
+          const int key = wk + ml::c_row(lane, i), ql = qc + 8 * n + ml::c_col(lane, i), t = q0 + ql;
+          const bool seen = key <= t && t < z.T;
+          const float p = seen ? expf(s[n][i] * z.scale - Ls[ql]) : 0.0f;
+          const float ds = seen ? p * (dp[n][i] - Dl[ql]) * z.scale : 0.0f;
+          s[n][i] = p;
+          dp[n][i] = ds;
+        }
+      auto skip16 = [&](int st) { return qa + 16 * st + 15 < wk; };
+      grad_chunk<T16, D>(dv, s, dos + bt_off + 2u * (uint32_t)(qc * LD), skip16);
+      grad_chunk<T16, D>(dk, dp, qs + bt_off + 2u * (uint32_t)(qc * LD), skip16);
     }
   }
   float* rows = dqkv + (int64_t)b * z.T * z.W;
@@ -276,40 +312,43 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
 // dQ: attention_mma_dq_kernel<T16, D>. Grid (ceil(T / 64), NH, B), 128 threads; block x owns
 // the query rows q0 = 64 qt + [0, 64), qt = gridDim.x - 1 - x (the longest first), of head
 // h = y, batch b = z; warp w the 16 rows wq = q0 + 16 w + [0, 16), its dQ [16, D] in
-// registers (dq[D / 8][4]). Qs, dOs, lse, delta: loaded once; for each key tile k0 = 0, 64,
-// ..., q0 (in order) all threads load Ks, Vs; warp w walks the tile's two 32-key chunks in
-// order, stopping at the first wholly after its rows: S = Q_w K^T, dP = dO_w V^T (score_chunk:
-// A = Q_w / dO_w rows by a_ldm, B = K / V rows by k_ldm; s[n][i] at row wq + g + 8 (i / 2),
-// key 8 n + 2 t + i % 2 of the chunk), P, dS elementwise, then dQ += dS K (grad_chunk: A =
-// the dS accumulators, B = K by v_ldm .trans, k = key, n = dim).
+// registers (dq[D / 8][4]). Qs, dOs, lse, delta: loaded once; the key tiles k0 = 64 j,
+// j = 0, 1, ..., q0 / 64 (in order) lie in buffer j % 2, copied by cp.async during step j - 1
+// (step 0's with Qs, dOs); warp w walks the tile's two 32-key chunks in order, stopping at
+// the first wholly after its rows: S = Q_w K^T, dP = dO_w V^T (score_chunk: A = Q_w / dO_w
+// rows by a_ldm, B = K / V rows by k_ldm; s[n][i] at row wq + g + 8 (i / 2), key 8 n + 2 t +
+// i % 2 of the chunk), P, dS elementwise, then dQ += dS K (grad_chunk: A = the dS
+// accumulators, B = K by v_ldm .trans, k = key, n = dim).
 template <class T16, int D>
 __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
     attention_mma_dq_kernel(float* __restrict__ dqkv, const T16* __restrict__ qkv, const T16* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ delta, BwdDims z) {
   static_assert(D == 64 || D == 128, "D = 64 or 128");
   constexpr int LD = bwd_ld<D>();
+  constexpr uint32_t kTileB = bwd_tile_bytes<D>();
+  // tiles: Q, dO, then (K, V) of buffer 0 and of buffer 1; then lse, delta
   extern __shared__ __align__(128) unsigned char smem[];
-  T16* Qs = reinterpret_cast<T16*>(smem);  // [64 queries][LD]
-  T16* dOs = Qs + kB * LD;
-  T16* Ks = dOs + kB * LD;                 // [64 keys][LD]
-  T16* Vs = Ks + kB * LD;
-  float* Ls = reinterpret_cast<float*>(smem + 4 * bwd_tile_bytes<D>());  // [64]
-  float* Dl = Ls + kB;                                                    // [64]
+  const float* Ls = reinterpret_cast<const float*>(smem + 6 * kTileB);  // [64]
+  const float* Dl = Ls + kB;                                             // [64]
 
   const int qt = gridDim.x - 1 - blockIdx.x, q0 = qt * kB, h = blockIdx.y, b = blockIdx.z, kh = h / z.G;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wq = q0 + 16 * warp;
   const int64_t bh = (int64_t)b * z.NH + h;
   const T16* base = qkv + (int64_t)b * z.T * z.W;
-  load_tile<T16, D>(Qs, base + (int64_t)h * D, z.W, q0, z.T);
-  load_tile<T16, D>(dOs, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
-  load_vec64(Ls, lse + bh * z.T, q0, z.T);
-  load_vec64(Dl, delta + bh * z.T, q0, z.T);
+  const T16* Kg = base + (int64_t)(z.NH + kh) * D;
+  const T16* Vg = base + (int64_t)(z.NH + z.NKV + kh) * D;
+  const uint32_t qs = (uint32_t)__cvta_generic_to_shared(smem), dos = qs + kTileB;
+  const uint32_t ls = qs + 6 * kTileB;
+  issue_tile<T16, D>(qs, base + (int64_t)h * D, z.W, q0, z.T);
+  issue_tile<T16, D>(dos, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
+  issue_vecs(ls, lse + bh * z.T, ls + kB * 4, delta + bh * z.T, q0, z.T);
+  issue_tile<T16, D>(qs + 2 * kTileB, Kg, z.W, 0, z.T);  // key tile 0 into buffer 0
+  issue_tile<T16, D>(qs + 3 * kTileB, Vg, z.W, 0, z.T);
+  cp_async_commit();
 
   const uint32_t a_off = 2u * (uint32_t)((16 * warp + ml::a_ldm_row(lane)) * LD + ml::a_ldm_col(lane));
   const uint32_t b_off = 2u * (uint32_t)(ml::k_ldm_key(lane) * LD + ml::k_ldm_dim(lane));
   const uint32_t bt_off = 2u * (uint32_t)(ml::v_ldm_key(lane) * LD + ml::v_ldm_dim(lane));
-  const uint32_t ks = (uint32_t)__cvta_generic_to_shared(Ks), vs = (uint32_t)__cvta_generic_to_shared(Vs);
-  const uint32_t qs = (uint32_t)__cvta_generic_to_shared(Qs), dos = (uint32_t)__cvta_generic_to_shared(dOs);
 
   float dq[D / 8][4];
   #pragma unroll
@@ -317,11 +356,17 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
     #pragma unroll
     for (int i = 0; i < 4; ++i) dq[n][i] = 0.0f;
 
-  for (int k0 = 0; k0 <= q0; k0 += kB) {
-    __syncthreads();  // every warp is done with the previous Ks, Vs (and Qs, dOs, Ls, Dl stored)
-    load_tile<T16, D>(Ks, base + (int64_t)(z.NH + kh) * D, z.W, k0, z.T);
-    load_tile<T16, D>(Vs, base + (int64_t)(z.NH + z.NKV + kh) * D, z.W, k0, z.T);
-    __syncthreads();
+  for (int j = 0; j <= qt; ++j) {
+    cp_async_wait_all();  // this thread's copies of key tile j (and at j = 0 of Q, dO, lse, delta) landed
+    __syncthreads();      // every thread's have; every warp is done with key tile j - 1's buffer
+    if (j < qt) {         // key tile j + 1 in flight into the other buffer during this one
+      const uint32_t next = qs + (2 + 2 * ((j + 1) % 2)) * kTileB;
+      issue_tile<T16, D>(next, Kg, z.W, kB * (j + 1), z.T);
+      issue_tile<T16, D>(next + kTileB, Vg, z.W, kB * (j + 1), z.T);
+      cp_async_commit();
+    }
+    const int k0 = kB * j;
+    const uint32_t ks = qs + (2 + 2 * (j % 2)) * kTileB, vs = ks + kTileB;
     #pragma unroll 1
     for (int kc = 0; kc < kB; kc += kC) {
       const int ka = k0 + kc;  // the chunk's first key
