@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/tensor.h"
 #include "ops/attention.h"
+#include "ops/autocast.h"
 #include "op_harness.h"
 
 using namespace mt;
@@ -385,6 +386,24 @@ RingResult ring_attention(const Heads& h, int T, int cp, VecF qkv, VecF dout, bo
 }
 
 }  // namespace
+
+// The CPU's fused attention reads fp32 only: attention_fused_reads_16bit is false for a
+// 16-bit qkv there, even under the matching scope (the model then hands it fp32), and the ops
+// refuse a 16-bit qkv with a message naming f32.
+TEST(Ops, AttentionFusedReadsSixteenBitsOnlyOnTheGpu) {
+  std::vector<uint16_t> q16(12, 0);
+  VecF a(4, 0.0f), b(4, 0.0f), c(12, 0.0f);
+  const Tensor qkv16 = Tensor::wrap(q16.data(), {1, 1, 12}, DType::bf16);
+  Autocast scope(DType::bf16);
+  EXPECT_FALSE(attention_fused_reads_16bit(qkv16, 2, 2));
+  EXPECT_FALSE(attention_fused_reads_16bit(tf(c, {1, 1, 12}), 2, 2));
+  try {
+    attention_fused_forward(tf(a, {1, 1, 4}), tf(b, {1, 2, 1}), qkv16, 2, 2);
+    ADD_FAILURE() << "a bf16 qkv on the CPU was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("f32"), std::string::npos) << e.what();
+  }
+}
 
 // Single parts against the float64 reference, in every geometry: the diagonal (off = 0)
 // away from the buffers' first rows, all keys visible, none, and partial overlaps either

@@ -630,10 +630,17 @@ Tensor to_dev16(const VecF& v, const Shape& s, DType dt) {
 // reads it (in16: converted to a dt tensor; else rounded in place), as a block keeps it. kernel
 // 0: attention_fused_* under a scope of dtype `scope`; 1: the mma kernels, 2: the WMMA ones
 // (attention_tc_*, dt).
+// offset > 0 (in16): the 16-bit qkv a view that many elements into its buffer.
 GpuResult run_operands(int kernel, DType dt, DType scope, bool in16, const VecF& qkv16, VecF& dout, int B, int T,
-                       int NH, int NKV, int D) {
+                       int NH, int NKV, int D, int offset = 0) {
   const int W = (NH + 2 * NKV) * D;
-  const Tensor qkv = in16 ? to_dev16(qkv16, {B, T, W}, dt) : to_dev(qkv16, {B, T, W});
+  Tensor qkv = to_dev(qkv16, {B, T, W});
+  if (in16) {
+    const Tensor buf = Tensor::empty({(int64_t)B * T * W + offset}, dt, gpu(), MemTag::activations);
+    const Tensor view = buf.view(offset, {B, T, W});
+    view.convert_from(qkv);
+    qkv = view;
+  }
   Tensor dout_d = to_dev(dout, {B, T, NH * D});
   Tensor out_d = poisoned({B, T, NH * D}), lse_d = poisoned({B, NH, T}), dqkv_d = poisoned({B, T, W});
   Autocast guard(scope);
@@ -657,8 +664,12 @@ GpuResult run_operands(int kernel, DType dt, DType scope, bool in16, const VecF&
 // and rounding a 16-bit number again changes nothing. For the explicit mma and WMMA kernels
 // (D = 64 and 128, grouped-query heads, T across the tiles), attention_fused_* under the
 // scope (the dispatch), at D = 40 (the fp32 kernels under a bf16 scope) and at D = 64
-// outside any scope (the fp32 kernels): out, lse and dqkv bit for bit, bf16 and f16. A 16-bit
-// qkv of the other 16-bit dtype than the scope's is refused (rounding it would round twice).
+// outside any scope (the fp32 kernels): out, lse and dqkv bit for bit, bf16 and f16; the mma
+// kernels at T = 1024 (16 key tiles through both buffers) give the same bits on a rerun.
+// attention_fused_reads_16bit says which of these read the 16 bits as they are: a 16-bit qkv
+// 4 elements into its buffer (8 bytes: not 16-byte aligned) does not, and takes the WMMA
+// kernels (the bits of the explicit WMMA run). A 16-bit qkv of the other 16-bit dtype than
+// the scope's is refused (rounding it would round twice).
 TEST(CudaAttentionTc, SixteenBitOperandsGiveTheBitsOfTheirFp32Values) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   std::mt19937 g(6161);
@@ -669,7 +680,7 @@ TEST(CudaAttentionTc, SixteenBitOperandsGiveTheBitsOfTheirFp32Values) {
   for (Op c : {Op{1, 2, 130, 4, 2, 64, DType::bf16, DType::bf16}, {1, 1, 77, 4, 1, 128, DType::f16, DType::f16},
                {2, 2, 130, 4, 2, 64, DType::f16, DType::f16}, {2, 1, 77, 2, 1, 128, DType::bf16, DType::bf16},
                {0, 2, 200, 4, 2, 64, DType::bf16, DType::bf16}, {0, 1, 70, 4, 2, 40, DType::bf16, DType::bf16},
-               {0, 1, 70, 2, 2, 64, DType::f16, DType::f32}}) {
+               {0, 1, 70, 2, 2, 64, DType::f16, DType::f32}, {1, 1, 1024, 4, 2, 64, DType::bf16, DType::bf16}}) {
     const int W = (c.NH + 2 * c.NKV) * c.D;
     SCOPED_TRACE(testing::Message() << "kernel " << c.kernel << " B=" << c.B << " T=" << c.T << " NH=" << c.NH
                                     << " NKV=" << c.NKV << " D=" << c.D << " " << dtype_name(c.dt) << " under "
@@ -683,6 +694,34 @@ TEST(CudaAttentionTc, SixteenBitOperandsGiveTheBitsOfTheirFp32Values) {
     EXPECT_TRUE(same_bits(a.dqkv, f.dqkv)) << "dqkv";
     // every element written: a NaN left from the poison is infinitely far
     EXPECT_LT(rel_err(a.out, f.out) + rel_err(a.lse, f.lse) + rel_err(a.dqkv, f.dqkv), 1e-30);
+    const GpuResult again = run_operands(c.kernel, c.dt, c.scope, true, qkv16, dout, c.B, c.T, c.NH, c.NKV, c.D);
+    EXPECT_TRUE(same_bits(a.out, again.out) && same_bits(a.lse, again.lse) && same_bits(a.dqkv, again.dqkv))
+        << "rerun";
+  }
+  {  // which calls read the 16 bits as they are
+    std::mt19937 g2(3);
+    const int B = 1, T = 130, NH = 4, NKV = 2, W = (NH + 2 * NKV) * 64;
+    const VecF qkv16 = rounded(DType::bf16, randv((size_t)B * T * W, g2, -2, 2));
+    VecF dout = randv((size_t)B * T * NH * 64, g2);
+    Autocast scope(DType::bf16);
+    const Tensor q32 = to_dev(qkv16, {B, T, W}), q16 = to_dev16(qkv16, {B, T, W}, DType::bf16);
+    const bool env = std::getenv("MESHTRAIN_ATTENTION_KERNEL") != nullptr;
+    EXPECT_EQ(attention_fused_reads_16bit(q16, NH, NKV), !env);
+    EXPECT_FALSE(attention_fused_reads_16bit(q32, NH, NKV));
+    EXPECT_FALSE(attention_fused_reads_16bit(to_dev16(qkv16, {B, T, W}, DType::f16), NH, NKV));
+    const int W40 = (NH + 2 * NKV) * 40;
+    EXPECT_FALSE(attention_fused_reads_16bit(to_dev16(VecF((size_t)B * T * W40, 0.5f), {B, T, W40}, DType::bf16),
+                                             NH, NKV));
+    const Tensor buf = Tensor::empty({(int64_t)B * T * W + 4}, DType::bf16, gpu(), MemTag::activations);
+    EXPECT_FALSE(attention_fused_reads_16bit(buf.view(4, {B, T, W}), NH, NKV)) << "8-byte aligned";
+    {
+      Autocast off(DType::f32);
+      EXPECT_FALSE(attention_fused_reads_16bit(q16, NH, NKV)) << "outside a 16-bit scope";
+    }
+    const GpuResult mis = run_operands(0, DType::bf16, DType::bf16, true, qkv16, dout, B, T, NH, NKV, 64, 4);
+    const GpuResult wmma = run_operands(2, DType::bf16, DType::bf16, true, qkv16, dout, B, T, NH, NKV, 64);
+    EXPECT_TRUE(same_bits(mis.out, wmma.out) && same_bits(mis.lse, wmma.lse) && same_bits(mis.dqkv, wmma.dqkv))
+        << "a misaligned 16-bit qkv takes the WMMA kernels";
   }
   const int B = 1, T = 5, NH = 2, NKV = 1, D = 64, W = (NH + 2 * NKV) * D;
   const VecF v = randv((size_t)B * T * W, g);

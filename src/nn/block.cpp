@@ -366,8 +366,10 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
   }
   round_and_keep(qkv, a.qkv);
   const Tensor atty = fp32_home(a.atty, s.atty);
-  if (cfg.fused_attention()) env.cp.attention_forward(atty, a.lse, env.cp.takes_kept(a.qkv) ? a.qkv : qkv, NH, NKV);
-  else attention_forward(atty, a.att, qkv, NH, NKV);
+  if (cfg.fused_attention())  // the kept 16-bit q|k|v where the kernels read them as they are
+    env.cp.attention_forward(atty, a.lse, env.cp.takes_kept(a.qkv, NH, NKV) ? a.qkv : qkv, NH, NKV);
+  else
+    attention_forward(atty, a.att, qkv, NH, NKV);
   round_and_keep(atty, a.atty);
   row_parallel_forward(env, a.mid, a.atty, p.wo, opt(p.bo), s.seq);
 
@@ -439,7 +441,7 @@ void block_backward(const BlockEnv& env, const Unit& u, const BlockActs& acts, c
 
   // attention branch: mid = x + proj(atty)
   layer_backward(Layer::wo, row_parallel_dy(env, opt(g.g_bo), dresid, dwo), s.datty, p.wo, true, dwo);
-  if (cfg.fused_attention() && env.cp.takes_kept(a.qkv)) {  // 16-bit q|k|v and out read as they are
+  if (cfg.fused_attention() && env.cp.takes_kept(a.qkv, NH, NKV)) {  // 16-bit q|k|v and out read as they are
     env.cp.attention_backward(dqkv, s.datty, a.qkv, a.atty, a.lse, NH, NKV);
   } else {
     const Tensor qkv = widened(a.qkv, s.qkv);

@@ -30,6 +30,8 @@ void CpMappings::attention_backward(const Tensor& dqkv, const Tensor& dout, cons
   attention_fused_backward(dqkv, dout, qkv, out, lse, n_head, n_kv_head);
 }
 
-bool CpMappings::takes_kept(const Tensor& kept) const { return kept.device() == Device::cuda; }
+bool CpMappings::takes_kept(const Tensor& kept, int n_head, int n_kv_head) const {
+  return attention_fused_reads_16bit(kept, n_head, n_kv_head);
+}
 
 }  // namespace mt

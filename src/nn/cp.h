@@ -35,10 +35,10 @@ class CpMappings {
   // gradients other ranks' queries send back for its keys and values.
   virtual void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                   const Tensor& lse, int n_head, int n_kv_head);
-  // Whether the two take q|k|v and out as a block keeps them (`kept`: in 16 bits under bf16
-  // or fp16): one rank's fused ops on the GPU (ops/attention.h). Else the caller widens them
-  // to fp32 first.
-  virtual bool takes_kept(const Tensor& kept) const;
+  // Whether the two should be given q|k|v and out as a block keeps them in 16 bits (`kept`:
+  // q|k|v under bf16 or fp16): where one rank's fused ops read them as they are
+  // (attention_fused_reads_16bit). Else the caller hands them fp32.
+  virtual bool takes_kept(const Tensor& kept, int n_head, int n_kv_head) const;
 };
 
 }  // namespace mt

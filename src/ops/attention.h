@@ -50,6 +50,11 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
 // qkv, out and lse.
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, int n_head, int n_kv_head);
+// Whether the two read a 16-bit qkv (and out) as it is under the current Autocast scope:
+// qkv in the scope's 16-bit dtype on the GPU, where the tensor-core kernels that read 16
+// bits apply (head dims 64 and 128, a 16-byte aligned qkv, MESHTRAIN_ATTENTION_KERNEL unset).
+// Elsewhere hand them fp32: a 16-bit qkv would be widened into scratch (GPU) or refused (CPU).
+bool attention_fused_reads_16bit(const Tensor& qkv, int n_head, int n_kv_head);
 
 // Rows [first, first + count) of a [B, T, ...] buffer (every batch entry alike), row `first`
 // at sequence position `position` (>= 0), the next at position + 1, ...

@@ -518,6 +518,11 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
   part_forward({s, s.T, all, all}, out.f32(), lse.f32(), qkv.f32(), qkv.f32(), false);
 }
 
+bool attention_fused_reads_16bit(const Tensor& qkv, int n_head, int n_kv_head) {
+  MT_TRY_ON_CUDA(qkv, attention_fused_reads_16bit(qkv, n_head, n_kv_head));
+  return false;
+}
+
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, int n_head, int n_kv_head) {
   ProfileScope profile_scope("attention_backward");

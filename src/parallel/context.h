@@ -37,7 +37,9 @@ class ContextParallel final : public CpMappings {
   void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                           const Tensor& lse, int n_head, int n_kv_head) override;
   // The ring's parts read fp32 only.
-  bool takes_kept(const Tensor& kept) const override { return cp_.size() == 1 && CpMappings::takes_kept(kept); }
+  bool takes_kept(const Tensor& kept, int n_head, int n_kv_head) const override {
+    return cp_.size() == 1 && CpMappings::takes_kept(kept, n_head, n_kv_head);
+  }
 
  private:
   struct Ring;  // one pass's geometry and buffers

@@ -561,6 +561,13 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
   launch_forward(out.f32(), lse.f32(), q32.f32(), q32.f32(), make_dims(s, s.T, all, all), s.B);
 }
 
+bool attention_fused_reads_16bit(const Tensor& qkv, int n_head, int n_kv_head) {
+  const DType dt = autocast_dtype();
+  if (dt == DType::f32 || qkv.dtype() != dt) return false;
+  const AttentionShape s = checked_shape(qkv, n_head, n_kv_head, "attention_fused_reads_16bit");
+  return attention_tc_supported(s.D) && attention_tc_reads_16bit(qkv, s);
+}
+
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, int n_head, int n_kv_head) {
   const char* op = "attention_fused_backward";

@@ -651,9 +651,17 @@ bool attention_tc_supported(int64_t D) { return D >= kF && D <= kMaxD && D % kF 
 static bool wmma_from_env() {
   static const bool k = [] {
     const char* e = std::getenv("MESHTRAIN_ATTENTION_KERNEL");
+    MT_CHECK(e == nullptr || *e == '\0' || std::strcmp(e, "wmma") == 0,
+             "MESHTRAIN_ATTENTION_KERNEL=" << e << " is not a kernel choice: set it to wmma (the WMMA kernels "
+                                                  "everywhere) or leave it unset (the mma.sync kernels where they apply)");
     return e != nullptr && std::strcmp(e, "wmma") == 0;
   }();
   return k;
+}
+
+bool attention_tc_reads_16bit(const Tensor& qkv, const AttentionShape& s) {
+  return !wmma_from_env() && attention_mma_supported(s.D) && qkv.dtype() != DType::f32 &&
+         reinterpret_cast<uintptr_t>(qkv.raw()) % 16 == 0;
 }
 
 void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt,

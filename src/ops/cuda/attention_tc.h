@@ -21,6 +21,11 @@ namespace mt::cuda {
 // Whether the tensor-core kernels take head dim D: D % 16 == 0 and 16 <= D <= 128.
 bool attention_tc_supported(int64_t D);
 
+// Whether the automatic choice of both entry points below reads a 16-bit qkv as it is (the
+// mma.sync kernels: D = 64 or 128, qkv 16-byte aligned, MESHTRAIN_ATTENTION_KERNEL unset),
+// given an out and dqkv aligned as the allocator aligns them.
+bool attention_tc_reads_16bit(const Tensor& qkv, const AttentionShape& s);
+
 // Which forward kernel attention_tc_forward runs. automatic: the mma.sync kernel
 // (attention_mma.cu) where it applies (D = 64 or 128, a 16-bit qkv 16-byte and out 8-byte
 // aligned), the WMMA kernel otherwise, unless the environment variable

@@ -78,6 +78,7 @@ void rope_backward(const Tensor& dx, int n_rot, float theta, const int32_t* pos)
 
 // ops/attention.h (the fused, flash-style attention: no [T, T] buffer)
 void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head);
+bool attention_fused_reads_16bit(const Tensor& qkv, int n_head, int n_kv_head);
 void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                               const Tensor& lse, int n_head, int n_kv_head);
 
