@@ -82,6 +82,15 @@ if [[ $what == bench || $what == all ]]; then
   # GPU times (the step itself is slower so).
   CUDA_LAUNCH_BLOCKING=1 build-gpu/bench/bench_gpu_step --profile 1 --steps 5 2>&1 >/dev/null |
     tee "$out/profile.txt" | head -25
+  # The same without waiting: each op's time is then the host's cost of queueing it (and the
+  # waits for results), its step time the real one; a step near the sum of these host times
+  # is bound by the host, not the GPU.
+  build-gpu/bench/bench_gpu_step --profile 1 --steps 5 2>&1 >/dev/null | tee "$out/profile_host.txt" | head -12
+  # The attention kernels' share: the step with the WMMA kernels, then with the mma.sync ones.
+  for k in wmma ""; do
+    echo "MESHTRAIN_ATTENTION_KERNEL=${k:-(unset)}: $(MESHTRAIN_ATTENTION_KERNEL=$k build-gpu/bench/bench_gpu_step \
+      --precision bf16 --steps 10 2>/dev/null)"
+  done | tee "$out/attention_ab.txt"
   # The GELU fusions' share: the same step with them off (MESHTRAIN_FUSED_GELU=off), then on.
   for fused in off on; do
     echo "MESHTRAIN_FUSED_GELU=$fused: $(MESHTRAIN_FUSED_GELU=$fused build-gpu/bench/bench_gpu_step --precision bf16 \
