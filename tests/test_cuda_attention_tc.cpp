@@ -705,7 +705,8 @@ TEST(CudaAttentionTc, SixteenBitOperandsGiveTheBitsOfTheirFp32Values) {
     VecF dout = randv((size_t)B * T * NH * 64, g2);
     Autocast scope(DType::bf16);
     const Tensor q32 = to_dev(qkv16, {B, T, W}), q16 = to_dev16(qkv16, {B, T, W}, DType::bf16);
-    const bool env = std::getenv("MESHTRAIN_ATTENTION_KERNEL") != nullptr;
+    const char* e = std::getenv("MESHTRAIN_ATTENTION_KERNEL");
+    const bool env = e != nullptr && *e != '\0';  // set (to wmma: anything else is an error)
     EXPECT_EQ(attention_fused_reads_16bit(q16, NH, NKV), !env);
     EXPECT_FALSE(attention_fused_reads_16bit(q32, NH, NKV));
     EXPECT_FALSE(attention_fused_reads_16bit(to_dev16(qkv16, {B, T, W}, DType::f16), NH, NKV));
