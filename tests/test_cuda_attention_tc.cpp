@@ -10,7 +10,8 @@
 // lse, its rescale path, bit-identical reruns and the dispatch; and, without a GPU, its
 // fragment mappings emulated lane by lane and the whole kernel replayed on the host. The
 // mma.sync backward (attention_mma_backward.cu): against float64 and the WMMA backward on the
-// same out and lse, reruns, dispatch, and its replay on the host (attention_mma_emulation.h). Skips
+// same out and lse, reruns, dispatch, and its replay on the host (attention_mma_emulation.h). q|k|v
+// and out handed over in 16 bits against their fp32 values, bit for bit, on every path. Skips
 // the GPU tests without a GPU (the host-side checks of attention_tc_supported, the
 // tensor-core entry points' argument checks and the mma emulations run anyway).
 #include <gtest/gtest.h>
