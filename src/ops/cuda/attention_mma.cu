@@ -59,19 +59,20 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "ops/cuda/attention_mma_layout.h"
 #include "ops/cuda/attention_tc.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/mma_sync.cuh"
 
 namespace mt::cuda {
 
 namespace {
 
 namespace ml = mma_layout;
+using namespace mma_sync;
 
-constexpr int kN = 64;                 // keys per key tile
+constexpr int kN = kTileRows;          // keys per key tile (64)
 constexpr float kMmaSlack = 8.0f;      // the WMMA forward's kSlack (same lazy max)
 // Warps per block (warp w owns the block's query rows [16 w, 16 w + 16); 16 NW rows per
 // block): 8 at D = 64 (2 blocks of 128 rows per SM by registers; each K / V tile loaded once
@@ -84,93 +85,20 @@ struct MmaDims {
   float scale;
 };
 
-template <int D> constexpr int mma_ld() { return D + 8; }
-// One [64][D + 8] T16 tile; dynamic shared memory: two buffers of (K, V) tiles.
-template <int D> constexpr int mma_tile_bytes() { return kN * mma_ld<D>() * 2; }
-template <int D> constexpr int mma_smem_bytes() { return 4 * mma_tile_bytes<D>(); }
-
-// Two floats rounded to T16 and packed: lo in bits 0..15 (the lower column index).
-template <class T16> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
-template <> __device__ __forceinline__ uint32_t pack2<half>(float lo, float hi) {
-  half2 v = __floats2half2_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
-
-// d += A B (m16n8k16, fp32 accumulators), A in a[4], B in (b0, b1).
-template <class T16> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                              uint32_t b1);
-template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                                    uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ __forceinline__ void mma16816<half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                           uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// ldmatrix.x4 (optionally .trans) from the shared-memory address `addr` this lane supplies.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-
-// 16-byte cp.async global -> shared (.cg: through L2 only); src_size 0 writes zeros (rows >= T;
-// src is then a valid address that is not read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-               "l"((unsigned long long)__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-// cp.async of rows [r0, r0 + 64) of a [T, D] T16 matrix at src (row stride ld elements, rows
-// 16-byte aligned) into the [64][D + 8] tile at shared address dst, zeros past T: chunk
-// c = threadIdx.x + i (32 NW) of 8 elements is row c / (D / 8), dims 8 (c % (D / 8)) .. + 8.
-template <class T16, int D>
-__device__ __forceinline__ void issue_tile(uint32_t dst, const T16* __restrict__ src, int64_t ld, int r0, int T) {
-  constexpr int C8 = D / 8, NT = 32 * mma_warps<D>();
-  static_assert(kN * C8 % NT == 0, "whole chunks per thread");
-  #pragma unroll
-  for (int i = 0; i < kN * C8 / NT; ++i) {
-    const int c = threadIdx.x + i * NT, r = c / C8, d = 8 * (c % C8), row = r0 + r;
-    cp_async16(dst + 2u * (uint32_t)(r * mma_ld<D>() + d), row < T ? src + (int64_t)row * ld + d : src, row < T);
-  }
-}
+// Dynamic shared memory: two buffers of (K, V) tiles.
+template <int D> constexpr int mma_smem_bytes() { return 4 * tile_bytes<D>(); }
 
 template <class T16, int D>
 __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
     attention_mma_forward_kernel(float* __restrict__ out, float* __restrict__ lse, const T16* __restrict__ qkv,
                                  MmaDims z) {
   static_assert(D % 32 == 0 && D <= 128, "D = 64 or 128");
-  constexpr int LD = mma_ld<D>();
+  constexpr int LD = tile_ld<D>();
   constexpr int NQ = D / 16;  // k-steps of S = Q K^T (Q fragments)
   constexpr int NO = D / 8;   // O accumulators of 8 dims
   constexpr int NS = kN / 8;  // S accumulators of 8 keys
   constexpr int kM = 16 * mma_warps<D>();  // query rows per block
-  constexpr uint32_t kTileB = mma_tile_bytes<D>();
+  constexpr uint32_t kTileB = tile_bytes<D>();
   extern __shared__ __align__(128) unsigned char smem[];  // buffer f: K at 2 f kTileB, V at (2 f + 1) kTileB
 
   const int qt = gridDim.x - 1 - blockIdx.x, q0 = qt * kM, h = blockIdx.y, b = blockIdx.z, kh = h / z.G;
@@ -206,8 +134,8 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
   // key tiles: those holding a key <= the block's last row, and < T
   const int nkt = (int)min((int64_t)(q0 + kM + kN - 1) / kN, (int64_t)(z.T + kN - 1) / kN);
   const int wr = q0 + w0;  // the warp's first row
-  issue_tile<T16, D>(tiles, Kg, z.W, 0, z.T);  // tile 0 in flight, into buffer 0
-  issue_tile<T16, D>(tiles + kTileB, Vg, z.W, 0, z.T);
+  issue_tile<T16, D, 32 * mma_warps<D>()>(tiles, Kg, z.W, 0, z.T);  // tile 0 in flight, into buffer 0
+  issue_tile<T16, D, 32 * mma_warps<D>()>(tiles + kTileB, Vg, z.W, 0, z.T);
   cp_async_commit();
   for (int kt = 0; kt < nkt; ++kt) {
     const int k0 = kt * kN;
@@ -215,8 +143,8 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
     __syncthreads();      // every thread's have; every warp is done reading tile kt - 1's buffer
     if (kt + 1 < nkt) {   // tile kt + 1 in flight into the other buffer during this tile's products
       const uint32_t next = tiles + 2u * kTileB * (uint32_t)((kt + 1) % 2);
-      issue_tile<T16, D>(next, Kg, z.W, k0 + kN, z.T);
-      issue_tile<T16, D>(next + kTileB, Vg, z.W, k0 + kN, z.T);
+      issue_tile<T16, D, 32 * mma_warps<D>()>(next, Kg, z.W, k0 + kN, z.T);
+      issue_tile<T16, D, 32 * mma_warps<D>()>(next + kTileB, Vg, z.W, k0 + kN, z.T);
       cp_async_commit();
     }
     const uint32_t kb = k_lane + 2u * kTileB * (uint32_t)(kt % 2), vb = v_lane + 2u * kTileB * (uint32_t)(kt % 2);

@@ -34,19 +34,20 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "ops/cuda/attention_mma_layout.h"
 #include "ops/cuda/attention_tc.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/mma_sync.cuh"
 
 namespace mt::cuda {
 
 namespace {
 
 namespace ml = mma_layout;
+using namespace mma_sync;
 
-constexpr int kB = 64;        // rows per tile (keys or queries)
+constexpr int kB = kTileRows;  // rows per tile (keys or queries): 64
 constexpr int kBW = 4;        // warps per block; warp w owns rows [16 w, 16 w + 16) of its tile
 constexpr int kBT = 32 * kBW;  // threads per block
 constexpr int kC = 32;        // columns per chunk of the score products (4 accumulators of 8)
@@ -57,87 +58,11 @@ struct BwdDims {
   float scale;
 };
 
-template <int D> constexpr int bwd_ld() { return D + 8; }
-template <int D> constexpr int bwd_tile_bytes() { return kB * bwd_ld<D>() * 2; }
 // Dynamic shared memory: six tiles (dK/dV: K, V, then Q, dO of buffer 0 and of buffer 1; dQ:
 // Q, dO, then K, V of buffer 0 and of buffer 1), then two buffers of the [64] fp32 vectors
 // (lse, delta), of which the dQ kernel uses buffer 0.
-template <int D> constexpr int bwd_smem_bytes() { return 6 * bwd_tile_bytes<D>() + 4 * kB * 4; }
+template <int D> constexpr int bwd_smem_bytes() { return 6 * tile_bytes<D>() + 4 * kB * 4; }
 
-// Two floats rounded to T16 and packed: lo in bits 0..15 (the lower column index).
-template <class T16> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
-template <> __device__ __forceinline__ uint32_t pack2<half>(float lo, float hi) {
-  half2 v = __floats2half2_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
-
-// d += A B (m16n8k16, fp32 accumulators), A in a[4], B in (b0, b1).
-template <class T16> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                              uint32_t b1);
-template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                                    uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ __forceinline__ void mma16816<half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                           uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-
-// cp.async global -> shared of 16 bytes (.cg: through L2 only) or 4 bytes (.ca); src_size 0
-// writes zeros (src is then a valid address that is not read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-               "l"((unsigned long long)__cvta_generic_to_global(src)), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst),
-               "l"((unsigned long long)__cvta_generic_to_global(src)), "r"(valid ? 4 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-// cp.async of rows [r0, r0 + 64) of a [T, D] T16 matrix at src (row stride ld elements, rows
-// 16-byte aligned) into the [64][D + 8] tile at shared address dst, zeros past T: chunk
-// c = threadIdx.x + i kBT of 8 elements is row c / (D / 8), dims 8 (c % (D / 8)) .. + 8.
-template <class T16, int D>
-__device__ __forceinline__ void issue_tile(uint32_t dst, const T16* __restrict__ src, int64_t ld, int r0, int T) {
-  constexpr int C8 = D / 8;
-  static_assert(kB * C8 % kBT == 0, "whole chunks per thread");
-  #pragma unroll
-  for (int i = 0; i < kB * C8 / kBT; ++i) {
-    const int c = threadIdx.x + i * kBT, r = c / C8, d = 8 * (c % C8), row = r0 + r;
-    cp_async16(dst + 2u * (uint32_t)(r * bwd_ld<D>() + d), row < T ? src + (int64_t)row * ld + d : src, row < T);
-  }
-}
 // cp.async of lse[r0 .. r0 + 64) (threads 0..63) and delta[r0 .. r0 + 64) (threads 64..127)
 // into the [64] fp32 vectors at shared addresses ls and dl (zeros past T).
 __device__ __forceinline__ void issue_vecs(uint32_t ls, const float* __restrict__ lse, uint32_t dl,
@@ -154,7 +79,7 @@ __device__ __forceinline__ void issue_vecs(uint32_t ls, const float* __restrict_
 // skip(n) true are left alone (zero).
 template <class T16, int D, class Skip>
 __device__ __forceinline__ void score_chunk(float (&acc)[kC / 8][4], uint32_t a_lane, uint32_t b_lane, Skip skip) {
-  constexpr int LD = bwd_ld<D>();
+  constexpr int LD = tile_ld<D>();
   #pragma unroll
   for (int n = 0; n < kC / 8; ++n)
     #pragma unroll
@@ -181,7 +106,7 @@ __device__ __forceinline__ void score_chunk(float (&acc)[kC / 8][4], uint32_t a_
 template <class T16, int D, class Skip>
 __device__ __forceinline__ void grad_chunk(float (&out)[D / 8][4], const float (&p)[kC / 8][4], uint32_t bt_lane,
                                            Skip skip) {
-  constexpr int LD = bwd_ld<D>();
+  constexpr int LD = tile_ld<D>();
   #pragma unroll
   for (int st = 0; st < kC / 16; ++st) {
     if (skip(st)) continue;
@@ -233,8 +158,8 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
     attention_mma_dkv_kernel(float* __restrict__ dqkv, const T16* __restrict__ qkv, const T16* __restrict__ dout,
                              const float* __restrict__ lse, const float* __restrict__ delta, BwdDims z) {
   static_assert(D == 64 || D == 128, "D = 64 or 128");
-  constexpr int LD = bwd_ld<D>();
-  constexpr uint32_t kTileB = bwd_tile_bytes<D>();
+  constexpr int LD = tile_ld<D>();
+  constexpr uint32_t kTileB = tile_bytes<D>();
   // tiles: K, V, then (Q, dO) of buffer 0 and of buffer 1; then (lse, delta) of buffers 0, 1
   extern __shared__ __align__(128) unsigned char smem[];
   const float* vecs = reinterpret_cast<const float*>(smem + 6 * kTileB);  // [2][lse, delta][64]
@@ -250,12 +175,12 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
     const int h = kh * z.G + j / nq, q0 = k0 + kB * (j % nq);
     const int64_t bh = (int64_t)b * z.NH + h;
     const uint32_t qs = ks + (2 + 2 * (j % 2)) * kTileB, vb = vec_s + (uint32_t)(j % 2) * 2 * kB * 4;
-    issue_tile<T16, D>(qs, base + (int64_t)h * D, z.W, q0, z.T);
-    issue_tile<T16, D>(qs + kTileB, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
+    issue_tile<T16, D, kBT>(qs, base + (int64_t)h * D, z.W, q0, z.T);
+    issue_tile<T16, D, kBT>(qs + kTileB, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
     issue_vecs(vb, lse + bh * z.T, vb + kB * 4, delta + bh * z.T, q0, z.T);
   };
-  issue_tile<T16, D>(ks, base + (int64_t)(z.NH + kh) * D, z.W, k0, z.T);
-  issue_tile<T16, D>(vs, base + (int64_t)(z.NH + z.NKV + kh) * D, z.W, k0, z.T);
+  issue_tile<T16, D, kBT>(ks, base + (int64_t)(z.NH + kh) * D, z.W, k0, z.T);
+  issue_tile<T16, D, kBT>(vs, base + (int64_t)(z.NH + z.NKV + kh) * D, z.W, k0, z.T);
   issue_step(0);
   cp_async_commit();
 
@@ -324,8 +249,8 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
     attention_mma_dq_kernel(float* __restrict__ dqkv, const T16* __restrict__ qkv, const T16* __restrict__ dout,
                             const float* __restrict__ lse, const float* __restrict__ delta, BwdDims z) {
   static_assert(D == 64 || D == 128, "D = 64 or 128");
-  constexpr int LD = bwd_ld<D>();
-  constexpr uint32_t kTileB = bwd_tile_bytes<D>();
+  constexpr int LD = tile_ld<D>();
+  constexpr uint32_t kTileB = tile_bytes<D>();
   // tiles: Q, dO, then (K, V) of buffer 0 and of buffer 1; then lse, delta
   extern __shared__ __align__(128) unsigned char smem[];
   const float* Ls = reinterpret_cast<const float*>(smem + 6 * kTileB);  // [64]
@@ -339,11 +264,11 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
   const T16* Vg = base + (int64_t)(z.NH + z.NKV + kh) * D;
   const uint32_t qs = (uint32_t)__cvta_generic_to_shared(smem), dos = qs + kTileB;
   const uint32_t ls = qs + 6 * kTileB;
-  issue_tile<T16, D>(qs, base + (int64_t)h * D, z.W, q0, z.T);
-  issue_tile<T16, D>(dos, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
+  issue_tile<T16, D, kBT>(qs, base + (int64_t)h * D, z.W, q0, z.T);
+  issue_tile<T16, D, kBT>(dos, dout + (int64_t)b * z.T * z.OW + (int64_t)h * D, z.OW, q0, z.T);
   issue_vecs(ls, lse + bh * z.T, ls + kB * 4, delta + bh * z.T, q0, z.T);
-  issue_tile<T16, D>(qs + 2 * kTileB, Kg, z.W, 0, z.T);  // key tile 0 into buffer 0
-  issue_tile<T16, D>(qs + 3 * kTileB, Vg, z.W, 0, z.T);
+  issue_tile<T16, D, kBT>(qs + 2 * kTileB, Kg, z.W, 0, z.T);  // key tile 0 into buffer 0
+  issue_tile<T16, D, kBT>(qs + 3 * kTileB, Vg, z.W, 0, z.T);
   cp_async_commit();
 
   const uint32_t a_off = 2u * (uint32_t)((16 * warp + ml::a_ldm_row(lane)) * LD + ml::a_ldm_col(lane));
@@ -361,8 +286,8 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
     __syncthreads();      // every thread's have; every warp is done with key tile j - 1's buffer
     if (j < qt) {         // key tile j + 1 in flight into the other buffer during this one
       const uint32_t next = qs + (2 + 2 * ((j + 1) % 2)) * kTileB;
-      issue_tile<T16, D>(next, Kg, z.W, kB * (j + 1), z.T);
-      issue_tile<T16, D>(next + kTileB, Vg, z.W, kB * (j + 1), z.T);
+      issue_tile<T16, D, kBT>(next, Kg, z.W, kB * (j + 1), z.T);
+      issue_tile<T16, D, kBT>(next + kTileB, Vg, z.W, kB * (j + 1), z.T);
       cp_async_commit();
     }
     const int k0 = kB * j;
