@@ -20,16 +20,36 @@ fi
 echo "build: $(($(date +%s) - start)) s"
 status=0
 if [[ $what == tests || $what == all ]]; then
-  for t in build-gpu/tests/test_cuda_*; do
-    [[ -f $t && -x $t && $t != *.cmake ]] || continue
+  # The test programs run four at a time (each takes a little of the GPU); their results
+  # print in order once all are done. A program that fails reruns its failed tests with this
+  # tree's GPU speed work switched off, one switch at a time, so one run says which part broke.
+  progs=()
+  for t in build-gpu/tests/test_cuda_*; do [[ -f $t && -x $t && $t != *.cmake ]] && progs+=("$t"); done
+  for t in "${progs[@]}"; do
+    while (($(jobs -rp | wc -l) >= 4)); do wait -n; done
     name=$(basename "$t")
-    if "$t" --gtest_brief=1 > "$out/$name.log" 2>&1; then
+    ( "$t" --gtest_brief=1 > "$out/$name.log" 2>&1; echo $? > "$out/$name.rc" ) &
+  done
+  wait
+  for t in "${progs[@]}"; do
+    name=$(basename "$t")
+    if [[ $(cat "$out/$name.rc") == 0 ]]; then
       echo "$name: $(grep -E '^\[  PASSED  \]' "$out/$name.log")"
-    else
-      status=1
-      echo "$name: FAILED"
-      grep -E "Failure|error|Expected|Which is|actual|got|FAILED|mt::Error|what\(\)" "$out/$name.log" | head -40
+      continue
     fi
+    status=1
+    echo "$name: FAILED"
+    grep -E "Failure|error|Expected|Which is|actual|got|FAILED|mt::Error|what\(\)" "$out/$name.log" | head -40
+    failed=$(grep -oE '^\[  FAILED  \] [A-Za-z0-9_/.]+\.[A-Za-z0-9_/]+' "$out/$name.log" | awk '{print $4}' | sort -u | paste -sd:)
+    [[ -n $failed ]] || continue
+    for switch in MESHTRAIN_ATTENTION_KERNEL=wmma MESHTRAIN_FUSED_GELU=off; do
+      if env "$switch" "$t" --gtest_brief=1 --gtest_filter="$failed" > "$out/$name.${switch%%=*}.log" 2>&1; then
+        echo "  with $switch: the failed tests pass"
+      else
+        echo "  with $switch: still failing: $(grep -oE '^\[  FAILED  \] [A-Za-z0-9_/.]+\.[A-Za-z0-9_/]+' \
+          "$out/$name.${switch%%=*}.log" | awk '{print $4}' | sort -u | paste -sd' ')"
+      fi
+    done
   done
   # The communicator's collectives on GPU tensors: ranks sharing the GPU, and NCCL where the
   # machine has a GPU per rank (as root there: OMPI_ALLOW_RUN_AS_ROOT=1

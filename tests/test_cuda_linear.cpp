@@ -210,6 +210,74 @@ TEST(CudaLinear, SixteenBitActivationOperandsGiveTheirFp32Bits) {
   check_16bit_operands(37, 63, 48);
 }
 
+// A weight given as the model's 16-bit working copy (Unit::w16) goes straight into cuBLASLt
+// under a scope of its dtype and gives the bits of its fp32 widening (which the product
+// would round to the same 16 bits in aligned scratch: the same plan): forward with a bias,
+// the input gradient, both halves at once, both layouts, and the GELU products; outside a
+// scope it is widened. A weight of the other 16-bit dtype is refused.
+void check_16bit_weights(int64_t N, int64_t I, int64_t O) {
+  std::mt19937 g(13);
+  for (DType t : {DType::bf16, DType::f16})
+    for (DType scope : {t, DType::f32})
+      for (bool io : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " weight under a " + dtype_name(scope) + " scope, io " +
+                     std::to_string(io) + ", I " + std::to_string(I));
+        const Shape ws = io ? Shape{I, O} : Shape{O, I};
+        VecF w = randv(O * I, g);
+        round_to(t, w.data(), w.data(), O * I);
+        const Tensor w32 = to_dev(w, ws), w16 = Tensor::empty(ws, t, test::gpu(), MemTag::params);
+        w16.convert_from(w32);
+        const Tensor x = to_dev(randv(N * I, g), {N, I}), dy = to_dev(randv(N * O, g), {N, O});
+        const Tensor b = to_dev(randv(O, g), {O});
+        auto fwd = io ? &mt::linear_io_forward : &mt::linear_forward;
+        auto bin = io ? &mt::linear_io_backward_input : &mt::linear_backward_input;
+        auto both = io ? &mt::linear_io_backward : &mt::linear_backward;
+        const VecF dw0 = randv(O * I, g);
+        std::vector<VecF> out[2];
+        for (int k = 0; k < 2; ++k) {
+          const Tensor& wk = k ? w16 : w32;
+          const Tensor y = poisoned({N, O}), dx = poisoned({N, I}), dx2 = poisoned({N, I}), dw = to_dev(dw0, ws);
+          Autocast ac(scope);
+          fwd(y, x, wk, &b);
+          bin(dx, dy, wk, false);
+          both(dx2, dw, nullptr, dy, x, wk);
+          out[k] = {to_host(y), to_host(dx), to_host(dx2), to_host(dw)};
+          if (scope == DType::f32) continue;
+          if (!io) {  // the up projection with GELU: act and pre in 16 bits, widened to compare
+            const Tensor act = Tensor::empty({N, O}, t, test::gpu(), MemTag::activations);
+            const Tensor pre = Tensor::empty({N, O}, t, test::gpu(), MemTag::activations);
+            const Tensor act32 = poisoned({N, O}), pre32 = poisoned({N, O});
+            EXPECT_TRUE(linear_gelu_fused(act, pre, x, wk, &b));
+            act32.convert_from(act), pre32.convert_from(pre);
+            out[k].push_back(to_host(act32)), out[k].push_back(to_host(pre32));
+          } else {  // the down projection's input gradient through GELU (pre: [N, I])
+            const Tensor pre = Tensor::empty({N, I}, t, test::gpu(), MemTag::activations);
+            pre.convert_from(x);
+            const Tensor dxg = poisoned({N, I});
+            EXPECT_TRUE(linear_dgelu_fused(dxg, dy, wk, pre));
+            out[k].push_back(to_host(dxg));
+          }
+        }
+        ASSERT_EQ(out[0].size(), out[1].size());
+        for (size_t j = 0; j < out[0].size(); ++j)
+          EXPECT_TRUE(same_bits(out[1][j], out[0][j])) << "output " << j
+                                                       << " (y, dx, dx of both halves, dw, then act and pre or "
+                                                          "the GELU input gradient)";
+        if (scope == DType::f32) continue;
+        const DType other = t == DType::bf16 ? DType::f16 : DType::bf16;
+        const Tensor w_other = Tensor::empty(ws, other, test::gpu(), MemTag::params);
+        w_other.convert_from(w32);
+        Autocast ac(scope);
+        EXPECT_THROW(fwd(poisoned({N, O}), x, w_other, nullptr), Error);
+      }
+}
+
+TEST(CudaLinear, SixteenBitWeightsGiveTheBitsOfTheirFp32Values) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  check_16bit_weights(37, 64, 48);
+  check_16bit_weights(64, 96, 384);
+}
+
 // linear_backward (both halves at once, dy rounded to 16 bits once for the two products)
 // gives the bits of linear_backward_input then linear_backward_weight, in fp32 and under
 // bf16 / f16 scopes, both weight layouts, with a bias, at a GPT-2-like and an odd shape.

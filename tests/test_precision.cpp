@@ -15,7 +15,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/half.h"
@@ -94,6 +96,61 @@ void check_linear(DType t) {
 TEST(Autocast, LinearMultipliesRoundedOperandsInFp32) {
   check_linear(DType::bf16);
   check_linear(DType::f16);
+}
+
+// A weight given as the model's 16-bit working copy (Unit::w16, which the products read
+// under mixed precision) gives the bits of its fp32 widening: forward with a bias, the input
+// gradient, and both halves at once, both weight layouts, under a scope of its dtype and
+// outside any. Another 16-bit dtype than the scope's is refused.
+TEST(Autocast, LinearReadsSixteenBitWeightsAsTheirFp32Values) {
+  const int64_t N = 19, I = 24, O = 17;
+  std::mt19937 gen(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto randv = [&](int64_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = nd(gen);
+    return v;
+  };
+  for (DType t : {DType::bf16, DType::f16})
+    for (DType scope : {t, DType::f32})
+      for (bool io : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(t)) + " weight under a " + dtype_name(scope) + " scope, io " +
+                     std::to_string(io));
+        const Shape ws = io ? Shape{I, O} : Shape{O, I};
+        std::vector<float> w = randv(O * I), b = randv(O), x = randv(N * I), dy = randv(N * O);
+        for (float& v : w) v = rounded(t, v);
+        std::vector<uint16_t> w16(w.size());
+        const Tensor W = Tensor::wrap(w.data(), ws, DType::f32), W16 = Tensor::wrap(w16.data(), ws, t);
+        W16.convert_from(W);
+        const Tensor X = Tensor::wrap(x.data(), {N, I}, DType::f32), DY = Tensor::wrap(dy.data(), {N, O}, DType::f32);
+        const Tensor B = Tensor::wrap(b.data(), {O}, DType::f32);
+        auto fwd = io ? &linear_io_forward : &linear_forward;
+        auto bin = io ? &linear_io_backward_input : &linear_backward_input;
+        auto both = io ? &linear_io_backward : &linear_backward;
+        // Per weight: y, dx (one call), dx and dw (both halves); dw starts at zero.
+        std::vector<std::vector<float>> out[2];
+        for (int k = 0; k < 2; ++k) {
+          const Tensor& wk = k ? W16 : W;
+          std::vector<float> y(N * O), dx(N * I), dx2(N * I), dw(O * I, 0.0f);
+          Autocast ac(scope);
+          fwd(Tensor::wrap(y.data(), {N, O}, DType::f32), X, wk, &B);
+          bin(Tensor::wrap(dx.data(), {N, I}, DType::f32), DY, wk, false);
+          both(Tensor::wrap(dx2.data(), {N, I}, DType::f32), Tensor::wrap(dw.data(), ws, DType::f32), nullptr, DY, X,
+               wk);
+          out[k] = {y, dx, dx2, dw};
+        }
+        for (int j = 0; j < 4; ++j)
+          EXPECT_EQ(0, std::memcmp(out[0][j].data(), out[1][j].data(), out[0][j].size() * sizeof(float)))
+              << "output " << j << " (y, dx, dx of both halves, dw)";
+        if (scope == DType::f32) continue;
+        const DType other = t == DType::bf16 ? DType::f16 : DType::bf16;
+        std::vector<uint16_t> wo(w.size());
+        const Tensor WO = Tensor::wrap(wo.data(), ws, other);
+        WO.convert_from(W);
+        std::vector<float> y(N * O);
+        Autocast ac(scope);
+        EXPECT_THROW(fwd(Tensor::wrap(y.data(), {N, O}, DType::f32), X, WO, nullptr), Error);
+      }
 }
 
 TEST(Autocast, ScopesNestAndEnd) {

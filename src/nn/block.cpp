@@ -17,6 +17,8 @@ namespace mt {
 namespace {
 
 // Parameter views of one block; the fused weights span consecutive Hugging Face tensors.
+// Under mixed precision the four weight matrices are views of the 16-bit working copy (the
+// products read them as they are), the norms' weights and the biases of the fp32 widening.
 struct BlockParams {
   Tensor ln1_w, ln1_b, wqkv, bqkv, wo, bo, ln2_w, ln2_b, wfc, bfc, wproj, bproj;  // params
   Tensor g_ln1_w, g_ln1_b, g_wqkv, g_bqkv, g_wo, g_bo, g_ln2_w, g_ln2_b, g_wfc, g_bfc, g_wproj, g_bproj;
@@ -29,7 +31,7 @@ BlockParams block_params(const ModelConfig& cfg, const LocalDims& d, const Unit&
     for (const ParamSpec& s : u.params) {
       if (s.name.size() >= std::string(suffix).size() &&
           s.name.compare(s.name.size() - std::string(suffix).size(), std::string::npos, suffix) == 0) {
-        w = u.w.view(s.offset, shape);
+        w = shape.size() == 2 ? u.matrix_view(s.offset, shape) : u.w.view(s.offset, shape);
         if (u.g.defined()) g = u.g.view(s.offset, shape);  // gradients may exist only in backward (ZeRO)
         return;
       }
@@ -283,6 +285,15 @@ void round_and_keep(const Tensor& x, const Tensor& kept) {
   round_tensor(kept.dtype(), x, &kept);
 }
 
+// The same where nothing reads x afterwards (what follows reads the kept copy): only the 16
+// bits are written, the values round_and_keep stores, without x rounded back in place.
+void keep_rounded(const Tensor& x, const Tensor& kept) {
+  if (x.raw() == kept.raw()) return round_activation(x);
+  MT_CHECK(kept.dtype() == autocast_dtype(), "internal: activations kept in " << dtype_name(kept.dtype())
+                                                  << " outside a " << dtype_name(kept.dtype()) << " Autocast scope");
+  kept.convert_from(x);
+}
+
 // A kept activation in fp32 for an op that reads it: kept itself, or widened into work.
 Tensor widened(const Tensor& kept, const Tensor& work) {
   if (kept.dtype() == DType::f32) return kept;
@@ -364,13 +375,15 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
     round_activation(qkv);
     rope_forward(qkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
   }
-  round_and_keep(qkv, a.qkv);
+  // attention reads the kept 16-bit q|k|v where its kernels read them as they are, else the
+  // rounded fp32 ones; the output projection reads the kept output
+  const bool kept_qkv = cfg.fused_attention() && env.cp.takes_kept(a.qkv, NH, NKV);
+  if (kept_qkv) keep_rounded(qkv, a.qkv);
+  else round_and_keep(qkv, a.qkv);
   const Tensor atty = fp32_home(a.atty, s.atty);
-  if (cfg.fused_attention())  // the kept 16-bit q|k|v where the kernels read them as they are
-    env.cp.attention_forward(atty, a.lse, env.cp.takes_kept(a.qkv, NH, NKV) ? a.qkv : qkv, NH, NKV);
-  else
-    attention_forward(atty, a.att, qkv, NH, NKV);
-  round_and_keep(atty, a.atty);
+  if (cfg.fused_attention()) env.cp.attention_forward(atty, a.lse, kept_qkv ? a.qkv : qkv, NH, NKV);
+  else attention_forward(atty, a.att, qkv, NH, NKV);
+  keep_rounded(atty, a.atty);
   row_parallel_forward(env, a.mid, a.atty, p.wo, opt(p.bo), s.seq);
 
   // MLP branch: the same around the column-parallel up (and gate) and row-parallel down,

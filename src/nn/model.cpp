@@ -176,7 +176,6 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
       if (units_[u].numel > 0) most = std::max(most, n);
     }
     wide_ = Tensor::empty({std::max<int64_t>(most, 1)}, DType::f32, alloc, MemTag::other);
-    narrow_w_.resize(units_.size());
     if (cfg.grad_working()) {  // the fp32 gradients one unit's backward computes, added into the 16-bit g after it
       wide_g_ = Tensor::empty({std::max<int64_t>(most, 1)}, DType::f32, alloc, MemTag::other);
       narrow_g_.resize(units_.size());
@@ -513,7 +512,7 @@ void Model::final_forward(Slot& sl) {
   else norm_forward(env(), lnf, mean, rstd, x, u.param("model.norm.weight"), Tensor(), local);
   int hu = 0;
   const ParamSpec& hp = head_spec(*this, &hu);
-  linear_forward(sl.logits.view(0, {B_, T_, dims_.V}), lnf, units_[hu].w.view(hp.offset, hp.shape), nullptr);
+  linear_forward(sl.logits.view(0, {B_, T_, dims_.V}), lnf, units_[hu].matrix_view(hp.offset, hp.shape), nullptr);
 }
 
 // The head's weight gradient from the loss gradient (the logits' buffer) and the head's input.
@@ -534,7 +533,7 @@ void Model::final_backward(Slot& sl, float scale, bool with_weight) {
   const Tensor targets = sl.targets.view(0, {B, T}), lnf = sl.lnf.view(0, {B, T, C});
   int hu = 0;
   const ParamSpec& hp = head_spec(*this, &hu);
-  const Tensor dln = scratch_->dln.view(0, {B, T, C}), head = units_[hu].w.view(hp.offset, hp.shape);
+  const Tensor dln = scratch_->dln.view(0, {B, T, C}), head = units_[hu].matrix_view(hp.offset, hp.shape);
   const Tensor head_g = with_weight ? units_[hu].g.view(hp.offset, hp.shape) : Tensor();
   const int64_t vb = dims_.vocab_begin, vv = dims_.vocab_valid;
   // With the head's weight gradient: on the GPU under bf16/fp16 the loss's gradient goes

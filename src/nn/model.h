@@ -104,8 +104,14 @@ struct Unit {
   // The same, clipped to local elements [begin, end).
   std::vector<UnitPiece> pieces_within(int64_t begin, int64_t end, bool primary_only = false) const;
   Tensor w;  // [numel] parameters
+  // Mixed precision, while the model computes with the unit (Model::widen .. narrow): its
+  // 16-bit working parameters, w then holding them widened to fp32. The linear layers'
+  // products read their weight matrices from here, as they are (matrix_view).
+  Tensor w16;
   Tensor g;  // [numel] gradients (accumulated by backward)
   Tensor param(const std::string& suffix) const;  // view of the parameter whose name ends with suffix
+  // A weight matrix's view for the products: of w16 while it is defined, else of w.
+  Tensor matrix_view(int64_t offset, const Shape& shape) const { return (w16.defined() ? w16 : w).view(offset, shape); }
 };
 
 // One chunk of a pipeline rank's share: blocks [first_layer, end_layer), with the embedding
@@ -239,7 +245,8 @@ class Model {
   void final_backward(Slot& s, float scale, bool with_weight);
   void head_backward_weight(Slot& s);
   // Mixed precision: swaps fp32 copies of the 16-bit w of the units unit `unit` reads into
-  // units_ (widen), and the working copies back (narrow). No-ops in fp32.
+  // units_ (widen; the 16-bit ones wait in Unit::w16, where the products read the
+  // matrices), and the working copies back (narrow). No-ops in fp32.
   void widen(int unit);
   void narrow(int unit);
   // 16-bit gradients: swaps zeroed fp32 staging in for the g of the units unit `unit` writes
@@ -267,7 +274,6 @@ class Model {
   std::unique_ptr<BlockActs> shared_acts_;  // recomputation: one set for every block
   std::unique_ptr<BlockScratch> scratch_;   // workspace shared by the blocks (forward and backward), embedding, final norm
   Tensor wide_;                    // mixed precision: [largest widened set] fp32 staging (MemTag::other)
-  std::vector<Tensor> narrow_w_;   // per unit: its working w while widened
   Tensor wide_g_;                  // 16-bit gradients: [largest set] fp32 staging (MemTag::other)
   std::vector<Tensor> narrow_g_;   // per unit: its 16-bit g while staged
 };

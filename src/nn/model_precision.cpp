@@ -21,7 +21,7 @@ void Model::widen(int unit) {
                                                                    << " parameters under " << cfg_.precision);
     const Tensor wide = wide_.view(off, {u.numel});
     wide.convert_from(u.w);
-    narrow_w_[v] = u.w;
+    u.w16 = u.w;
     u.w = wide;
     off += u.numel;
   }
@@ -30,7 +30,7 @@ void Model::widen(int unit) {
 void Model::narrow(int unit) {
   if (!wide_.defined()) return;
   for (int v : units_used(unit))
-    if (narrow_w_[v].defined()) units_[v].w = std::move(narrow_w_[v]);  // moved-from: empty again
+    if (units_[v].w16.defined()) units_[v].w = std::move(units_[v].w16);  // moved-from: empty again
 }
 
 void Model::stage_grads(int unit) {

@@ -54,13 +54,21 @@ void check_operand(const Tensor& t, const char* what) {
   check_f32(t, what);
 }
 
-// A weight's in and out dims: stored [out, in], or [in, out] (io).
+// A weight's in and out dims: stored [out, in], or [in, out] (io). The weight is fp32, or a
+// 16-bit working copy (mixed precision: Unit::w16) under a scope of its dtype or none.
 void weight_dims(const Tensor& w, bool io, int64_t& O, int64_t& I, const char* op) {
-  check_f32(w, op);
+  check_operand(w, op);
+  const DType d = autocast_dtype();
+  MT_CHECK(w.dtype() == DType::f32 || d == DType::f32 || w.dtype() == d,
+           op << ": a " << dtype_name(w.dtype()) << " weight under a " << dtype_name(d) << " Autocast scope");
   MT_CHECK(w.ndim() == 2, op << ": w must be 2-D " << (io ? "[in, out]" : "[out, in]") << ", got " << shape_str(w.shape()));
   O = io ? w.dim(1) : w.dim(0);
   I = io ? w.dim(0) : w.dim(1);
 }
+
+// A weight operand: fp32 read as it is (a model's weights hold 16-bit values under a scope:
+// see linear.h), or the 16-bit working copy through operand() in slot 1.
+Bf16Src weight_operand(const Tensor& w) { return w.dtype() == DType::f32 ? Bf16Src(w.f32()) : operand(w, 1); }
 
 void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b, bool io) {
   ProfileScope profile_scope("linear");
@@ -86,9 +94,9 @@ void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b,
     for (int64_t n = 0; n < N; ++n) std::copy(bp, bp + O, yp + n * O);
     beta = 1.0f;
   }
-  const Bf16Src xp = operand(x, 0);
-  if (io) product(false, false, N, O, I, xp, I, w.f32(), O, beta, yp, O);
-  else product(false, true, N, O, I, xp, I, w.f32(), I, beta, yp, O);
+  const Bf16Src xp = operand(x, 0), wp = weight_operand(w);
+  if (io) product(false, false, N, O, I, xp, I, wp, O, beta, yp, O);
+  else product(false, true, N, O, I, xp, I, wp, I, beta, yp, O);
 }
 
 void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool accumulate, bool io) {
@@ -102,9 +110,9 @@ void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, bool ac
            "linear_backward_input: dx has " << dx.numel() / I << " rows but dy has " << N);
   if (N == 0) return;
   const float beta = accumulate ? 1.0f : 0.0f;
-  const Bf16Src dyp = operand(dy, 0);
-  if (io) product(false, true, N, I, O, dyp, O, w.f32(), O, beta, dx.f32(), I);
-  else product(false, false, N, I, O, dyp, O, w.f32(), I, beta, dx.f32(), I);
+  const Bf16Src dyp = operand(dy, 0), wp = weight_operand(w);
+  if (io) product(false, true, N, I, O, dyp, O, wp, O, beta, dx.f32(), I);
+  else product(false, false, N, I, O, dyp, O, wp, I, beta, dx.f32(), I);
 }
 
 void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io);
@@ -207,6 +215,7 @@ namespace {
 void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io) {
   ProfileScope profile_scope("linear_backward_weight");
   int64_t O, I;
+  check_f32(dw, "linear_backward_weight: dw");
   weight_dims(dw, io, O, I, "linear_backward_weight: dw");
   check_f32(dy, "linear_backward_weight: dy");
   check_operand(x, "linear_backward_weight: x");

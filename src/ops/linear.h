@@ -3,7 +3,9 @@
 // functions so that a zero-bubble pipeline can run the weight gradient later than the
 // input gradient. The activation operand x (forward and weight gradient) may hold 16 bits
 // (an activation kept in the working precision, ops/autocast.h): read as the fp32 values
-// it holds; everything else is fp32.
+// it holds. So may the weight w (the model's 16-bit working copy, Unit::w16), in the
+// scope's dtype or outside a scope; the products read it as they read its fp32 widening,
+// the same bits. Everything else is fp32.
 #pragma once
 #include "core/tensor.h"
 

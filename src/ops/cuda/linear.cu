@@ -68,9 +68,21 @@ void check_numel(const Tensor& t, int64_t n, const char* what) {
                                 << "), expected " << n);
 }
 
-// A weight's in and out dims: stored [out, in], or [in, out] (io).
+// An activation operand's check: on the device, fp32 or 16-bit (an activation kept in the
+// working precision).
+void check_device_operand(const Tensor& t, const char* what) {
+  if (t.device() == Device::cuda && (t.dtype() == DType::bf16 || t.dtype() == DType::f16)) return;
+  check_device_f32(t, what);
+}
+
+// A weight's in and out dims: stored [out, in], or [in, out] (io). The weight is fp32 or a
+// 16-bit working copy (mixed precision: Unit::w16), which the products read as it is, under
+// a scope of its dtype or none (then widened).
 void weight_dims(const Tensor& w, bool io, int64_t& O, int64_t& I, const char* op) {
-  check_device_f32(w, op);
+  check_device_operand(w, op);
+  const DType d = autocast_dtype();
+  MT_CHECK(w.dtype() == DType::f32 || d == DType::f32 || w.dtype() == d,
+           op << ": a " << dtype_name(w.dtype()) << " weight under a " << dtype_name(d) << " Autocast scope");
   MT_CHECK(w.ndim() == 2,
            op << ": w must be 2-D " << (io ? "[in, out]" : "[out, in]") << ", got " << shape_str(w.shape()));
   O = io ? w.dim(1) : w.dim(0);
@@ -394,13 +406,6 @@ void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Operand& a
            op << ": cuBLASLt has no algorithm for M=" << M << " N=" << N << " K=" << K);
 }
 
-// An activation operand's check: on the device, fp32 or 16-bit (an activation kept in the
-// working precision).
-void check_device_operand(const Tensor& t, const char* what) {
-  if (t.device() == Device::cuda && (t.dtype() == DType::bf16 || t.dtype() == DType::f16)) return;
-  check_device_f32(t, what);
-}
-
 // ---- the ops -------------------------------------------------------------------------------
 
 void forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b, bool io) {
@@ -441,6 +446,7 @@ void backward_input(const Tensor& dx, const Tensor& dy, const Operand& dyo, cons
 void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Operand& dyo, const Tensor& x,
                      bool io) {
   int64_t O, I;
+  check_device_f32(dw, "linear_backward_weight: dw");
   weight_dims(dw, io, O, I, "linear_backward_weight: dw");
   check_device_f32(dy, "linear_backward_weight: dy");
   check_device_operand(x, "linear_backward_weight: x");
