@@ -180,6 +180,35 @@ TEST(CudaPointwise, NormsFuseTheResidualAddBitForBit) {
   }
 }
 
+// A 16-bit out (a block's kept norm output) holds the bits of the fp32 out rounded by
+// convert_from, with and without the fused residual add; x and the statistics are the fp32
+// run's.
+TEST(CudaPointwise, NormsWriteSixteenBitOutputsAsTheirFp32ValuesRounded) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 g(16);
+  for (const auto [N, C] : kNormShapes)
+    for (DType dt : {DType::bf16, DType::f16})
+      for (bool rms : {false, true})
+        for (bool fused : {false, true}) {
+          const std::string tag = "N=" + std::to_string(N) + " C=" + std::to_string(C) + " " + dtype_name(dt) +
+                                  (rms ? " rmsnorm" : " layernorm") + (fused ? " with the residual" : "");
+          const VecF x = randv(N * C, g, -2, 2), r = randv(N * C, g), w = randv(C, g, 0.5f, 1.5f), b = randv(C, g);
+          auto run = [&](DType out_dt) {
+            const Tensor gx = to_dev(x, {N, C}), gr = to_dev(r, {N, C}), gw = to_dev(w, {C});
+            const Tensor mean = poisoned({N}), rstd = poisoned({N});
+            const Tensor out = Tensor::empty({N, C}, out_dt, test::gpu(), MemTag::activations);
+            const Tensor* res = fused ? &gr : nullptr;
+            if (rms) cuda::rmsnorm_forward(out, rstd, gx, gw, 1e-6f, res);
+            else cuda::layernorm_forward(out, mean, rstd, gx, gw, to_dev(b, {C}), 1e-5f, res);
+            const Tensor h = Tensor::empty({N, C}, dt, test::gpu(), MemTag::activations), wide = poisoned({N, C});
+            h.convert_from(out);  // 16 bits to 16 bits: a copy; fp32: rounded
+            wide.convert_from(h);
+            return std::vector<VecF>{to_host(gx), to_host(wide), rms ? VecF{} : to_host(mean), to_host(rstd)};
+          };
+          expect_same_bits(run(dt), run(DType::f32), tag + ": 16-bit out against the fp32 out rounded");
+        }
+}
+
 TEST(CudaPointwise, NormBadShapesThrow) {
   SKIP_WITHOUT_GPU();
   std::mt19937 g(3);

@@ -263,6 +263,45 @@ TEST(Ops, NormsFuseTheResidualAddBitForBit) {
       << "r overlaps x";
 }
 
+// A 16-bit out (a block's kept norm output): the bits of an fp32 out then convert_from, with
+// and without the fused residual add (x and the statistics as the fp32 run gives them).
+TEST(Ops, NormsWriteSixteenBitOutputsAsTheirFp32ValuesRounded) {
+  std::mt19937 g(15);
+  for (auto [N, C] : {std::array{1, 5}, {33, 17}, {7, 64}})
+    for (DType dt : {DType::bf16, DType::f16})
+      for (bool rms : {false, true})
+        for (bool fused : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "N=" << N << " C=" << C << " " << dtype_name(dt) << " rms " << rms
+                                          << " residual " << fused);
+          const VecF x0 = randv(N * C, g, -2, 3), r = randv(N * C, g), w = randv(C, g, 0.5, 1.5), b = randv(C, g);
+          auto run = [&](DType out_dt) {
+            VecF x = x0, rv = r, wv = w, bv = b, mean(N, kNaN), rstd(N, kNaN);
+            std::vector<uint16_t> out16(N * C, 0xffff);
+            VecF out32(N * C, kNaN);
+            const Tensor out = out_dt == DType::f32 ? tf(out32, {N, C}) : Tensor::wrap(out16.data(), {N, C}, out_dt);
+            const Tensor xt = tf(x, {N, C}), rt = tf(rv, {N, C});
+            const Tensor* res = fused ? &rt : nullptr;
+            if (rms) rmsnorm_forward(out, tf(rstd, {N}), xt, tf(wv, {C}), 1e-6f, res);
+            else layernorm_forward(out, tf(mean, {N}), tf(rstd, {N}), xt, tf(wv, {C}), tf(bv, {C}), 1e-5f, res);
+            VecF widened(N * C);
+            const Tensor wt = tf(widened, {N, C});
+            if (out_dt == DType::f32) {  // the fp32 out rounded, then widened back to compare
+              std::vector<uint16_t> h(N * C);
+              const Tensor ht = Tensor::wrap(h.data(), {N, C}, dt);
+              ht.convert_from(out);
+              wt.convert_from(ht);
+            } else {
+              wt.convert_from(out);
+            }
+            return std::vector<VecF>{x, widened, mean, rstd};
+          };
+          const auto half = run(dt), full = run(DType::f32);
+          for (size_t i = 0; i < half.size(); ++i)
+            EXPECT_EQ(0, std::memcmp(half[i].data(), full[i].data(), half[i].size() * sizeof(float)))
+                << "output " << i << " (x, out, mean, rstd)";
+        }
+}
+
 // ---- activations ---------------------------------------------------------------------------
 
 TEST(Ops, Gelu) {

@@ -252,17 +252,21 @@ namespace {
 
 // A column-parallel layer's norm in forward, keeping its output in `kept` (this rank's
 // positions, [B, Tl, C]). Returns the layer's input [B, T, C]: kept itself (with 16-bit
-// kept, the norm's output rounded as the product would round it), or under sequence
-// parallelism s.dln, the positions gathered in fp32. Given residual, x += residual first.
+// kept, the norm's output rounded as the product would round it: written so by the norm),
+// or under sequence parallelism s.dln, the positions gathered in fp32. Given residual, x +=
+// residual first.
 Tensor norm_forward_kept(const BlockEnv& env, const BlockScratch& s, const Tensor& kept, const Tensor& mean,
                          const Tensor& rstd, const Tensor& x, const Tensor& w, const Tensor& b,
                          const Tensor* residual = nullptr) {
-  const bool sp = sequence_parallel(env), half = kept.dtype() != DType::f32;
-  const Tensor in = sp || half ? s.dln : kept;
-  const Tensor local = half && sp ? s.local : kept;  // this rank's positions in fp32, under sequence parallelism
-  norm_forward(env, in, mean, rstd, x, w, b, local, residual);
-  if (half) kept.convert_from(sp ? s.local : s.dln);
-  return sp ? in : kept;
+  if (!sequence_parallel(env)) {
+    norm_forward(env, kept, mean, rstd, x, w, b, Tensor(), residual);
+    return kept;
+  }
+  const bool half = kept.dtype() != DType::f32;
+  const Tensor local = half ? s.local : kept;  // this rank's positions in fp32
+  norm_forward(env, s.dln, mean, rstd, x, w, b, local, residual);
+  if (half) kept.convert_from(local);
+  return s.dln;
 }
 
 // Where an activation kept in `kept` is computed (and read downstream): kept itself, or in

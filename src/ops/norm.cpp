@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/half.h"
 #include "core/profile.h"
 #include "ops/cuda/ops.h"
 #include "ops/detail.h"
@@ -78,8 +79,9 @@ inline void rmsnorm_backward_row(float* __restrict d, float* __restrict pdw, con
   }
 }
 
-void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t& N, int64_t& C, const char* op) {
-  check_f32(out, op);
+void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t& N, int64_t& C, const char* op,
+                   bool out_16bit = false) {
+  if (!out_16bit || (out.dtype() != DType::bf16 && out.dtype() != DType::f16)) check_f32(out, op);
   check_f32(x, op);
   check_f32(w, op);
   C = w.numel();
@@ -96,9 +98,24 @@ const float* residual_of(const Tensor* r, const Tensor& x, const Tensor& out, in
   const uintptr_t lo = reinterpret_cast<uintptr_t>(r->raw()), bytes = n * sizeof(float);
   for (const Tensor* t : {&x, &out}) {
     const uintptr_t tlo = reinterpret_cast<uintptr_t>(t->raw());
-    MT_CHECK(lo + bytes <= tlo || tlo + bytes <= lo, op << ": the residual must not overlap x or out");
+    MT_CHECK(lo + bytes <= tlo || tlo + t->nbytes() <= lo, op << ": the residual must not overlap x or out");
   }
   return r->f32();
+}
+
+// Where a forward writes row n of out: out's own fp32 row, or for a 16-bit out a row of
+// this thread's scratch, rounded into out by store_row.
+float* out_row(const Tensor& out, int64_t n, int64_t C) {
+  if (out.dtype() == DType::f32) return out.f32() + n * C;
+  thread_local std::vector<float> row;
+  if (row.size() < static_cast<size_t>(C)) row.resize(C);
+  return row.data();
+}
+void store_row(const Tensor& out, int64_t n, int64_t C, const float* row) {
+  if (out.dtype() == DType::f32) return;
+  uint16_t* h = static_cast<uint16_t*>(out.raw()) + n * C;
+  if (out.dtype() == DType::f16) return f32_to_f16_n(row, h, C);
+  for (int64_t c = 0; c < C; ++c) h[c] = f32_to_bf16(row[c]);
 }
 
 // x[c] += r[c] over a row (the fused residual add; r == nullptr: nothing).
@@ -115,7 +132,7 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
   ProfileScope profile_scope("layernorm");
   MT_ON_CUDA(out, layernorm_forward(out, mean, rstd, x, w, b, eps, r));
   int64_t N, C;
-  check_norm_io(out, x, w, N, C, "layernorm_forward: out/x/w (x's last dim must equal w's size)");
+  check_norm_io(out, x, w, N, C, "layernorm_forward: out/x/w (x's last dim must equal w's size)", true);
   check_f32(b, "layernorm_forward: b");
   check_numel(b, C, "layernorm_forward: b");
   check_f32(mean, "layernorm_forward: mean");
@@ -124,7 +141,7 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
   check_numel(rstd, N, "layernorm_forward: rstd");
   const float* res = residual_of(r, x, out, N * C, "layernorm_forward: r");
   const float *wp = w.f32(), *bp = b.f32();
-  float *xp = x.f32(), *op = out.f32(), *mp = mean.f32(), *rp = rstd.f32();
+  float *xp = x.f32(), *mp = mean.f32(), *rp = rstd.f32();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     float* xr = xp + n * C;
@@ -143,8 +160,9 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
       acc[j] += d * d;
     }
     const float s = 1.0f / std::sqrt(reduce_lanes(acc) / (float)C + eps);
-    float* o = op + n * C;
+    float* o = out_row(out, n, C);
     for (int64_t c = 0; c < C; ++c) o[c] = (xr[c] - m) * s * wp[c] + bp[c];
+    store_row(out, n, C, o);
     mp[n] = m;
     rp[n] = s;
   }
@@ -189,19 +207,20 @@ void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, con
   ProfileScope profile_scope("rmsnorm");
   MT_ON_CUDA(out, rmsnorm_forward(out, rstd, x, w, eps, r));
   int64_t N, C;
-  check_norm_io(out, x, w, N, C, "rmsnorm_forward: out/x/w (x's last dim must equal w's size)");
+  check_norm_io(out, x, w, N, C, "rmsnorm_forward: out/x/w (x's last dim must equal w's size)", true);
   check_f32(rstd, "rmsnorm_forward: rstd");
   check_numel(rstd, N, "rmsnorm_forward: rstd");
   const float* res = residual_of(r, x, out, N * C, "rmsnorm_forward: r");
   const float* wp = w.f32();
-  float *xp = x.f32(), *op = out.f32(), *rp = rstd.f32();
+  float *xp = x.f32(), *rp = rstd.f32();
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     float* xr = xp + n * C;
     add_row(xr, res ? res + n * C : nullptr, C);
     const float s = 1.0f / std::sqrt(dot_f32(xr, xr, C) / (float)C + eps);
-    float* o = op + n * C;
+    float* o = out_row(out, n, C);
     for (int64_t c = 0; c < C; ++c) o[c] = (xr[c] * s) * wp[c];
+    store_row(out, n, C, o);
     rp[n] = s;
   }
 }

@@ -3,6 +3,9 @@
 // and into dw/db, with a reduction order that does not depend on the thread count.
 // dx must not alias dout or x. The forwards fuse the residual add before them: given r,
 // x += r first, in place and in the same pass, the bits add_inplace(x, r) then the norm give.
+// A forward's out may hold 16 bits (bf16 / fp16: an activation kept in the working
+// precision): each value is computed in fp32 and rounded to the nearest (ties to even), the
+// bits an fp32 out then convert_from give, in one pass.
 #pragma once
 #include "core/tensor.h"
 

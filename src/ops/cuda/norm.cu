@@ -43,10 +43,17 @@ __device__ float with_residual(float* xr, const float* res, int64_t n, int64_t C
   return v;
 }
 
+// A forward's output value: as it is into fp32, rounded to the nearest (ties to even) into
+// 16 bits, as convert_from rounds.
+__device__ void store(float* p, float v) { *p = v; }
+__device__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+
 // LayerNorm forward. Grid: N blocks (one per row) of kRowThreads; threads stride over C.
 // out[n, c] = (x - mean) * rstd * w + b ; mean[n], rstd[n] (two-pass variance); x += res
-// first where res is given.
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, float* x, const float* res,
+// first where res is given. Out: float, __nv_bfloat16 or __half.
+template <class Out>
+__global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, float* x, const float* res,
                                          const float* w, const float* b, int64_t C, float eps) {
   __shared__ float sh[32];
   const int64_t n = blockIdx.x;
@@ -60,8 +67,8 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, f
     v += d * d;
   }
   const float r = 1.0f / sqrtf(block_sum(v, sh) / (float)C + eps);
-  float* o = out + n * C;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = (xr[c] - m) * r * w[c] + b[c];
+  Out* o = out + n * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) store(o + c, (xr[c] - m) * r * w[c] + b[c]);
   if (threadIdx.x == 0) {
     mean[n] = m;
     rstd[n] = r;
@@ -69,8 +76,9 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, f
 }
 
 // RMSNorm forward. Grid: N blocks of kRowThreads. out[n, c] = (x * rstd) * w ; rstd[n]; x +=
-// res first where res is given.
-__global__ void rmsnorm_forward_kernel(float* out, float* rstd, float* x, const float* res, const float* w, int64_t C,
+// res first where res is given. Out as above.
+template <class Out>
+__global__ void rmsnorm_forward_kernel(Out* out, float* rstd, float* x, const float* res, const float* w, int64_t C,
                                        float eps) {
   __shared__ float sh[32];
   const int64_t n = blockIdx.x;
@@ -81,8 +89,8 @@ __global__ void rmsnorm_forward_kernel(float* out, float* rstd, float* x, const 
     ss += v * v;
   }
   const float r = 1.0f / sqrtf(block_sum(ss, sh) / (float)C + eps);
-  float* o = out + n * C;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) o[c] = (xr[c] * r) * w[c];
+  Out* o = out + n * C;
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) store(o + c, (xr[c] * r) * w[c]);
   if (threadIdx.x == 0) rstd[n] = r;
 }
 
@@ -151,8 +159,10 @@ void check_numel(const Tensor& t, int64_t n, const char* what) {
 }
 
 // out / x / w checks shared by all four ops: C = numel(w), N = rows of x.
-void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t& N, int64_t& C, const char* op) {
-  check_device_f32(out, op);
+void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t& N, int64_t& C, const char* op,
+                   bool out_16bit = false) {
+  if (!out_16bit || out.device() != Device::cuda || (out.dtype() != DType::bf16 && out.dtype() != DType::f16))
+    check_device_f32(out, op);
   check_device_f32(x, op);
   check_device_f32(w, op);
   C = w.numel();
@@ -171,7 +181,7 @@ const float* residual_of(const Tensor* r, const Tensor& x, const Tensor& out, in
   const uintptr_t lo = reinterpret_cast<uintptr_t>(r->raw()), bytes = n * sizeof(float);
   for (const Tensor* t : {&x, &out}) {
     const uintptr_t tlo = reinterpret_cast<uintptr_t>(t->raw());
-    MT_CHECK(lo + bytes <= tlo || tlo + bytes <= lo, op << ": the residual must not overlap x or out");
+    MT_CHECK(lo + bytes <= tlo || tlo + t->nbytes() <= lo, op << ": the residual must not overlap x or out");
   }
   return r->f32();
 }
@@ -198,13 +208,21 @@ void reduce_weight_grads(const Tensor& dw, const Tensor* db, const Tensor& dout,
   MT_CUDA_CHECK(cudaFreeAsync(part, stream()));
 }
 
+// fn(out's data as float*, __nv_bfloat16* or __half*): a forward's launch for out's dtype.
+template <class Fn>
+void with_out(const Tensor& out, Fn fn) {
+  if (out.dtype() == DType::bf16) fn(static_cast<__nv_bfloat16*>(out.raw()));
+  else if (out.dtype() == DType::f16) fn(static_cast<__half*>(out.raw()));
+  else fn(out.f32());
+}
+
 }  // namespace
 
 // out[N, C] = (x - mean) * rstd * w + b ; saves mean[N], rstd[N]
 void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& w,
                        const Tensor& b, float eps, const Tensor* r) {
   int64_t N, C;
-  check_norm_io(out, x, w, N, C, "layernorm_forward: out/x/w (x's last dim must equal w's size)");
+  check_norm_io(out, x, w, N, C, "layernorm_forward: out/x/w (x's last dim must equal w's size)", true);
   check_device_f32(b, "layernorm_forward: b");
   check_numel(b, C, "layernorm_forward: b");
   check_device_f32(mean, "layernorm_forward: mean");
@@ -213,8 +231,10 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
   check_numel(rstd, N, "layernorm_forward: rstd");
   const float* res = residual_of(r, x, out, N * C, "layernorm_forward: r");
   if (N == 0) return;
-  layernorm_forward_kernel<<<(unsigned)N, kRowThreads, 0, stream()>>>(out.f32(), mean.f32(), rstd.f32(), x.f32(),
-                                                                      res, w.f32(), b.f32(), C, eps);
+  with_out(out, [&](auto* o) {
+    layernorm_forward_kernel<<<(unsigned)N, kRowThreads, 0, stream()>>>(o, mean.f32(), rstd.f32(), x.f32(), res,
+                                                                        w.f32(), b.f32(), C, eps);
+  });
   MT_CUDA_LAUNCHED("layernorm_forward_kernel");
 }
 
@@ -244,13 +264,14 @@ void layernorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, co
 void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps,
                      const Tensor* r) {
   int64_t N, C;
-  check_norm_io(out, x, w, N, C, "rmsnorm_forward: out/x/w (x's last dim must equal w's size)");
+  check_norm_io(out, x, w, N, C, "rmsnorm_forward: out/x/w (x's last dim must equal w's size)", true);
   check_device_f32(rstd, "rmsnorm_forward: rstd");
   check_numel(rstd, N, "rmsnorm_forward: rstd");
   const float* res = residual_of(r, x, out, N * C, "rmsnorm_forward: r");
   if (N == 0) return;
-  rmsnorm_forward_kernel<<<(unsigned)N, kRowThreads, 0, stream()>>>(out.f32(), rstd.f32(), x.f32(), res, w.f32(), C,
-                                                                    eps);
+  with_out(out, [&](auto* o) {
+    rmsnorm_forward_kernel<<<(unsigned)N, kRowThreads, 0, stream()>>>(o, rstd.f32(), x.f32(), res, w.f32(), C, eps);
+  });
   MT_CUDA_LAUNCHED("rmsnorm_forward_kernel");
 }
 
