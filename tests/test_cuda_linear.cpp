@@ -280,7 +280,9 @@ TEST(CudaLinear, SixteenBitWeightsGiveTheBitsOfTheirFp32Values) {
 
 // linear_backward (both halves at once, dy rounded to 16 bits once for the two products)
 // gives the bits of linear_backward_input then linear_backward_weight, in fp32 and under
-// bf16 / f16 scopes, both weight layouts, with a bias, at a GPT-2-like and an odd shape.
+// bf16 / f16 scopes, both weight layouts, with a bias, at a GPT-2-like and an odd shape; and
+// those of the weight half without the bias then bias_backward: under a 16-bit scope the
+// bias gradient's column sums of fp32 dy come from the pass that rounds dy for the products.
 TEST(CudaLinear, BackwardOfBothHalvesMatchesTheTwoCallsBitForBit) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   std::mt19937 g(13);
@@ -294,17 +296,22 @@ TEST(CudaLinear, BackwardOfBothHalvesMatchesTheTwoCallsBitForBit) {
         const Shape ws = io ? Shape{I, O} : Shape{O, I};
         const Tensor wd = to_dev(w, ws), xd = to_dev(x, {N, I}), dyd = to_dev(dy, {N, O});
         Autocast ac(scope);
-        auto run = [&](bool both) {
+        auto run = [&](int how) {  // 0: both halves at once; 1: the two calls; 2: and the bias apart
           const Tensor dx = poisoned({N, I}), dw = to_dev(dw0, ws), db = to_dev(db0, {O});
-          if (both) (io ? &mt::linear_io_backward : &mt::linear_backward)(dx, dw, &db, dyd, xd, wd);
-          else {
+          if (how == 0) {
+            (io ? &mt::linear_io_backward : &mt::linear_backward)(dx, dw, &db, dyd, xd, wd);
+          } else {
             (io ? &mt::linear_io_backward_input : &mt::linear_backward_input)(dx, dyd, wd, false);
-            (io ? &mt::linear_io_backward_weight : &mt::linear_backward_weight)(dw, &db, dyd, xd);
+            (io ? &mt::linear_io_backward_weight : &mt::linear_backward_weight)(dw, how == 1 ? &db : nullptr, dyd, xd);
+            if (how == 2) bias_backward(db, dyd);
           }
           return std::vector<VecF>{to_host(dx), to_host(dw), to_host(db)};
         };
-        const auto both = run(true), apart = run(false);
-        for (int k = 0; k < 3; ++k) EXPECT_TRUE(same_bits(both[k], apart[k])) << "output " << k << " (dx, dw, db)";
+        const auto both = run(0), apart = run(1), bias_apart = run(2);
+        for (int k = 0; k < 3; ++k) {
+          EXPECT_TRUE(same_bits(both[k], apart[k])) << "output " << k << " (dx, dw, db)";
+          EXPECT_TRUE(same_bits(both[k], bias_apart[k])) << "output " << k << " (dx, dw, db), the bias apart";
+        }
       }
 }
 

@@ -24,7 +24,8 @@
 // alignments: PlanKey) is
 // chosen once by cublasLtMatmulAlgoGetHeuristic and cached, so the same shape always runs
 // the same algorithm (which cuBLAS documents as bit-reproducible on one GPU model). The
-// bias gradient is a two-pass column sum with a fixed grid for a shape (no atomics).
+// bias gradient is a two-pass column sum of fp32 dy with a fixed grid for a shape (no
+// atomics); under a 16-bit scope its first pass also writes the products' 16-bit copy of dy.
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -109,17 +110,28 @@ void launch_add_bias(float* y, const float* b, int64_t N, int64_t O) {
 constexpr int kColTile = 32;  // columns per block (one warp along a row: coalesced reads)
 constexpr int kRowLanes = 8;  // rows read at once per block
 
+__device__ void store_rounded(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ void store_rounded(__half* p, float v) { *p = __float2half_rn(v); }
+
 // partial[r, o] = sum of dy[n, o] over the rows n of chunk r ([r * chunk, min(N, (r+1) * chunk))).
 // Grid (ceil(O / 32), R), block (32, 8): thread (tx, ty) sums rows r*chunk + ty, + 8, ... in
 // order for column blockIdx.x * 32 + tx; then thread ty = 0 adds the 8 lane sums in order.
-__global__ void colsum_partial_kernel(float* partial, const float* dy, int64_t N, int64_t O, int64_t chunk) {
+// With `rounded`, each element read is also stored there rounded to Half (nearest even, as
+// cuda_convert rounds): the products' 16-bit copy of dy from the same pass.
+template <class Half>
+__global__ void colsum_partial_kernel(float* partial, const float* dy, int64_t N, int64_t O, int64_t chunk,
+                                      Half* rounded) {
   __shared__ float lanes[kRowLanes][kColTile];
   const int64_t o = (int64_t)blockIdx.x * kColTile + threadIdx.x;
   const int64_t r = blockIdx.y;
   const int64_t n0 = r * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
   float acc = 0.0f;
   if (o < O)
-    for (int64_t n = n0 + threadIdx.y; n < n1; n += kRowLanes) acc += dy[n * O + o];
+    for (int64_t n = n0 + threadIdx.y; n < n1; n += kRowLanes) {
+      const float v = dy[n * O + o];
+      acc += v;
+      if (rounded) store_rounded(rounded + n * O + o, v);
+    }
   lanes[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && o < O) {
@@ -140,8 +152,10 @@ __global__ void colsum_finish_kernel(float* db, const float* partial, int64_t R,
 }
 
 // db[O] += column sums of dy[N, O] (device pointers), deterministic: row chunks of at least
-// 64 rows, at most 512 chunks, so the grid depends only on the shape.
-void column_sum_add(float* db, const float* dy, int64_t N, int64_t O) {
+// 64 rows, at most 512 chunks, so the grid depends only on the shape. With `rounded` (dtype
+// d: bf16 or f16), dy rounded to d is written there in the same pass.
+void column_sum_add(float* db, const float* dy, int64_t N, int64_t O, void* rounded = nullptr,
+                    DType d = DType::bf16) {
   if (N == 0 || O == 0) return;
   const int64_t chunk = std::max<int64_t>(64, ceil_div(N, 512));
   const int64_t R = ceil_div(N, chunk);  // <= 512
@@ -149,7 +163,10 @@ void column_sum_add(float* db, const float* dy, int64_t N, int64_t O) {
   float* pp = reinterpret_cast<float*>(partial.get());
   const dim3 grid1(static_cast<unsigned>(ceil_div(O, kColTile)), static_cast<unsigned>(R));
   const dim3 block1(kColTile, kRowLanes);
-  colsum_partial_kernel<<<grid1, block1, 0, stream()>>>(pp, dy, N, O, chunk);
+  if (d == DType::f16)
+    colsum_partial_kernel<<<grid1, block1, 0, stream()>>>(pp, dy, N, O, chunk, static_cast<__half*>(rounded));
+  else
+    colsum_partial_kernel<<<grid1, block1, 0, stream()>>>(pp, dy, N, O, chunk, static_cast<__nv_bfloat16*>(rounded));
   MT_CUDA_LAUNCHED("colsum_partial_kernel");
   colsum_finish_kernel<<<static_cast<unsigned>(ceil_div(O, 256)), 256, 0, stream()>>>(db, pp, R, O);
   MT_CUDA_LAUNCHED("colsum_finish_kernel");
@@ -464,19 +481,40 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
   if (db) column_sum_add(db->f32(), dy.f32(), N, O);  // from dy as it is (a sum, not a product)
 }
 
-// Both: under a 16-bit scope dy rounded once into stream-ordered scratch (256-byte aligned,
-// as product()'s own copy is, so the products run the same plans: the same bits).
-void backward_both(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
-                   const Tensor& w, bool io) {
+// dy as the products read it: itself, or under a 16-bit scope rounded once into `slot`
+// (stream-ordered scratch, 256-byte aligned as product()'s own copy is, so the products run
+// the same plans: the same bits). There, given db (fp32, dy's width), db += dy's column sums
+// taken in the same pass over dy (column_sum_add's bits), and db is cleared: done.
+Operand dy_for_products(const Tensor& dy, const Tensor*& db, Scratch& slot) {
   check_device_f32(dy, "linear_backward: dy");
   const DType d = autocast_dtype();
-  Scratch dy16;
-  Operand dyo = operand(dy);
-  if ((d == DType::bf16 || d == DType::f16) && dy.numel() > 0) {
-    dy16 = Scratch(dtype_size(d) * dy.numel());
-    dyo = Operand{in_dtype(dyo, d, dy16.get()), d, dy.numel()};
+  if ((d != DType::bf16 && d != DType::f16) || dy.numel() == 0) return operand(dy);
+  slot = Scratch(dtype_size(d) * dy.numel());
+  if (db) {
+    check_device_f32(*db, "linear_backward: db");
+    const int64_t O = db->numel();
+    const int64_t N = rows_of(dy, O, "linear_backward: dy (last dim must equal db's size)");
+    column_sum_add(db->f32(), dy.f32(), N, O, slot.get(), d);
+    db = nullptr;
+  } else {
+    cuda_convert(d, slot.get(), DType::f32, dy.raw(), dy.numel());
   }
+  return Operand{slot.get(), d, dy.numel()};
+}
+
+// Both, from one 16-bit copy of dy (and the bias gradient from the same pass).
+void backward_both(const Tensor& dx, const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x,
+                   const Tensor& w, bool io) {
+  Scratch dy16;
+  const Operand dyo = dy_for_products(dy, db, dy16);
   backward_input(dx, dy, dyo, w, false, io);
+  backward_weight(dw, db, dy, dyo, x, io);
+}
+
+// The weight half alone, likewise.
+void weight_half(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x, bool io) {
+  Scratch dy16;
+  const Operand dyo = dy_for_products(dy, db, dy16);
   backward_weight(dw, db, dy, dyo, x, io);
 }
 
@@ -498,11 +536,11 @@ void linear_io_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& 
 
 // dw[O, I] += dy[N, O]^T @ x[N, I] ; db[O] += sum over rows of dy
 void linear_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
-  backward_weight(dw, db, dy, operand(dy), x, false);
+  weight_half(dw, db, dy, x, false);
 }
 // dw[I, O] += x[N, I]^T @ dy[N, O] ; db[O] += sum over rows of dy
 void linear_io_backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const Tensor& x) {
-  backward_weight(dw, db, dy, operand(dy), x, true);
+  weight_half(dw, db, dy, x, true);
 }
 
 // dx = dy @ w (w [O, I]), dw += dy^T @ x, db += column sums of dy; dy's 16-bit copy shared
