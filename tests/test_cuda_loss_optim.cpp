@@ -119,6 +119,39 @@ TEST(CudaLoss, CrossEntropyMatchesCpu) {
   }
 }
 
+// The forward's one pass (a running max per thread, its sum rescaled as the max rises)
+// against float64, on rows that rescale at every step (ascending logits up to 80, where
+// exp(logit) alone would overflow fp32's sums of a few hundred), descending rows, a row where
+// one thread's columns are all -inf (they add nothing, as exp(-inf) = 0) and a row with a
+// NaN logit (its loss is NaN, so a NaN step is seen).
+TEST(CudaLoss, CrossEntropyOnePassRescalesAndKeepsInfAndNaN) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  const int N = 5, V = 700;
+  VecF logits((size_t)N * V);
+  for (int i = 0; i < V; ++i) {
+    logits[i] = 80.0f * i / V;                   // row 0: ascending
+    logits[V + i] = 80.0f * (V - i) / V;         // row 1: descending
+    logits[2 * V + i] = std::sin(0.37f * i) * 5;  // row 2: thread 5's columns (5, 261, 517) -inf
+    logits[3 * V + i] = std::cos(0.11f * i) * 3;  // row 3: one NaN
+    logits[4 * V + i] = -1e4f + i;                // row 4: large negative logits
+  }
+  for (int i = 5; i < V; i += 256) logits[2 * V + i] = -INFINITY;
+  logits[3 * V + 400] = std::nanf("");
+  const std::vector<int32_t> tg = {3, 699, 17, 0, 600};
+  Tensor dloss = poisoned({N}), dlse = poisoned({N});
+  cuda::cross_entropy_forward(dloss, dlse, to_dev(logits, {N, V}), to_dev_i(tg, {N}));
+  const VecF glosses = to_host(dloss), glse = to_host(dlse);
+  for (int n : {0, 1, 2, 4}) {
+    double m = -INFINITY, s = 0;
+    for (int i = 0; i < V; ++i) m = std::max(m, (double)logits[(size_t)n * V + i]);
+    for (int i = 0; i < V; ++i) s += std::exp((double)logits[(size_t)n * V + i] - m);
+    const double lse = m + std::log(s);
+    EXPECT_NEAR(glse[n], lse, 2e-6 * std::fabs(lse) + 1e-6) << "row " << n;
+    EXPECT_NEAR(glosses[n], lse - logits[(size_t)n * V + tg[n]], 2e-6 * std::fabs(lse) + 1e-5) << "row " << n;
+  }
+  EXPECT_TRUE(std::isnan(glosses[3])) << "a NaN logit gives a NaN loss";
+}
+
 // The loss's gradient fed straight to the head's products in 16 bits
 // (cross_entropy_head_backward) gives the bits of the loss's backward in place then
 // linear_backward: a shard with padding columns (valid < V) and an offset (begin), ignored

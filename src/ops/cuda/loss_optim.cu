@@ -59,20 +59,29 @@ __device__ T block_sum(T x, T* buf) {
 
 // ---- cross entropy --------------------------------------------------------------------
 
-// One block per row n (grid N, kThreads threads): m = max of logits[n, :], s = sum of
-// exp(logit - m), lse[n] = m + log(s), losses[n] = lse - logits[n, t] (0 when t == -1).
-// Thread j visits columns j, j + kThreads, ... in order; the block tree combines them.
+// One block per row n (grid N, kThreads threads), one pass over the row (the logits are the
+// step's largest tensor; a second pass would read them from memory again): thread j visits
+// columns j, j + kThreads, ... in order, keeping its running max m_j and s_j = sum of
+// exp(logit - m_j), rescaled when m_j rises; then m = the block's max and s = the block's
+// sum of s_j exp(m_j - m), both by the fixed tree. lse[n] = m + log(s), losses[n] = lse -
+// logits[n, t] (0 when t == -1). A NaN logit makes s, and so the loss, NaN.
 __global__ void ce_forward_kernel(float* __restrict__ losses, float* __restrict__ lse,
                                   const float* __restrict__ logits, const int32_t* __restrict__ targets, int64_t V) {
   __shared__ float buf[kThreads];
   const int64_t n = blockIdx.x;
   const float* row = logits + n * V;  // [V]
-  float m = -INFINITY;
-  for (int64_t i = threadIdx.x; i < V; i += kThreads) m = row[i] > m ? row[i] : m;
-  m = block_max(m, buf);
-  float s = 0.0f;
-  for (int64_t i = threadIdx.x; i < V; i += kThreads) s += expf(row[i] - m);
-  s = block_sum(s, buf);
+  float mj = -INFINITY, sj = 0.0f;
+  for (int64_t i = threadIdx.x; i < V; i += kThreads) {
+    const float x = row[i];
+    if (x > mj) {
+      sj = sj * expf(mj - x) + 1.0f;  // the first value: 0 * exp(-inf) + 1
+      mj = x;
+    } else if (x != -INFINITY) {  // exp(-inf) adds 0; skipped, a thread of -inf logits keeps s_j = 0
+      sj += expf(x - mj);
+    }
+  }
+  const float m = block_max(mj, buf);
+  const float s = block_sum(sj == 0.0f ? 0.0f : sj * expf(mj - m), buf);  // a thread without columns: 0
   if (threadIdx.x == 0) {
     const float l = m + logf(s);
     const int32_t t = targets[n];
