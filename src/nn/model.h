@@ -246,7 +246,8 @@ class Model {
   void head_backward_weight(Slot& s);
   // Mixed precision: swaps fp32 copies of the 16-bit w of the units unit `unit` reads into
   // units_ (widen; the 16-bit ones wait in Unit::w16, where the products read the
-  // matrices), and the working copies back (narrow). No-ops in fp32.
+  // matrices), and the working copies back (narrow). No-ops in fp32. A tied head's
+  // embedding is not widened (the head reads it from w16; w stays the 16-bit copy).
   void widen(int unit);
   void narrow(int unit);
   // 16-bit gradients: swaps zeroed fp32 staging in for the g of the units unit `unit` writes

@@ -19,6 +19,10 @@ void Model::widen(int unit) {
     if (u.numel == 0) continue;
     MT_CHECK(u.w.dtype() == working_dtype(cfg_), "internal: unit " << u.name << " holds " << dtype_name(u.w.dtype())
                                                                    << " parameters under " << cfg_.precision);
+    if (v != unit) {  // a tied head's embedding: read only as the head's matrix, in 16 bits
+      u.w16 = u.w;
+      continue;
+    }
     const Tensor wide = wide_.view(off, {u.numel});
     wide.convert_from(u.w);
     u.w16 = u.w;
