@@ -646,10 +646,19 @@ GpuResult run_operands(int kernel, DType dt, DType scope, bool in16, const VecF&
   Tensor out_d = poisoned({B, T, NH * D}), lse_d = poisoned({B, NH, T}), dqkv_d = poisoned({B, T, W});
   Autocast guard(scope);
   const AttentionShape sh = attention_shape(to_dev(qkv16, {B, T, W}), NH, NKV, "test");
-  if (kernel == 0) cuda::attention_fused_forward(out_d, lse_d, qkv, NH, NKV);
-  else cuda::attention_tc_forward(out_d, lse_d, qkv, sh, dt, kernel == 1 ? cuda::AttentionTcForward::mma
-                                                                     : cuda::AttentionTcForward::wmma);
+  auto forward = [&](const Tensor& out, const Tensor& lse) {
+    if (kernel == 0) cuda::attention_fused_forward(out, lse, qkv, NH, NKV);
+    else cuda::attention_tc_forward(out, lse, qkv, sh, dt, kernel == 1 ? cuda::AttentionTcForward::mma
+                                                                   : cuda::AttentionTcForward::wmma);
+  };
+  forward(out_d, lse_d);
   const VecF out_rounded = rounded(dt, to_host(out_d));
+  if (in16) {  // the output in 16 bits too, as a block keeps it: the fp32 output rounded
+    const Tensor out16 = Tensor::empty({B, T, NH * D}, dt, gpu(), MemTag::activations), wide = poisoned({B, T, NH * D});
+    forward(out16, poisoned({B, NH, T}));
+    wide.convert_from(out16);
+    EXPECT_TRUE(same_bits(to_host(wide), out_rounded)) << "a 16-bit out against the fp32 out rounded";
+  }
   const Tensor out_in = in16 ? to_dev16(out_rounded, {B, T, NH * D}, dt) : to_dev(out_rounded, {B, T, NH * D});
   if (kernel == 0) cuda::attention_fused_backward(dqkv_d, dout_d, qkv, out_in, lse_d, NH, NKV);
   else cuda::attention_tc_backward(dqkv_d, dout_d, qkv, out_in, lse_d, sh, dt, kernel == 1 ? cuda::AttentionTcBackward::mma
@@ -660,7 +669,7 @@ GpuResult run_operands(int kernel, DType dt, DType scope, bool in16, const VecF&
 }  // namespace
 
 // q|k|v and out handed over in 16 bits, as a block keeps them on the GPU, give the bits of the
-// same values in fp32: the mma kernels read 16-bit operands (fp32 ones rounded into scratch
+// same values in fp32 (and a 16-bit out is written as the fp32 out rounded): the mma kernels read 16-bit operands (fp32 ones rounded into scratch
 // first, dout by the delta kernel), the WMMA and fp32 kernels widen 16-bit ones into scratch,
 // and rounding a 16-bit number again changes nothing. For the explicit mma and WMMA kernels
 // (D = 64 and 128, grouped-query heads, T across the tiles), attention_fused_* under the

@@ -379,15 +379,20 @@ void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, co
     round_activation(qkv);
     rope_forward(qkv.reshape({B, T, NH + 2 * NKV, d.D}), NH + NKV, cfg.rope_theta, env.positions);
   }
-  // attention reads the kept 16-bit q|k|v where its kernels read them as they are, else the
-  // rounded fp32 ones; the output projection reads the kept output
+  // attention reads the kept 16-bit q|k|v where its kernels read them as they are (and then
+  // writes the kept 16-bit output itself), else the rounded fp32 ones; the output
+  // projection reads the kept output
   const bool kept_qkv = cfg.fused_attention() && env.cp.takes_kept(a.qkv, NH, NKV);
-  if (kept_qkv) keep_rounded(qkv, a.qkv);
-  else round_and_keep(qkv, a.qkv);
-  const Tensor atty = fp32_home(a.atty, s.atty);
-  if (cfg.fused_attention()) env.cp.attention_forward(atty, a.lse, kept_qkv ? a.qkv : qkv, NH, NKV);
-  else attention_forward(atty, a.att, qkv, NH, NKV);
-  keep_rounded(atty, a.atty);
+  if (kept_qkv) {
+    keep_rounded(qkv, a.qkv);
+    env.cp.attention_forward(a.atty, a.lse, a.qkv, NH, NKV);
+  } else {
+    round_and_keep(qkv, a.qkv);
+    const Tensor atty = fp32_home(a.atty, s.atty);
+    if (cfg.fused_attention()) env.cp.attention_forward(atty, a.lse, qkv, NH, NKV);
+    else attention_forward(atty, a.att, qkv, NH, NKV);
+    keep_rounded(atty, a.atty);
+  }
   row_parallel_forward(env, a.mid, a.atty, p.wo, opt(p.bo), s.seq);
 
   // MLP branch: the same around the column-parallel up (and gate) and row-parallel down,

@@ -37,7 +37,8 @@ class CpMappings {
                                   const Tensor& lse, int n_head, int n_kv_head);
   // Whether the two should be given q|k|v and out as a block keeps them in 16 bits (`kept`:
   // q|k|v under bf16 or fp16): where one rank's fused ops read them as they are
-  // (attention_fused_reads_16bit). Else the caller hands them fp32.
+  // (attention_fused_reads_16bit), and the forward writes the kept 16-bit output. Else the
+  // caller hands them fp32.
   virtual bool takes_kept(const Tensor& kept, int n_head, int n_kv_head) const;
 };
 

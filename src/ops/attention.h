@@ -44,7 +44,8 @@ void attention_backward(const Tensor& dqkv, const Tensor& scratch, const Tensor&
 // log-sum-exp per query row. On the GPU qkv (and out, which the backward reads) may be in
 // bf16 or f16 (the dtype of a 16-bit Autocast scope if one is open): values already rounded
 // to the operands' 16 bits, read as they are by the tensor-core kernels (widened for the
-// others), with the results of their fp32 copies. On the CPU all are f32.
+// others), with the results of their fp32 copies; a 16-bit out is written rounded to nearest
+// even, the bits of the fp32 out converted. On the CPU all are f32.
 void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head);
 // dqkv[B, T, (NH + 2 NKV) * D] (overwritten) from dout[B, T, NH * D] and the forward's
 // qkv, out and lse.

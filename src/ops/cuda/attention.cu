@@ -544,7 +544,7 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
   const char* op = "attention_fused_forward";
   const AttentionShape s = checked_shape(qkv, n_head, n_kv_head, op);
   check_operand(qkv, op, "qkv");
-  check_device_f32(out, "attention_fused_forward: out");
+  check_operand(out, op, "out");
   check_device_f32(lse, "attention_fused_forward: lse");
   MT_CHECK(out.numel() == s.B * s.T * s.NH * s.D, op << ": out has shape " << shape_str(out.shape())
                                                      << ", expected [B, T, NH * D] = " << s.B * s.T * s.NH * s.D
@@ -555,10 +555,11 @@ void attention_fused_forward(const Tensor& out, const Tensor& lse, const Tensor&
   if (autocast_dtype() != DType::f32 && attention_tc_supported(s.D))
     return attention_tc_forward(out, lse, qkv, s, autocast_dtype());  // 16-bit tensor cores
   if (s.B == 0 || s.T == 0) return;
-  Scratch q_slot;  // a 16-bit qkv widened
-  const Tensor q32 = as_dtype(qkv, DType::f32, q_slot);
+  Scratch q_slot, o_slot;  // a 16-bit qkv widened; a 16-bit out written in fp32 first
+  const Tensor q32 = as_dtype(qkv, DType::f32, q_slot), o32 = fp32_output(out, o_slot);
   const AttentionRows all{0, s.T, 0};
-  launch_forward(out.f32(), lse.f32(), q32.f32(), q32.f32(), make_dims(s, s.T, all, all), s.B);
+  launch_forward(o32.f32(), lse.f32(), q32.f32(), q32.f32(), make_dims(s, s.T, all, all), s.B);
+  store_output(out, o32);
 }
 
 bool attention_fused_reads_16bit(const Tensor& qkv, int n_head, int n_kv_head) {

@@ -59,6 +59,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ops/cuda/attention_mma_layout.h"
 #include "ops/cuda/attention_tc.h"
@@ -88,9 +89,11 @@ struct MmaDims {
 // Dynamic shared memory: two buffers of (K, V) tiles.
 template <int D> constexpr int mma_smem_bytes() { return 4 * tile_bytes<D>(); }
 
-template <class T16, int D>
+// O: the output's type, float or T16 (then each value rounded to nearest even, the bits of
+// the fp32 output converted).
+template <class T16, class O, int D>
 __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
-    attention_mma_forward_kernel(float* __restrict__ out, float* __restrict__ lse, const T16* __restrict__ qkv,
+    attention_mma_forward_kernel(O* __restrict__ out, float* __restrict__ lse, const T16* __restrict__ qkv,
                                  MmaDims z) {
   static_assert(D % 32 == 0 && D <= 128, "D = 64 or 128");
   constexpr int LD = tile_ld<D>();
@@ -236,18 +239,23 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
     if (row >= z.T) continue;
     const float inv = 1.0f / l[r];  // every row < T sees key 0: l > 0
     if (tq == 0) lse[((int64_t)b * z.NH + h) * z.T + row] = m[r] + logf(l[r]);
-    float* orow = out + ((int64_t)b * z.T + row) * z.OW + (int64_t)h * D;
+    O* orow = out + ((int64_t)b * z.T + row) * z.OW + (int64_t)h * D;
     #pragma unroll
-    for (int n = 0; n < NO; ++n)
-      *reinterpret_cast<float2*>(orow + 8 * n + 2 * tq) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+    for (int n = 0; n < NO; ++n) {
+      const float lo = o[n][2 * r] * inv, hi = o[n][2 * r + 1] * inv;
+      if constexpr (std::is_same_v<O, float>)
+        *reinterpret_cast<float2*>(orow + 8 * n + 2 * tq) = make_float2(lo, hi);
+      else
+        *reinterpret_cast<uint32_t*>(orow + 8 * n + 2 * tq) = pack2<T16>(lo, hi);
+    }
   }
 }
 
-template <class T16, int D>
+template <class T16, class O, int D>
 void launch(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
   constexpr int bytes = mma_smem_bytes<D>();
   static_assert(bytes <= 227 * 1024, "shared memory above the H100's 227 KiB per block");
-  auto kernel = attention_mma_forward_kernel<T16, D>;
+  auto kernel = attention_mma_forward_kernel<T16, O, D>;
   // every launch, as attention_tc.cu does (the attribute is per device)
   if (bytes > 48 * 1024)
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
@@ -263,23 +271,31 @@ void launch(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Atten
   z.scale = 1.0f / std::sqrt((float)s.D);  // as the WMMA forward
   constexpr int kM = 16 * mma_warps<D>();
   const dim3 grid((unsigned)ceil_div(s.T, kM), (unsigned)s.NH, (unsigned)s.B);
-  kernel<<<grid, 32 * mma_warps<D>(), bytes, stream()>>>(out.f32(), lse.f32(), static_cast<const T16*>(qkv.raw()),
-                                                         z);
+  kernel<<<grid, 32 * mma_warps<D>(), bytes, stream()>>>(static_cast<O*>(out.raw()), lse.f32(),
+                                                         static_cast<const T16*>(qkv.raw()), z);
   MT_CUDA_LAUNCHED("attention_mma_forward_kernel");
+}
+
+template <class T16, class O>
+void launch_out(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
+  if (s.D == 64)
+    launch<T16, O, 64>(out, lse, qkv, s);
+  else
+    launch<T16, O, 128>(out, lse, qkv, s);
 }
 
 template <class T16>
 void launch_typed(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s) {
-  if (s.D == 64)
-    launch<T16, 64>(out, lse, qkv, s);
+  if (out.dtype() == DType::f32)
+    launch_out<T16, float>(out, lse, qkv, s);
   else
-    launch<T16, 128>(out, lse, qkv, s);
+    launch_out<T16, T16>(out, lse, qkv, s);
 }
 
 template <class T16, int D>
 int occupancy_d() {
   constexpr int bytes = mma_smem_bytes<D>();
-  auto kernel = attention_mma_forward_kernel<T16, D>;
+  auto kernel = attention_mma_forward_kernel<T16, float, D>;
   if (bytes > 48 * 1024)
     MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   MT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
@@ -294,9 +310,9 @@ int occupancy_d() {
 bool attention_mma_supported(int64_t D) { return D == 64 || D == 128; }
 
 bool attention_mma_aligned(const Tensor& out, const Tensor& qkv) {
-  // an fp32 qkv is converted into (256-byte aligned) scratch first
+  // an fp32 qkv is converted into (256-byte aligned) scratch first; out is written in pairs
   return (qkv.dtype() == DType::f32 || reinterpret_cast<uintptr_t>(qkv.raw()) % 16 == 0) &&
-         reinterpret_cast<uintptr_t>(out.f32()) % 8 == 0;
+         reinterpret_cast<uintptr_t>(out.raw()) % (2 * dtype_size(out.dtype())) == 0;
 }
 
 void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s,
@@ -305,7 +321,10 @@ void attention_mma_forward(const Tensor& out, const Tensor& lse, const Tensor& q
   MT_CHECK(dt == DType::bf16 || dt == DType::f16,
            "attention_mma_forward: 16-bit dtype expected, got " << dtype_name(dt));
   MT_CHECK(qkv.dtype() == dt, "attention_mma_forward: qkv in " << dtype_name(qkv.dtype()) << ", expected " << dtype_name(dt));
-  MT_CHECK(attention_mma_aligned(out, qkv), "attention_mma_forward: qkv must be 16-byte and out 8-byte aligned");
+  MT_CHECK(out.dtype() == DType::f32 || out.dtype() == dt,
+           "attention_mma_forward: out in " << dtype_name(out.dtype()) << ", expected f32 or " << dtype_name(dt));
+  MT_CHECK(attention_mma_aligned(out, qkv),
+           "attention_mma_forward: qkv must be 16-byte and out 2-element (8 or 4 bytes) aligned");
   MT_CHECK(s.T <= (int64_t)1 << 30 && s.B <= 65535 && s.NH <= 65535,
            "attention_mma_forward: B = " << s.B << ", T = " << s.T << ", NH = " << s.NH << " outside the CUDA grid");
   if (s.B == 0 || s.T == 0) return;

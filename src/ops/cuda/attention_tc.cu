@@ -668,18 +668,20 @@ void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qk
                           AttentionTcForward kernel) {
   check_tc(s, dt, "attention_tc_forward");
   check_operand(qkv, dt, "attention_tc_forward", "qkv");
+  check_operand(out, dt, "attention_tc_forward", "out");
   if (s.B == 0 || s.T == 0) return;
   if (kernel == AttentionTcForward::automatic)
     kernel = wmma_from_env() || !attention_mma_supported(s.D) || !attention_mma_aligned(out, qkv)
                  ? AttentionTcForward::wmma
                  : AttentionTcForward::mma;
-  Scratch q_slot;
+  Scratch q_slot, o_slot;
   if (kernel == AttentionTcForward::mma) return attention_mma_forward(out, lse, as_dtype(qkv, dt, q_slot), s, dt);
-  const Tensor q32 = as_dtype(qkv, DType::f32, q_slot);
+  const Tensor q32 = as_dtype(qkv, DType::f32, q_slot), o32 = fp32_output(out, o_slot);
   if (dt == DType::bf16)
-    forward_typed<__nv_bfloat16>(out, lse, q32, s);
+    forward_typed<__nv_bfloat16>(o32, lse, q32, s);
   else
-    forward_typed<half>(out, lse, q32, s);
+    forward_typed<half>(o32, lse, q32, s);
+  store_output(out, o32);
 }
 
 void attention_tc_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,

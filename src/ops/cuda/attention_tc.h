@@ -27,17 +27,18 @@ bool attention_tc_supported(int64_t D);
 bool attention_tc_reads_16bit(const Tensor& qkv, const AttentionShape& s);
 
 // Which forward kernel attention_tc_forward runs. automatic: the mma.sync kernel
-// (attention_mma.cu) where it applies (D = 64 or 128, a 16-bit qkv 16-byte and out 8-byte
-// aligned), the WMMA kernel otherwise, unless the environment variable
+// (attention_mma.cu) where it applies (D = 64 or 128, a 16-bit qkv 16-byte and out
+// two-element aligned), the WMMA kernel otherwise, unless the environment variable
 // MESHTRAIN_ATTENTION_KERNEL=wmma (read once) keeps the WMMA kernel everywhere. wmma / mma:
 // that kernel (mma throws where it does not apply). Both compute the same softmax with the
 // same roundings (only the fp32 summation order differs) and write the out and lse the
 // backward kernels read.
 enum class AttentionTcForward { automatic, wmma, mma };
 
-// out[B, T, NH D], lse[B, NH, T] (f32) from qkv[B, T, (NH + 2 NKV) D] (f32 or dt), on the
-// device, the shapes already checked by the caller (s from attention_shape). dt: bf16 or
-// f16, the operands' 16-bit type.
+// out[B, T, NH D] (f32 or dt: each value rounded to nearest even, the bits of the fp32 out
+// converted; the mma.sync kernel writes them so, the others through fp32 scratch), lse[B,
+// NH, T] (f32) from qkv[B, T, (NH + 2 NKV) D] (f32 or dt), on the device, the shapes already
+// checked by the caller (s from attention_shape). dt: bf16 or f16, the operands' 16-bit type.
 void attention_tc_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& s, DType dt,
                           AttentionTcForward kernel = AttentionTcForward::automatic);
 

@@ -65,6 +65,17 @@ inline Tensor as_dtype(const Tensor& t, DType to, Scratch& slot) {
   return Tensor::wrap(slot.get(), t.shape(), to);
 }
 
+// Where a kernel that writes fp32 writes output t: t itself where it holds f32, else fp32
+// scratch in `slot` (a handle as as_dtype's), rounded into t by store_output afterwards.
+inline Tensor fp32_output(const Tensor& t, Scratch& slot) {
+  if (t.dtype() == DType::f32) return t;
+  slot = Scratch(static_cast<size_t>(t.numel()) * sizeof(float));
+  return Tensor::wrap(slot.get(), t.shape(), DType::f32);
+}
+inline void store_output(const Tensor& t, const Tensor& written) {
+  if (written.raw() != t.raw()) cuda_convert(t.dtype(), t.raw(), DType::f32, written.raw(), t.numel());
+}
+
 // The op's tensors must all be f32 on the device (the CPU ops' rule, plus the device).
 inline void check_device_f32(const Tensor& t, const char* what) {
   MT_CHECK(t.device() == Device::cuda, what << ": tensor on " << device_name(t.device()) << ", expected cuda");
