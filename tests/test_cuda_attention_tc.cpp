@@ -653,12 +653,22 @@ GpuResult run_operands(int kernel, DType dt, DType scope, bool in16, const VecF&
   };
   forward(out_d, lse_d);
   const VecF out_rounded = rounded(dt, to_host(out_d));
-  if (in16) {  // the output in 16 bits too, as a block keeps it: the fp32 output rounded
-    const Tensor out16 = Tensor::empty({B, T, NH * D}, dt, gpu(), MemTag::activations), wide = poisoned({B, T, NH * D});
-    forward(out16, poisoned({B, NH, T}));
-    wide.convert_from(out16);
-    EXPECT_TRUE(same_bits(to_host(wide), out_rounded)) << "a 16-bit out against the fp32 out rounded";
-  }
+  if (in16)  // the output in 16 bits too, as a block keeps it: the fp32 output rounded; on the
+             // dispatch also one element into its buffer (2 bytes: the WMMA kernel through fp32)
+    for (int64_t at : kernel == 0 ? std::vector<int64_t>{0, 1} : std::vector<int64_t>{0}) {
+      const Tensor buf = Tensor::empty({(int64_t)B * T * NH * D + at}, dt, gpu(), MemTag::activations);
+      const Tensor out16 = buf.view(at, {B, T, NH * D}), lse16 = poisoned({B, NH, T}), wide = poisoned({B, T, NH * D});
+      forward(out16, lse16);
+      wide.convert_from(out16);
+      const VecF lse_host = to_host(lse16);
+      if (at == 0) {
+        EXPECT_TRUE(same_bits(to_host(wide), out_rounded)) << "a 16-bit out against the fp32 out rounded";
+        EXPECT_TRUE(same_bits(lse_host, to_host(lse_d))) << "lse with a 16-bit out";
+      } else {  // another kernel than the aligned out's where that was the mma one: 16-bit steps
+        EXPECT_LT(rel_err(to_host(wide), out_rounded), 1e-2) << "a misaligned 16-bit out";
+        EXPECT_LT(rel_err(lse_host, to_host(lse_d)), 1e-5) << "lse with a misaligned 16-bit out";
+      }
+    }
   const Tensor out_in = in16 ? to_dev16(out_rounded, {B, T, NH * D}, dt) : to_dev(out_rounded, {B, T, NH * D});
   if (kernel == 0) cuda::attention_fused_backward(dqkv_d, dout_d, qkv, out_in, lse_d, NH, NKV);
   else cuda::attention_tc_backward(dqkv_d, dout_d, qkv, out_in, lse_d, sh, dt, kernel == 1 ? cuda::AttentionTcBackward::mma

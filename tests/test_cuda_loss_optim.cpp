@@ -150,6 +150,16 @@ TEST(CudaLoss, CrossEntropyOnePassRescalesAndKeepsInfAndNaN) {
     EXPECT_NEAR(glosses[n], lse - logits[(size_t)n * V + tg[n]], 2e-6 * std::fabs(lse) + 1e-5) << "row " << n;
   }
   EXPECT_TRUE(std::isnan(glosses[3])) << "a NaN logit gives a NaN loss";
+  // GPT-2's padded vocabulary ascending: about 196 rescales per thread
+  const int V2 = 50304;
+  VecF up(V2);
+  for (int i = 0; i < V2; ++i) up[i] = 30.0f * i / V2;
+  Tensor l1 = poisoned({1}), s1 = poisoned({1});
+  cuda::cross_entropy_forward(l1, s1, to_dev(up, {1, V2}), to_dev_i({7}, {1}));
+  double m = up[V2 - 1], s = 0;
+  for (int i = 0; i < V2; ++i) s += std::exp((double)up[i] - m);
+  EXPECT_NEAR(to_host(s1)[0], m + std::log(s), 2e-6 * (m + std::log(s)));
+  EXPECT_NEAR(to_host(l1)[0], m + std::log(s) - up[7], 2e-6 * (m + std::log(s)));
 }
 
 // The loss's gradient fed straight to the head's products in 16 bits

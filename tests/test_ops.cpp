@@ -300,6 +300,10 @@ TEST(Ops, NormsWriteSixteenBitOutputsAsTheirFp32ValuesRounded) {
             EXPECT_EQ(0, std::memcmp(half[i].data(), full[i].data(), half[i].size() * sizeof(float)))
                 << "output " << i << " (x, out, mean, rstd)";
         }
+  VecF x(8), mean(2), rstd(2), w(4, 1.0f), b(4);
+  const Tensor xt = tf(x, {2, 4}), over_x = Tensor::wrap(x.data(), {2, 4}, DType::bf16);  // x's first half
+  EXPECT_THROW(layernorm_forward(over_x, tf(mean, {2}), tf(rstd, {2}), xt, tf(w, {4}), tf(b, {4}), 1e-5f), Error);
+  EXPECT_THROW(rmsnorm_forward(over_x, tf(rstd, {2}), xt, tf(w, {4}), 1e-6f), Error);
 }
 
 // ---- activations ---------------------------------------------------------------------------

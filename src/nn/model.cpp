@@ -176,6 +176,7 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
       if (units_[u].numel > 0) most = std::max(most, n);
     }
     wide_ = Tensor::empty({std::max<int64_t>(most, 1)}, DType::f32, alloc, MemTag::other);
+    narrow_w_.resize(units_.size());
     if (cfg.grad_working()) {  // the fp32 gradients one unit's backward computes, added into the 16-bit g after it
       wide_g_ = Tensor::empty({std::max<int64_t>(most, 1)}, DType::f32, alloc, MemTag::other);
       narrow_g_.resize(units_.size());

@@ -104,9 +104,10 @@ struct Unit {
   // The same, clipped to local elements [begin, end).
   std::vector<UnitPiece> pieces_within(int64_t begin, int64_t end, bool primary_only = false) const;
   Tensor w;  // [numel] parameters
-  // Mixed precision, while the model computes with the unit (Model::widen .. narrow): its
-  // 16-bit working parameters, w then holding them widened to fp32. The linear layers'
-  // products read their weight matrices from here, as they are (matrix_view).
+  // Mixed precision, while the model computes with the unit (Model::widen .. narrow), where
+  // the products read 16-bit weights as they are (linear_reads_16bit_weights): its 16-bit
+  // working parameters, w then holding them widened to fp32. The linear layers' products
+  // read their weight matrices from here (matrix_view).
   Tensor w16;
   Tensor g;  // [numel] gradients (accumulated by backward)
   Tensor param(const std::string& suffix) const;  // view of the parameter whose name ends with suffix
@@ -245,9 +246,9 @@ class Model {
   void final_backward(Slot& s, float scale, bool with_weight);
   void head_backward_weight(Slot& s);
   // Mixed precision: swaps fp32 copies of the 16-bit w of the units unit `unit` reads into
-  // units_ (widen; the 16-bit ones wait in Unit::w16, where the products read the
-  // matrices), and the working copies back (narrow). No-ops in fp32. A tied head's
-  // embedding is not widened (the head reads it from w16; w stays the 16-bit copy).
+  // units_ (widen; the products read the matrices from Unit::w16 where they take 16-bit
+  // weights as they are), and the working copies back (narrow). No-ops in fp32. A tied
+  // head's embedding is then not widened (the head reads it from w16; w stays 16-bit).
   void widen(int unit);
   void narrow(int unit);
   // 16-bit gradients: swaps zeroed fp32 staging in for the g of the units unit `unit` writes
@@ -275,6 +276,7 @@ class Model {
   std::unique_ptr<BlockActs> shared_acts_;  // recomputation: one set for every block
   std::unique_ptr<BlockScratch> scratch_;   // workspace shared by the blocks (forward and backward), embedding, final norm
   Tensor wide_;                    // mixed precision: [largest widened set] fp32 staging (MemTag::other)
+  std::vector<Tensor> narrow_w_;   // per unit: its working w while widened
   Tensor wide_g_;                  // 16-bit gradients: [largest set] fp32 staging (MemTag::other)
   std::vector<Tensor> narrow_g_;   // per unit: its 16-bit g while staged
 };

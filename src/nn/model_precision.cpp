@@ -2,6 +2,7 @@
 // working parameters a unit reads, and of the gradients it writes when they are kept in 16 bits.
 #include "core/error.h"
 #include "nn/model.h"
+#include "ops/linear.h"
 
 namespace mt {
 
@@ -19,13 +20,12 @@ void Model::widen(int unit) {
     if (u.numel == 0) continue;
     MT_CHECK(u.w.dtype() == working_dtype(cfg_), "internal: unit " << u.name << " holds " << dtype_name(u.w.dtype())
                                                                    << " parameters under " << cfg_.precision);
-    if (v != unit) {  // a tied head's embedding: read only as the head's matrix, in 16 bits
-      u.w16 = u.w;
-      continue;
-    }
+    const bool direct = linear_reads_16bit_weights(u.w.device(), u.w.dtype());
+    narrow_w_[v] = u.w;
+    if (direct) u.w16 = u.w;
+    if (v != unit && direct) continue;  // a tied head's embedding: read only as the head's matrix
     const Tensor wide = wide_.view(off, {u.numel});
     wide.convert_from(u.w);
-    u.w16 = u.w;
     u.w = wide;
     off += u.numel;
   }
@@ -33,8 +33,11 @@ void Model::widen(int unit) {
 
 void Model::narrow(int unit) {
   if (!wide_.defined()) return;
-  for (int v : units_used(unit))
-    if (units_[v].w16.defined()) units_[v].w = std::move(units_[v].w16);  // moved-from: empty again
+  for (int v : units_used(unit)) {
+    if (!narrow_w_[v].defined()) continue;
+    units_[v].w = std::move(narrow_w_[v]);  // moved-from: empty again
+    units_[v].w16 = Tensor();
+  }
 }
 
 void Model::stage_grads(int unit) {

@@ -119,6 +119,10 @@ void backward_weight(const Tensor& dw, const Tensor* db, const Tensor& dy, const
 
 }  // namespace
 
+bool linear_reads_16bit_weights(Device d, DType t) {
+  return d == Device::cuda || (t == DType::bf16 && bf16_gemm_available());
+}
+
 // y[N, O] = x[N, I] @ w[O, I]^T (+ b[O])
 void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b) {
   if (y.device() == Device::cuda) {

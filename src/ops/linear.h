@@ -11,6 +11,12 @@
 
 namespace mt {
 
+// Whether the products read a 16-bit weight of dtype t on device d as it is, without a
+// widened copy: on the GPU (cuBLASLt takes it), and on a CPU whose bf16 products run on its
+// bf16 instructions (gemm_bf16). Elsewhere a 16-bit weight is widened at every product, and
+// a model hands the products its fp32 widening instead.
+bool linear_reads_16bit_weights(Device d, DType t);
+
 // y[N, O] = x[N, I] @ w[O, I]^T (+ b[O])
 void linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Tensor* b);
 // dx[N, I] = dy[N, O] @ w[O, I]        (accumulate: dx += instead of =)

@@ -171,6 +171,10 @@ void check_norm_io(const Tensor& out, const Tensor& x, const Tensor& w, int64_t&
                                                << C);
   N = x.numel() / C;
   check_numel(out, N * C, op);
+  if (out.dtype() != DType::f32) {  // a 16-bit out in place of x would overwrite what other rows read
+    const uintptr_t o = reinterpret_cast<uintptr_t>(out.raw()), xs = reinterpret_cast<uintptr_t>(x.raw());
+    MT_CHECK(o + out.nbytes() <= xs || xs + x.nbytes() <= o, op << ": a 16-bit out must not overlap x");
+  }
 }
 
 // The residual r for x (nullptr: none): fp32 on the device, of x's size, overlapping neither x nor out.
