@@ -17,8 +17,9 @@ namespace mt {
 namespace {
 
 // Parameter views of one block; the fused weights span consecutive Hugging Face tensors.
-// Under mixed precision the four weight matrices are views of the 16-bit working copy (the
-// products read them as they are), the norms' weights and the biases of the fp32 widening.
+// Under mixed precision the four weight matrices are views of the 16-bit working copy where
+// the products read it as it is (Unit::w16), the norms' weights and the biases of the fp32
+// widening.
 struct BlockParams {
   Tensor ln1_w, ln1_b, wqkv, bqkv, wo, bo, ln2_w, ln2_b, wfc, bfc, wproj, bproj;  // params
   Tensor g_ln1_w, g_ln1_b, g_wqkv, g_bqkv, g_wo, g_bo, g_ln2_w, g_ln2_b, g_wfc, g_bfc, g_wproj, g_bproj;
