@@ -65,6 +65,12 @@ inline Tensor as_dtype(const Tensor& t, DType to, Scratch& slot) {
   return Tensor::wrap(slot.get(), t.shape(), to);
 }
 
+// v stored into *p: as it is into fp32, rounded to the nearest (ties to even) into bf16 or
+// f16, as cuda_convert rounds. For kernels whose output type is a template parameter.
+__device__ inline void store_rounded(float* p, float v) { *p = v; }
+__device__ inline void store_rounded(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ inline void store_rounded(__half* p, float v) { *p = __float2half_rn(v); }
+
 // Where a kernel that writes fp32 writes output t: t itself where it holds f32, else fp32
 // scratch in `slot` (a handle as as_dtype's), rounded into t by store_output afterwards.
 inline Tensor fp32_output(const Tensor& t, Scratch& slot) {

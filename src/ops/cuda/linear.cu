@@ -110,9 +110,6 @@ void launch_add_bias(float* y, const float* b, int64_t N, int64_t O) {
 constexpr int kColTile = 32;  // columns per block (one warp along a row: coalesced reads)
 constexpr int kRowLanes = 8;  // rows read at once per block
 
-__device__ void store_rounded(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ void store_rounded(__half* p, float v) { *p = __float2half_rn(v); }
-
 // partial[r, o] = sum of dy[n, o] over the rows n of chunk r ([r * chunk, min(N, (r+1) * chunk))).
 // Grid (ceil(O / 32), R), block (32, 8): thread (tx, ty) sums rows r*chunk + ty, + 8, ... in
 // order for column blockIdx.x * 32 + tx; then thread ty = 0 adds the 8 lane sums in order.
@@ -497,7 +494,7 @@ Operand dy_for_products(const Tensor& dy, const Tensor*& db, Scratch& slot) {
     column_sum_add(db->f32(), dy.f32(), N, O, slot.get(), d);
     db = nullptr;
   } else {
-    cuda_convert(d, slot.get(), DType::f32, dy.raw(), dy.numel());
+    in_dtype(operand(dy), d, slot.get());
   }
   return Operand{slot.get(), d, dy.numel()};
 }

@@ -43,12 +43,6 @@ __device__ float with_residual(float* xr, const float* res, int64_t n, int64_t C
   return v;
 }
 
-// A forward's output value: as it is into fp32, rounded to the nearest (ties to even) into
-// 16 bits, as convert_from rounds.
-__device__ void store(float* p, float v) { *p = v; }
-__device__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-__device__ void store(__half* p, float v) { *p = __float2half_rn(v); }
-
 // LayerNorm forward. Grid: N blocks (one per row) of kRowThreads; threads stride over C.
 // out[n, c] = (x - mean) * rstd * w + b ; mean[n], rstd[n] (two-pass variance); x += res
 // first where res is given. Out: float, __nv_bfloat16 or __half.
@@ -68,7 +62,7 @@ __global__ void layernorm_forward_kernel(Out* out, float* mean, float* rstd, flo
   }
   const float r = 1.0f / sqrtf(block_sum(v, sh) / (float)C + eps);
   Out* o = out + n * C;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) store(o + c, (xr[c] - m) * r * w[c] + b[c]);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) store_rounded(o + c, (xr[c] - m) * r * w[c] + b[c]);
   if (threadIdx.x == 0) {
     mean[n] = m;
     rstd[n] = r;
@@ -90,7 +84,7 @@ __global__ void rmsnorm_forward_kernel(Out* out, float* rstd, float* x, const fl
   }
   const float r = 1.0f / sqrtf(block_sum(ss, sh) / (float)C + eps);
   Out* o = out + n * C;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) store(o + c, (xr[c] * r) * w[c]);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) store_rounded(o + c, (xr[c] * r) * w[c]);
   if (threadIdx.x == 0) rstd[n] = r;
 }
 
