@@ -15,6 +15,10 @@
 // --profile 1 also prints, on stderr, where the timed steps' time went per op (the ops'
 // profile scopes, core/profile.h), largest first. Run it with CUDA_LAUNCH_BLOCKING=1: each
 // launch then returns when its kernel is done, so an op's time is its GPU time.
+//
+// The timed steps run inside the CUDA profiler's range (cudaProfilerStart / Stop, which do
+// nothing without a profiler): `ncu --profile-from-start off` sees their kernels only, not
+// the warmup's nor the model's initialisation (scripts/gpu_check.sh ncu).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -27,6 +31,8 @@
 #include "core/rng.h"
 #include "nn/model.h"
 #if MESHTRAIN_CUDA
+#include <cuda_profiler_api.h>
+
 #include "ops/cuda/ops.h"
 #endif
 
@@ -122,6 +128,7 @@ int main(int argc, char** argv) {
     Profiler prof(profile_now());
     for (int s = 0; s < warmup + steps; ++s) {
       cuda_synchronize();
+      if (s == warmup) cudaProfilerStart();
       const bool recording = profile && s >= warmup;
       if (recording) prof.step_begin();
       const double t0 = now();
@@ -147,6 +154,7 @@ int main(int argc, char** argv) {
       last_loss = loss;
       if (s >= warmup) t_step.push_back(t3 - t0), t_fwd.push_back(t1 - t0), t_bwd.push_back(t2 - t1), t_opt.push_back(t3 - t2);
     }
+    cudaProfilerStop();
     if (profile && prof.steps() > 0) print_profile(prof);
     const double step = median(t_step), tokens_s = N / step;
     const double flops_per_token = 6.0 * n_params + 6.0 * cfg.n_layer * T * cfg.d_model;

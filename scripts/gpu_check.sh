@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine: build (scripts/gpu_build.sh), run every CUDA test program, bf16
 # training against Hugging Face transformers (tests/parity/run_hf_gpu.py), then the GPT-2
-# benchmark beside PyTorch (bench/gpu.sh) and meshtrain's step per op. Logs go to $OUT (or ./gpu-check) so that they
-# survive the machine. $PYTHON (default python3 on the PATH) must have torch and transformers.
+# benchmark beside PyTorch (bench/gpu.sh) and meshtrain's step per op. Logs go to $OUT (or
+# ./gpu-check) so that they survive the machine. $PYTHON (default python3 on the PATH) must
+# have torch and transformers.
 #
-#   bash scripts/gpu_check.sh [tests|train|hf|bench|all]     # default all
+#   bash scripts/gpu_check.sh [tests|train|hf|bench|all]     # default all (these four)
+#   bash scripts/gpu_check.sh sanitize   # compute-sanitizer over the op tests
+#   bash scripts/gpu_check.sh ncu        # Nsight Compute: the step per kernel, attention's counters
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -97,6 +100,7 @@ if [[ $what == hf || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   build-gpu/bench/bench_gpu_attention 2>&1 | tee "$out/attention.log"
+  python3 bench/gpu_attention_torch.py 2>&1 | tee -a "$out/attention.log"  # the peer, same shapes
   bash bench/gpu.sh build-gpu 2>&1 | tee "$out/bench.log" | tail -8
   # Where meshtrain's step goes, per op: each launch waits for its kernel, so the times are
   # GPU times (the step itself is slower so).
@@ -116,5 +120,56 @@ if [[ $what == bench || $what == all ]]; then
     echo "MESHTRAIN_FUSED_GELU=$fused: $(MESHTRAIN_FUSED_GELU=$fused build-gpu/bench/bench_gpu_step --precision bf16 \
       --steps 10 2>/dev/null)"
   done | tee "$out/fusion_ab.txt"
+fi
+if [[ $what == sanitize ]]; then
+  # compute-sanitizer over the op tests, all at once (each under a time limit, as the tools
+  # slow kernels down many times): memcheck (out-of-bounds and misaligned accesses, errors
+  # of the API) over every op's tests; racecheck (shared-memory hazards) and synccheck
+  # (barriers) over the attention kernels, whose tiles are shared. A tool that reports
+  # errors prints its first ones; "timed out" means no error was seen in the part it ran.
+  cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  [[ -x $cs ]] || { echo "sanitize: compute-sanitizer not found"; exit 1; }
+  runs=()
+  for p in runtime linear pointwise loss_optim attention attention_tc block model; do runs+=("memcheck test_cuda_$p *"); done
+  for tool in racecheck synccheck; do runs+=("$tool test_cuda_attention_tc CudaAttentionTc.Mma*:CudaAttentionTc.SixteenBit*"); done
+  for r in "${runs[@]}"; do
+    read -r tool prog filter <<< "$r"
+    ( timeout "${SANITIZE_LIMIT_S:-420}" "$cs" --tool "$tool" --error-exitcode 97 --print-limit 10 \
+        "build-gpu/tests/$prog" --gtest_filter="$filter" > "$out/sanitize_${tool}_$prog.log" 2>&1
+      echo $? > "$out/sanitize_${tool}_$prog.rc" ) &
+  done
+  wait
+  for r in "${runs[@]}"; do
+    read -r tool prog filter <<< "$r"
+    log=$out/sanitize_${tool}_$prog.log
+    case $(cat "$out/sanitize_${tool}_$prog.rc") in
+      0) echo "$tool $prog: clean ($(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log"))" ;;
+      124) echo "$tool $prog: timed out after ${SANITIZE_LIMIT_S:-420} s, no error before ($(grep -c '^\[       OK' "$log") tests done)" ;;
+      97) status=1; echo "$tool $prog: ERRORS"; grep -E -m 12 "^========= (Invalid|Error|Race|Barrier|Program hit|    at|Address)" "$log" ;;
+      *) status=1; echo "$tool $prog: the tests failed under the tool"; grep -E -m 8 "FAILED|Failure|mt::Error" "$log" ;;
+    esac
+  done
+fi
+if [[ $what == ncu ]]; then
+  # Nsight Compute (--clock-control none: the clocks as the benchmark runs them).
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  [[ -x $ncu ]] || { echo "ncu: Nsight Compute not found"; exit 1; }
+  # 1. The bf16 step per kernel: GPU time of every kernel of 3 timed steps (bench_gpu_step's
+  #    profiler range), beside the step measured without the profiler; what the kernels do
+  #    not fill is time the GPU waits for the host.
+  step_ms=$(build-gpu/bench/bench_gpu_step --precision bf16 --steps 10 2>/dev/null |
+    python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["step_ms"])')
+  "$ncu" --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base \
+    build-gpu/bench/bench_gpu_step --precision bf16 --steps 3 --warmup 2 > "$out/ncu_step.csv" 2> "$out/ncu_step.log" ||
+    { status=1; echo "ncu step: failed"; tail -5 "$out/ncu_step.log"; }
+  python3 bench/ncu_kernels.py "$out/ncu_step.csv" --steps 3 --step-ms "$step_ms" | tee "$out/ncu_step.txt" || status=1
+  # 2. The mma.sync attention kernels (forward, dK/dV, dQ at D 64 then 128, one call each),
+  #    every section: throughputs, occupancy, stall reasons, shared-memory bank conflicts and
+  #    the source lines that stall; then their one-line digest.
+  "$ncu" --clock-control none --set full -k regex:attention_mma --launch-count 6 \
+    build-gpu/bench/bench_gpu_attention --reps 1 --warmup 0 > "$out/ncu_attention.txt" 2>&1 ||
+    { status=1; echo "ncu attention: failed"; tail -5 "$out/ncu_attention.txt"; }
+  grep -E "attention_mma_[a-z]+_kernel|^ +(Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per Thread|Issue Slots Busy|L1/TEX Hit Rate) " \
+    "$out/ncu_attention.txt" | sed -E 's/>\(.*/>/' | tee "$out/ncu_attention_digest.txt"
 fi
 exit $status
