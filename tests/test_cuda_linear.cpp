@@ -368,15 +368,20 @@ VecF widened_host(const Tensor& t) {
   return to_host(w);
 }
 
-// linear_gelu_fused under a 16-bit scope: act and pre within one 16-bit step of the
-// float64 reference, round(gelu_tanh(y)) and round(y) for y = x w^T + b of the 16-bit
-// operands (cuBLASLt accumulates in fp32, then rounds once; its GELU must be the tanh form:
-// the erf form differs by up to 4e-4 at |y| ~ 3, many steps of a value ~ 0.004). Inputs
-// span |y| up to ~ 6, so both GELU tails are exercised. fp32 act / pre hold the 16-bit
-// outputs' values bit for bit; a rerun gives the same bits; a bias of 16-bit values at an
-// odd offset stays within the bound, and one of fp32 values there gives the bits of the
-// same values at a block's start. A failure of the one-step bound on a GPU says how
-// accurate cuBLASLt's GELU is: the worst case is printed with its y.
+// cuBLASLt may evaluate GELU's tanh with the GPU's approximate instruction (relative error
+// up to 2^-10.99 by the PTX ISA); the bounds below allow a tanh of relative error 2^-10
+// (this fraction of |t|), so that either form of tanh passes.
+constexpr double kTanhSlack = 1.0 / 1024;
+
+// linear_gelu_fused under a 16-bit scope: pre within one 16-bit step of round(y) for
+// y = x w^T + b of the 16-bit operands (cuBLASLt accumulates in fp32, then rounds once), and
+// act within one step of the interval gelu_tanh(y) +- 0.5 |y t| kTanhSlack (what such a
+// tanh moves GELU by). That slack also covers the erf form of GELU (4e-4 from the tanh form
+// at |y| ~ 3): the models' GELU form is held by the GPU models' parity with the CPU and with
+// transformers instead. Inputs span |y| up to ~ 6, so both GELU tails are exercised. fp32
+// act / pre hold the 16-bit outputs' values bit for bit; a rerun gives the same bits; a bias
+// of 16-bit values at an odd offset stays within the bound, and one of fp32 values there
+// gives the bits of the same values at a block's start. A failure names the worst y.
 void check_gelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
   SCOPED_TRACE(std::string(dtype_name(dt)) + " N " + std::to_string(N) + " I " + std::to_string(I) + " O " +
                std::to_string(O));
@@ -406,14 +411,12 @@ void check_gelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < O; ++o) {
         const double yy = y[n * O + o] - b[o] + bias[o];
-        const double k = 0.7978845608028654, gelu = 0.5 * yy * (1.0 + std::tanh(k * (yy + 0.044715 * yy * yy * yy)));
+        const double t = std::tanh(0.7978845608028654 * (yy + 0.044715 * yy * yy * yy)), gelu = 0.5 * yy * (1.0 + t);
+        const double slack = 0.5 * std::abs(yy * t) * kTanhSlack;
         const int64_t i = n * O + o;
-        // GELU's far tail cancels in fp32 (1 + tanh near -1): up to ~2e-7 absolute
-        const int64_t steps =
-            std::max<int64_t>(std::abs(got.first[i] - gelu) > 1e-6
-                                  ? std::abs(ordered16(dt, got.first[i]) - ordered16(dt, (float)gelu))
-                                  : 0,
-                              std::abs(ordered16(dt, got.second[i]) - ordered16(dt, (float)yy)));
+        const double edge = std::clamp<double>(got.first[i], gelu - slack, gelu + slack);
+        const int64_t steps = std::max<int64_t>(std::abs(ordered16(dt, got.first[i]) - ordered16(dt, (float)edge)),
+                                                std::abs(ordered16(dt, got.second[i]) - ordered16(dt, (float)yy)));
         if (steps > worst) worst = steps, worst_y = yy;
       }
     EXPECT_LE(worst, 1) << what << ": 16-bit steps from the float64 reference, at y = " << worst_y;
@@ -434,9 +437,10 @@ void check_gelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
 }
 
 // linear_dgelu_fused (w stored [in, out]): dx = (dy w^T) * gelu'(pre) against the float64
-// reference of the 16-bit operands within kTol16 (the product's fp32 accumulation; the
-// derivative of the erf form differs from the tanh form's by up to 2e-2, far outside it);
-// pre in fp32 holding the same values gives the same bits; a rerun too.
+// reference of the 16-bit operands, elementwise within kTol16 of the reference's rms (the
+// product's fp32 accumulation) plus what a tanh of relative error kTanhSlack moves
+// gelu'(pre) by (|d gelu' / dt| |t| kTanhSlack, times the product); pre in fp32 holding the
+// same values gives the same bits; a rerun too.
 void check_dgelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
   SCOPED_TRACE(std::string(dtype_name(dt)) + " N " + std::to_string(N) + " I " + std::to_string(I) + " O " +
                std::to_string(O));
@@ -446,13 +450,14 @@ void check_dgelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
   round_to(dt, w.data(), w.data(), I * O);
   VecF dy16 = dy;  // the product's operand
   round_to(dt, dy16.data(), dy16.data(), N * O);
-  std::vector<double> ref(N * I);
+  std::vector<double> ref(N * I), product(N * I);  // dx, and dy w^T before gelu'
   const double k = 0.7978845608028654, a = 0.044715;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t i = 0; i < I; ++i) {
       double acc = 0;
       for (int64_t o = 0; o < O; ++o) acc += (double)dy16[n * O + o] * w[i * O + o];
       const double x = pre[n * I + i], t = std::tanh(k * (x + a * x * x * x));
+      product[n * I + i] = acc;
       ref[n * I + i] = acc * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * a * x * x));
     }
   const Tensor wd = to_dev(w, {I, O}), dyd = to_dev(dy, {N, O}), pre32 = to_dev(pre, {N, I});
@@ -465,7 +470,22 @@ void check_dgelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
     return to_host(dx);
   };
   const VecF got = run(pre16);
-  EXPECT_LT(rel_err(got, ref), kTol16);
+  double rms = 0;
+  for (double r : ref) rms += r * r;
+  rms = std::sqrt(rms / static_cast<double>(ref.size()));
+  int64_t outside = 0, worst = 0;
+  double worst_excess = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < I; ++i) {
+      const int64_t j = n * I + i;
+      const double x = pre[j], t = std::tanh(k * (x + a * x * x * x));
+      const double dgelu_dt = 0.5 - x * t * k * (1 + 3 * a * x * x);
+      const double bound = kTol16 * rms + std::abs(product[j] * dgelu_dt * t) * kTanhSlack;
+      const double excess = std::abs(got[j] - ref[j]) / bound;
+      if (excess > 1) ++outside;
+      if (excess > worst_excess) worst_excess = excess, worst = j;
+    }
+  EXPECT_EQ(outside, 0) << "worst: " << worst_excess << " times the bound at pre = " << pre[worst];
   EXPECT_TRUE(same_bits(run(pre32), got)) << "fp32 pre against 16-bit pre";
   EXPECT_TRUE(same_bits(run(pre16), got)) << "rerun";
 }

@@ -205,6 +205,9 @@ struct Epilogue {
     if (aux) return bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     return bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   }
+  // GELU or a dtype of cuBLASLt's choosing: where it refuses the configuration, the caller
+  // has another way.
+  bool optional() const { return aux || bias_dt >= 0 || aux_dt >= 0; }
 };
 
 // opA, opB, m, n, k, lda, ldb, ldc, ldaux, ab dtype, D dtype, bias dtype, aux dtype,
@@ -289,8 +292,10 @@ Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t
     st = cublasLtMatmulAlgoGetHeuristic(l.handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &returned);
   cublasLtMatmulPreferenceDestroy(pref);
   // NOT_SUPPORTED (or no result) means no algorithm for this configuration: the caller
-  // falls back. Any other failure is an error.
-  MT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED,
+  // falls back; so does INVALID_VALUE for an optional epilogue (cublasLt.h: how cuBLASLt
+  // refuses an unsupported aux or bias dtype). Any other failure is an error.
+  MT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED ||
+               (e.optional() && st == CUBLAS_STATUS_INVALID_VALUE),
            "cuBLASLt heuristic failed: " << cublasLtGetStatusName(st));
   p.found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS &&
             result.workspaceSize <= kWorkspaceBytes;
@@ -338,8 +343,7 @@ bool lt_matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* A,
   // cuBLASLt may refuse an epilogue's dtypes only at launch (cublasLt.h says so of the aux
   // dtype): its arguments are checked before anything runs, so for a GELU or dtype-setting
   // epilogue that refusal means no algorithm, like the heuristic's, from now on.
-  const bool optional = e.aux || e.bias_dt >= 0 || e.aux_dt >= 0;
-  if (optional && (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)) {
+  if (e.optional() && (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE)) {
     p.found = false;
     return false;
   }
@@ -628,11 +632,14 @@ bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, 
 }
 
 // dx[N, I] = (dy[N, O] @ w[I, O]^T) * gelu'(pre[N, I]) under a 16-bit Autocast scope, in one
-// cuBLASLt product whose DGELU epilogue reads the pre-activation in 16 bits: GPT-2's down
-// projection's input gradient through GELU. pre holds the scope's dtype, or fp32 holding
-// its values (converted into scratch, 256-byte aligned as the allocator's blocks are: the
-// same plan). Returns false, writing nothing, outside a 16-bit scope, for I not a multiple
-// of 8 (the aux matrix's leading dim), where cuBLASLt has no algorithm and when turned off.
+// cuBLASLt product whose DGELU epilogue reads the pre-activation: GPT-2's down projection's
+// input gradient through GELU. pre holds the scope's dtype or fp32 holding its values.
+// cublasLt.h has GELU's aux matrix in D's dtype (here fp32) "with some exceptions": the
+// epilogue is tried with pre in 16 bits (half the read), then in fp32 (the same values);
+// converted copies go to scratch, 256-byte aligned as the allocator's blocks are, so both
+// dtypes of pre run the same plans. Returns false, writing nothing, outside a 16-bit scope,
+// for I not a multiple of 8 (the aux matrix's leading dim), where cuBLASLt has no algorithm
+// and when turned off.
 bool linear_io_dgelu_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Tensor& pre) {
   const DType d = autocast_dtype();
   if ((d != DType::bf16 && d != DType::f16) || !gelu_fusion_on()) return false;
@@ -650,18 +657,22 @@ bool linear_io_dgelu_backward_input(const Tensor& dx, const Tensor& dy, const Te
            "linear_dgelu_fused: pre has " << pre.numel() / I << " rows but dy has " << N);
   if (I % 8) return false;
   if (N == 0) return true;
-  Scratch conv, pre16;
+  Scratch conv;
   const void *pdy, *pw;
   both_in(d, operand(dy), operand(w), conv, pdy, pw);
-  const void* aux = pre.raw();
-  if (pre.dtype() != d) {
-    pre16 = Scratch(dtype_size(d) * N * I);
-    aux = in_dtype(operand(pre), d, pre16.get());
-  }
   // Column-major (top of the file): dx^T[I, N] = w[I, O] dy^T, ld I; pre^T likewise.
   const cudaDataType_t dt = cuda_dtype(d);
-  Epilogue e{nullptr, const_cast<void*>(aux), I, -1, dt, true};
-  return lt_matmul(true, false, I, N, O, pw, O, pdy, O, dt, 0.0f, dx.raw(), CUDA_R_32F, I, e);
+  auto run = [&](DType aux_dtype) {
+    Scratch copy;
+    const void* aux = pre.raw();
+    if (pre.dtype() != aux_dtype) {
+      copy = Scratch(dtype_size(aux_dtype) * N * I);
+      aux = in_dtype(operand(pre), aux_dtype, copy.get());
+    }
+    const Epilogue e{nullptr, const_cast<void*>(aux), I, -1, aux_dtype == d ? static_cast<int32_t>(dt) : -1, true};
+    return lt_matmul(true, false, I, N, O, pw, O, pdy, O, dt, 0.0f, dx.raw(), CUDA_R_32F, I, e);
+  };
+  return run(d) || run(DType::f32);
 }
 
 // The head's backward from the loss under a 16-bit scope: the logits' gradient (the values
