@@ -1,7 +1,7 @@
 // Host emulation (no GPU) of the warp-level tensor-core instructions the mma.sync attention
 // kernels use (mma.m16n8k16, ldmatrix.x4 with and without .trans), built on the mappings of
 // src/ops/cuda/attention_mma_layout.h, and the mma.sync BACKWARD (attention_mma_backward.cu)
-// replayed lane by lane with them: for tests/test_cuda_attention_tc.cpp (its only includer).
+// replayed lane by lane with them: for tests/test_attention_mma_emulation.cpp (its only includer).
 #pragma once
 
 #include <cmath>

@@ -1,9 +1,9 @@
 // The CUDA fused attention (src/ops/cuda/attention.cu) against the CPU fused attention
 // (ops/attention_fused.cpp, itself checked against float64 and finite differences in
-// tests/test_attention.cpp) and against a float64 reference here: forward (out, lse) and
-// backward (dqkv), on shapes that cross the kernels' 32-row tiles or stop short of them,
-// with grouped-query heads and head dims from 3 to 128; bit-identical reruns; and the
-// shape errors (D above 128 among them). Skips without a GPU.
+// tests/test_attention.cpp) and against the float64 reference of attention_ref.h: forward
+// (out, lse) and backward (dqkv), on shapes that cross the kernels' 32-row tiles or stop
+// short of them, with grouped-query heads and head dims from 3 to 128; bit-identical
+// reruns; and the shape errors (D above 128 among them). Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_ref.h"
 #include "core/cuda.h"
 #include "core/error.h"
 #include "core/tensor.h"
@@ -28,55 +29,6 @@ using namespace mt::test;
 #if MESHTRAIN_CUDA
 
 namespace {
-
-// Float64 causal GQA attention over qkv [B, T, W]: out [B, T, NH D], lse [B, NH, T], and,
-// given dout [B, T, NH D], the gradient dqkv [B, T, W] of sum(out * dout).
-struct Ref {
-  VecD out, lse, dqkv;
-};
-Ref attention_ref(const VecD& qkv, const VecD& dout, int B, int T, int NH, int NKV, int D) {
-  const int W = (NH + 2 * NKV) * D, OW = NH * D, G = NH / NKV;
-  const double scale = 1.0 / std::sqrt((double)D);
-  Ref r{VecD(B * T * OW, 0.0), VecD(B * NH * T, 0.0), VecD(B * T * W, 0.0)};
-  VecD p(T), dp(T);
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < NH; ++h) {
-      const int kc = (NH + h / G) * D, vc = kc + NKV * D;
-      for (int t = 0; t < T; ++t) {
-        const double* q = &qkv[(b * T + t) * W + h * D];
-        const double* dO = &dout[(b * T + t) * OW + h * D];
-        double* o = &r.out[(b * T + t) * OW + h * D];
-        double m = -INFINITY, z = 0, delta = 0;
-        for (int s = 0; s <= t; ++s) {
-          double d = 0;
-          for (int i = 0; i < D; ++i) d += q[i] * qkv[(b * T + s) * W + kc + i];
-          p[s] = d * scale;
-          m = std::max(m, p[s]);
-        }
-        for (int s = 0; s <= t; ++s) z += (p[s] = std::exp(p[s] - m));
-        r.lse[(b * NH + h) * T + t] = m + std::log(z);
-        for (int s = 0; s <= t; ++s) {
-          p[s] /= z;
-          for (int i = 0; i < D; ++i) o[i] += p[s] * qkv[(b * T + s) * W + vc + i];
-        }
-        for (int s = 0; s <= t; ++s) {
-          dp[s] = 0;
-          for (int i = 0; i < D; ++i) dp[s] += dO[i] * qkv[(b * T + s) * W + vc + i];
-          delta += p[s] * dp[s];
-        }
-        for (int s = 0; s <= t; ++s) {
-          const double ds = p[s] * (dp[s] - delta) * scale;
-          for (int i = 0; i < D; ++i) {
-            r.dqkv[(b * T + t) * W + h * D + i] += ds * qkv[(b * T + s) * W + kc + i];
-            r.dqkv[(b * T + s) * W + kc + i] += ds * q[i];
-            r.dqkv[(b * T + s) * W + vc + i] += p[s] * dO[i];
-          }
-        }
-      }
-    }
-  return r;
-}
-
 
 // The GPU's out, lse (forward) and dqkv (backward from the GPU's own out and lse).
 struct GpuResult {

@@ -1,7 +1,7 @@
 // Lane <-> element mappings of the warp-level tensor-core instructions the mma.sync attention
 // forward (attention_mma.cu) uses, written from the PTX ISA's fragment tables, as plain
 // host/device functions: the kernel computes its addresses and register packing with them,
-// and tests/test_cuda_attention_tc.cpp checks on the host (no GPU) that they compose as the
+// and tests/test_attention_mma_emulation.cpp checks on the host (no GPU) that they compose as the
 // instructions require (every tile element held exactly once; ldmatrix delivering what mma
 // expects; the S accumulator reused as the P·V A operand).
 //
