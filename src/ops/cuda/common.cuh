@@ -31,6 +31,23 @@ inline unsigned grid_for(int64_t n, int threads = 256) {
   return static_cast<unsigned>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
 }
 
+// Block tree over buf[kBlock] (every thread of the block calls; blockDim.x == kBlock, a
+// power of two): combines buf[i] and buf[i + s] for s = kBlock / 2 ... 1, a fixed order. The
+// result is read by every thread, then the block syncs so that buf may be reused at once.
+template <int kBlock, class T, class Combine>
+__device__ T block_reduce(T x, T* buf, Combine combine) {
+  const int tid = threadIdx.x;
+  buf[tid] = x;
+  __syncthreads();
+  for (int s = kBlock / 2; s > 0; s >>= 1) {
+    if (tid < s) buf[tid] = combine(buf[tid], buf[tid + s]);
+    __syncthreads();
+  }
+  const T r = buf[0];
+  __syncthreads();
+  return r;
+}
+
 // Device memory for one op, stream-ordered: allocated on the compute stream and freed on it
 // after the work queued so far (so a later op may reuse it only after this one's kernels).
 // None for 0 bytes; 256-byte aligned.

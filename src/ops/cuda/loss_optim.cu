@@ -32,29 +32,14 @@ double fetch_double(const double* d) {
 }
 
 // ---- block reductions (blockDim.x == kThreads; every thread of the block must call) ----
-// The tree adds buf[i] and buf[i + s] for s = kThreads/2 ... 1: a fixed order. The result is
-// read by every thread, then the block syncs so that buf may be reused at once.
-
-template <class T, class Combine>
-__device__ T block_reduce(T x, T* buf, Combine combine) {
-  const int tid = threadIdx.x;
-  buf[tid] = x;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (tid < s) buf[tid] = combine(buf[tid], buf[tid + s]);
-    __syncthreads();
-  }
-  const T r = buf[0];
-  __syncthreads();
-  return r;
-}
+// common.cuh's fixed-order tree.
 
 __device__ float block_max(float x, float* buf) {
-  return block_reduce(x, buf, [](float a, float b) { return a > b ? a : b; });
+  return block_reduce<kThreads>(x, buf, [](float a, float b) { return a > b ? a : b; });
 }
 template <class T>
 __device__ T block_sum(T x, T* buf) {
-  return block_reduce(x, buf, [](T a, T b) { return a + b; });
+  return block_reduce<kThreads>(x, buf, [](T a, T b) { return a + b; });
 }
 
 // ---- cross entropy --------------------------------------------------------------------

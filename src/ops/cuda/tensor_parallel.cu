@@ -41,22 +41,6 @@ void check_shard(const Tensor& logits, int64_t valid, int64_t& N, int64_t& V, co
   MT_CHECK(N < (int64_t{1} << 31), op << ": " << N << " rows is more than one launch handles (2^31 - 1)");
 }
 
-// Block tree over buf[kThreads] (every thread of the block calls; blockDim.x == kThreads):
-// combines buf[i] and buf[i + s] for s = kThreads / 2 ... 1, a fixed order.
-template <class T, class Combine>
-__device__ T block_reduce(T x, T* buf, Combine combine) {
-  const int tid = threadIdx.x;
-  buf[tid] = x;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (tid < s) buf[tid] = combine(buf[tid], buf[tid + s]);
-    __syncthreads();
-  }
-  const T r = buf[0];
-  __syncthreads();
-  return r;
-}
-
 // ---- over ranks -------------------------------------------------------------------------
 
 // out[i] = max over r < size of all[r n + i], folded from rank 0 up as std::max does.
@@ -107,7 +91,7 @@ __global__ void row_max_kernel(float* __restrict__ row_max, const float* __restr
   const float* row = logits + blockIdx.x * V;  // [V]
   float m = -INFINITY;
   for (int64_t i = threadIdx.x; i < valid; i += kThreads) m = row[i] > m ? row[i] : m;
-  m = block_reduce(m, buf, [](float a, float b) { return a > b ? a : b; });
+  m = block_reduce<kThreads>(m, buf, [](float a, float b) { return a > b ? a : b; });
   if (threadIdx.x == 0) row_max[blockIdx.x] = m;
 }
 
@@ -123,7 +107,7 @@ __global__ void row_stats_kernel(float* __restrict__ sum_exp, float* __restrict_
   const float m = row_max[n];
   float s = 0.0f;
   for (int64_t i = threadIdx.x; i < valid; i += kThreads) s += expf(row[i] - m);
-  s = block_reduce(s, buf, [](float a, float b) { return a + b; });
+  s = block_reduce<kThreads>(s, buf, [](float a, float b) { return a + b; });
   if (threadIdx.x == 0) {
     sum_exp[n] = s;
     const int64_t t = static_cast<int64_t>(targets[n]) - begin;
@@ -150,7 +134,7 @@ __global__ void total_kernel(double* out, const float* __restrict__ losses, int6
   __shared__ double buf[kThreads];
   double acc = 0.0;
   for (int64_t n = threadIdx.x; n < N; n += kThreads) acc += static_cast<double>(losses[n]);
-  acc = block_reduce(acc, buf, [](double a, double b) { return a + b; });
+  acc = block_reduce<kThreads>(acc, buf, [](double a, double b) { return a + b; });
   if (threadIdx.x == 0) out[0] = acc;
 }
 
@@ -168,7 +152,7 @@ __global__ void first_max_kernel(float* __restrict__ first, const float* __restr
       at = i;  // the thread's columns rise: its first hit is its least
       break;
     }
-  at = block_reduce(at, buf, [](int64_t a, int64_t b) { return a < b ? a : b; });
+  at = block_reduce<kThreads>(at, buf, [](int64_t a, int64_t b) { return a < b ? a : b; });
   if (threadIdx.x == 0) first[n] = at < valid ? -static_cast<float>(begin + at) : -INFINITY;
 }
 
