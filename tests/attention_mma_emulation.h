@@ -89,7 +89,7 @@ struct EmuBwd {
       }
     }
   }
-  // grad_chunk: out[D / 8] += round16(p) (16 x 32) times B rows [br0, br0 + 32) x D.
+  // pv_product: out[D / 8] += round16(p) (16 x 32) times B rows [br0, br0 + 32) x D.
   template <class TB, class Skip>
   void grad(std::vector<float>& out, const EmuAcc (&p)[4], const TB& Bt, int br0, Skip skip) const {
     namespace ml = mt::cuda::mma_layout;

@@ -215,22 +215,9 @@ __global__ void __launch_bounds__(32 * mma_warps<D>(), 2)
       #pragma unroll
       for (int i = 0; i < 4; ++i) o[n][i] *= a[i / 2];
 
-    // O += P V: k-steps over the tile's keys [16 st, 16 st + 16) in order.
-    #pragma unroll
-    for (int st = 0; st < kN / 16; ++st) {
-      if (k0 + 16 * st > wr + 15) continue;  // P = 0 there (warp-uniform)
-      uint32_t pa[4];
-      #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        pa[j] = pack2<T16>(s[ml::p_tile(st, j)][ml::p_elem(j, 0)], s[ml::p_tile(st, j)][ml::p_elem(j, 1)]);
-      #pragma unroll
-      for (int n2 = 0; n2 < D / 16; ++n2) {
-        uint32_t bv[4];
-        ldsm_x4_trans(bv, vb + 2u * (uint32_t)(16 * st * LD + 16 * n2));
-        mma16816<T16>(o[2 * n2], pa, bv[0], bv[1]);
-        mma16816<T16>(o[2 * n2 + 1], pa, bv[2], bv[3]);
-      }
-    }
+    // O += P V: k-steps over the tile's keys [16 st, 16 st + 16) in order; P = 0 past the
+    // warp's last row (a warp-uniform skip).
+    pv_product<T16, D, kN>(o, s, vb, [&](int st) { return k0 + 16 * st > wr + 15; });
   }
 
   #pragma unroll

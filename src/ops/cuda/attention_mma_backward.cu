@@ -100,30 +100,6 @@ __device__ __forceinline__ void score_chunk(float (&acc)[kC / 8][4], uint32_t a_
   }
 }
 
-// out[D / 8] += P (16 rows x kC, from the accumulators p) times B (kC rows x D, stored
-// row-major, ldmatrix.trans at bt_lane + 2 (16 st LD + 16 n2) bytes); k-steps st in order,
-// those with skip(st) true left out (P = 0 there).
-template <class T16, int D, class Skip>
-__device__ __forceinline__ void grad_chunk(float (&out)[D / 8][4], const float (&p)[kC / 8][4], uint32_t bt_lane,
-                                           Skip skip) {
-  constexpr int LD = tile_ld<D>();
-  #pragma unroll
-  for (int st = 0; st < kC / 16; ++st) {
-    if (skip(st)) continue;
-    uint32_t pa[4];
-    #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      pa[j] = pack2<T16>(p[ml::p_tile(st, j)][ml::p_elem(j, 0)], p[ml::p_tile(st, j)][ml::p_elem(j, 1)]);
-    #pragma unroll
-    for (int n2 = 0; n2 < D / 16; ++n2) {
-      uint32_t bv[4];
-      ldsm_x4_trans(bv, bt_lane + 2u * (uint32_t)(16 * st * LD + 16 * n2));
-      mma16816<T16>(out[2 * n2], pa, bv[0], bv[1]);
-      mma16816<T16>(out[2 * n2 + 1], pa, bv[2], bv[3]);
-    }
-  }
-}
-
 // One warp's accumulators acc[D / 8] (rows row0 + g + 8 (i / 2), cols 8 n + 2 t + i % 2) to
 // dst (row stride ld), rows < T, float2 stores.
 template <int D>
@@ -151,7 +127,7 @@ __device__ __forceinline__ void store_acc(float* dst, int64_t ld, int row0, int 
 // (skipping one wholly before its keys): S^T = K_w Q^T, dP^T = V_w dO^T (score_chunk: A = K_w
 // / V_w rows by a_ldm, B = Q / dO rows by k_ldm; s[n][i] at key wk + g + 8 (i / 2), query
 // 8 n + 2 t + i % 2 of the chunk), P^T and dS^T elementwise in place, then dV += P^T dO,
-// dK += dS^T Q (grad_chunk: A = the accumulators, B = dO / Q by v_ldm .trans, k = query,
+// dK += dS^T Q (pv_product: A = the accumulators, B = dO / Q by v_ldm .trans, k = query,
 // n = dim).
 template <class T16, int D>
 __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
@@ -225,8 +201,8 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
           dp[n][i] = ds;
         }
       auto skip16 = [&](int st) { return qa + 16 * st + 15 < wk; };
-      grad_chunk<T16, D>(dv, s, dos + bt_off + 2u * (uint32_t)(qc * LD), skip16);
-      grad_chunk<T16, D>(dk, dp, qs + bt_off + 2u * (uint32_t)(qc * LD), skip16);
+      pv_product<T16, D, kC>(dv, s, dos + bt_off + 2u * (uint32_t)(qc * LD), skip16);
+      pv_product<T16, D, kC>(dk, dp, qs + bt_off + 2u * (uint32_t)(qc * LD), skip16);
     }
   }
   float* rows = dqkv + (int64_t)b * z.T * z.W;
@@ -242,7 +218,7 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
 // (step 0's with Qs, dOs); warp w walks the tile's two 32-key chunks in order, stopping at
 // the first wholly after its rows: S = Q_w K^T, dP = dO_w V^T (score_chunk: A = Q_w / dO_w
 // rows by a_ldm, B = K / V rows by k_ldm; s[n][i] at row wq + g + 8 (i / 2), key 8 n + 2 t +
-// i % 2 of the chunk), P, dS elementwise, then dQ += dS K (grad_chunk: A = the dS
+// i % 2 of the chunk), P, dS elementwise, then dQ += dS K (pv_product: A = the dS
 // accumulators, B = K by v_ldm .trans, k = key, n = dim).
 template <class T16, int D>
 __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
@@ -310,7 +286,7 @@ __global__ void __launch_bounds__(kBT, D <= 64 ? 3 : 2)
           dp[n][i] = seen ? p * (dp[n][i] - Dl[rl]) * z.scale : 0.0f;
         }
       auto skip16 = [&](int st) { return ka + 16 * st > wq + 15; };
-      grad_chunk<T16, D>(dq, dp, ks + bt_off + 2u * (uint32_t)(kc * LD), skip16);
+      pv_product<T16, D, kC>(dq, dp, ks + bt_off + 2u * (uint32_t)(kc * LD), skip16);
     }
   }
   store_acc<D>(dqkv + (int64_t)b * z.T * z.W + (int64_t)h * D, z.W, wq, z.T, dq);

@@ -1,13 +1,16 @@
 // The warp-level tensor-core and asynchronous-copy primitives the mma.sync attention
 // kernels (attention_mma.cu, attention_mma_backward.cu) share, as PTX: 16-bit packing,
-// mma.m16n8k16 with fp32 accumulators, ldmatrix.x4, cp.async and the copy of a 64-row tile
-// into shared memory. Fragment layouts: attention_mma_layout.h.
+// mma.m16n8k16 with fp32 accumulators, ldmatrix.x4, cp.async, the copy of a 64-row tile
+// into shared memory and the product of fp32 accumulators (as 16-bit A) with a tile.
+// Fragment layouts: attention_mma_layout.h.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "ops/cuda/attention_mma_layout.h"
 
 namespace mt::cuda::mma_sync {
 
@@ -92,6 +95,32 @@ __device__ __forceinline__ void issue_tile(uint32_t dst, const T16* __restrict__
   for (int i = 0; i < kTileRows * C8 / kThreads; ++i) {
     const int c = threadIdx.x + i * kThreads, r = c / C8, d = 8 * (c % C8), row = r0 + r;
     cp_async16(dst + 2u * (uint32_t)(r * tile_ld<D>() + d), row < T ? src + (int64_t)row * ld + d : src, row < T);
+  }
+}
+
+// out[D / 8] += P (16 rows x kCols, from the fp32 accumulators p, rounded to T16) times B
+// (kCols rows x D, stored row-major in a shared tile, ldmatrix.trans at bt_lane + 2 (16 st
+// LD + 16 n2) bytes): k-steps st in order, those with skip(st) true left out (P = 0 there).
+// The forward's O += P V; the backward's dV += P^T dO, dK += dS^T Q and dQ += dS K.
+template <class T16, int D, int kCols, class Skip>
+__device__ __forceinline__ void pv_product(float (&out)[D / 8][4], const float (&p)[kCols / 8][4], uint32_t bt_lane,
+                                           Skip skip) {
+  namespace ml = mma_layout;
+  constexpr int LD = tile_ld<D>();
+  #pragma unroll
+  for (int st = 0; st < kCols / 16; ++st) {
+    if (skip(st)) continue;
+    uint32_t pa[4];
+    #pragma unroll
+    for (int j = 0; j < 4; ++j)
+      pa[j] = pack2<T16>(p[ml::p_tile(st, j)][ml::p_elem(j, 0)], p[ml::p_tile(st, j)][ml::p_elem(j, 1)]);
+    #pragma unroll
+    for (int n2 = 0; n2 < D / 16; ++n2) {
+      uint32_t bv[4];
+      ldsm_x4_trans(bv, bt_lane + 2u * (uint32_t)(16 * st * LD + 16 * n2));
+      mma16816<T16>(out[2 * n2], pa, bv[0], bv[1]);
+      mma16816<T16>(out[2 * n2 + 1], pa, bv[2], bv[3]);
+    }
   }
 }
 
