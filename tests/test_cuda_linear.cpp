@@ -399,9 +399,13 @@ void check_gelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
   const Tensor b_aligned = bd.view(0, {O}), b_unaligned = bd.view(1, {O});
   VecF b1(b.begin() + 1, b.end());  // the unaligned view's values
   Autocast scope(dt);
+  auto poisoned_as = [&](DType out) {  // NaN in dtype `out`: an element left unwritten fails
+    Tensor t = Tensor::empty({N, O}, out, test::gpu(), MemTag::activations);
+    t.convert_from(poisoned({N, O}));
+    return t;
+  };
   auto run = [&](DType out, const Tensor& bias) {
-    const Tensor act = Tensor::empty({N, O}, out, test::gpu(), MemTag::activations);
-    const Tensor pre = Tensor::empty({N, O}, out, test::gpu(), MemTag::activations);
+    const Tensor act = poisoned_as(out), pre = poisoned_as(out);
     EXPECT_TRUE(linear_gelu_fused(act, pre, xd, wd, &bias)) << "no fused algorithm for a GPT-2-like shape";
     return std::pair{widened_host(act), widened_host(pre)};
   };
@@ -415,8 +419,11 @@ void check_gelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
         const double slack = 0.5 * std::abs(yy * t) * kTanhSlack;
         const int64_t i = n * O + o;
         const double edge = std::clamp<double>(got.first[i], gelu - slack, gelu + slack);
-        const int64_t steps = std::max<int64_t>(std::abs(ordered16(dt, got.first[i]) - ordered16(dt, (float)edge)),
-                                                std::abs(ordered16(dt, got.second[i]) - ordered16(dt, (float)yy)));
+        const int64_t steps =
+            !std::isfinite(got.first[i]) || !std::isfinite(got.second[i])
+                ? int64_t{1} << 20
+                : std::max<int64_t>(std::abs(ordered16(dt, got.first[i]) - ordered16(dt, (float)edge)),
+                                    std::abs(ordered16(dt, got.second[i]) - ordered16(dt, (float)yy)));
         if (steps > worst) worst = steps, worst_y = yy;
       }
     EXPECT_LE(worst, 1) << what << ": 16-bit steps from the float64 reference, at y = " << worst_y;
@@ -481,7 +488,7 @@ void check_dgelu_fused(DType dt, int64_t N, int64_t I, int64_t O) {
       const double x = pre[j], t = std::tanh(k * (x + a * x * x * x));
       const double dgelu_dt = 0.5 - x * t * k * (1 + 3 * a * x * x);
       const double bound = kTol16 * rms + std::abs(product[j] * dgelu_dt * t) * kTanhSlack;
-      const double excess = std::abs(got[j] - ref[j]) / bound;
+      const double excess = std::isfinite(got[j]) ? std::abs(got[j] - ref[j]) / bound : std::numeric_limits<double>::infinity();
       if (excess > 1) ++outside;
       if (excess > worst_excess) worst_excess = excess, worst = j;
     }

@@ -32,8 +32,10 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const
 // GPT-2's up projection and GELU as one product, where a device fuses them: act[N, O] =
 // gelu(x @ w[O, I]^T + b) and pre[N, O] = x @ w^T + b, GELU reading the product's fp32
 // result, both rounded to the scope's dtype. On the GPU under a 16-bit Autocast scope one
-// cuBLASLt product writes both (GELU in its epilogue: cuBLASLt's tanh form, within a 16-bit
-// rounding of gelu_forward's); act and pre hold the scope's dtype or fp32 (whole
+// cuBLASLt product writes both (GELU in its epilogue: cuBLASLt's tanh form, whose tanh may
+// be the GPU's approximate one, relative error up to 2^-11: then act differs from
+// gelu_forward's by up to 0.5 |pre tanh| 2^-11 before rounding); act and pre hold the
+// scope's dtype or fp32 (whole
 // allocations or 256-byte aligned views: cuBLASLt's choice of algorithm reads alignments).
 // The bias is added in fp32, or where cuBLASLt takes no fp32 bias with a 16-bit output, in
 // the scope's dtype: exact when b holds its values, as the model's working copies do.

@@ -288,14 +288,16 @@ Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof(al_d));
   cublasLtMatmulHeuristicResult_t result{};
   int returned = 0;
-  if (st == CUBLAS_STATUS_SUCCESS)
+  bool refused = false;
+  if (st == CUBLAS_STATUS_SUCCESS) {
     st = cublasLtMatmulAlgoGetHeuristic(l.handle, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &returned);
+    // cublasLt.h: how cuBLASLt refuses an epilogue's unsupported aux or bias dtype
+    refused = e.optional() && st == CUBLAS_STATUS_INVALID_VALUE;
+  }
   cublasLtMatmulPreferenceDestroy(pref);
   // NOT_SUPPORTED (or no result) means no algorithm for this configuration: the caller
-  // falls back; so does INVALID_VALUE for an optional epilogue (cublasLt.h: how cuBLASLt
-  // refuses an unsupported aux or bias dtype). Any other failure is an error.
-  MT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED ||
-               (e.optional() && st == CUBLAS_STATUS_INVALID_VALUE),
+  // falls back; so does an optional epilogue's refusal. Any other failure is an error.
+  MT_CHECK(st == CUBLAS_STATUS_SUCCESS || st == CUBLAS_STATUS_NOT_SUPPORTED || refused,
            "cuBLASLt heuristic failed: " << cublasLtGetStatusName(st));
   p.found = st == CUBLAS_STATUS_SUCCESS && returned > 0 && result.state == CUBLAS_STATUS_SUCCESS &&
             result.workspaceSize <= kWorkspaceBytes;
