@@ -80,7 +80,7 @@ Question bench_question(int gpus, const Hardware& hw) {
   q.cluster.gpus = gpus;
   q.cluster.gpus_per_node = gpus;
   q.cluster.hw = hw;
-  q.precision = Precisions::of(hw.gpu ? "bf16" : "fp32");
+  q.precision = Precisions::trained(hw.gpu ? "bf16" : "fp32");  // as `meshtrain plan` counts
   q.global_batch = q.config.training.global_batch;
   return q;
 }
@@ -487,7 +487,7 @@ TEST(PlanCommand, JsonIsTheIssuesSchemaBestFirst) {
     EXPECT_EQ(x["fits"], true);
     const nlohmann::json& m = x["memory"];
     double sum = 0;
-    for (const char* k : {"params", "grads", "optim", "activations", "comm", "peak"}) {
+    for (const char* k : {"params", "grads", "optim", "activations", "comm", "other", "peak"}) {
       ASSERT_TRUE(m.contains(k) && m[k].is_number()) << k;
       EXPECT_GE(m[k].get<double>(), 0) << k;
       if (std::string(k) != "peak") sum += m[k].get<double>();
@@ -523,6 +523,24 @@ TEST(PlanCommand, JsonIsTheIssuesSchemaBestFirst) {
   const Plan one = plan_cmd(d, "--config " + kBench + " --gpus 4 --gpus-per-node 4 --json --top 1");
   ASSERT_EQ(one.rc, 0) << one.out;
   EXPECT_EQ(parse(one.printed)["layouts"].size(), 1u);
+}
+
+// On a GPU profile the command plans bf16 as meshtrain trains it: every tag of its memory
+// (activations and messages in fp32, the blocks' kept tensors in 16 bits, the fp32 staging
+// as `other`) is what a bf16 run of that layout holds, to the byte.
+TEST(PlanCommand, Bf16MemoryIsWhatABf16RunHolds) {
+  const TempDir d;
+  const Plan p = plan_cmd(d, "--config " + kBench + " --gpus 2 --hardware h100 --global-batch 4 --json " +
+                                 "--layout dp=2,tp=1,pp=1,cp=1,v=1,schedule=1f1b,zero=1,sp=0,recompute=none,mb=2");
+  ASSERT_EQ(p.rc, 0) << p.out;
+  const nlohmann::json m = parse(p.printed)["layouts"][0]["memory"];
+  const RunResult run = train_run(d, "bf16", 2, "--config " + kBench + " --training.precision=bf16 --parallel.dp=2 " +
+                                                   "--parallel.zero=1 --training.global_batch=4 --training.micro_batch=2 " +
+                                                   "--training.steps=1 --training.val_every=0");
+  ASSERT_TRUE(run.summary.contains("mem_steps_other")) << run.output;
+  for (const char* tag : {"params", "grads", "optim", "activations", "comm", "other"})
+    EXPECT_EQ(m[tag].get<double>(), run.summary[std::string("mem_steps_") + tag].get<double>()) << tag;
+  EXPECT_GT(m["other"].get<double>(), 0);
 }
 
 // The table, the best layout's breakdown and the rejected families, as text.
@@ -696,6 +714,17 @@ TEST(PlanCommand, SvgDrawsMemoryAndThePipeline) {
 }
 
 // ---- The run's own prediction -------------------------------------------------------------
+
+// Validation on the built-in tasks (greedy answers: a maximum over tp) allocates no
+// communication buffer on one tp rank, so the run's memory stays the planner's.
+TEST(PlanReport, ValidationOnOneTpRankHoldsNoCommunicationBuffer) {
+  const TempDir d;
+  const RunResult run = train_run(d, "val", 1, "--training.steps=4 --training.val_every=2");
+  ASSERT_TRUE(run.summary.contains("mem_comm")) << run.output;
+  EXPECT_EQ(run.summary["mem_comm"].get<double>(), 0) << run.output;
+  EXPECT_EQ(run.summary["plan_mem_comm"].get<double>(), 0);
+  EXPECT_TRUE(run.summary["answer_accuracy"].is_number()) << "validation ran: " << run.summary.dump();
+}
 
 // Each run's summary line carries the planner's memory per tag beside the training steps'
 // peaks (within 5%), its bytes per step beside pipeline rank 0's last step (equal), and its

@@ -185,9 +185,12 @@ inline void expect_activations_as_predicted(const RunResult& r, const std::strin
 
 // The busiest rank's memory by tag is the formulas' (the summary's): activations as
 // activation_bytes, params + grads + optimizer state as the ZeRO formula of its share.
+// Mixed precision's fp32 staging (MemTag::other) as the planner counts it.
 inline void expect_memory_as_predicted(const RunResult& r, const std::string& name) {
   expect_activations_as_predicted(r, name);
   EXPECT_EQ(r.summary["mem_model_state"].get<double>(), r.summary["mem_model_state_predicted"].get<double>()) << name;
+  ASSERT_TRUE(r.summary.contains("plan_mem_other")) << name;
+  EXPECT_EQ(r.summary["plan_mem_other"].get<double>(), r.summary["mem_steps_other"].get<double>()) << name;
 }
 
 // The largest loss difference over the steps both runs have, relative to a's loss.

@@ -59,9 +59,10 @@ void print_breakdown(const plan::Prediction& p, const plan::Question& q) {
   const plan::Memory& m = p.memory;
   const plan::Timing& t = p.time;
   std::printf("layout %s\n", p.layout.text().c_str());
-  std::printf("  memory per GPU: params %s, grads %s, optimizer %s, activations %s, buffers %s; peak %s of %s%s\n",
+  std::printf("  memory per GPU: params %s, grads %s, optimizer %s, activations %s, buffers %s, fp32 staging %s; "
+              "peak %s of %s%s\n",
               gib(m.params).c_str(), gib(m.grads).c_str(), gib(m.optim).c_str(), gib(m.activations).c_str(),
-              gib(m.comm).c_str(), gib(m.peak).c_str(), gib(q.cluster.hw.mem_bytes).c_str(),
+              gib(m.comm).c_str(), gib(m.other).c_str(), gib(m.peak).c_str(), gib(q.cluster.hw.mem_bytes).c_str(),
               p.fits ? "" : ": does not fit");
   std::printf("  bytes per step and GPU: dp %s, tp %s, pp %s, cp %s\n", gb(p.comm.dp).c_str(), gb(p.comm.tp).c_str(),
               gb(p.comm.pp).c_str(), gb(p.comm.cp).c_str());
@@ -88,7 +89,7 @@ int cmd_plan(const PlanOptions& o) {
   MT_CHECK(grad == "fp32" || grad == precision, "--grad-dtype " << grad << " with precision " << precision
                                                    << ": gradients are kept in fp32 or in the working precision ("
                                                    << (precision == "fp32" ? "fp32 here" : precision) << ")");
-  q.precision = plan::Precisions::of(precision, grad != "fp32");
+  q.precision = plan::Precisions::trained(precision, grad != "fp32");
   q.global_batch = o.global_batch > 0 ? o.global_batch : q.config.training.global_batch;
   plan::Layout base;
   base.global_batch = q.global_batch;

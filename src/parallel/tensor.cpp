@@ -101,6 +101,7 @@ void TensorParallel::reduce_scatter_sequence(const Tensor& local, const Tensor& 
 
 void TensorParallel::max(const Tensor& x) {
   MT_CHECK(x.dtype() == DType::f32, "internal: tp max of " << dtype_name(x.dtype()));
+  if (tp_.size() == 1) return;  // without a gather workspace, which would count as communication memory
   max_over_ranks(x, gather_all(x), tp_.size());
 }
 

@@ -476,6 +476,25 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
   return bytes;
 }
 
+// ---- Mixed precision's staging (MemTag::other) --------------------------------------------
+
+// The model's fp32 staging for the largest set of units one unit's compute reads (a tied
+// head also reads the embedding), and with 16-bit gradients its twin for the gradients and
+// the optimizer's fp32 view of its widest segment (a unit, or its ZeRO chunk).
+double staging(const Setup& s, const RankShare& r) {
+  if (s.prec.master == 0) return 0;  // fp32 training stages nothing
+  const size_t head = static_cast<size_t>(s.L()) + 1;
+  int64_t set = 0, segment = 0;
+  for (size_t u = 0; u < r.numel.size(); ++u) {
+    const int64_t n = r.numel[u];
+    if (n == 0) continue;
+    set = std::max(set, n + (u == head && s.cfg.tied() ? r.numel[0] : 0));
+    segment = std::max(segment, s.lay.zero == 0 ? n : std::min(n, ceil_div(n, s.N)));
+  }
+  const bool grad_working = s.prec.grad < 4;
+  return 4.0 * (grad_working ? 2 * set + segment : set);
+}
+
 Memory rank_memory(const Setup& s, int rank) {
   const RankShare r = rank_share(s, rank);
   Memory m;
@@ -485,7 +504,8 @@ Memory rank_memory(const Setup& s, int rank) {
   if (s.lay.zero >= 2) {
     m.comm += ZeroReplay(s, r, rank).peak();
   }
-  m.peak = m.params + m.grads + m.optim + m.activations + m.comm;
+  m.other = staging(s, r);
+  m.peak = m.params + m.grads + m.optim + m.activations + m.comm + m.other;
   return m;
 }
 
@@ -508,6 +528,7 @@ Memory memory_per_rank(const ModelConfig& model, const Layout& layout, const Pre
     most.optim = std::max(most.optim, m.optim);
     most.activations = std::max(most.activations, m.activations);
     most.comm = std::max(most.comm, m.comm);
+    most.other = std::max(most.other, m.other);
     most.peak = std::max(most.peak, m.peak);
   }
   return most;

@@ -24,8 +24,12 @@
 //                DDP's bucket copies when gradients are sent in 16 bits, and ZeRO 2-3's
 //                transient buffers (a unit's whole gradient from its backward until its
 //                reduce-scatter is drained, the reduced chunk, ZeRO 3's gathered units).
-//   peak         the most one rank holds at once: its model states and activations (all
-//                allocated before the first step and kept) plus its comm peak, the largest
+//   other        bf16 / fp16 training's fp32 staging: the model's for the largest set of
+//                units one unit's compute reads (the final unit's with a tied embedding),
+//                and with 16-bit gradients a second one for the gradients and the
+//                optimizer's fp32 view of its widest segment (a unit, or its ZeRO chunk).
+//   peak         the most one rank holds at once: its model states, activations and
+//                staging (all allocated before the first step and kept) plus its comm peak, the largest
 //                such sum over the pp ranks. The tags' maxima may come from different pp
 //                ranks (the first stage holds the most activations, the last the head),
 //                so peak can be below their sum.

@@ -20,6 +20,13 @@ Precisions Precisions::of(const std::string& name, bool grad_working) {
   return p;
 }
 
+Precisions Precisions::trained(const std::string& name, bool grad_working) {
+  Precisions p = of(name, grad_working);
+  p.activation = 4;
+  p.kept = p.param;
+  return p;
+}
+
 std::string Layout::text() const {
   std::ostringstream s;
   s << "dp=" << dp << ",tp=" << tp << ",pp=" << pp << ",cp=" << cp << ",v=" << chunks << ",schedule=" << schedule

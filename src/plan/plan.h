@@ -34,7 +34,13 @@ struct Precisions {
   double kept = 4;            // bytes per element of the activations a block keeps in its kept dtype (BlockActs)
   // "fp32" | "bf16" | "fp16"; grad_working: gradients kept in the working precision
   // (training.grad_dtype = bf16), the ZeRO paper's 2Ψ + 2Ψ + 12Ψ. Throws mt::Error otherwise.
+  // of(): the papers' convention, every activation and activation message in 16 bits.
   static Precisions of(const std::string& name, bool grad_working = false);
+  // What meshtrain itself holds and sends: the same model states, but activations (the
+  // residual stream, workspaces, logits) and their messages in fp32, and only the tensors a
+  // block keeps (BlockActs' kept) in the working precision. `meshtrain plan` and the
+  // trainer's own prediction use this.
+  static Precisions trained(const std::string& name, bool grad_working = false);
 };
 
 // A parallel layout and the batch it trains. Fields mirror the [parallel] and [training]
@@ -86,6 +92,7 @@ struct Cluster {
 // Bytes per rank (the rank that needs the most), by the allocator's tags.
 struct Memory {
   double params = 0, grads = 0, optim = 0, activations = 0, comm = 0;
+  double other = 0;  // mixed precision's fp32 staging (MemTag::other; see memory.h)
   double peak = 0;  // what the rank needs at once: not always the sum (see memory.h)
 };
 

@@ -37,9 +37,9 @@ std::string plan_svg(const Question& q, const std::vector<Prediction>& layouts, 
   o << "<text x='" << left << "' y='16' font-size='13'>memory per GPU by tag, " << q.cluster.gpus << " x "
     << q.cluster.hw.name << " (" << q.precision.name << "); the line is the device's "
     << fixed(device / (1 << 30), 1) << " GiB</text>\n";
-  const char* names[] = {"params", "grads", "optim", "activations", "buffers"};
-  const char* colours[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#bab0ac"};
-  for (int k = 0; k < 5; ++k)
+  const char* names[] = {"params", "grads", "optim", "activations", "buffers", "staging"};
+  const char* colours[] = {"#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#bab0ac", "#b07aa1"};
+  for (int k = 0; k < 6; ++k)
     o << "<rect x='" << left + k * 110 << "' y='24' width='12' height='10' fill='" << colours[k] << "'/><text x='"
       << left + k * 110 + 16 << "' y='33'>" << names[k] << "</text>\n";
   for (size_t i = 0; i < layouts.size(); ++i) {
@@ -48,8 +48,8 @@ std::string plan_svg(const Question& q, const std::vector<Prediction>& layouts, 
     o << "<text x='" << left << "' y='" << y + label_h - 2 << "'>" << i + 1 << ". " << layouts[i].layout.text()
       << "  (step " << fixed(layouts[i].time.step_s, 3) << " s)</text>\n";
     double x = left;
-    const double parts[] = {m.params, m.grads, m.optim, m.activations, m.comm};
-    for (int k = 0; k < 5; ++k) {
+    const double parts[] = {m.params, m.grads, m.optim, m.activations, m.comm, m.other};
+    for (int k = 0; k < 6; ++k) {
       o << "<rect x='" << x << "' y='" << y + label_h << "' width='" << parts[k] * scale << "' height='14' fill='"
         << colours[k] << "'/>\n";
       x += parts[k] * scale;

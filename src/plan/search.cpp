@@ -274,8 +274,8 @@ nlohmann::json prediction_json(const Prediction& p) {
   j["fits"] = p.fits;
   if (!p.fits) j["why_not"] = p.why_not;
   const Memory& m = p.memory;
-  j["memory"] = {{"params", m.params},           {"grads", m.grads}, {"optim", m.optim},
-                 {"activations", m.activations}, {"comm", m.comm},   {"peak", m.peak}};
+  j["memory"] = {{"params", m.params}, {"grads", m.grads}, {"optim", m.optim}, {"activations", m.activations},
+                 {"comm", m.comm},     {"other", m.other}, {"peak", m.peak}};
   j["comm_bytes"] = {{"dp", p.comm.dp}, {"tp", p.comm.tp}, {"pp", p.comm.pp}, {"cp", p.comm.cp}};
   j["comm_s"] = {{"dp", p.time.comm_s.dp}, {"tp", p.time.comm_s.tp}, {"pp", p.time.comm_s.pp}, {"cp", p.time.comm_s.cp}};
   j["compute_s"] = p.time.compute_s;

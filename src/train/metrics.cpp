@@ -81,8 +81,7 @@ void MetricsLog::message(const std::string& line) {
 nlohmann::json memory_json(const MemStats& s) {
   nlohmann::json j;
   for (int i = 0; i < kNumMemTags; ++i) {
-    std::string tag = memtag_name(static_cast<MemTag>(i));
-    if (tag != "other") j["mem_" + tag] = s.peak[i];
+    j[std::string("mem_") + memtag_name(static_cast<MemTag>(i))] = s.peak[i];
   }
   j["mem_peak"] = s.peak_total;
   return j;

@@ -41,21 +41,22 @@ nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& 
     return j;
   }
   const plan::Layout l = run_layout(c);
-  plan::Precisions prec = plan::Precisions::of(c.model.precision, c.model.grad_working());
-  // The engine keeps activations in fp32, but those a block keeps (BlockActs' kept) in the
-  // working precision.
-  prec.activation = 4;
-  prec.kept = prec.param;
+  const plan::Precisions prec = plan::Precisions::trained(c.model.precision, c.model.grad_working());
   const plan::Memory pm = plan::memory_per_rank(c.model, l, prec, c.optim.name, plan::knobs(c));
   const plan::CommBytes pc = plan::comm_bytes_rank(c.model, l, prec, /*pp_rank=*/0, plan::traffic(c));  // rank 0's, as measured
-  const double predicted[] = {pm.params, pm.grads, pm.optim, pm.activations, pm.comm};
-  const MemTag tags[] = {MemTag::params, MemTag::grads, MemTag::optim, MemTag::activations, MemTag::comm};
+  const double predicted[] = {pm.params, pm.grads, pm.optim, pm.activations, pm.comm, pm.other};
+  const MemTag tags[] = {MemTag::params, MemTag::grads, MemTag::optim, MemTag::activations, MemTag::comm, MemTag::other};
+  // A run resumed at its last step trains none: nothing measured (null), not zero bytes.
+  const bool ran = m.mem.peak_total > 0;
+  const auto measured_json = [&](double v) { return ran ? nlohmann::json(v) : nlohmann::json(nullptr); };
+  const auto measured_text = [&](double v) { return ran ? mib(v) : std::string("-"); };
   std::string mem = "planner, memory per tag (predicted / measured):";
-  for (int i = 0; i < 5; ++i) {
+  for (int i = 0; i < 6; ++i) {
     const double measured = static_cast<double>(m.mem.peak[int(tags[i])]);
     j[std::string("plan_mem_") + memtag_name(tags[i])] = predicted[i];
-    j[std::string("mem_steps_") + memtag_name(tags[i])] = measured;
-    mem += std::string(i ? "," : "") + " " + memtag_name(tags[i]) + " " + mib(predicted[i]) + " / " + mib(measured);
+    j[std::string("mem_steps_") + memtag_name(tags[i])] = measured_json(measured);
+    if (tags[i] == MemTag::other && predicted[i] == 0 && measured == 0) continue;  // fp32 stages nothing
+    mem += std::string(i ? "," : "") + " " + memtag_name(tags[i]) + " " + mib(predicted[i]) + " / " + measured_text(measured);
   }
   lines->push_back(mem);
   const double axes[] = {pc.dp, pc.tp, pc.pp, pc.cp};
@@ -63,10 +64,11 @@ nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& 
   std::string comm = "planner, bytes per step (predicted / measured):";
   for (int i = 0; i < 4; ++i) {
     j[std::string("plan_comm_bytes_") + names[i]] = axes[i];
-    j[std::string("comm_bytes_") + names[i] + "_step"] = m.comm_bytes[i];
-    comm += std::string(i ? "," : "") + " " + names[i] + " " + mib(axes[i]) + " / " + mib(m.comm_bytes[i]);
+    j[std::string("comm_bytes_") + names[i] + "_step"] = measured_json(m.comm_bytes[i]);
+    comm += std::string(i ? "," : "") + " " + names[i] + " " + mib(axes[i]) + " / " + measured_text(m.comm_bytes[i]);
   }
   lines->push_back(comm);
+  if (!ran) lines->push_back("planner: no step ran, so nothing was measured");
   j["plan_step_s"] = nullptr;
   if (c.logging.hardware.empty()) {
     lines->push_back("planner, step time: set logging.hardware=FILE (from meshtrain bench profile) to predict it");
@@ -78,10 +80,11 @@ nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& 
   cluster.hw = plan::hardware_get(c.logging.hardware);
   const plan::Timing t = plan::step_time(c.model, l, cluster, prec, plan::traffic(c));
   j["plan_step_s"] = t.step_s;
-  char buf[200];
-  std::snprintf(buf, sizeof buf, "planner, step time with %s: %.1f ms predicted (compute %.1f ms, bubble %.1f%%), "
-                "%.1f ms measured (%+.0f%%)", c.logging.hardware.c_str(), 1e3 * t.step_s, 1e3 * t.compute_s,
-                100 * t.bubble, 1e3 * m.step_s, 100 * (t.step_s / m.step_s - 1));
+  char buf[200], measured[64] = "no step timed";
+  if (m.step_s > 0)
+    std::snprintf(measured, sizeof measured, "%.1f ms measured (%+.0f%%)", 1e3 * m.step_s, 100 * (t.step_s / m.step_s - 1));
+  std::snprintf(buf, sizeof buf, "planner, step time with %s: %.1f ms predicted (compute %.1f ms, bubble %.1f%%), %s",
+                c.logging.hardware.c_str(), 1e3 * t.step_s, 1e3 * t.compute_s, 100 * t.bubble, measured);
   lines->push_back(buf);
   return j;
 }
