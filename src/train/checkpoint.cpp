@@ -224,6 +224,9 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
       meta["optimizer"]["loss_scale"] = optimizer.loss_scale;
       meta["optimizer"]["loss_scale_clean"] = optimizer.loss_scale_clean;
     }
+    if (const auto& g = optimizer.spike_guard)  // doubles are written shortest round-trip: read back exactly
+      meta["optimizer"]["spike_guard"] = {{"loss", g->loss}, {"grad_norm", g->norm},
+                                          {"skips_in_a_row", g->skips_in_a_row}};
     meta["config"] = config_to_json(cfg);
     meta["world_size"] = world.size();
     nlohmann::json ju = nlohmann::json::array();
@@ -392,6 +395,13 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
     optimizer->steps_taken = o.at("steps_taken").get<int64_t>();
     optimizer->loss_scale = o.value("loss_scale", 0.0);
     optimizer->loss_scale_clean = o.value("loss_scale_clean", 0);
+    optimizer->spike_guard.reset();
+    if (o.contains("spike_guard")) {
+      const nlohmann::json& g = o["spike_guard"];
+      optimizer->spike_guard = SpikeGuard::State{g.at("loss").get<std::vector<double>>(),
+                                                 g.at("grad_norm").get<std::vector<double>>(),
+                                                 g.at("skips_in_a_row").get<int>()};
+    }
   }
   return meta.at("step").get<int64_t>();
 }

@@ -428,7 +428,9 @@ std::string checkpoint_write(Run& run, int64_t step) {
   HostCopies copies(run.alloc.device() == Device::cuda);
   return checkpoint_save(run.c.checkpoint.dir, step, run.c, model_layout(run.c.model),
                          state_slices(mine, run.opt, run.model.units(), true, copies),
-                         {run.opt.steps_taken(), run.scaler.enabled() ? run.scaler.scale() : 0, run.scaler.clean_steps()},
+                         {run.opt.steps_taken(), run.scaler.enabled() ? run.scaler.scale() : 0,
+                          run.scaler.clean_steps(),
+                          run.spikes.enabled() ? std::optional(run.spikes.state()) : std::nullopt},
                          run.world, run.c.checkpoint.keep, compression_state(run.c, run.world, run.strategy));
 }
 
@@ -742,6 +744,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     copies.write_back();
     opt.set_steps_taken(saved.steps_taken);
     if (saved.loss_scale > 0) scaler.restore(saved.loss_scale, saved.loss_scale_clean);  // an fp16 run goes on as it was
+    if (saved.spike_guard && spikes.enabled()) spikes.restore(*saved.spike_guard);  // judges on as it would have
     const RankState state = compression_state(c, world, *strategy);
     if (const std::string was = checkpoint_load_rank_state(resumed_from, world.rank(), state); was != state.layout)
       compress_note = "gradient compression state: the checkpoint holds " + (was.empty() ? "none" : "that of " + was) +
