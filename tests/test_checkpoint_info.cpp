@@ -183,4 +183,37 @@ TEST(CheckpointInfo, MissingDirectoryIsAClearError) {
   EXPECT_NE(info("", &out), 0);  // the directory is required
 }
 
+// One-rank runs of a small GPT-2: the options without training.steps.
+std::string small_options(const TempDir& d) {
+  const std::string data = d / "small.bin";
+  if (!fs::exists(data)) write_tokens(d, "small.bin", 3000, 37);
+  return options("gpt2", 8, 2) + " --data.path=" + data;
+}
+
+// checkpoint.dir set to one step directory (it holds meta.json) is refused on every rank
+// before any work, naming its parent as the value to use; nothing is written inside it.
+// (It used to be taken as the run's directory: new checkpoints nested inside it, every
+// resume back at its step.) Commands that read one checkpoint still take it. A resumed
+// run's last line names the checkpoint it wrote.
+TEST(CheckpointDir, OneStepDirectoryIsRefusedForTraining) {
+  TempDir d;
+  const std::string o = small_options(d);
+  train_run(d, "run", 1, o + " --training.steps=2");
+  const std::string step = d / "run/step_00000002";
+  ASSERT_TRUE(fs::exists(step + "/meta.json"));
+  const std::string cmd = std::string(MESHTRAIN_BIN) + " launch -n 2 train " + o + " --training.steps=3";
+  const std::string use = "Set checkpoint.dir = " + d / "run" + " (";
+  expect_refused(cmd, {{" --checkpoint.resume=true --checkpoint.dir=" + step, "checkpoint.dir = " + step +
+                                                                                  " is itself one checkpoint"},
+                       {" --checkpoint.resume=true --checkpoint.dir=" + step, use},
+                       {" --checkpoint.resume=true --checkpoint.dir=" + step + "/", use},
+                       {" --checkpoint.dir=" + step, use}});
+  EXPECT_EQ(std::distance(fs::directory_iterator(step), fs::directory_iterator()), 2) << "meta.json and one shard";
+  std::string out;
+  EXPECT_EQ(info(step, &out), 0) << out;
+  const RunResult r = train_run(d, "run", 1, o + " --training.steps=3 --checkpoint.resume=true");
+  EXPECT_NE(r.output.find("resumed from " + step + " at step 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("checkpoint: " + d / "run/step_00000003"), std::string::npos) << r.output;
+}
+
 }  // namespace

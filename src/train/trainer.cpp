@@ -28,6 +28,7 @@
 #include "parallel/tensor.h"
 #include "parallel/zero.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_dir.h"
 #include "train/device_state.h"
 #include "train/faults.h"
 #include "train/metrics.h"
@@ -140,28 +141,6 @@ struct Progress {
   std::array<double, 4> comm_last{};  // bytes this rank sent in the last step: dp, tp, pp (with the tie), cp
   MemStats step_peaks;                // the training steps' peaks (the summary's include the last validation)
 };
-
-// The newest checkpoint to resume from ("" to start afresh), the same on every rank. A
-// fresh run refuses a directory that holds another run's checkpoints; what interrupted
-// saves left behind is removed.
-std::string resume_point(const Config& c, Communicator& world, MetricsLog& log) {
-  std::string from;
-  if (c.checkpoint.resume) from = checkpoint_latest(c.checkpoint.dir);
-  if (world.size() > 1)
-    check_same_hash(world, std::hash<std::string>{}(from), "newest checkpoint (" + from + ")",
-                    "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
-  if (c.checkpoint.dir.empty()) return from;
-  if (!c.checkpoint.resume) {
-    const std::string old = checkpoint_latest(c.checkpoint.dir);
-    MT_CHECK(old.empty(), "checkpoint.dir " << c.checkpoint.dir << " already holds checkpoints of another run (newest "
-                                            << old << "); set checkpoint.resume=true to continue it, or choose "
-                                            << "another checkpoint.dir (nothing was overwritten)");
-  }
-  if (world.rank() == 0)  // before any rank saves: the set-up ends with a barrier
-    for (const std::string& t : checkpoint_remove_incomplete(c.checkpoint.dir))
-      log.message("removed " + t + ", an incomplete checkpoint left by an interrupted save");
-  return from;
-}
 
 // The nodes of the gradient-reducing group, for the hierarchical all-reduce and the count of
 // bytes between nodes: parallel.ranks_per_node consecutive ranks, or the machines MPI finds.
@@ -556,11 +535,11 @@ void report_stop(const Run& run, const Progress& p) {
 nlohmann::json or_null(const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); }
 
 // The printed end of a finished run.
-void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem, int64_t timed_steps) {
+void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem, const Progress& p) {
   const Config& c = run.c;
   char buf[512];
   run.log.message("---");
-  std::snprintf(buf, sizeof buf, "trained %lld steps in %.1f s", static_cast<long long>(timed_steps), sum.seconds);
+  std::snprintf(buf, sizeof buf, "trained %lld steps in %.1f s", static_cast<long long>(p.timed_steps), sum.seconds);
   std::string line = buf;
   if (sum.tokens_per_s) {
     std::snprintf(buf, sizeof buf, ": %.0f tokens/s", *sum.tokens_per_s);
@@ -602,7 +581,10 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
                 c.parallel.sequence_parallel && run.tp.size() > 1 ? ", sequence parallel" : "",
                 c.training.recompute ? ", recompute" : "");
   run.log.message(buf);
-  if (!c.checkpoint.dir.empty()) run.log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
+  // The checkpoint this run wrote last (none when it resumed with no step left to run: the
+  // one it resumed from), not whichever the directory's newest happens to be.
+  if (!c.checkpoint.dir.empty())
+    run.log.message("checkpoint: " + (p.checkpoint.empty() ? checkpoint_latest(c.checkpoint.dir) : p.checkpoint));
 }
 
 // The end of a finished run: the final validation, the summary line (a value that does not
@@ -641,7 +623,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
   js.update(plan_report(planned, run.world.size(), {p.step_peaks, p.comm_last, p.timed_steps ? p.train_seconds / p.timed_steps : 0},
                         &plan_lines));
   run.log.write(js);
-  print_summary(run, sum, mem, p.timed_steps);
+  print_summary(run, sum, mem, p);
   for (const std::string& line : plan_lines) run.log.message(line);
 
   std::string plot = c.logging.plot;
@@ -727,7 +709,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     const bool member = pp.rank() == first || pp.rank() == last;
     tie = pp.split(member ? 0 : Communicator::kNoGroup, pp.rank(), "tie");
   }
-  const std::string resumed_from = resume_point(c, world, log);
+  const std::string resumed_from = checkpoint_resume_point(c, world, log);
   Progress p;
   std::unique_ptr<DataParallel> strategy = strategy_make(c, model, mesh.data(), alloc, resumed_from, &p.steps_done);
   model.set_hooks(strategy.get());

@@ -1,0 +1,47 @@
+#include "train/checkpoint_dir.h"
+
+#include <filesystem>
+#include <functional>
+#include <vector>
+
+#include "core/error.h"
+#include "parallel/data_parallel.h"  // check_same_hash
+#include "train/checkpoint.h"
+
+namespace fs = std::filesystem;
+
+namespace mt {
+
+void checkpoint_dir_check(const CheckpointConfig& c) {
+  if (c.dir.empty()) return;
+  if (fs::exists(fs::path(c.dir) / "meta.json")) {
+    fs::path step = fs::path(c.dir).lexically_normal();
+    if (!step.has_filename()) step = step.parent_path();  // "D/step_00000005/"
+    const std::string parent = step.has_parent_path() ? step.parent_path().string() : ".";
+    MT_FAIL("checkpoint.dir = " << c.dir << " is itself one checkpoint (it holds meta.json), not a run's directory "
+                                << "of checkpoints: the run would write its checkpoints inside it and every resume "
+                                << "would go back to it. Set checkpoint.dir = " << parent
+                                << " (checkpoint.resume=true continues from its newest checkpoint)");
+  }
+}
+
+std::string checkpoint_resume_point(const Config& c, Communicator& world, MetricsLog& log) {
+  std::string from;
+  if (c.checkpoint.resume) from = checkpoint_latest(c.checkpoint.dir);
+  if (world.size() > 1)
+    check_same_hash(world, std::hash<std::string>{}(from), "newest checkpoint (" + from + ")",
+                    "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
+  if (c.checkpoint.dir.empty()) return from;
+  if (!c.checkpoint.resume) {
+    const std::string old = checkpoint_latest(c.checkpoint.dir);
+    MT_CHECK(old.empty(), "checkpoint.dir " << c.checkpoint.dir << " already holds checkpoints of another run (newest "
+                                            << old << "); set checkpoint.resume=true to continue it, or choose "
+                                            << "another checkpoint.dir (nothing was overwritten)");
+  }
+  if (world.rank() == 0)  // before any rank saves: the set-up ends with a barrier
+    for (const std::string& t : checkpoint_remove_incomplete(c.checkpoint.dir))
+      log.message("removed " + t + ", an incomplete checkpoint left by an interrupted save");
+  return from;
+}
+
+}  // namespace mt
