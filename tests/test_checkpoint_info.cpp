@@ -216,4 +216,19 @@ TEST(CheckpointDir, OneStepDirectoryIsRefusedForTraining) {
   EXPECT_NE(r.output.find("checkpoint: " + d / "run/step_00000003"), std::string::npos) << r.output;
 }
 
+// A checkpoint.dir that cannot be made (a path under a regular file) stops the run before
+// any work, on every rank, with one message naming the key and the path; nothing is
+// trained (it used to be found at the first save).
+TEST(CheckpointDir, UnwritableDirectoryStopsTheRunBeforeAnyWork) {
+  TempDir d;
+  std::ofstream(d / "afile") << "a file where a directory should be";
+  const std::string ck = d / "afile/ckpt";
+  const std::string o = small_options(d) + " --training.steps=2 --logging.metrics=" + d / "m.jsonl";
+  expect_refused(std::string(MESHTRAIN_BIN) + " launch -n 2 train " + o,
+                 {{" --checkpoint.dir=" + ck, "cannot create checkpoint.dir = " + ck + ": Not a directory"}});
+  expect_refused(std::string(MESHTRAIN_BIN) + " train " + o,
+                 {{" --checkpoint.dir=" + ck, "choose another checkpoint.dir"}});
+  for (const std::string& l : read_lines(d / "m.jsonl")) ADD_FAILURE() << "a step ran: " << l;
+}
+
 }  // namespace

@@ -1,6 +1,11 @@
 #include "train/checkpoint_dir.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <vector>
 
@@ -23,6 +28,31 @@ void checkpoint_dir_check(const CheckpointConfig& c) {
                                 << "would go back to it. Set checkpoint.dir = " << parent
                                 << " (checkpoint.resume=true continues from its newest checkpoint)");
   }
+}
+
+void checkpoint_dir_prepare(const std::string& dir, Communicator& world) {
+  if (dir.empty()) return;
+  std::string problem;
+  if (world.rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) {
+      problem = "cannot create checkpoint.dir = " + dir + ": " + ec.message();
+    } else {
+      // A directory that exists can still refuse files: permissions, a read-only mount, quota.
+      const std::string probe = dir + "/.meshtrain-write-probe-" + std::to_string(getpid());
+      {
+        std::ofstream f(probe);
+        if (!(f << "probe\n" << std::flush))
+          problem = "cannot write in checkpoint.dir = " + dir + ": " + std::strerror(errno);
+      }
+      if (!fs::remove(probe, ec) && ec && problem.empty())
+        problem = "cannot remove files in checkpoint.dir = " + dir + ": " + ec.message();
+    }
+    if (!problem.empty()) problem += "; choose another checkpoint.dir (every rank must write there)";
+  }
+  if (world.size() > 1) problem = allgather_strings(world, problem)[0];  // rank 0's verdict, on every rank
+  MT_CHECK(problem.empty(), problem);
 }
 
 std::string checkpoint_resume_point(const Config& c, Communicator& world, MetricsLog& log) {

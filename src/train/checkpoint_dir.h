@@ -1,5 +1,5 @@
 // checkpoint.dir at the start of a training run, checked before any work, so that a run
-// does not quietly write where nothing will read it:
+// does not train for hours and then fail, or quietly write where nothing will read it:
 //
 // - checkpoint_dir_check: what the directory holds (the same verdict on every rank that
 //   sees it; resume_resolve runs it, on every rank, before the run starts).
@@ -7,6 +7,9 @@
 //     parent as the value to use: the run would write its checkpoints nested inside it and
 //     every resume would go back to step N. (Commands that read one checkpoint, `export`,
 //     `sample` and `checkpoint info`, take a step directory.)
+// - checkpoint_dir_prepare: collective over the world. Rank 0 creates the directory, as a
+//   save would, and writes and removes a probe file in it; every rank stops with the same
+//   message, naming checkpoint.dir and the path, when it cannot.
 // - checkpoint_resume_point: the checkpoint to resume from, the same on every rank.
 #pragma once
 #include <string>
@@ -18,6 +21,7 @@
 namespace mt {
 
 void checkpoint_dir_check(const CheckpointConfig& c);
+void checkpoint_dir_prepare(const std::string& dir, Communicator& world);
 
 // The newest checkpoint to resume from ("" to start afresh), the same on every rank. A
 // fresh run refuses a directory that holds another run's checkpoints; what interrupted

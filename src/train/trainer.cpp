@@ -670,6 +670,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (world.size() > 1)  // every rank must run the same configuration (same seed, files, layout)
     check_same_hash(world, std::hash<std::string>{}(config_to_json(c).dump()), "a configuration",
                     "start every rank with the same config file and options");
+  checkpoint_dir_prepare(c.checkpoint.dir, world);  // an unwritable one found now, not at the first save
   // logging.profile: made before the groups, whose communication threads record into it
   std::optional<Profiler> profiler;
   if (c.logging.profile) profiler.emplace(now_seconds(), c.logging.trace.empty() ? 0 : StepTrace::kMaxSteps);
