@@ -90,6 +90,12 @@ std::vector<std::string> checkpoint_list(const std::string& root);
 // The newest complete checkpoint directory under root ("" if none); a step directory
 // itself is accepted too.
 std::string checkpoint_latest(const std::string& root);
+// The step_* directories under root without a meta.json (a partial copy, a damaged
+// checkpoint), oldest first: never read, and never passed over in silence. Not among them:
+// what interrupted saves leave (.tmp-step_*; step_N.old beside a step_N, a replaced copy
+// being removed; an older checkpoint being removed by checkpoint.keep, which is renamed to
+// a .tmp- name first).
+std::vector<std::string> checkpoint_damaged(const std::string& root);
 // Removes what interrupted saves left under root (.tmp-step_* directories); returns their
 // paths. Only while no save runs: rank 0 at start-up.
 std::vector<std::string> checkpoint_remove_incomplete(const std::string& root);

@@ -28,6 +28,14 @@ void checkpoint_dir_check(const CheckpointConfig& c) {
                                 << "would go back to it. Set checkpoint.dir = " << parent
                                 << " (checkpoint.resume=true continues from its newest checkpoint)");
   }
+  const std::vector<std::string> damaged = checkpoint_damaged(c.dir);
+  if (damaged.empty()) return;
+  std::string list;
+  for (const std::string& d : damaged) list += (list.empty() ? "" : ", ") + d;
+  MT_FAIL("checkpoint.dir " << c.dir << " holds " << list << " without meta.json: a damaged checkpoint or a partial "
+                            << "copy (meshtrain checkpoint info " << c.dir << " says more). Training will not go "
+                            << "back past it to an older checkpoint and later overwrite it: restore it whole (its "
+                            << "meta.json and every shard) or remove it, then run again");
 }
 
 void checkpoint_dir_prepare(const std::string& dir, Communicator& world) {

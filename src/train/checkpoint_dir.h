@@ -7,6 +7,10 @@
 //     parent as the value to use: the run would write its checkpoints nested inside it and
 //     every resume would go back to step N. (Commands that read one checkpoint, `export`,
 //     `sample` and `checkpoint info`, take a step directory.)
+//   * A step_* directory without meta.json (a partial copy, a damaged checkpoint) is
+//     refused, named: a resumed run would go back to an older checkpoint past it and later
+//     overwrite it. What an interrupted save leaves (.tmp-step_*, and step_N.old beside a
+//     step_N) is no such directory: the start removes the former, the latter is ignored.
 // - checkpoint_dir_prepare: collective over the world. Rank 0 creates the directory, as a
 //   save would, and writes and removes a probe file in it; every rank stops with the same
 //   message, naming checkpoint.dir and the path, when it cannot.
