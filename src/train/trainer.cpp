@@ -372,9 +372,11 @@ nlohmann::json step_run(Run& run, int64_t s) {
     j["skipped"] = !run.scaler.update(std::isfinite(sumsq));
     if (j["skipped"]) {
       j["grad_norm"] = nullptr;  // inf or NaN
-      run.log.message("step " + std::to_string(s) + ": fp16 gradients overflowed at loss scale " +
-                      std::to_string(static_cast<int64_t>(j["loss_scale"].get<double>())) +
-                      "; step skipped, loss scale halved to " + std::to_string(static_cast<int64_t>(run.scaler.scale())));
+      // %g: a scale may pass 2^63 or fall below 1. The step counted from 1, as the progress lines count.
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "step %lld: fp16 gradients overflowed at loss scale %g; step skipped, loss scale "
+                    "halved to %g", static_cast<long long>(s + 1), j["loss_scale"].get<double>(), run.scaler.scale());
+      run.log.message(buf);
       return j;
     }
   }
