@@ -1,7 +1,9 @@
 // meshtrain checkpoint info: every field of a fresh tp 2 x dp 2 checkpoint (JSON and
 // text), a flipped byte in a shard or in meta.json (exit status 1, the file named, and a
-// resume that refuses it too), a missing shard, and a directory that does not exist or
-// holds no checkpoint.
+// resume that refuses it too), a missing shard, a step directory without meta.json, and a
+// directory that does not exist or holds no checkpoint. And what training checks of
+// checkpoint.dir before any work (train/checkpoint_dir.h): not one step directory, no
+// damaged step directory in it, and a path it can write.
 #include <filesystem>
 #include <fstream>
 
@@ -181,6 +183,100 @@ TEST(CheckpointInfo, MissingDirectoryIsAClearError) {
   EXPECT_EQ(info(d / "empty", &out), 1);
   EXPECT_NE(out.find(d / "empty" + " holds no checkpoint"), std::string::npos) << out;
   EXPECT_NE(info("", &out), 0);  // the directory is required
+}
+
+// One-rank runs of a small GPT-2: the options without training.steps.
+std::string small_options(const TempDir& d) {
+  const std::string data = d / "small.bin";
+  if (!fs::exists(data)) write_tokens(d, "small.bin", 3000, 37);
+  return options("gpt2", 8, 2) + " --data.path=" + data;
+}
+
+// checkpoint.dir set to one step directory (it holds meta.json) is refused on every rank
+// before any work, naming its parent as the value to use; nothing is written inside it.
+// (It used to be taken as the run's directory: new checkpoints nested inside it, every
+// resume back at its step.) Commands that read one checkpoint still take it. A resumed
+// run's last line names the checkpoint it wrote.
+TEST(CheckpointDir, OneStepDirectoryIsRefusedForTraining) {
+  TempDir d;
+  const std::string o = small_options(d);
+  train_run(d, "run", 1, o + " --training.steps=2");
+  const std::string step = d / "run/step_00000002";
+  ASSERT_TRUE(fs::exists(step + "/meta.json"));
+  const std::string cmd = std::string(MESHTRAIN_BIN) + " launch -n 2 train " + o + " --training.steps=3";
+  const std::string use = "Set checkpoint.dir = " + d / "run" + " (";
+  expect_refused(cmd, {{" --checkpoint.resume=true --checkpoint.dir=" + step, "checkpoint.dir = " + step +
+                                                                                  " is itself one checkpoint"},
+                       {" --checkpoint.resume=true --checkpoint.dir=" + step, use},
+                       {" --checkpoint.resume=true --checkpoint.dir=" + step + "/", use},
+                       {" --checkpoint.dir=" + step, use}});
+  EXPECT_EQ(std::distance(fs::directory_iterator(step), fs::directory_iterator()), 2) << "meta.json and one shard";
+  std::string out;
+  EXPECT_EQ(info(step, &out), 0) << out;
+  const RunResult r = train_run(d, "run", 1, o + " --training.steps=3 --checkpoint.resume=true");
+  EXPECT_NE(r.output.find("resumed from " + step + " at step 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("checkpoint: " + d / "run/step_00000003"), std::string::npos) << r.output;
+}
+
+// A checkpoint.dir that cannot be made (a path under a regular file) stops the run before
+// any work, on every rank, with one message naming the key and the path; nothing is
+// trained (it used to be found at the first save).
+TEST(CheckpointDir, UnwritableDirectoryStopsTheRunBeforeAnyWork) {
+  TempDir d;
+  std::ofstream(d / "afile") << "a file where a directory should be";
+  const std::string ck = d / "afile/ckpt";
+  const std::string o = small_options(d) + " --training.steps=2 --logging.metrics=" + d / "m.jsonl";
+  expect_refused(std::string(MESHTRAIN_BIN) + " launch -n 2 train " + o,
+                 {{" --checkpoint.dir=" + ck, "cannot create checkpoint.dir = " + ck + ": Not a directory"}});
+  expect_refused(std::string(MESHTRAIN_BIN) + " train " + o,
+                 {{" --checkpoint.dir=" + ck, "choose another checkpoint.dir"}});
+  for (const std::string& l : read_lines(d / "m.jsonl")) ADD_FAILURE() << "a step ran: " << l;
+}
+
+// A step directory without meta.json (here: step 3's shards, its meta.json lost) is a
+// damaged checkpoint, never passed over for an older one: checkpoint info reports it like
+// a missing file (exit status 1, what to do), and training refuses the directory, naming
+// it, rather than resume from step 2 and later overwrite it. What a killed save leaves
+// (.tmp-step_N) is not damaged: the next start removes it.
+TEST(CheckpointDir, StepDirectoryWithoutMetadataIsDamaged) {
+  TempDir d;
+  const std::string o = small_options(d) + " --checkpoint.every=1 --checkpoint.keep=0";
+  train_run(d, "run", 1, o + " --training.steps=3");
+  const std::string step1 = d / "run/step_00000001", step2 = d / "run/step_00000002", step3 = d / "run/step_00000003";
+  fs::remove(step3 + "/meta.json");
+  fs::create_directories(d / "run/.tmp-step_00000004");
+  std::string out;
+  for (const std::string& arg : {d / "run", step3}) {
+    EXPECT_EQ(info(arg, &out), 1) << out;
+    EXPECT_NE(out.find("error: checkpoint " + step3 + " is damaged: " + step3 + "/meta.json is missing"),
+              std::string::npos) << out;
+    EXPECT_NE(out.find("delete " + step3 + " so that checkpoint.resume=true continues from " + step2), std::string::npos)
+        << out;
+  }
+  EXPECT_EQ(run_command("{ " + std::string(MESHTRAIN_BIN) + " checkpoint info " + d / "run" + " --json 2>/dev/null; }", &out),
+            1);
+  const auto j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["dir"], step3);
+  EXPECT_EQ(j["files"][0]["status"], "damaged");
+  EXPECT_EQ(j["checkpoints"], nlohmann::json::array({"step_00000001", "step_00000002"}));
+
+  const std::string cmd = std::string(MESHTRAIN_BIN) + " train " + o + " --training.steps=5 --checkpoint.dir=" + d / "run";
+  expect_refused(cmd, {{" --checkpoint.resume=true", step3 + " without meta.json"},
+                       {" --checkpoint.resume=true", "restore it whole (its meta.json and every shard) or remove it"},
+                       {"", step3 + " without meta.json"}});
+  EXPECT_TRUE(fs::exists(step3 + "/shard_00000.safetensors")) << "left as it was";
+
+  // Removed: the run resumes from step 2 and removes the interrupted save's leftover.
+  fs::remove_all(step3);
+  const RunResult r = train_run(d, "run", 1, o + " --training.steps=5 --checkpoint.resume=true");
+  EXPECT_NE(r.output.find("resumed from " + step2), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("removed " + d / "run/.tmp-step_00000004"), std::string::npos) << r.output;
+  // An older damaged one beside an intact newest: the newest is reported, the older named.
+  fs::remove(step1 + "/meta.json");
+  EXPECT_EQ(info(d / "run", &out), 1) << out;
+  EXPECT_NE(out.find("damaged     step_00000001 (no meta.json)"), std::string::npos) << out;
+  EXPECT_NE(out.find(step1 + "/meta.json is missing"), std::string::npos) << out;
+  EXPECT_EQ(out.find("corrupt"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // What a run writes besides checkpoints: the summary line (a value that does not exist is
-// null, never a made-up number) and output files in directories that do not exist yet.
+// null, never a made-up number) and output files in directories that do not exist yet; a
+// path that cannot be written is an error naming the key (checkpoint.dir's before any step).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -120,6 +121,14 @@ TEST(Outputs, ErrorsNameThePathAndTheKey) {
   msg = error_of(c);
   EXPECT_NE(msg.find("logging.plot"), std::string::npos) << msg;
   EXPECT_NE(msg.find(c.logging.plot), std::string::npos) << msg;
+  // checkpoint.dir before the first step, as the save would make it (not at the first save,
+  // after the steps before it were trained for nothing).
+  c.logging.plot = "";
+  c.logging.metrics = d / "ck.jsonl";
+  c.checkpoint.dir = d / "file/ckpt";
+  msg = error_of(c);
+  EXPECT_NE(msg.find("cannot create checkpoint.dir = " + c.checkpoint.dir), std::string::npos) << msg;
+  EXPECT_TRUE(test::read_lines(c.logging.metrics).empty()) << "no step ran";
 }
 
 }  // namespace

@@ -319,7 +319,12 @@ TEST(Precision, Fp16LossScalingSkipsExactlyTheOverflowingSteps) {
     EXPECT_EQ(st[s]["loss_scale"].get<double>(), expect_scale[s]) << "step " << s;
     EXPECT_EQ(st[s]["grad_norm"].is_null(), s == 2 || s == 5) << "step " << s;
   }
-  EXPECT_NE(r.output.find("step 2: fp16 gradients overflowed"), std::string::npos) << r.output;
+  // Printed with the step counted from 1, as the progress lines count it (the metrics' step 2).
+  for (const char* line : {"step 3: fp16 gradients overflowed at loss scale 65536; step skipped, loss scale halved to "
+                           "32768",
+                           "step 6: fp16 gradients overflowed at loss scale 32768; step skipped, loss scale halved to "
+                           "16384"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
   for (int s = 0; s < 12; ++s) EXPECT_TRUE(std::isfinite(r.loss[s])) << "step " << s;
   // A skipped step changes nothing: the same run without the injection agrees up to step 2
   // and differs from step 3 on (it applied step 2).
@@ -356,6 +361,18 @@ TEST(Precision, Fp16LossScalingSkipsExactlyTheOverflowingSteps) {
               hi[s - 1]["loss_scale"].get<double>() / (hi[s - 1]["skipped"].get<bool>() ? 2 : 1))
         << "step " << s;
   std::printf("scale 2^24: %d of %zu steps skipped\n", skipped, hi.size());
+}
+
+// A scale past int64's range is printed as the number it is (it was cast to int64 and
+// printed as -9223372036854775808): 1e30 overflows at once and halves at each step.
+TEST(Precision, Fp16OverflowMessagePrintsAnyScale) {
+  PrecisionRuns& rs = precision_runs();
+  const RunResult& r = rs.run("fp16_huge", 1, rs.base("fp16") + " --training.steps=2 --optim.loss_scale=1e30");
+  for (const char* line : {"step 1: fp16 gradients overflowed at loss scale 1e+30; step skipped, loss scale halved to "
+                           "5e+29",
+                           "step 2: fp16 gradients overflowed at loss scale 5e+29; step skipped, loss scale halved to "
+                           "2.5e+29"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
 }
 
 // ---- training.grad_dtype: gradients kept in the working precision --------------------------

@@ -4,10 +4,15 @@
 // - in training on two data-parallel ranks, a gradient spike or a NaN loss injected on one
 //   rank (parallel.test_fault) is skipped at exactly that step on every rank, the skipped
 //   step changes nothing, and skips in a row up to training.max_skips stop the run with a
-//   message naming the key.
+//   message naming the key;
+// - across a resume: the checkpoint keeps the guard's history and its skips in a row, so a
+//   resumed run skips what the uninterrupted one skips and trains it bit for bit; a
+//   checkpoint written without them still loads (the guard starts empty).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include "train/spike_guard.h"
 #include "train_runs.h"
@@ -37,6 +42,23 @@ TEST(SpikeGuard, JudgesAgainstTheRecentMeanOnceItHasAHistory) {
   EXPECT_TRUE(g.too_many()) << "max_skips = 3 in a row";
   g.applied(2.0, 1.0);
   EXPECT_EQ(g.skips_in_a_row(), 0);
+}
+
+TEST(SpikeGuard, StateRestoresTheSameVerdicts) {
+  SpikeGuard g(4, 3), h(4, 3);
+  for (int i = 0; i < SpikeGuard::kWindow + 5; ++i) g.applied(2.0 + 0.1 * (i % 3), 1.0 + 0.01 * i);
+  g.skipped();
+  g.skipped();
+  const SpikeGuard::State s = g.state();
+  EXPECT_EQ(s.loss.size(), size_t{SpikeGuard::kWindow});
+  EXPECT_EQ(s.norm.back(), 1.0 + 0.01 * (SpikeGuard::kWindow + 4)) << "newest last";
+  h.restore(s);
+  EXPECT_EQ(h.state().loss, s.loss);
+  EXPECT_EQ(h.state().norm, s.norm);
+  EXPECT_EQ(h.skips_in_a_row(), 2);
+  for (double x : {2.1, 2.25, 2.3, 2.5}) EXPECT_EQ(h.check(x, 1.5), g.check(x, 1.5)) << x;
+  h.skipped();
+  EXPECT_TRUE(h.too_many()) << "the skips in a row go on from the saved count";
 }
 
 namespace {
@@ -87,4 +109,84 @@ TEST(SpikeGuard, StopsTheRunAfterMaxSkipsInARow) {
   std::string bad;
   EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " train " + spike_options(d) + " --training.skip_spikes=-1", &bad), 0);
   EXPECT_NE(bad.find("training.skip_spikes = -1 must not be negative"), std::string::npos) << bad;
+}
+
+namespace {
+
+// The audit's case on one rank: 18 steps, a gradient spike at step 14, checkpoints every 12.
+std::string resume_options(const TempDir& d) {
+  return options("gpt2", 8, 2) + " --training.steps=18 --training.skip_spikes=6 --checkpoint.every=12" +
+         " --parallel.test_fault=spike:0:14 --data.path=" + write_tokens(d, "t.bin", 3000, 37);
+}
+
+// Copies run `from`'s checkpoints to run `to`'s, without its last (step 18): as if it had
+// been stopped after step 12.
+void copy_stopped_at_12(const TempDir& d, const std::string& from, const std::string& to) {
+  namespace fs = std::filesystem;
+  fs::copy(d / from, d / to, fs::copy_options::recursive);
+  ASSERT_TRUE(fs::exists(d / to + "/step_00000012/meta.json"));
+  fs::remove_all(d / to + "/step_00000018");
+}
+
+}  // namespace
+
+// Resumed from step 12, the guard has the uninterrupted run's history: step 14 is skipped
+// in both and steps 12-17 and the final parameters are bit-identical. (Without the saved
+// history the resumed guard has 2 applied steps at step 14, judges nothing, and applies
+// the spike.)
+TEST(SpikeGuard, ResumedRunSkipsAndTrainsAsTheUninterruptedOne) {
+  TempDir d;
+  const RunResult straight = train_run(d, "straight", 1, resume_options(d));
+  ASSERT_EQ(straight.loss.size(), 18u);
+  for (const nlohmann::json& j : steps_of(d, "straight")) EXPECT_EQ(j["skipped"].get<bool>(), j["step"] == 14) << j;
+  const nlohmann::json meta = checkpoint_meta(d / "straight/step_00000012");
+  ASSERT_TRUE(meta["optimizer"].contains("spike_guard")) << meta["optimizer"];
+  EXPECT_EQ(meta["optimizer"]["spike_guard"]["loss"].size(), 12u) << "the applied steps 0-11";
+
+  copy_stopped_at_12(d, "straight", "resumed");
+  const RunResult resumed = train_run(d, "resumed", 1, resume_options(d) + " --checkpoint.resume=true");
+  const std::vector<nlohmann::json> st = steps_of(d, "resumed");
+  ASSERT_EQ(st.size(), 6u) << resumed.output;
+  for (const nlohmann::json& j : st) EXPECT_EQ(j["skipped"].get<bool>(), j["step"] == 14) << j;
+  EXPECT_NE(resumed.output.find("step 14: skipped as a spike: the gradient norm"), std::string::npos) << resumed.output;
+  RunResult last6 = straight;
+  last6.loss.erase(last6.loss.begin(), last6.loss.begin() + 12);
+  last6.grad_norm.erase(last6.grad_norm.begin(), last6.grad_norm.begin() + 12);
+  expect_bit_identical(last6, resumed, "resumed at step 12");
+}
+
+// A checkpoint written before the guard's state was saved (no optimizer.spike_guard; no
+// meta_crc32 either, as such older ones have none to check) still resumes, the guard
+// starting empty: too short a history at step 14 to judge it.
+TEST(SpikeGuard, CheckpointWithoutTheGuardsStateStillResumes) {
+  TempDir d;
+  train_run(d, "straight", 1, resume_options(d));
+  copy_stopped_at_12(d, "straight", "old");
+  const std::string path = d / "old/step_00000012/meta.json";
+  nlohmann::json meta = checkpoint_meta(d / "old/step_00000012");
+  meta["optimizer"].erase("spike_guard");
+  meta.erase("meta_crc32");
+  std::ofstream(path) << meta.dump(1) << "\n";
+  train_run(d, "old", 1, resume_options(d) + " --checkpoint.resume=true");
+  const std::vector<nlohmann::json> st = steps_of(d, "old");
+  ASSERT_EQ(st.size(), 6u);
+  for (const nlohmann::json& j : st) EXPECT_FALSE(j["skipped"].get<bool>()) << j;
+}
+
+// The skips in a row carry across too: spikes at steps 11, 12 and 13 with
+// training.max_skips=3 stop the run at step 13 whether it resumed from step 12 (after one
+// skip) or not.
+TEST(SpikeGuard, SkipsInARowCarryAcrossAResume) {
+  TempDir d;
+  const std::string cmd = std::string("OMP_NUM_THREADS=1 ") + MESHTRAIN_BIN + " train " + resume_options(d) +
+                          " --parallel.test_fault=spike:0:11,12,13 --training.max_skips=3 --logging.progress=off" +
+                          " --checkpoint.dir=" + d / "ck";
+  const std::string want = "3 steps in a row were skipped as spikes, the last at step 13";
+  std::string out;
+  EXPECT_NE(run_command(cmd, &out), 0) << out;
+  EXPECT_NE(out.find(want), std::string::npos) << out;
+  ASSERT_TRUE(std::filesystem::exists(d / "ck/step_00000012/meta.json")) << out;
+  EXPECT_NE(run_command(cmd + " --checkpoint.resume=true", &out), 0) << out;
+  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+  EXPECT_NE(out.find(want), std::string::npos) << out;
 }

@@ -4,7 +4,8 @@
 // unit and parameter (whole, as it loads at any layout), the elements and bytes per saved
 // tensor kind, the data position, and each file checked against meta.json (size and
 // CRC-32; meta.json's own CRC-32). Exit status 1, with a message naming the file and what to
-// do, when a file is corrupt or missing or the directory holds no checkpoint.
+// do, when a file is corrupt or missing (a step directory without meta.json included) or the
+// directory holds no checkpoint.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
@@ -14,7 +15,7 @@
 #include "cli/commands.h"
 #include "core/error.h"              // MT_CHECK
 #include "data/token_file.h"         // kTokenFileMagic
-#include "train/checkpoint.h"        // checkpoint_inspect, checkpoint_list, checkpoint_latest
+#include "train/checkpoint.h"        // checkpoint_inspect, checkpoint_list, checkpoint_latest, checkpoint_damaged
 #include "train/config.h"            // config_from_json, config_to_json
 
 namespace fs = std::filesystem;
@@ -202,6 +203,8 @@ void print_text(const nlohmann::json& j) {
                 f["status"] == "ok" ? "OK" : f["problem"].get<std::string>().c_str());
   }
   for (const auto& p : j["coverage_problems"]) std::printf("  incomplete: %s\n", p.get<std::string>().c_str());
+  for (const auto& d : j.value("damaged_checkpoints", nlohmann::json::array()))
+    std::printf("damaged     %s (no meta.json)\n", d.get<std::string>().c_str());
 }
 
 // What to do about a damaged checkpoint: resuming falls back to the one before it once
@@ -234,17 +237,34 @@ int cmd_checkpoint(const CheckpointOptions& o) {
   if (arg.size() > 1 && arg.back() == '/') arg.pop_back();
   MT_CHECK(fs::exists(arg), "checkpoint info: " << arg << " does not exist; pass a checkpoint directory (step_N) or a "
                                                 << "run's checkpoint.dir");
-  const std::string dir = checkpoint_latest(arg);
+  std::string dir = checkpoint_latest(arg);
+  // A step directory without meta.json is a damaged checkpoint, reported as one (its
+  // meta.json missing) rather than passed over for an older one: given directly, or the
+  // newest under a run's checkpoint.dir. Older damaged ones are named after the report.
+  const bool step_dir = fs::path(arg).filename().string().rfind("step_", 0) == 0;
+  std::vector<std::string> damaged = dir == arg || step_dir ? std::vector<std::string>{} : checkpoint_damaged(arg);
+  if (dir.empty() && step_dir) dir = arg;
+  if (!damaged.empty() && (dir.empty() || fs::path(damaged.back()).filename() > fs::path(dir).filename())) {
+    dir = damaged.back();
+    damaged.pop_back();
+  }
   MT_CHECK(!dir.empty(), "checkpoint info: " << arg << " holds no checkpoint (no step_* directory with a meta.json); "
                                              << "pass a checkpoint directory or a run's checkpoint.dir");
   // A step directory given directly: its siblings are the run's other checkpoints.
   const std::string root = dir == arg ? fs::path(dir).parent_path().string() : arg;
   const CheckpointInfo info = checkpoint_inspect(dir);
-  const nlohmann::json j = info_json(info, root);
+  nlohmann::json j = info_json(info, root);
+  j["damaged_checkpoints"] = nlohmann::json::array();
+  for (const std::string& d : damaged) j["damaged_checkpoints"].push_back(fs::path(d).filename().string());
   if (o.json) std::printf("%s\n", j.dump(1).c_str());
   else print_text(j);
   std::fflush(stdout);
   MT_CHECK(info.intact(), damage_message(info, root));
+  std::string others;
+  for (const std::string& d : damaged) others += (others.empty() ? "" : "; ") + d + "/meta.json is missing";
+  MT_CHECK(others.empty(), "checkpoint.dir " << root << " holds damaged checkpoints beside " << dir << ": " << others
+                                             << ". Training refuses a checkpoint.dir that holds them; restore each "
+                                             << "whole from a copy, or delete it");
   return 0;
 }
 

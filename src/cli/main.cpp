@@ -30,6 +30,7 @@
 #include "data/tokenizer.h"                   // tokenizer_make, sentencepiece_train
 #include "nn/hf.h"                            // hf_export
 #include "train/checkpoint.h"                 // checkpoint_latest, checkpoint_load
+#include "train/checkpoint_dir.h"             // checkpoint_dir_prepare
 #include "train/config.h"                     // config_load, config_keys
 #include "train/metrics.h"                    // output_parent_create
 #include "train/resume.h"                     // resume_resolve
@@ -107,6 +108,9 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
         if (lead) print_train_help();
         return 0;
       }
+      // An unwritable checkpoint.dir, found now and said once (train() checks again, for its
+      // other callers).
+      mt::checkpoint_dir_prepare(cfg.checkpoint.dir, *world);
     } catch (const mt::Error& e) {
       if (lead) std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
       return 1;

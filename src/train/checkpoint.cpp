@@ -224,6 +224,9 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
       meta["optimizer"]["loss_scale"] = optimizer.loss_scale;
       meta["optimizer"]["loss_scale_clean"] = optimizer.loss_scale_clean;
     }
+    if (const auto& g = optimizer.spike_guard)  // doubles are written shortest round-trip: read back exactly
+      meta["optimizer"]["spike_guard"] = {{"loss", g->loss}, {"grad_norm", g->norm},
+                                          {"skips_in_a_row", g->skips_in_a_row}};
     meta["config"] = config_to_json(cfg);
     meta["world_size"] = world.size();
     nlohmann::json ju = nlohmann::json::array();
@@ -275,7 +278,14 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
           dirs.push_back(e.path());
       }
       std::sort(dirs.begin(), dirs.end());
-      for (size_t i = 0; i + keep < dirs.size() + 1; ++i) fs::remove_all(dirs[i]);
+      // Each is renamed to a .tmp- name first, so that a save killed while removing it leaves
+      // what the next start removes, not a step directory without meta.json (damaged).
+      for (size_t i = 0; i + keep < dirs.size() + 1; ++i) {
+        const std::string doomed = root + "/.tmp-" + fs::path(dirs[i]).filename().string();
+        fs::remove_all(doomed);
+        fs::rename(dirs[i], doomed);
+        fs::remove_all(doomed);
+      }
     }
   }
   world.barrier_slow();  // rank 0 finished writing meta.json and renaming
@@ -323,6 +333,20 @@ std::string checkpoint_latest(const std::string& root) {
   if (fs::exists(root + "/meta.json")) return root;
   const std::vector<std::string> dirs = checkpoint_list(root);
   return dirs.empty() ? "" : dirs.back();
+}
+
+std::vector<std::string> checkpoint_damaged(const std::string& root) {
+  std::vector<std::string> dirs;
+  if (!fs::is_directory(root) || fs::exists(root + "/meta.json")) return dirs;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory() || name.rfind("step_", 0) != 0 || fs::exists(e.path() / "meta.json")) continue;
+    const size_t old = name.find(".old");
+    if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old))) continue;
+    dirs.push_back(e.path().string());
+  }
+  std::sort(dirs.begin(), dirs.end());
+  return dirs;
 }
 
 std::vector<std::string> checkpoint_remove_incomplete(const std::string& root) {
@@ -392,6 +416,13 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
     optimizer->steps_taken = o.at("steps_taken").get<int64_t>();
     optimizer->loss_scale = o.value("loss_scale", 0.0);
     optimizer->loss_scale_clean = o.value("loss_scale_clean", 0);
+    optimizer->spike_guard.reset();
+    if (o.contains("spike_guard")) {
+      const nlohmann::json& g = o["spike_guard"];
+      optimizer->spike_guard = SpikeGuard::State{g.at("loss").get<std::vector<double>>(),
+                                                 g.at("grad_norm").get<std::vector<double>>(),
+                                                 g.at("skips_in_a_row").get<int>()};
+    }
   }
   return meta.at("step").get<int64_t>();
 }

@@ -29,6 +29,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,7 @@
 #include "comm/communicator.h"
 #include "nn/model.h"
 #include "train/config.h"
+#include "train/spike_guard.h"
 
 namespace mt {
 
@@ -47,12 +49,15 @@ struct CheckpointSlice {
   std::vector<std::pair<std::string, float*>> tensors;
 };
 
-// The optimizer's scalar state beside its tensors: its step count, and fp16's loss scale
-// with the clean steps counted towards its next doubling (0 when not fp16).
+// The optimizer's scalar state beside its tensors: its step count, fp16's loss scale
+// with the clean steps counted towards its next doubling (0 when not fp16), and the spike
+// guard's history (training.skip_spikes; none when the guard is off, or in a checkpoint
+// written before it was saved: the guard then starts empty).
 struct OptimizerProgress {
   int64_t steps_taken = 0;
   double loss_scale = 0;
   int loss_scale_clean = 0;
+  std::optional<SpikeGuard::State> spike_guard;
 };
 
 // Per-rank state that means something only at the layout that wrote it (each rank's
@@ -85,6 +90,12 @@ std::vector<std::string> checkpoint_list(const std::string& root);
 // The newest complete checkpoint directory under root ("" if none); a step directory
 // itself is accepted too.
 std::string checkpoint_latest(const std::string& root);
+// The step_* directories under root without a meta.json (a partial copy, a damaged
+// checkpoint), oldest first: never read, and never passed over in silence. Not among them:
+// what interrupted saves leave (.tmp-step_*; step_N.old beside a step_N, a replaced copy
+// being removed; an older checkpoint being removed by checkpoint.keep, which is renamed to
+// a .tmp- name first).
+std::vector<std::string> checkpoint_damaged(const std::string& root);
 // Removes what interrupted saves left under root (.tmp-step_* directories); returns their
 // paths. Only while no save runs: rank 0 at start-up.
 std::vector<std::string> checkpoint_remove_incomplete(const std::string& root);
@@ -94,7 +105,8 @@ nlohmann::json checkpoint_meta(const std::string& dir);
 Config checkpoint_config(const std::string& dir);
 // Fills every slice from whichever shards hold its range. Checks that the model shape
 // matches and that each shard file read is intact (size and CRC-32). Returns the step;
-// *optimizer (when given) receives the optimizer's progress (loss_scale 0: none saved).
+// *optimizer (when given) receives the optimizer's progress (loss_scale 0, spike_guard
+// empty: none saved).
 int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
                         OptimizerProgress* optimizer = nullptr);
 

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_dir.h"
 
 namespace mt {
 
@@ -134,6 +135,7 @@ bool resume_key_must_match(const std::string& key) {
 
 std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
   allowed_changes(cfg.checkpoint.allow_change);  // a typo is an error on any run
+  checkpoint_dir_check(cfg.checkpoint);  // not one step directory, no damaged ones
   const std::string dir = cfg.checkpoint.resume ? checkpoint_latest(cfg.checkpoint.dir) : "";
   if (dir.empty()) {
     cfg.resolve_layout(world_size);

@@ -16,12 +16,16 @@
 //   SpikeGuard guard(c.training.skip_spikes, c.training.max_skips);
 //   if (std::string why = guard.check(loss, norm); !why.empty()) { skip the step; }
 //   else { update; guard.applied(loss, norm); }
+//
+// Checkpoints carry state() (the window's values and the skips in a row) and a resumed run
+// restore()s it, so that it judges every later step exactly as the uninterrupted run does.
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <deque>
 #include <string>
+#include <vector>
 
 namespace mt {
 
@@ -29,6 +33,14 @@ class SpikeGuard {
  public:
   static constexpr int kWindow = 100;     // applied steps the mean and deviation are taken over
   static constexpr int kMinHistory = 10;  // applied steps before anything is judged
+
+  // What a checkpoint keeps: the applied steps' losses and gradient norms in the window,
+  // oldest first, and the skips in a row. The values are finite (a non-finite one is always
+  // skipped), so they survive a JSON round trip exactly.
+  struct State {
+    std::vector<double> loss, norm;
+    int skips_in_a_row = 0;
+  };
 
   SpikeGuard(double z, int max_skips) : z_(z), max_skips_(max_skips) {}
 
@@ -54,6 +66,15 @@ class SpikeGuard {
     if (static_cast<int>(loss_.size()) > kWindow) loss_.pop_front(), norm_.pop_front();
   }
   bool too_many() const { return max_skips_ > 0 && in_a_row_ >= max_skips_; }
+
+  State state() const { return {{loss_.begin(), loss_.end()}, {norm_.begin(), norm_.end()}, in_a_row_}; }
+  // A saved state; of the values, as applied() does, the newest kWindow stay.
+  void restore(const State& s) {
+    const size_t n = std::min({s.loss.size(), s.norm.size(), size_t{kWindow}});
+    loss_.assign(s.loss.end() - n, s.loss.end());
+    norm_.assign(s.norm.end() - n, s.norm.end());
+    in_a_row_ = s.skips_in_a_row;
+  }
 
  private:
   std::string judge(const char* what, double x, const std::deque<double>& past) const {

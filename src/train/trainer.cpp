@@ -28,6 +28,7 @@
 #include "parallel/tensor.h"
 #include "parallel/zero.h"
 #include "train/checkpoint.h"
+#include "train/checkpoint_dir.h"
 #include "train/device_state.h"
 #include "train/faults.h"
 #include "train/metrics.h"
@@ -140,28 +141,6 @@ struct Progress {
   std::array<double, 4> comm_last{};  // bytes this rank sent in the last step: dp, tp, pp (with the tie), cp
   MemStats step_peaks;                // the training steps' peaks (the summary's include the last validation)
 };
-
-// The newest checkpoint to resume from ("" to start afresh), the same on every rank. A
-// fresh run refuses a directory that holds another run's checkpoints; what interrupted
-// saves left behind is removed.
-std::string resume_point(const Config& c, Communicator& world, MetricsLog& log) {
-  std::string from;
-  if (c.checkpoint.resume) from = checkpoint_latest(c.checkpoint.dir);
-  if (world.size() > 1)
-    check_same_hash(world, std::hash<std::string>{}(from), "newest checkpoint (" + from + ")",
-                    "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
-  if (c.checkpoint.dir.empty()) return from;
-  if (!c.checkpoint.resume) {
-    const std::string old = checkpoint_latest(c.checkpoint.dir);
-    MT_CHECK(old.empty(), "checkpoint.dir " << c.checkpoint.dir << " already holds checkpoints of another run (newest "
-                                            << old << "); set checkpoint.resume=true to continue it, or choose "
-                                            << "another checkpoint.dir (nothing was overwritten)");
-  }
-  if (world.rank() == 0)  // before any rank saves: the set-up ends with a barrier
-    for (const std::string& t : checkpoint_remove_incomplete(c.checkpoint.dir))
-      log.message("removed " + t + ", an incomplete checkpoint left by an interrupted save");
-  return from;
-}
 
 // The nodes of the gradient-reducing group, for the hierarchical all-reduce and the count of
 // bytes between nodes: parallel.ranks_per_node consecutive ranks, or the machines MPI finds.
@@ -393,9 +372,11 @@ nlohmann::json step_run(Run& run, int64_t s) {
     j["skipped"] = !run.scaler.update(std::isfinite(sumsq));
     if (j["skipped"]) {
       j["grad_norm"] = nullptr;  // inf or NaN
-      run.log.message("step " + std::to_string(s) + ": fp16 gradients overflowed at loss scale " +
-                      std::to_string(static_cast<int64_t>(j["loss_scale"].get<double>())) +
-                      "; step skipped, loss scale halved to " + std::to_string(static_cast<int64_t>(run.scaler.scale())));
+      // %g: a scale may pass 2^63 or fall below 1. The step counted from 1, as the progress lines count.
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "step %lld: fp16 gradients overflowed at loss scale %g; step skipped, loss scale "
+                    "halved to %g", static_cast<long long>(s + 1), j["loss_scale"].get<double>(), run.scaler.scale());
+      run.log.message(buf);
       return j;
     }
   }
@@ -428,7 +409,9 @@ std::string checkpoint_write(Run& run, int64_t step) {
   HostCopies copies(run.alloc.device() == Device::cuda);
   return checkpoint_save(run.c.checkpoint.dir, step, run.c, model_layout(run.c.model),
                          state_slices(mine, run.opt, run.model.units(), true, copies),
-                         {run.opt.steps_taken(), run.scaler.enabled() ? run.scaler.scale() : 0, run.scaler.clean_steps()},
+                         {run.opt.steps_taken(), run.scaler.enabled() ? run.scaler.scale() : 0,
+                          run.scaler.clean_steps(),
+                          run.spikes.enabled() ? std::optional(run.spikes.state()) : std::nullopt},
                          run.world, run.c.checkpoint.keep, compression_state(run.c, run.world, run.strategy));
 }
 
@@ -554,11 +537,11 @@ void report_stop(const Run& run, const Progress& p) {
 nlohmann::json or_null(const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); }
 
 // The printed end of a finished run.
-void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem, int64_t timed_steps) {
+void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem, const Progress& p) {
   const Config& c = run.c;
   char buf[512];
   run.log.message("---");
-  std::snprintf(buf, sizeof buf, "trained %lld steps in %.1f s", static_cast<long long>(timed_steps), sum.seconds);
+  std::snprintf(buf, sizeof buf, "trained %lld steps in %.1f s", static_cast<long long>(p.timed_steps), sum.seconds);
   std::string line = buf;
   if (sum.tokens_per_s) {
     std::snprintf(buf, sizeof buf, ": %.0f tokens/s", *sum.tokens_per_s);
@@ -600,7 +583,10 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
                 c.parallel.sequence_parallel && run.tp.size() > 1 ? ", sequence parallel" : "",
                 c.training.recompute ? ", recompute" : "");
   run.log.message(buf);
-  if (!c.checkpoint.dir.empty()) run.log.message("checkpoint: " + checkpoint_latest(c.checkpoint.dir));
+  // The checkpoint this run wrote last (none when it resumed with no step left to run: the
+  // one it resumed from), not whichever the directory's newest happens to be.
+  if (!c.checkpoint.dir.empty())
+    run.log.message("checkpoint: " + (p.checkpoint.empty() ? checkpoint_latest(c.checkpoint.dir) : p.checkpoint));
 }
 
 // The end of a finished run: the final validation, the summary line (a value that does not
@@ -639,7 +625,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
   js.update(plan_report(planned, run.world.size(), {p.step_peaks, p.comm_last, p.timed_steps ? p.train_seconds / p.timed_steps : 0},
                         &plan_lines));
   run.log.write(js);
-  print_summary(run, sum, mem, p.timed_steps);
+  print_summary(run, sum, mem, p);
   for (const std::string& line : plan_lines) run.log.message(line);
 
   std::string plot = c.logging.plot;
@@ -686,6 +672,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (world.size() > 1)  // every rank must run the same configuration (same seed, files, layout)
     check_same_hash(world, std::hash<std::string>{}(config_to_json(c).dump()), "a configuration",
                     "start every rank with the same config file and options");
+  checkpoint_dir_prepare(c.checkpoint.dir, world);  // an unwritable one found now, not at the first save
   // logging.profile: made before the groups, whose communication threads record into it
   std::optional<Profiler> profiler;
   if (c.logging.profile) profiler.emplace(now_seconds(), c.logging.trace.empty() ? 0 : StepTrace::kMaxSteps);
@@ -725,7 +712,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     const bool member = pp.rank() == first || pp.rank() == last;
     tie = pp.split(member ? 0 : Communicator::kNoGroup, pp.rank(), "tie");
   }
-  const std::string resumed_from = resume_point(c, world, log);
+  const std::string resumed_from = checkpoint_resume_point(c, world, log);
   Progress p;
   std::unique_ptr<DataParallel> strategy = strategy_make(c, model, mesh.data(), alloc, resumed_from, &p.steps_done);
   model.set_hooks(strategy.get());
@@ -742,6 +729,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     copies.write_back();
     opt.set_steps_taken(saved.steps_taken);
     if (saved.loss_scale > 0) scaler.restore(saved.loss_scale, saved.loss_scale_clean);  // an fp16 run goes on as it was
+    if (saved.spike_guard && spikes.enabled()) spikes.restore(*saved.spike_guard);  // judges on as it would have
     const RankState state = compression_state(c, world, *strategy);
     if (const std::string was = checkpoint_load_rank_state(resumed_from, world.rank(), state); was != state.layout)
       compress_note = "gradient compression state: the checkpoint holds " + (was.empty() ? "none" : "that of " + was) +
