@@ -192,6 +192,22 @@ TEST(Preempt, SigtermToLaunchStopsEveryRankAfterOneStep) {
   expect_resume_bit_identical(d, "run", 2, o, k);
 }
 
+// A stop asked while the ranks are still starting (mpirun just spawned, before any rank has
+// its handlers) is held by launch until every rank is up, then stops them after step 1;
+// mpirun alone would pass it to no rank yet, or kill ranks still without handlers.
+TEST(Preempt, StopDuringStartUpIsHeldUntilTheRanksAreUp) {
+  TempDir d;
+  const std::string o = opts(d);
+  Job job(train_cmd(d, "run", 2, o + " --training.steps=1000000"), d / "out.txt", "[-]-checkpoint.dir=" + d / "run");
+  ASSERT_TRUE(wait_for([&] { return !children(job.pid).empty(); })) << job.output();  // mpirun is running
+  kill(job.pid, SIGTERM);
+  const int rc = job.finish(60);
+  EXPECT_EQ(expect_stopped(job, rc, d / "run.jsonl", d / "run"), 1);
+  const std::string out = job.output(), asked = "meshtrain launch: asking every rank to stop";
+  EXPECT_TRUE(has(out, asked) && out.find(asked) == out.rfind(asked)) << "passed on once: " << out;
+  EXPECT_FALSE(processes_left("[-]-checkpoint.dir=" + d / "run"));
+}
+
 // Only rank 1 gets the signal: rank 0 learns it from the step's all-gather and both stop
 // after the same step. ZeRO-1 makes each rank write its own shard of that step.
 TEST(Preempt, SignalToOneRankStopsEveryRankAfterTheSameStep) {

@@ -17,6 +17,9 @@ namespace mt {
 // through mpirun and waits for it, passing SIGTERM and SIGUSR1 on as a graceful stop
 // (launch.cpp). Returns mpirun's exit status.
 int cmd_launch(const std::vector<std::string>& args, const char* self);
+// A rank of a `train` job started by launch says, once every rank has its stop handlers,
+// that launch may pass stop requests on (launch.cpp); elsewhere it does nothing.
+void launch_ready_announce(Communicator& world);
 
 // meshtrain bench comm [--min-bytes B] [--max-bytes B] [--iters K] [--dtype f32|bf16]:
 // nccl-tests-style time / algorithm bandwidth / bus bandwidth per collective and size.

@@ -8,6 +8,13 @@
 //   SIGINT (Ctrl-C)            -> SIGINT to mpirun  -> mpirun ends the job at once
 //
 // launch exits with mpirun's status: 0, or the status of the lowest rank that exited non-zero.
+//
+// Start-up: mpirun passes SIGUSR1 only to the ranks it has started, and a rank that has not
+// yet installed its handlers dies of it. So a stop asked before every rank of a `train` job
+// is up is held: after one barrier (past every rank's handlers) each rank on launch's
+// machine creates the file MESHTRAIN_LAUNCH_READY names, and the request goes out then. If
+// no rank runs on launch's machine, it goes out kReadyWaitS after the start.
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -16,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -31,26 +39,70 @@ namespace mt {
 namespace {
 
 static_assert(std::atomic<pid_t>::is_always_lock_free);  // read in a signal handler
+static_assert(std::atomic<bool>::is_always_lock_free);
 std::atomic<pid_t> g_mpirun{0};
+std::atomic<bool> g_stop_asked{false};  // SIGTERM or SIGUSR1 not yet passed on (the wait loop does)
 
-constexpr char kStopNote[] =
-    "meshtrain launch: asking every rank to stop after its current step (sent to mpirun as SIGUSR1)\n";
+constexpr double kReadyWaitS = 30;
+constexpr char kReadyEnv[] = "MESHTRAIN_LAUNCH_READY", kHostEnv[] = "MESHTRAIN_LAUNCH_HOST";
 
 void on_signal(int sig) {
   const pid_t pid = g_mpirun.load();
   if (pid <= 0) return;
-  if (sig == SIGINT) {
-    kill(pid, SIGINT);
-    return;
+  if (sig == SIGINT) kill(pid, SIGINT);
+  else g_stop_asked = true;
+}
+
+std::string host_name() {
+  char name[256] = {};
+  gethostname(name, sizeof name - 1);
+  return name;
+}
+
+// A fresh path for the ranks' ready file (nothing there yet).
+std::string ready_path() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/meshtrain-launch-XXXXXX";
+  const int fd = mkstemp(path.data());
+  MT_CHECK(fd >= 0, "launch: cannot create a file under " << path << " (" << std::strerror(errno) << "); set TMPDIR");
+  close(fd);
+  unlink(path.c_str());
+  return path;
+}
+
+// Waits for mpirun `pid` to exit, passing stop requests on as SIGUSR1 once the ranks are up
+// (ready_file empty: at once).
+void wait_forwarding(pid_t pid, const std::string& ready_file) {
+  const auto start = std::chrono::steady_clock::now();
+  bool ready = ready_file.empty(), held_noted = false;
+  for (;;) {
+    siginfo_t info;
+    info.si_pid = 0;
+    if (waitid(P_PID, pid, &info, WEXITED | WNOWAIT | WNOHANG) == 0) {
+      if (info.si_pid == pid) return;
+    } else {
+      MT_CHECK(errno == EINTR, "launch: cannot wait for mpirun: " << std::strerror(errno));
+    }
+    if (!ready) {
+      const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+      ready = access(ready_file.c_str(), F_OK) == 0 || waited.count() > kReadyWaitS;
+    }
+    if (ready && g_stop_asked.exchange(false)) {
+      std::fprintf(stderr, "meshtrain launch: asking every rank to stop after its current step (sent to mpirun as "
+                           "SIGUSR1)\n");
+      kill(pid, SIGUSR1);
+    } else if (!ready && g_stop_asked && !held_noted) {
+      std::fprintf(stderr, "meshtrain launch: the ranks are starting; the stop goes to them once they are up\n");
+      held_noted = true;
+    }
+    const timespec tick{0, 20'000'000};  // a signal cuts it short
+    nanosleep(&tick, nullptr);
   }
-  const ssize_t unused = write(STDERR_FILENO, kStopNote, sizeof kStopNote - 1);  // async-signal-safe
-  (void)unused;
-  kill(pid, SIGUSR1);
 }
 
 // Runs mpirun with argv, forwarding signals as described above; returns its exit status
 // (128 + the signal if a signal ended it, as shells report).
-int mpirun_forwarding(std::vector<std::string>& argv) {
+int mpirun_forwarding(std::vector<std::string>& argv, const std::string& ready_file) {
   std::vector<char*> cargv;
   for (std::string& s : argv) cargv.push_back(s.data());
   cargv.push_back(nullptr);
@@ -80,9 +132,8 @@ int mpirun_forwarding(std::vector<std::string>& argv) {
   sigemptyset(&sa.sa_mask);
   for (int sig : handled) sigaction(sig, &sa, nullptr);
   sigprocmask(SIG_SETMASK, &old, nullptr);
-  siginfo_t info;
-  while (waitid(P_PID, pid, &info, WEXITED | WNOWAIT) < 0)
-    MT_CHECK(errno == EINTR, "launch: cannot wait for mpirun: " << std::strerror(errno));
+  wait_forwarding(pid, ready_file);
+  if (!ready_file.empty()) unlink(ready_file.c_str());
   g_mpirun = 0;  // before reaping it: until then its pid cannot be another process's
   int status = 0;
   waitpid(pid, &status, 0);
@@ -135,12 +186,28 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
   setenv("OMP_NUM_THREADS", omp.c_str(), 1);
   for (const char* v : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY"}) argv.insert(argv.end(), {"-x", v});
   if (!std::getenv("OMP_WAIT_POLICY")) setenv("OMP_WAIT_POLICY", "passive", 1);  // ranks share cores with comm threads
+  const bool train = rest[0] == "train";  // the one command that installs stop handlers
+  const std::string ready_file = train ? ready_path() : "";
+  if (train) {
+    setenv(kReadyEnv, ready_file.c_str(), 1);
+    setenv(kHostEnv, host_name().c_str(), 1);
+    for (const char* v : {kReadyEnv, kHostEnv}) argv.insert(argv.end(), {"-x", v});
+  }
   argv.insert(argv.end(), mpi_opts.begin(), mpi_opts.end());
   char exe[4096];
   ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
   argv.push_back(len > 0 ? std::string(exe, len) : std::string(self));
   argv.insert(argv.end(), rest.begin(), rest.end());
-  return mpirun_forwarding(argv);
+  return mpirun_forwarding(argv, ready_file);
+}
+
+void launch_ready_announce(Communicator& world) {
+  const char *path = std::getenv(kReadyEnv), *host = std::getenv(kHostEnv);
+  if (!path || !host) return;  // not started by launch
+  world.barrier();  // every rank is past stop_signals_install
+  if (host_name() != host) return;
+  const int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+  if (fd >= 0) close(fd);
 }
 
 }  // namespace mt

@@ -97,6 +97,7 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
     std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
     return 1;
   }
+  if (cmd == "train") mt::launch_ready_announce(*world);  // launch may pass stop requests on now
   const bool lead = world->rank() == 0;
   mt::Config cfg;
   if (cmd == "train") {
