@@ -213,9 +213,36 @@ TEST(CheckpointDir, OneStepDirectoryIsRefusedForTraining) {
   EXPECT_EQ(std::distance(fs::directory_iterator(step), fs::directory_iterator()), 2) << "meta.json and one shard";
   std::string out;
   EXPECT_EQ(info(step, &out), 0) << out;
+  // Given as ".", from inside it: the parent named is the real one. A step directory
+  // without meta.json (damaged, elsewhere) is refused as one checkpoint too.
+  expect_refused("cd " + step + " && " + MESHTRAIN_BIN + " train " + o + " --training.steps=3",
+                 {{" --checkpoint.resume=true --checkpoint.dir=.", use}});
+  fs::create_directories(d / "other/step_00000009");
+  expect_refused(cmd, {{" --checkpoint.resume=true --checkpoint.dir=" + d / "other/step_00000009",
+                        "Set checkpoint.dir = " + d / "other" + " ("}});
   const RunResult r = train_run(d, "run", 1, o + " --training.steps=3 --checkpoint.resume=true");
   EXPECT_NE(r.output.find("resumed from " + step + " at step 2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("checkpoint: " + d / "run/step_00000003"), std::string::npos) << r.output;
+}
+
+// A checkpoint.dir the filesystem cannot resolve (a symlink loop) is named with the reason,
+// once, on every rank; one that is not the same directory on every rank (each rank started
+// in its own working directory, a relative path) is found before any work by the probe
+// file every rank reads back, not at the first save.
+TEST(CheckpointDir, UnresolvableOrUnsharedDirectoryIsRefusedBeforeAnyWork) {
+  TempDir d;
+  const std::string o = small_options(d) + " --training.steps=2";
+  fs::create_symlink(d / "loop", d / "loop");
+  expect_refused(std::string(MESHTRAIN_BIN) + " launch -n 2 train " + o,
+                 {{" --checkpoint.dir=" + d / "loop", "checkpoint.dir = " + d / "loop" + ": Too many levels"}});
+  fs::create_directories(d / "a");
+  fs::create_directories(d / "b");
+  const std::string rank = std::string(MESHTRAIN_BIN) + " train " + o + " --checkpoint.dir=ck";
+  expect_refused("mpirun --oversubscribe --allow-run-as-root -n 1 -wdir " + d / "a" + " " + rank + " : -n 1 -wdir " +
+                     d / "b" + " " + rank,
+                 {{"", "rank 1 does not see the file rank 0 wrote in checkpoint.dir = ck: it must be one directory "
+                       "shared by all ranks"}});
+  EXPECT_FALSE(fs::exists(d / "a/ck/.meshtrain-write-probe")) << "the probe is removed";
 }
 
 // A checkpoint.dir that cannot be made (a path under a regular file) stops the run before
@@ -277,6 +304,9 @@ TEST(CheckpointDir, StepDirectoryWithoutMetadataIsDamaged) {
   EXPECT_NE(out.find("damaged     step_00000001 (no meta.json)"), std::string::npos) << out;
   EXPECT_NE(out.find(step1 + "/meta.json is missing"), std::string::npos) << out;
   EXPECT_EQ(out.find("corrupt"), std::string::npos) << out;
+  // Training goes on from the newest: nothing newer than it is lost.
+  const RunResult on = train_run(d, "run", 1, o + " --training.steps=6 --checkpoint.resume=true");
+  EXPECT_NE(on.output.find("resumed from " + d / "run/step_00000005"), std::string::npos) << on.output;
 }
 
 }  // namespace

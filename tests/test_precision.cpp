@@ -319,10 +319,10 @@ TEST(Precision, Fp16LossScalingSkipsExactlyTheOverflowingSteps) {
     EXPECT_EQ(st[s]["loss_scale"].get<double>(), expect_scale[s]) << "step " << s;
     EXPECT_EQ(st[s]["grad_norm"].is_null(), s == 2 || s == 5) << "step " << s;
   }
-  // Printed with the step counted from 1, as the progress lines count it (the metrics' step 2).
-  for (const char* line : {"step 3: fp16 gradients overflowed at loss scale 65536; step skipped, loss scale halved to "
+  // Printed with the step as the metrics number it.
+  for (const char* line : {"step 2: fp16 gradients overflowed at loss scale 65536; step skipped, loss scale halved to "
                            "32768",
-                           "step 6: fp16 gradients overflowed at loss scale 32768; step skipped, loss scale halved to "
+                           "step 5: fp16 gradients overflowed at loss scale 32768; step skipped, loss scale halved to "
                            "16384"})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
   for (int s = 0; s < 12; ++s) EXPECT_TRUE(std::isfinite(r.loss[s])) << "step " << s;
@@ -368,9 +368,9 @@ TEST(Precision, Fp16LossScalingSkipsExactlyTheOverflowingSteps) {
 TEST(Precision, Fp16OverflowMessagePrintsAnyScale) {
   PrecisionRuns& rs = precision_runs();
   const RunResult& r = rs.run("fp16_huge", 1, rs.base("fp16") + " --training.steps=2 --optim.loss_scale=1e30");
-  for (const char* line : {"step 1: fp16 gradients overflowed at loss scale 1e+30; step skipped, loss scale halved to "
+  for (const char* line : {"step 0: fp16 gradients overflowed at loss scale 1e+30; step skipped, loss scale halved to "
                            "5e+29",
-                           "step 2: fp16 gradients overflowed at loss scale 5e+29; step skipped, loss scale halved to "
+                           "step 1: fp16 gradients overflowed at loss scale 5e+29; step skipped, loss scale halved to "
                            "2.5e+29"})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
 }

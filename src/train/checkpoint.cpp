@@ -152,6 +152,16 @@ std::string tensor_name(const std::string& unit, const std::string& tensor, int6
   return unit + "." + tensor + "@" + std::to_string(begin);
 }
 
+// Removes directory `dir` of `root` (if there) by renaming it to a .tmp- name first, so that
+// a save killed while removing it leaves what the next start removes, not a step directory
+// without meta.json (damaged).
+void remove_as_incomplete(const std::string& root, const std::string& dir) {
+  if (!fs::exists(dir)) return;
+  const std::string doomed = root + "/.tmp-" + fs::path(dir).filename().string();
+  fs::remove_all(doomed);
+  fs::rename(dir, doomed);
+  fs::remove_all(doomed);
+}
 
 }  // namespace
 
@@ -262,10 +272,10 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
     // Replace an existing checkpoint of the same step only once the new one is complete.
     if (fs::exists(final_dir)) {
       const std::string old = final_dir + ".old";
-      fs::remove_all(old);
+      remove_as_incomplete(root, old);
       fs::rename(final_dir, old);
       fs::rename(tmp, final_dir);
-      fs::remove_all(old);
+      remove_as_incomplete(root, old);
     } else {
       fs::rename(tmp, final_dir);
     }
@@ -278,13 +288,9 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
           dirs.push_back(e.path());
       }
       std::sort(dirs.begin(), dirs.end());
-      // Each is renamed to a .tmp- name first, so that a save killed while removing it leaves
-      // what the next start removes, not a step directory without meta.json (damaged).
       for (size_t i = 0; i + keep < dirs.size() + 1; ++i) {
-        const std::string doomed = root + "/.tmp-" + fs::path(dirs[i]).filename().string();
-        fs::remove_all(doomed);
-        fs::rename(dirs[i], doomed);
-        fs::remove_all(doomed);
+        remove_as_incomplete(root, dirs[i] + ".old");  // a copy a killed save left beside it
+        remove_as_incomplete(root, dirs[i]);
       }
     }
   }
@@ -337,12 +343,14 @@ std::string checkpoint_latest(const std::string& root) {
 
 std::vector<std::string> checkpoint_damaged(const std::string& root) {
   std::vector<std::string> dirs;
-  if (!fs::is_directory(root) || fs::exists(root + "/meta.json")) return dirs;
-  for (const auto& e : fs::directory_iterator(root)) {
+  std::error_code ec;
+  if (!fs::is_directory(root, ec) || fs::exists(root + "/meta.json", ec)) return dirs;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
     const std::string name = e.path().filename().string();
-    if (!e.is_directory() || name.rfind("step_", 0) != 0 || fs::exists(e.path() / "meta.json")) continue;
+    if (!e.is_directory(ec) || name.rfind("step_", 0) != 0 || fs::exists(e.path() / "meta.json", ec)) continue;
     const size_t old = name.find(".old");
-    if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old))) continue;
+    if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old), ec)) continue;
+    if (!fs::exists(e.path(), ec)) continue;  // renamed away meanwhile: pruned by a running save
     dirs.push_back(e.path().string());
   }
   std::sort(dirs.begin(), dirs.end());

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -17,49 +18,83 @@ namespace fs = std::filesystem;
 
 namespace mt {
 
+namespace {
+
+// "step_00000005": the name a save gives one checkpoint.
+bool step_name(const std::string& name) {
+  return name.size() > 5 && name.rfind("step_", 0) == 0 &&
+         name.find_first_not_of("0123456789", 5) == std::string::npos;
+}
+
+// The first non-empty string any rank gives, on every rank.
+std::string first_problem(Communicator& world, const std::string& mine) {
+  if (world.size() == 1) return mine;
+  for (const std::string& p : allgather_strings(world, mine))
+    if (!p.empty()) return p;
+  return "";
+}
+
+}  // namespace
+
 void checkpoint_dir_check(const CheckpointConfig& c) {
   if (c.dir.empty()) return;
-  if (fs::exists(fs::path(c.dir) / "meta.json")) {
-    fs::path step = fs::path(c.dir).lexically_normal();
-    if (!step.has_filename()) step = step.parent_path();  // "D/step_00000005/"
-    const std::string parent = step.has_parent_path() ? step.parent_path().string() : ".";
-    MT_FAIL("checkpoint.dir = " << c.dir << " is itself one checkpoint (it holds meta.json), not a run's directory "
-                                << "of checkpoints: the run would write its checkpoints inside it and every resume "
-                                << "would go back to it. Set checkpoint.dir = " << parent
+  std::error_code ec;
+  const bool exists = fs::exists(c.dir, ec);
+  const fs::path real = exists && !ec ? fs::canonical(c.dir, ec) : fs::path();
+  MT_CHECK(!ec, "checkpoint.dir = " << c.dir << ": " << ec.message() << "; choose another checkpoint.dir");
+  if (!exists) return;
+  if (fs::exists(real / "meta.json", ec) || step_name(real.filename().string()))
+    MT_FAIL("checkpoint.dir = " << c.dir << " is itself one checkpoint (" << real.string() << "), not a run's "
+                                << "directory of checkpoints: the run would write its checkpoints inside it and every "
+                                << "resume would go back to it. Set checkpoint.dir = " << real.parent_path().string()
                                 << " (checkpoint.resume=true continues from its newest checkpoint)");
-  }
-  const std::vector<std::string> damaged = checkpoint_damaged(c.dir);
-  if (damaged.empty()) return;
+  // Damaged ones newer than the newest complete checkpoint: a resume would go back past them
+  // and later overwrite them. Older ones are no such loss (checkpoint info names them all).
+  const std::string newest = fs::path(checkpoint_latest(c.dir)).filename().string();
   std::string list;
-  for (const std::string& d : damaged) list += (list.empty() ? "" : ", ") + d;
+  for (const std::string& d : checkpoint_damaged(c.dir))
+    if (fs::path(d).filename().string() > newest) list += (list.empty() ? "" : ", ") + d;
+  if (list.empty()) return;
   MT_FAIL("checkpoint.dir " << c.dir << " holds " << list << " without meta.json: a damaged checkpoint or a partial "
-                            << "copy (meshtrain checkpoint info " << c.dir << " says more). Training will not go "
-                            << "back past it to an older checkpoint and later overwrite it: restore it whole (its "
+                            << "copy (meshtrain checkpoint info " << c.dir << " says more), newer than "
+                            << (newest.empty() ? std::string("any complete checkpoint") : newest)
+                            << ". Training will not go back past it and later overwrite it: restore it whole (its "
                             << "meta.json and every shard) or remove it, then run again");
 }
 
 void checkpoint_dir_prepare(const std::string& dir, Communicator& world) {
   if (dir.empty()) return;
-  std::string problem;
+  // Rank 0 creates the directory, as a save would, and writes a probe file holding a nonce;
+  // every rank reads it back (the directory must be one shared by all ranks), then rank 0
+  // removes it (pruning old checkpoints removes files too).
+  const std::string probe = dir + "/.meshtrain-write-probe";
+  std::string problem, nonce;
   if (world.rank() == 0) {
+    nonce = std::to_string(getpid()) + "-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
     std::error_code ec;
     fs::create_directories(dir, ec);
-    if (ec) {
-      problem = "cannot create checkpoint.dir = " + dir + ": " + ec.message();
-    } else {
-      // A directory that exists can still refuse files: permissions, a read-only mount, quota.
-      const std::string probe = dir + "/.meshtrain-write-probe-" + std::to_string(getpid());
-      {
-        std::ofstream f(probe);
-        if (!(f << "probe\n" << std::flush))
-          problem = "cannot write in checkpoint.dir = " + dir + ": " + std::strerror(errno);
-      }
-      if (!fs::remove(probe, ec) && ec && problem.empty())
-        problem = "cannot remove files in checkpoint.dir = " + dir + ": " + ec.message();
-    }
-    if (!problem.empty()) problem += "; choose another checkpoint.dir (every rank must write there)";
+    std::ofstream f;
+    if (!ec) f.open(probe);
+    if (ec) problem = "cannot create checkpoint.dir = " + dir + ": " + ec.message();
+    else if (!(f << nonce << std::flush)) problem = "cannot write in checkpoint.dir = " + dir + ": " + std::strerror(errno);
+    if (!problem.empty()) problem += "; choose another checkpoint.dir";
   }
-  if (world.size() > 1) problem = allgather_strings(world, problem)[0];  // rank 0's verdict, on every rank
+  problem = first_problem(world, problem);
+  MT_CHECK(problem.empty(), problem);
+  if (world.size() > 1) {
+    nonce = allgather_strings(world, nonce)[0];
+    std::ifstream f(probe);
+    const std::string seen((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    if (seen != nonce)
+      problem = "rank " + std::to_string(world.rank()) + " does not see the file rank 0 wrote in checkpoint.dir = " +
+                dir + ": it must be one directory shared by all ranks (a shared filesystem), given as an absolute path";
+    problem = first_problem(world, problem);  // every rank has read it
+  }
+  std::error_code ec;
+  if (world.rank() == 0 && problem.empty() && !fs::remove(probe, ec))
+    problem = "cannot remove files in checkpoint.dir = " + dir + ": " + ec.message() + "; choose another checkpoint.dir";
+  if (world.rank() == 0 && !problem.empty()) fs::remove(probe, ec);
+  problem = first_problem(world, problem);
   MT_CHECK(problem.empty(), problem);
 }
 

@@ -7,13 +7,16 @@
 //     parent as the value to use: the run would write its checkpoints nested inside it and
 //     every resume would go back to step N. (Commands that read one checkpoint, `export`,
 //     `sample` and `checkpoint info`, take a step directory.)
-//   * A step_* directory without meta.json (a partial copy, a damaged checkpoint) is
-//     refused, named: a resumed run would go back to an older checkpoint past it and later
-//     overwrite it. What an interrupted save leaves (.tmp-step_*, and step_N.old beside a
-//     step_N) is no such directory: the start removes the former, the latter is ignored.
+//     A directory named step_N is refused too, damaged or not.
+//   * A step_* directory without meta.json (a partial copy, a damaged checkpoint) newer than
+//     the newest complete checkpoint is refused, named: a resumed run would go back past it
+//     and later overwrite it. What an interrupted save leaves (.tmp-step_*, and step_N.old
+//     beside a step_N) is no such directory: the start removes the former, the latter is
+//     ignored. Filesystem errors (a symlink loop, no permission) name checkpoint.dir.
 // - checkpoint_dir_prepare: collective over the world. Rank 0 creates the directory, as a
-//   save would, and writes and removes a probe file in it; every rank stops with the same
-//   message, naming checkpoint.dir and the path, when it cannot.
+//   save would, and writes a probe file in it; every rank reads it back (one directory
+//   shared by all ranks), and rank 0 removes it. Every rank stops with the same message,
+//   naming checkpoint.dir and the path, when one cannot.
 // - checkpoint_resume_point: the checkpoint to resume from, the same on every rank.
 #pragma once
 #include <string>

@@ -372,10 +372,11 @@ nlohmann::json step_run(Run& run, int64_t s) {
     j["skipped"] = !run.scaler.update(std::isfinite(sumsq));
     if (j["skipped"]) {
       j["grad_norm"] = nullptr;  // inf or NaN
-      // %g: a scale may pass 2^63 or fall below 1. The step counted from 1, as the progress lines count.
+      // %g: a scale may pass 2^63 or fall below 1. The step as the metrics and the other
+      // messages (spikes, test faults) number it, from 0.
       char buf[160];
       std::snprintf(buf, sizeof buf, "step %lld: fp16 gradients overflowed at loss scale %g; step skipped, loss scale "
-                    "halved to %g", static_cast<long long>(s + 1), j["loss_scale"].get<double>(), run.scaler.scale());
+                    "halved to %g", static_cast<long long>(s), j["loss_scale"].get<double>(), run.scaler.scale());
       run.log.message(buf);
       return j;
     }
