@@ -327,8 +327,9 @@ double Pipeline::evaluate(int m, const Feed& feed, const OnHead& on_head) {
   PipeLayout lay = schedule_.layout;
   lay.micro = m;
   const std::vector<TimedAction> kept = timeline_;
+  const double origin = origin_;
   const double loss = run(schedule_forward_only(lay).ranks[pp_.rank()], feed, 0, nullptr, on_head);
-  timeline_ = kept;  // the timeline stays the last training step's
+  timeline_ = kept, origin_ = origin;  // the timeline stays the last training step's
   return loss;
 }
 
@@ -359,6 +360,7 @@ double Pipeline::run(const std::vector<Action>& list, const Feed& feed, float sc
   };
   timeline_.assign(list.size(), TimedAction{});
   const double t0 = now_seconds();
+  origin_ = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   auto wait_recv = [&](bool grad, const Action& a) {
     auto it = recvs.find({grad, a.micro, a.chunk});
     MT_CHECK(it != recvs.end(), "internal: " << action_describe(a) << " reads a receive that was never posted");

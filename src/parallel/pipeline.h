@@ -87,6 +87,10 @@ class Pipeline {
   // This rank's actions of the last train(), timed in seconds from its start: compute
   // actions while computing, sends while posting, receives while the rank waited for them.
   const std::vector<TimedAction>& timeline() const { return timeline_; }
+  // The wall-clock time (seconds since the epoch) of that timeline's 0: ranks start their
+  // timelines at different moments, and this puts them on one axis (to within the hosts'
+  // clock agreement; exactly on one host).
+  double timeline_origin() const { return origin_; }
 
  private:
   struct SendBuffer;
@@ -104,6 +108,7 @@ class Pipeline {
   std::vector<SendBuffer> sends_;  // reused across steps once their messages completed
   int send_copies_ = 0;            // copies allocated at the first send (schedule_send_copies)
   std::vector<TimedAction> timeline_;
+  double origin_ = 0;
 };
 
 }  // namespace mt

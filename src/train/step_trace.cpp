@@ -33,19 +33,24 @@ StepTrace::StepTrace(std::string path, const Schedule& s, const Mesh& mesh)
   }
 }
 
-void StepTrace::add(int64_t step, double start, const std::vector<TimedAction>& mine) {
-  // Every rank's (start, end) per action, padded to the longest list.
+void StepTrace::add(int64_t step, double start, const std::vector<TimedAction>& mine, double origin) {
+  // Every rank's (start, end) per action, padded to the longest list, then its origin.
   size_t longest = 0;
   for (const std::vector<Action>& list : schedule_.ranks) longest = std::max(longest, list.size());
-  std::vector<double> local(2 * longest, 0.0), all(local.size() * world_.size());
+  std::vector<double> local(2 * longest + 1, 0.0), all(local.size() * world_.size());
   for (size_t i = 0; i < mine.size() && i < longest; ++i) local[2 * i] = mine[i].start, local[2 * i + 1] = mine[i].end;
+  local.back() = origin;
   world_.allgather(Tensor::wrap(local.data(), {static_cast<int64_t>(local.size())}, DType::f64),
                    Tensor::wrap(all.data(), {static_cast<int64_t>(all.size())}, DType::f64));
   if (!writer_ || steps_.size() >= kMaxSteps) return;
+  // Each rank's times on the first pipeline rank's axis: its origin's lead added.
+  const double* first_rank = &all[first_[0] * local.size()];
   std::vector<std::vector<TimedAction>> ranks(world_.size());
   for (int w = 0; w < world_.size(); ++w) {
     const std::vector<Action>& list = schedule_.ranks[processes_[w].pp_rank];
-    for (size_t i = 0; i < list.size(); ++i) ranks[w].push_back({list[i], all[w * local.size() + 2 * i], all[w * local.size() + 2 * i + 1]});
+    const double* row = &all[w * local.size()];
+    const double lead = row[2 * longest] - first_rank[2 * longest];
+    for (size_t i = 0; i < list.size(); ++i) ranks[w].push_back({list[i], row[2 * i] + lead, row[2 * i + 1] + lead});
   }
   std::vector<std::vector<TimedAction>> first;
   for (int w : first_) first.push_back(ranks[w]);

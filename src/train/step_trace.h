@@ -38,8 +38,9 @@ class StepTrace {
   StepTrace(std::string path, const Schedule& s, const Mesh& mesh);
   // Collective over the world: this rank's timeline of step `step` (the actions of its
   // pipeline rank's list), which began `start` seconds after the run did (world rank 0's
-  // start is the step's).
-  void add(int64_t step, double start, const std::vector<TimedAction>& mine);
+  // start is the step's), its 0 at wall-clock time `origin` (Pipeline::timeline_origin):
+  // every rank is put on the first pipeline rank's time axis by the difference.
+  void add(int64_t step, double start, const std::vector<TimedAction>& mine, double origin);
   // Further Chrome trace events (logging.profile's, train/profile_report.h) for the file.
   void add_events(nlohmann::json events) { extra_ = std::move(events); }
   // On the writer: writes the files and returns the measure (nothing before a step).

@@ -436,7 +436,7 @@ void run_steps(Run& run, Progress& p) {
                    double(pp_sent() - pp_before), double(run.mesh.cp().bytes_sent() - cp_before)};
     const double dt = seconds_since(t0), lr = j["lr"];
     const double loss = j["loss"].is_null() ? NAN : j["loss"].get<double>();  // null: a non-finite loss skipped
-    if (run.trace) run.trace->add(s, started, run.pipe.timeline());
+    if (run.trace) run.trace->add(s, started, run.pipe.timeline(), run.pipe.timeline_origin());
     p.train_seconds += dt;
     ++p.timed_steps;
     // The step boundary: this all-gather runs every step anyway, the stop flag rides along.
