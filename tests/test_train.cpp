@@ -58,6 +58,35 @@ TEST(Config, ErrorsNameTheKeyAndTheFix) {
   EXPECT_NE(error_of([&] { config_load(d / "bad.toml", {}); }).find("model.family"), std::string::npos);
 }
 
+// Integers outside the field's type are refused with the range (not wrapped: 4294967297
+// layers was 1), numbers must be finite, a --config that is a directory is no config, and
+// d_model = 0 is named as too small rather than as indivisible.
+TEST(Config, RangesFiniteNumbersAndConfigFile) {
+  auto err = [](std::vector<std::string> o) { return error_of([&] { config_load("", o); }); };
+  std::string e = err({"model.n_layer=4294967297"});
+  EXPECT_NE(e.find("value 4294967297 for model.n_layer is out of range: it must be an integer from -2147483648 to "
+                   "2147483647"), std::string::npos) << e;
+  EXPECT_NE(err({"model.n_layer=2147483648"}).find("out of range"), std::string::npos);
+  EXPECT_NE(err({"training.steps=99999999999999999999"}).find("for training.steps is out of range"), std::string::npos);
+  EXPECT_NE(err({"training.seed=-1"}).find("training.seed is out of range: it must be an integer from 0 to "
+                                           "18446744073709551615"), std::string::npos);
+  EXPECT_EQ(config_load("", {"training.seed=18446744073709551615", "model.n_layer=+3"}).training.seed,
+            18446744073709551615ull);
+  EXPECT_NE(err({"model.n_layer=3x"}).find("expected an integer"), std::string::npos);
+  for (const char* o : {"optim.lr=nan", "optim.lr=inf", "optim.grad_clip=-inf", "parallel.timeout_s=nan",
+                        "model.norm_eps=1e300"}) {
+    e = err({o});
+    EXPECT_NE(e.find("expected a finite number"), std::string::npos) << o << ": " << e;
+  }
+  e = err({"model.d_model=0"});
+  EXPECT_NE(e.find("model.d_model = 0 must be at least 1"), std::string::npos) << e;
+  test::TempDir d;
+  e = error_of([&] { config_load(d.path, {}); });
+  EXPECT_NE(e.find("--config " + d.path + " is not a regular file"), std::string::npos) << e;
+  std::ofstream(d / "c.toml") << "[optim]\nlr = nan\n";
+  EXPECT_NE(error_of([&] { config_load(d / "c.toml", {}); }).find("optim.lr: expected a finite"), std::string::npos);
+}
+
 // training.attention: fused by default, materialized on request, anything else is an error
 // that lists the choices.
 TEST(Config, AttentionKey) {
