@@ -35,6 +35,7 @@
 #include "train/metrics.h"                    // output_parent_create
 #include "train/resume.h"                     // resume_resolve
 #include "train/sample.h"                     // sample_text
+#include "train/start_checks.h"               // outputs_prepare
 #include "train/stop.h"                       // stop_signals_install, kExitStopped
 #include "train/trainer.h"                    // train
 
@@ -112,6 +113,7 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
       // An unwritable checkpoint.dir, found now and said once (train() checks again, for its
       // other callers).
       mt::checkpoint_dir_prepare(cfg.checkpoint.dir, *world);
+      mt::outputs_prepare(cfg, *world);  // the same for the logging files, hardware profile and tokenizer
     } catch (const mt::Error& e) {
       if (lead) std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
       return 1;
