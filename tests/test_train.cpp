@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
+#include "train/train_data.h"
 #include "train/trainer.h"
 #include "test_util.h"
 
@@ -85,6 +86,47 @@ TEST(Config, RangesFiniteNumbersAndConfigFile) {
   EXPECT_NE(e.find("--config " + d.path + " is not a regular file"), std::string::npos) << e;
   std::ofstream(d / "c.toml") << "[optim]\nlr = nan\n";
   EXPECT_NE(error_of([&] { config_load(d / "c.toml", {}); }).find("optim.lr: expected a finite"), std::string::npos);
+}
+
+// The validation file's errors name data.val_path (they all said data.path); data too short
+// for one sequence of seq_len + 1 tokens, for training or validation, is refused by key
+// with the count (it trained, or silently ran no validation); val_fraction beside a
+// val_path, or without a data.path, is refused.
+TEST(DataLoad, UnusableDataIsRefusedByKey) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 400, 37));  // seq_len 9
+  std::string e;
+  auto expect = [&](const std::string& want) { EXPECT_NE(e.find(want), std::string::npos) << want << "\n" << e; };
+  c.data.val_fraction = 0;
+  c.data.val_path = d / "missing.bin";
+  e = error_of([&] { data_load(c); });
+  expect("set data.val_path to an existing file");
+  std::ofstream(d / "junk.bin") << "not a token file";
+  c.data.val_path = d / "junk.bin";
+  e = error_of([&] { data_load(c); });
+  expect("data.val_path: " + d / "junk.bin" + " is not a token file");
+  c.data.val_path = test::write_tokens(d, "v0.bin", 0, 37);
+  e = error_of([&] { data_load(c); });
+  expect("data.val_path " + d / "v0.bin" + " has 0 tokens; one validation sequence needs model.seq_len + 1 = 10");
+  c.data.val_path = test::write_tokens(d, "v10.bin", 10, 37);
+  EXPECT_EQ(data_load(c).val.size(), 10u);
+  c.data.val_path = "";
+  c.data.path = test::write_tokens(d, "t9.bin", 9, 37);
+  e = error_of([&] { data_load(c); });
+  expect("data.path " + d / "t9.bin" + " has 9 tokens; one training sequence needs model.seq_len + 1 = 10");
+  c.data.path = d / "t.bin";
+  c.data.val_fraction = 0.02;  // 8 of 400 tokens: no whole sequence
+  e = error_of([&] { data_load(c); });
+  expect("data.val_fraction = 0.02 holds out 8 of the 400 tokens of data.path " + c.data.path);
+  c.data.val_fraction = 0.98;  // the training part is the short one
+  e = error_of([&] { data_load(c); });
+  expect("has 8 tokens besides those data.val_fraction holds out");
+  c.data.val_fraction = 0.1;
+  EXPECT_EQ(data_load(c).val.size(), 40u);
+  e = error_of([&] { config_load("", {"data.path=t.bin", "data.val_path=v.bin", "data.val_fraction=0.1"}); });
+  expect("data.val_fraction = 0.1 and data.val_path = v.bin both choose the validation tokens; set only one");
+  e = error_of([&] { config_load("", {"data.val_fraction=0.1"}); });
+  expect("data.val_fraction = 0.1 holds out the tail of data.path, but data.path is not set");
 }
 
 // training.attention: fused by default, materialized on request, anything else is an error

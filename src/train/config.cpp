@@ -334,6 +334,15 @@ void Config::validate() const {
   MT_CHECK(training.max_skips >= 1, "training.max_skips = " << training.max_skips << " must be at least 1 (skipped "
                                     << "steps in a row before the run stops)");
   MT_CHECK(data.val_fraction >= 0 && data.val_fraction < 1, "data.val_fraction = " << data.val_fraction << " must be in [0, 1)");
+  // Refused rather than ignored: a run that validates on other tokens than the user chose.
+  MT_CHECK(data.val_fraction == 0 || data.val_path.empty(),
+           "data.val_fraction = " << data.val_fraction << " and data.val_path = " << data.val_path
+                                  << " both choose the validation tokens; set only one (val_fraction holds out the "
+                                  << "tail of data.path)");
+  MT_CHECK(data.val_fraction == 0 || !data.path.empty(),
+           "data.val_fraction = " << data.val_fraction << " holds out the tail of data.path, but data.path is not "
+                                  << "set: the built-in tasks draw their own validation problems; remove "
+                                  << "data.val_fraction or set data.path");
   MT_CHECK(checkpoint.every >= 0, "checkpoint.every must not be negative");
   MT_CHECK(checkpoint.keep >= 0, "checkpoint.keep must not be negative (0 keeps all)");
   MT_CHECK(!checkpoint.resume || !checkpoint.dir.empty(), "checkpoint.resume=true needs checkpoint.dir");
