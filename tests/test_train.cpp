@@ -354,6 +354,28 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
   EXPECT_NE(out.find("no checkpoint"), std::string::npos) << out;
 }
 
+// prepare refuses what would write an empty or unasked-for file: a directory as --input
+// (fopen opened it, the read failed unchecked: 0 tokens, rc 0), an empty text, and a
+// --val-out without --val-fraction (silently not written); nothing is written.
+TEST(Command, PrepareRefusesUnusableInput) {
+  test::TempDir d;
+  std::ofstream(d / "empty.txt").flush();
+  std::ofstream(d / "text.txt") << "hello";
+  const std::string bin = MESHTRAIN_BIN, o = " --out " + d / "t.bin";
+  for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
+           {" --input " + d.path, "--input " + d.path + " is not a regular file"},
+           {" --input " + d / "none.txt", "--input " + d / "none.txt" + " is not there"},
+           {" --input " + d / "empty.txt", "holds no text (0 tokens)"},
+           {" --input " + d / "text.txt" + " --val-out " + d / "v.bin", "--val-out " + d / "v.bin" +
+                                                                       " needs --val-fraction"},
+           {" --input " + d / "text.txt" + " --val-out " + d / "v.bin --val-fraction 0.01", "holds out none"}}) {
+    std::string out;
+    EXPECT_EQ(test::run_command(bin + " prepare" + args + o, &out), 1) << args;
+    EXPECT_NE(out.find(want), std::string::npos) << args << "\n" << out;
+    EXPECT_FALSE(fs::exists(d / "t.bin") || fs::exists(d / "v.bin")) << args;
+  }
+}
+
 // prepare -> train -> export -> sample, through the command.
 TEST(Command, PrepareTrainExportSample) {
   test::TempDir d;
@@ -374,6 +396,15 @@ TEST(Command, PrepareTrainExportSample) {
   EXPECT_TRUE(fs::exists(d / "hf/m.safetensors"));
   ASSERT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " --prompt hello --tokens 5", &out), 0) << out;
   EXPECT_EQ(out.rfind("hello", 0), 0u) << out;
+  // Sampling options out of range are refused, not read as greedy or as nothing to generate.
+  for (const auto& [opt, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--tokens -5", "--tokens -5 must not be negative"},
+           {"--temperature -2", "--temperature -2 must be a finite number of at least 0"},
+           {"--temperature nan", "--temperature nan must be a finite number"},
+           {"--top-k -3", "--top-k -3 must not be negative"}}) {
+    EXPECT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " " + opt, &out), 1) << opt;
+    EXPECT_NE(out.find(want), std::string::npos) << opt << "\n" << out;
+  }
   auto lines = step_metrics(d / "m.jsonl");
   ASSERT_EQ(lines.size(), 3u);
   for (const char* k : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mem_params", "mem_grads",
