@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/train_data.h"
@@ -376,6 +377,21 @@ TEST(Command, PrepareRefusesUnusableInput) {
   }
 }
 
+// A safetensors file that cannot be renamed into place (a directory there) leaves no
+// temporary behind: finish() had cleared the handle the destructor removes it by.
+TEST(Safetensors, FailedFinishRemovesTheTemporary) {
+  test::TempDir d;
+  fs::create_directories(d / "out");
+  const float a[2] = {1, 2};
+  std::string e = error_of([&] {
+    SafetensorsWriter w(d / "out", {{"a", {2}}});
+    w.write("a", a);
+    w.finish();
+  });
+  EXPECT_NE(e.find("cannot rename"), std::string::npos) << e;
+  for (const auto& f : fs::directory_iterator(d.path)) EXPECT_EQ(f.path().filename(), "out") << f.path();
+}
+
 // prepare -> train -> export -> sample, through the command.
 TEST(Command, PrepareTrainExportSample) {
   test::TempDir d;
@@ -391,6 +407,11 @@ TEST(Command, PrepareTrainExportSample) {
             0)
       << out;
   EXPECT_NE(out.find("peak memory"), std::string::npos) << out;
+  fs::create_directories(d / "taken");  // refused before any work, leaving nothing
+  EXPECT_EQ(test::run_command(bin + " export --checkpoint " + d / "ck" + " --out " + d / "taken", &out), 1) << out;
+  EXPECT_NE(out.find("--out " + d / "taken" + " is a directory"), std::string::npos) << out;
+  for (const auto& e : fs::directory_iterator(d.path))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
   ASSERT_EQ(test::run_command(bin + " export --checkpoint " + d / "ck" + " --out " + d / "hf/m.safetensors", &out), 0)
       << out;
   EXPECT_TRUE(fs::exists(d / "hf/m.safetensors"));

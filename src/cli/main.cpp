@@ -252,6 +252,9 @@ int main(int argc, char** argv) {
     if (prep->parsed()) {
       run_prepare(input, out, val_out, tokenizer, sp_prefix, val_fraction, sp_vocab);
     } else if (exp->parsed()) {
+      std::error_code ec;  // before the parameters are read: the rename at the end would fail
+      MT_CHECK(!std::filesystem::is_directory(exp_out, ec),
+               "--out " << exp_out << " is a directory; give the path of the safetensors file to write");
       const std::string dir = mt::checkpoint_latest(ckpt);
       MT_CHECK(!dir.empty(), "no checkpoint in " << ckpt << "; pass a checkpoint directory or checkpoint.dir");
       mt::Config cfg = mt::checkpoint_config(dir);
