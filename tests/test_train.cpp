@@ -353,6 +353,14 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
   EXPECT_NE(out.find("junk.bin"), std::string::npos) << out;
   EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " export --checkpoint " + d.path + " --out x.st", &out), 1);
   EXPECT_NE(out.find("no checkpoint"), std::string::npos) << out;
+  // An unknown command is named (CLI11 said only "A subcommand is required"); launch checks
+  // it before mpirun starts any rank.
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " nosuchcmd", &out), 1);
+  EXPECT_NE(out.find("\"nosuchcmd\" is not a meshtrain command; the commands are train, launch"), std::string::npos)
+      << out;
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " launch -n 2 nosuch", &out), 1);
+  EXPECT_NE(out.find("launch: \"nosuch\" is not a command launch runs"), std::string::npos) << out;
+  EXPECT_EQ(out.find("mpirun"), std::string::npos) << "no rank started:\n" << out;
 }
 
 // prepare refuses what would write an empty or unasked-for file: a directory as --input

@@ -17,6 +17,7 @@
 // Exit status: 0 done; 1 an error (the message names it); 75 (kExitStopped) train stopped
 // early by SIGTERM or SIGUSR1 after writing a checkpoint: rerun with checkpoint.resume=true.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -201,6 +202,12 @@ int main(int argc, char** argv) {
     if (cmd == "train" || cmd == "bench") return run_as_rank(cmd, std::vector<std::string>(argv + 2, argv + argc), &argc, &argv);
     if (cmd == "launch") return mt::cmd_launch(std::vector<std::string>(argv + 2, argv + argc), argv[0]);
 
+    // CLI11 says only "A subcommand is required" for a word it does not know: name it.
+    static const std::vector<std::string> kCommands = {"train",  "launch",   "bench",      "prepare", "export",
+                                                       "sample", "schedule", "checkpoint", "plan"};
+    MT_CHECK(cmd.empty() || cmd[0] == '-' || std::find(kCommands.begin(), kCommands.end(), cmd) != kCommands.end(),
+             "\"" << cmd << "\" is not a meshtrain command; the commands are train, launch, bench, prepare, export, "
+                   << "sample, schedule, checkpoint and plan (meshtrain --help)");
     CLI::App app{"meshtrain: train transformer language models (see README.md)"};
     app.require_subcommand(1);
     app.add_subcommand("train", "train a model: meshtrain train [--config FILE.toml] [--section.key=value ...]");
