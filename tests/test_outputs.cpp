@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -129,6 +130,52 @@ TEST(Outputs, ErrorsNameThePathAndTheKey) {
   msg = error_of(c);
   EXPECT_NE(msg.find("cannot create checkpoint.dir = " + c.checkpoint.dir), std::string::npos) << msg;
   EXPECT_TRUE(test::read_lines(c.logging.metrics).empty()) << "no step ran";
+}
+
+// logging.trace, logging.plot, logging.hardware and data.tokenizer are tried before any step
+// (they were found only after the whole run, which then ended without its summary line);
+// the trace's directory is created as the others are.
+TEST(Outputs, CheckedBeforeTheFirstStep) {
+  test::TempDir d;
+  std::ofstream(d / "file") << "a file where a directory should be";
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 400, 37));
+  c.training.steps = 1;
+  c.logging.metrics = d / "m.jsonl";
+  const std::vector<std::pair<std::function<void(Config&)>, std::string>> bad = {
+      {[&](Config& x) { x.logging.trace = d / "file/t.json"; }, "logging.trace file " + d / "file/t.json"},
+      {[&](Config& x) { x.logging.plot = d / "file/loss.svg"; }, "logging.plot file " + d / "file/loss.svg"},
+      {[&](Config& x) { x.logging.hardware = d / "none.toml"; }, "logging.hardware = " + d / "none.toml"},
+      {[&](Config& x) { x.logging.hardware = d / "file"; }, "logging.hardware = " + d / "file"},
+      {[&](Config& x) { x.data.tokenizer = d / "none.model"; }, "data.tokenizer = " + d / "none.model"},
+  };
+  for (const auto& [set, want] : bad) {
+    Config x = c;
+    set(x);
+    const std::string msg = error_of(x);
+    EXPECT_NE(msg.find(want), std::string::npos) << want << ": " << msg;
+    EXPECT_FALSE(fs::exists(c.logging.metrics)) << want << ": a step ran";
+  }
+  EXPECT_FALSE(fs::exists(d / "m.svg")) << "a tried output that was not there is not left behind";
+  c.logging.trace = d / "traces/new/t.json";
+  train(c);
+  EXPECT_TRUE(fs::is_regular_file(c.logging.trace));
+  EXPECT_TRUE(fs::is_regular_file(c.logging.trace + ".svg"));
+
+  // On the command line with two ranks: one message, before any step.
+  std::string out;
+  const std::string metrics = d / "two.jsonl";
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " launch -n 2 train --data.path=" + c.data.path +
+                                  " --model.n_layer=1 --model.d_model=16 --model.n_head=2 --model.vocab_size=37"
+                                  " --model.seq_len=8 --training.global_batch=2 --training.steps=1"
+                                  " --logging.metrics=" + metrics + " --logging.trace=" + d / "file/t.json",
+                              &out),
+            1)
+      << out;
+  EXPECT_NE(out.find("logging.trace file " + d / "file/t.json"), std::string::npos) << out;
+  size_t errors = 0;
+  for (size_t at = out.find("error:"); at != std::string::npos; at = out.find("error:", at + 1)) ++errors;
+  EXPECT_EQ(errors, 1u) << out;
+  EXPECT_FALSE(fs::exists(metrics));
 }
 
 }  // namespace

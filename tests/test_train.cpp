@@ -7,8 +7,10 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/safetensors.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
+#include "train/train_data.h"
 #include "train/trainer.h"
 #include "test_util.h"
 
@@ -56,6 +58,76 @@ TEST(Config, ErrorsNameTheKeyAndTheFix) {
   test::TempDir d;
   std::ofstream(d / "bad.toml") << "[model]\nfamly = \"gpt2\"\n";
   EXPECT_NE(error_of([&] { config_load(d / "bad.toml", {}); }).find("model.family"), std::string::npos);
+}
+
+// Integers outside the field's type are refused with the range (not wrapped: 4294967297
+// layers was 1), numbers must be finite, a --config that is a directory is no config, and
+// d_model = 0 is named as too small rather than as indivisible.
+TEST(Config, RangesFiniteNumbersAndConfigFile) {
+  auto err = [](std::vector<std::string> o) { return error_of([&] { config_load("", o); }); };
+  std::string e = err({"model.n_layer=4294967297"});
+  EXPECT_NE(e.find("value 4294967297 for model.n_layer is out of range: it must be an integer from -2147483648 to "
+                   "2147483647"), std::string::npos) << e;
+  EXPECT_NE(err({"model.n_layer=2147483648"}).find("out of range"), std::string::npos);
+  EXPECT_NE(err({"training.steps=99999999999999999999"}).find("for training.steps is out of range"), std::string::npos);
+  EXPECT_NE(err({"training.seed=-1"}).find("training.seed is out of range: it must be an integer from 0 to "
+                                           "18446744073709551615"), std::string::npos);
+  EXPECT_EQ(config_load("", {"training.seed=18446744073709551615", "model.n_layer=+3"}).training.seed,
+            18446744073709551615ull);
+  EXPECT_NE(err({"model.n_layer=3x"}).find("expected an integer"), std::string::npos);
+  for (const char* o : {"optim.lr=nan", "optim.lr=inf", "optim.grad_clip=-inf", "parallel.timeout_s=nan",
+                        "model.norm_eps=1e300"}) {
+    e = err({o});
+    EXPECT_NE(e.find("expected a finite number"), std::string::npos) << o << ": " << e;
+  }
+  e = err({"model.d_model=0"});
+  EXPECT_NE(e.find("model.d_model = 0 must be at least 1"), std::string::npos) << e;
+  test::TempDir d;
+  e = error_of([&] { config_load(d.path, {}); });
+  EXPECT_NE(e.find("--config " + d.path + " is not a regular file"), std::string::npos) << e;
+  std::ofstream(d / "c.toml") << "[optim]\nlr = nan\n";
+  EXPECT_NE(error_of([&] { config_load(d / "c.toml", {}); }).find("optim.lr: expected a finite"), std::string::npos);
+}
+
+// The validation file's errors name data.val_path (they all said data.path); data too short
+// for one sequence of seq_len + 1 tokens, for training or validation, is refused by key
+// with the count (it trained, or silently ran no validation); val_fraction beside a
+// val_path, or without a data.path, is refused.
+TEST(DataLoad, UnusableDataIsRefusedByKey) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 400, 37));  // seq_len 9
+  std::string e;
+  auto expect = [&](const std::string& want) { EXPECT_NE(e.find(want), std::string::npos) << want << "\n" << e; };
+  c.data.val_fraction = 0;
+  c.data.val_path = d / "missing.bin";
+  e = error_of([&] { data_load(c); });
+  expect("set data.val_path to an existing file");
+  std::ofstream(d / "junk.bin") << "not a token file";
+  c.data.val_path = d / "junk.bin";
+  e = error_of([&] { data_load(c); });
+  expect("data.val_path: " + d / "junk.bin" + " is not a token file");
+  c.data.val_path = test::write_tokens(d, "v0.bin", 0, 37);
+  e = error_of([&] { data_load(c); });
+  expect("data.val_path " + d / "v0.bin" + " has 0 tokens; one validation sequence needs model.seq_len + 1 = 10");
+  c.data.val_path = test::write_tokens(d, "v10.bin", 10, 37);
+  EXPECT_EQ(data_load(c).val.size(), 10u);
+  c.data.val_path = "";
+  c.data.path = test::write_tokens(d, "t9.bin", 9, 37);
+  e = error_of([&] { data_load(c); });
+  expect("data.path " + d / "t9.bin" + " has 9 tokens; one training sequence needs model.seq_len + 1 = 10");
+  c.data.path = d / "t.bin";
+  c.data.val_fraction = 0.02;  // 8 of 400 tokens: no whole sequence
+  e = error_of([&] { data_load(c); });
+  expect("data.val_fraction = 0.02 holds out 8 of the 400 tokens of data.path " + c.data.path);
+  c.data.val_fraction = 0.98;  // the training part is the short one
+  e = error_of([&] { data_load(c); });
+  expect("has 8 tokens besides those data.val_fraction holds out");
+  c.data.val_fraction = 0.1;
+  EXPECT_EQ(data_load(c).val.size(), 40u);
+  e = error_of([&] { config_load("", {"data.path=t.bin", "data.val_path=v.bin", "data.val_fraction=0.1"}); });
+  expect("data.val_fraction = 0.1 and data.val_path = v.bin both choose the validation tokens; set only one");
+  e = error_of([&] { config_load("", {"data.val_fraction=0.1"}); });
+  expect("data.val_fraction = 0.1 holds out the tail of data.path, but data.path is not set");
 }
 
 // training.attention: fused by default, materialized on request, anything else is an error
@@ -281,6 +353,51 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
   EXPECT_NE(out.find("junk.bin"), std::string::npos) << out;
   EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " export --checkpoint " + d.path + " --out x.st", &out), 1);
   EXPECT_NE(out.find("no checkpoint"), std::string::npos) << out;
+  // An unknown command is named (CLI11 said only "A subcommand is required"); launch checks
+  // it before mpirun starts any rank.
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " nosuchcmd", &out), 1);
+  EXPECT_NE(out.find("\"nosuchcmd\" is not a meshtrain command; the commands are train, launch"), std::string::npos)
+      << out;
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " launch -n 2 nosuch", &out), 1);
+  EXPECT_NE(out.find("launch: \"nosuch\" is not a command launch runs"), std::string::npos) << out;
+  EXPECT_EQ(out.find("mpirun"), std::string::npos) << "no rank started:\n" << out;
+}
+
+// prepare refuses what would write an empty or unasked-for file: a directory as --input
+// (fopen opened it, the read failed unchecked: 0 tokens, rc 0), an empty text, and a
+// --val-out without --val-fraction (silently not written); nothing is written.
+TEST(Command, PrepareRefusesUnusableInput) {
+  test::TempDir d;
+  std::ofstream(d / "empty.txt").flush();
+  std::ofstream(d / "text.txt") << "hello";
+  const std::string bin = MESHTRAIN_BIN, o = " --out " + d / "t.bin";
+  for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
+           {" --input " + d.path, "--input " + d.path + " is not a regular file"},
+           {" --input " + d / "none.txt", "--input " + d / "none.txt" + " is not there"},
+           {" --input " + d / "empty.txt", "holds no text (0 tokens)"},
+           {" --input " + d / "text.txt" + " --val-out " + d / "v.bin", "--val-out " + d / "v.bin" +
+                                                                       " needs --val-fraction"},
+           {" --input " + d / "text.txt" + " --val-out " + d / "v.bin --val-fraction 0.01", "holds out none"}}) {
+    std::string out;
+    EXPECT_EQ(test::run_command(bin + " prepare" + args + o, &out), 1) << args;
+    EXPECT_NE(out.find(want), std::string::npos) << args << "\n" << out;
+    EXPECT_FALSE(fs::exists(d / "t.bin") || fs::exists(d / "v.bin")) << args;
+  }
+}
+
+// A safetensors file that cannot be renamed into place (a directory there) leaves no
+// temporary behind: finish() had cleared the handle the destructor removes it by.
+TEST(Safetensors, FailedFinishRemovesTheTemporary) {
+  test::TempDir d;
+  fs::create_directories(d / "out");
+  const float a[2] = {1, 2};
+  std::string e = error_of([&] {
+    SafetensorsWriter w(d / "out", {{"a", {2}}});
+    w.write("a", a);
+    w.finish();
+  });
+  EXPECT_NE(e.find("cannot rename"), std::string::npos) << e;
+  for (const auto& f : fs::directory_iterator(d.path)) EXPECT_EQ(f.path().filename(), "out") << f.path();
 }
 
 // prepare -> train -> export -> sample, through the command.
@@ -298,11 +415,25 @@ TEST(Command, PrepareTrainExportSample) {
             0)
       << out;
   EXPECT_NE(out.find("peak memory"), std::string::npos) << out;
+  fs::create_directories(d / "taken");  // refused before any work, leaving nothing
+  EXPECT_EQ(test::run_command(bin + " export --checkpoint " + d / "ck" + " --out " + d / "taken", &out), 1) << out;
+  EXPECT_NE(out.find("--out " + d / "taken" + " is a directory"), std::string::npos) << out;
+  for (const auto& e : fs::directory_iterator(d.path))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
   ASSERT_EQ(test::run_command(bin + " export --checkpoint " + d / "ck" + " --out " + d / "hf/m.safetensors", &out), 0)
       << out;
   EXPECT_TRUE(fs::exists(d / "hf/m.safetensors"));
   ASSERT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " --prompt hello --tokens 5", &out), 0) << out;
   EXPECT_EQ(out.rfind("hello", 0), 0u) << out;
+  // Sampling options out of range are refused, not read as greedy or as nothing to generate.
+  for (const auto& [opt, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--tokens -5", "--tokens -5 must not be negative"},
+           {"--temperature -2", "--temperature -2 must be a finite number of at least 0"},
+           {"--temperature nan", "--temperature nan must be a finite number"},
+           {"--top-k -3", "--top-k -3 must not be negative"}}) {
+    EXPECT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " " + opt, &out), 1) << opt;
+    EXPECT_NE(out.find(want), std::string::npos) << opt << "\n" << out;
+  }
   auto lines = step_metrics(d / "m.jsonl");
   ASSERT_EQ(lines.size(), 3u);
   for (const char* k : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mem_params", "mem_grads",

@@ -173,6 +173,10 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
   }
   MT_CHECK(n >= 1, "launch: give the number of ranks, e.g. meshtrain launch -n 2 train");
   MT_CHECK(!rest.empty(), "launch: give the command to run, e.g. meshtrain launch -n " << n << " train");
+  // Checked here, not by every rank after mpirun started them all.
+  MT_CHECK(rest[0] == "train" || rest[0] == "bench", "launch: \"" << rest[0] << "\" is not a command launch runs; "
+                                                     << "use train or bench, e.g. meshtrain launch -n " << n
+                                                     << " train");
 
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const int threads = hostfile ? 1 : std::max(1, static_cast<int>(cores) / n);

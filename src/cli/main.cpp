@@ -17,7 +17,11 @@
 // Exit status: 0 done; 1 an error (the message names it); 75 (kExitStopped) train stopped
 // early by SIGTERM or SIGUSR1 after writing a checkpoint: rerun with checkpoint.resume=true.
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -35,6 +39,7 @@
 #include "train/metrics.h"                    // output_parent_create
 #include "train/resume.h"                     // resume_resolve
 #include "train/sample.h"                     // sample_text
+#include "train/start_checks.h"               // outputs_prepare
 #include "train/stop.h"                       // stop_signals_install, kExitStopped
 #include "train/trainer.h"                    // train
 
@@ -112,6 +117,7 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
       // An unwritable checkpoint.dir, found now and said once (train() checks again, for its
       // other callers).
       mt::checkpoint_dir_prepare(cfg.checkpoint.dir, *world);
+      mt::outputs_prepare(cfg, *world);  // the same for the logging files, hardware profile and tokenizer
     } catch (const mt::Error& e) {
       if (lead) std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
       return 1;
@@ -140,6 +146,54 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
   }
 }
 
+// meshtrain prepare: every option is checked before the (possibly long) tokenizer training,
+// and the text must be a readable regular file with at least one token: fopen opens a
+// directory, whose read fails, which would write an empty token file.
+void run_prepare(const std::string& input, const std::string& out, const std::string& val_out, std::string tokenizer,
+                 std::string sp_prefix, double val_fraction, int sp_vocab) {
+  std::error_code ec;
+  MT_CHECK(std::filesystem::is_regular_file(input, ec),
+           "--input " << input << " is " << (std::filesystem::exists(input, ec) ? "not a regular file" : "not there")
+                      << ": give the path of a UTF-8 text file");
+  MT_CHECK(val_fraction >= 0 && val_fraction < 1, "--val-fraction " << val_fraction << " must be in [0, 1)");
+  MT_CHECK(val_fraction == 0 || !val_out.empty(), "--val-fraction needs --val-out FILE");
+  MT_CHECK(val_out.empty() || val_fraction > 0, "--val-out " << val_out << " needs --val-fraction F (the tail of "
+                                                << "the tokens to write there, e.g. 0.05); or leave out --val-out");
+  if (sp_vocab > 0) {
+    if (sp_prefix.empty()) sp_prefix = out + ".spm";
+    mt::output_parent_create(sp_prefix, "--tokenizer-prefix");
+    mt::sentencepiece_train(input, sp_prefix, sp_vocab);
+    tokenizer = sp_prefix + ".model";
+    std::printf("trained SentencePiece model %s (vocabulary %d)\n", tokenizer.c_str(), sp_vocab);
+  }
+  auto tok = mt::tokenizer_make(tokenizer);
+  FILE* f = std::fopen(input.c_str(), "rb");
+  MT_CHECK(f, "cannot open --input " << input << ": " << std::strerror(errno));
+  std::string text;
+  char buf[1 << 16];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+  const bool failed = std::ferror(f);
+  std::fclose(f);
+  MT_CHECK(!failed, "cannot read --input " << input << ": " << std::strerror(errno));
+  std::vector<int32_t> ids = tok->encode(text);
+  MT_CHECK(!ids.empty(), "--input " << input << " holds no text (0 tokens); give a text file to tokenize");
+  if (val_fraction > 0) {
+    const size_t n_val = static_cast<size_t>(static_cast<double>(ids.size()) * val_fraction);
+    MT_CHECK(n_val > 0, "--val-fraction " << val_fraction << " of the " << ids.size() << " tokens of " << input
+                                          << " holds out none; use a larger --val-fraction or a longer --input");
+    std::vector<int32_t> val(ids.end() - static_cast<std::ptrdiff_t>(n_val), ids.end());
+    ids.resize(ids.size() - n_val);
+    mt::output_parent_create(val_out, "--val-out");
+    mt::token_file_write(val_out, val);
+    std::printf("wrote %zu validation tokens to %s\n", val.size(), val_out.c_str());
+  }
+  mt::output_parent_create(out, "--out");
+  mt::token_file_write(out, ids);
+  std::printf("wrote %zu tokens to %s (vocabulary %d: set model.vocab_size >= %d)\n", ids.size(), out.c_str(),
+              tok->vocab_size(), tok->vocab_size());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -148,6 +202,12 @@ int main(int argc, char** argv) {
     if (cmd == "train" || cmd == "bench") return run_as_rank(cmd, std::vector<std::string>(argv + 2, argv + argc), &argc, &argv);
     if (cmd == "launch") return mt::cmd_launch(std::vector<std::string>(argv + 2, argv + argc), argv[0]);
 
+    // CLI11 says only "A subcommand is required" for a word it does not know: name it.
+    static const std::vector<std::string> kCommands = {"train",  "launch",   "bench",      "prepare", "export",
+                                                       "sample", "schedule", "checkpoint", "plan"};
+    MT_CHECK(cmd.empty() || cmd[0] == '-' || std::find(kCommands.begin(), kCommands.end(), cmd) != kCommands.end(),
+             "\"" << cmd << "\" is not a meshtrain command; the commands are train, launch, bench, prepare, export, "
+                   << "sample, schedule, checkpoint and plan (meshtrain --help)");
     CLI::App app{"meshtrain: train transformer language models (see README.md)"};
     app.require_subcommand(1);
     app.add_subcommand("train", "train a model: meshtrain train [--config FILE.toml] [--section.key=value ...]");
@@ -197,37 +257,11 @@ int main(int argc, char** argv) {
     CLI11_PARSE(app, argc, argv);
 
     if (prep->parsed()) {
-      if (sp_vocab > 0) {
-        if (sp_prefix.empty()) sp_prefix = out + ".spm";
-        mt::output_parent_create(sp_prefix, "--tokenizer-prefix");
-        mt::sentencepiece_train(input, sp_prefix, sp_vocab);
-        tokenizer = sp_prefix + ".model";
-        std::printf("trained SentencePiece model %s (vocabulary %d)\n", tokenizer.c_str(), sp_vocab);
-      }
-      auto tok = mt::tokenizer_make(tokenizer);
-      FILE* f = std::fopen(input.c_str(), "rb");
-      MT_CHECK(f, "cannot open --input " << input);
-      std::string text;
-      char buf[1 << 16];
-      size_t n;
-      while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
-      std::fclose(f);
-      std::vector<int32_t> ids = tok->encode(text);
-      MT_CHECK(val_fraction >= 0 && val_fraction < 1, "--val-fraction must be in [0, 1)");
-      if (val_fraction > 0) {
-        MT_CHECK(!val_out.empty(), "--val-fraction needs --val-out FILE");
-        size_t n_val = static_cast<size_t>(ids.size() * val_fraction);
-        std::vector<int32_t> val(ids.end() - n_val, ids.end());
-        ids.resize(ids.size() - n_val);
-        mt::output_parent_create(val_out, "--val-out");
-        mt::token_file_write(val_out, val);
-        std::printf("wrote %zu validation tokens to %s\n", val.size(), val_out.c_str());
-      }
-      mt::output_parent_create(out, "--out");
-      mt::token_file_write(out, ids);
-      std::printf("wrote %zu tokens to %s (vocabulary %d: set model.vocab_size >= %d)\n", ids.size(), out.c_str(),
-                  tok->vocab_size(), tok->vocab_size());
+      run_prepare(input, out, val_out, tokenizer, sp_prefix, val_fraction, sp_vocab);
     } else if (exp->parsed()) {
+      std::error_code ec;  // before the parameters are read: the rename at the end would fail
+      MT_CHECK(!std::filesystem::is_directory(exp_out, ec),
+               "--out " << exp_out << " is a directory; give the path of the safetensors file to write");
       const std::string dir = mt::checkpoint_latest(ckpt);
       MT_CHECK(!dir.empty(), "no checkpoint in " << ckpt << "; pass a checkpoint directory or checkpoint.dir");
       mt::Config cfg = mt::checkpoint_config(dir);

@@ -138,8 +138,13 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, const std::vector<
   MT_CHECK(f, "cannot write " << tmp_ << ": " << std::strerror(errno) << "; check the directory exists and is writable");
   file_ = f;
   uint64_t hlen = header.size();
-  MT_CHECK(std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(header.data(), 1, hlen, f) == hlen,
-           "write to " << tmp_ << " failed (disk full?)");
+  if (!(std::fwrite(&hlen, 8, 1, f) == 1 && std::fwrite(header.data(), 1, hlen, f) == hlen)) {
+    // A constructor that throws runs no destructor: remove the temporary here.
+    std::fclose(f);
+    file_ = nullptr;
+    std::remove(tmp_.c_str());
+    MT_FAIL("write to " << tmp_ << " failed (disk full?)");
+  }
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
@@ -163,8 +168,17 @@ void SafetensorsWriter::finish() {
   file_ = nullptr;
   bool ok = std::fflush(f) == 0 && fsync(fileno(f)) == 0;
   ok = std::fclose(f) == 0 && ok;
-  MT_CHECK(ok, "write to " << tmp_ << " failed (disk full?)");
-  MT_CHECK(std::rename(tmp_.c_str(), path_.c_str()) == 0, "cannot rename " << tmp_ << " to " << path_ << ": " << std::strerror(errno));
+  // file_ is already cleared, so the destructor will not remove the temporary: every failure
+  // from here on removes it itself.
+  if (!ok) {
+    std::remove(tmp_.c_str());
+    MT_FAIL("write to " << tmp_ << " failed (disk full?)");
+  }
+  if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    const int err = errno;
+    std::remove(tmp_.c_str());
+    MT_FAIL("cannot rename " << tmp_ << " to " << path_ << ": " << std::strerror(err));
+  }
 }
 
 }  // namespace mt

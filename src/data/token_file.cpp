@@ -40,10 +40,10 @@ void store_le32(unsigned char* p, uint32_t v) {
 
 }  // namespace
 
-std::vector<int32_t> token_file_read(const std::string& path) {
+std::vector<int32_t> token_file_read(const std::string& path, const std::string& key) {
   FilePtr f(std::fopen(path.c_str(), "rb"));
   MT_CHECK(f, "cannot open token file " << path << ": " << std::strerror(errno)
-                                        << "; set data.path to an existing file or create one with "
+                                        << "; set " << key << " to an existing file or create one with "
                                            "`meshtrain prepare`");
   MT_CHECK(std::fseek(f.get(), 0, SEEK_END) == 0, "cannot seek in token file " << path << ": "
                                                                                << std::strerror(errno));
@@ -51,7 +51,7 @@ std::vector<int32_t> token_file_read(const std::string& path) {
   MT_CHECK(size >= 0, "cannot size token file " << path << ": " << std::strerror(errno));
   std::rewind(f.get());
 
-  MT_CHECK(size >= kHeaderBytes, "data.path: " << path << " is not a token file (" << size
+  MT_CHECK(size >= kHeaderBytes, key << ": " << path << " is not a token file (" << size
                                                << " bytes, shorter than the " << kHeaderBytes
                                                << "-byte header); " << kHowToFix);
   unsigned char header_bytes[kHeaderBytes];
@@ -60,19 +60,19 @@ std::vector<int32_t> token_file_read(const std::string& path) {
   const int32_t magic = load_le32(header_bytes);
   const int32_t version = load_le32(header_bytes + 4);
   const int32_t count = load_le32(header_bytes + 8);
-  MT_CHECK(magic == kTokenFileMagic, "data.path: " << path << " is not a token file (magic " << magic
+  MT_CHECK(magic == kTokenFileMagic, key << ": " << path << " is not a token file (magic " << magic
                                                    << ", expected " << kTokenFileMagic << "); "
                                                    << kHowToFix);
   MT_CHECK(version == 1 || version == 2,
-           "data.path: token file " << path << " has version " << version
+           key << ": token file " << path << " has version " << version
                                     << ", expected 1 (uint16 tokens) or 2 (uint32 tokens); "
                                     << "rewrite it with `meshtrain prepare`");
-  MT_CHECK(count >= 0, "data.path: token file " << path << " has a negative token count (" << count
+  MT_CHECK(count >= 0, key << ": token file " << path << " has a negative token count (" << count
                                                 << ") in its header; rewrite it with `meshtrain prepare`");
   const int64_t width = version == 1 ? 2 : 4;
   const int64_t expected = kHeaderBytes + int64_t{count} * width;
   MT_CHECK(size == expected,
-           "data.path: token file " << path << " is " << size << " bytes, but its header says "
+           key << ": token file " << path << " is " << size << " bytes, but its header says "
                                     << count << " tokens of " << width << " bytes (1024 + " << count
                                     << "*" << width << " = " << expected << " bytes); the file is "
                                     << (size < expected ? "truncated" : "longer than its header says")
@@ -93,7 +93,7 @@ std::vector<int32_t> token_file_read(const std::string& path) {
     } else {
       for (int64_t i = 0; i < n; ++i) {
         const int32_t t = load_le32(p + 4 * i);
-        MT_CHECK(t >= 0, "data.path: token file " << path << " holds token " << uint32_t(t)
+        MT_CHECK(t >= 0, key << ": token file " << path << " holds token " << uint32_t(t)
                                                   << " at index " << done + i
                                                   << ", larger than the largest supported id "
                                                   << std::numeric_limits<int32_t>::max()

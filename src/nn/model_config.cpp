@@ -16,7 +16,8 @@ void ModelConfig::validate() const {
            "model.family = \"" << family << "\" is not a model family; use gpt2 or llama");
   MT_CHECK(n_layer >= 1, "model.n_layer = " << n_layer << " must be at least 1");
   MT_CHECK(n_head >= 1, "model.n_head = " << n_head << " must be at least 1");
-  MT_CHECK(d_model >= 1 && d_model % n_head == 0,
+  MT_CHECK(d_model >= 1, "model.d_model = " << d_model << " must be at least 1");
+  MT_CHECK(d_model % n_head == 0,
            "model.d_model = " << d_model << " is not divisible by model.n_head = " << n_head
                               << "; pick a d_model that is a multiple of n_head");
   MT_CHECK(n_kv_head >= 0 && n_head % kv_heads() == 0,

@@ -5,8 +5,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <sstream>
 #include <toml++/toml.h>
@@ -34,20 +38,38 @@ struct Key {
   MT_FAIL("bad value \"" << v << "\" for " << key << ": expected " << accepts);
 }
 
-int64_t parse_int(const std::string& key, const std::string& v) {
-  char* end = nullptr;
-  errno = 0;
-  long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end || errno) bad_value(key, v, "an integer");
+// An integer that fits T: a value outside T's range is refused with the range, not wrapped
+// (a static_cast would turn 4294967297 layers into 1).
+template <class T>
+T parse_int(const std::string& key, const std::string& v) {
+  const char* b = v.data();
+  const char* e = b + v.size();
+  if (b != e && *b == '+') ++b;
+  T x{};
+  auto [p, ec] = std::from_chars(b, e, x);
+  const bool digits = b != e && std::all_of(b + (*b == '-'), e, [](char ch) { return ch >= '0' && ch <= '9'; }) &&
+                      e - b > (*b == '-');
+  // from_chars reads "-5" as no number at all for an unsigned T: that too is out of range.
+  if (digits && (ec == std::errc::result_out_of_range || (std::is_unsigned_v<T> && *b == '-' && ec != std::errc())))
+    MT_FAIL("value " << v << " for " << key << " is out of range: it must be an integer from "
+                     << +std::numeric_limits<T>::min() << " to " << +std::numeric_limits<T>::max());
+  if (ec != std::errc() || p != e) bad_value(key, v, "an integer");
   return x;
 }
 
-double parse_double(const std::string& key, const std::string& v) {
+// A finite number that fits T: nan and inf are refused for every number key (none of them
+// means anything by them), and so is a double too large for a float key.
+template <class T>
+T parse_double(const std::string& key, const std::string& v) {
   char* end = nullptr;
-  errno = 0;
   double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end || errno) bad_value(key, v, "a number");
-  return x;
+  if (v.empty() || *end) bad_value(key, v, "a number");
+  if (!std::isfinite(x) || std::fabs(x) > std::numeric_limits<T>::max()) {  // inf, nan, or too large for T
+    char most[32];
+    std::snprintf(most, sizeof most, "%g", static_cast<double>(std::numeric_limits<T>::max()));
+    bad_value(key, v, std::string("a finite number (at most ") + most + " in magnitude)");
+  }
+  return static_cast<T>(x);
 }
 
 bool parse_bool(const std::string& key, const std::string& v) {
@@ -59,13 +81,13 @@ bool parse_bool(const std::string& key, const std::string& v) {
 template <class T, class Sec>
 Key int_key(const std::string& name, Sec Config::*sec, T Sec::*field) {
   return {name, "an integer",
-          [=](Config& c, const std::string& v) { (c.*sec).*field = static_cast<T>(parse_int(name, v)); },
+          [=](Config& c, const std::string& v) { (c.*sec).*field = parse_int<T>(name, v); },
           [=](const Config& c) { return nlohmann::json((c.*sec).*field); }};
 }
 template <class T, class Sec>
 Key num_key(const std::string& name, Sec Config::*sec, T Sec::*field) {
   return {name, "a number",
-          [=](Config& c, const std::string& v) { (c.*sec).*field = static_cast<T>(parse_double(name, v)); },
+          [=](Config& c, const std::string& v) { (c.*sec).*field = parse_double<T>(name, v); },
           [=](const Config& c) { return nlohmann::json((c.*sec).*field); }};
 }
 template <class Sec>
@@ -254,6 +276,12 @@ std::vector<std::string> config_keys() {
 Config config_load(const std::string& toml_path, const std::vector<std::string>& overrides) {
   Config c;
   if (!toml_path.empty()) {
+    // toml++ reads a directory as an empty file, which would train on the defaults.
+    std::error_code ec;
+    MT_CHECK(std::filesystem::is_regular_file(toml_path, ec),
+             "--config " << toml_path << " is " << (std::filesystem::exists(toml_path, ec) ? "not a regular file"
+                                                                                          : "not there")
+                         << ": give the path of a TOML configuration file");
     toml::table tbl;
     try {
       tbl = toml::parse_file(toml_path);
@@ -306,6 +334,15 @@ void Config::validate() const {
   MT_CHECK(training.max_skips >= 1, "training.max_skips = " << training.max_skips << " must be at least 1 (skipped "
                                     << "steps in a row before the run stops)");
   MT_CHECK(data.val_fraction >= 0 && data.val_fraction < 1, "data.val_fraction = " << data.val_fraction << " must be in [0, 1)");
+  // Refused rather than ignored: a run that validates on other tokens than the user chose.
+  MT_CHECK(data.val_fraction == 0 || data.val_path.empty(),
+           "data.val_fraction = " << data.val_fraction << " and data.val_path = " << data.val_path
+                                  << " both choose the validation tokens; set only one (val_fraction holds out the "
+                                  << "tail of data.path)");
+  MT_CHECK(data.val_fraction == 0 || !data.path.empty(),
+           "data.val_fraction = " << data.val_fraction << " holds out the tail of data.path, but data.path is not "
+                                  << "set: the built-in tasks draw their own validation problems; remove "
+                                  << "data.val_fraction or set data.path");
   MT_CHECK(checkpoint.every >= 0, "checkpoint.every must not be negative");
   MT_CHECK(checkpoint.keep >= 0, "checkpoint.keep must not be negative (0 keeps all)");
   MT_CHECK(!checkpoint.resume || !checkpoint.dir.empty(), "checkpoint.resume=true needs checkpoint.dir");

@@ -13,6 +13,12 @@
 namespace mt {
 
 std::string sample_text(const SampleOptions& o) {
+  // Before the checkpoint loads: a negative count generated nothing, and a negative or nan
+  // temperature, or a negative top-k, silently fell back to greedy or the whole vocabulary.
+  MT_CHECK(o.max_tokens >= 0, "--tokens " << o.max_tokens << " must not be negative (tokens to generate)");
+  MT_CHECK(std::isfinite(o.temperature) && o.temperature >= 0,
+           "--temperature " << o.temperature << " must be a finite number of at least 0 (0: greedy; e.g. 0.8)");
+  MT_CHECK(o.top_k >= 0, "--top-k " << o.top_k << " must not be negative (0: the whole vocabulary)");
   const std::string dir = checkpoint_latest(o.checkpoint);
   MT_CHECK(!dir.empty(), "no checkpoint in " << o.checkpoint << "; train with --checkpoint.dir=" << o.checkpoint << " first");
   Config cfg = checkpoint_config(dir);

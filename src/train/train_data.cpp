@@ -26,19 +26,33 @@ Data data_load(const Config& c) {
     // Validation: problems drawn from another seed, so they are (mostly) unseen ones.
     if (c.data.val_path.empty()) d.val = bytes->encode(tasks_generate(~c.training.seed, kBuiltinLines / 20));
   } else {
-    d.train = token_file_read(c.data.path);
+    d.train = token_file_read(c.data.path, "data.path");
   }
+  // A sequence is seq_len + 1 tokens (inputs and the targets one further): fewer in a file
+  // would train or validate on the same few tokens wrapped round, which is no data at all.
+  const int64_t need = int64_t{c.model.seq_len} + 1, total = static_cast<int64_t>(d.train.size());
   if (!c.data.val_path.empty()) {
-    d.val = token_file_read(c.data.val_path);
+    d.val = token_file_read(c.data.val_path, "data.val_path");
+    MT_CHECK(static_cast<int64_t>(d.val.size()) >= need,
+             "data.val_path " << c.data.val_path << " has " << d.val.size() << " tokens; one validation sequence "
+                              << "needs model.seq_len + 1 = " << need << ": use a longer validation file, a smaller "
+                              << "model.seq_len, or no data.val_path");
   } else if (c.data.val_fraction > 0 && !d.builtin) {
-    const int64_t n_val = static_cast<int64_t>(d.train.size() * c.data.val_fraction);
-    if (n_val >= 2 && static_cast<int64_t>(d.train.size()) - n_val >= 2) {
-      d.val.assign(d.train.end() - n_val, d.train.end());
-      d.train.resize(d.train.size() - n_val);
-    }
+    const int64_t n_val = static_cast<int64_t>(static_cast<double>(total) * c.data.val_fraction);
+    MT_CHECK(n_val >= need, "data.val_fraction = " << c.data.val_fraction << " holds out " << n_val << " of the "
+                                                   << total << " tokens of data.path " << c.data.path
+                                                   << "; one validation sequence needs model.seq_len + 1 = " << need
+                                                   << ": use data.val_fraction of at least "
+                                                   << static_cast<double>(need) / static_cast<double>(total)
+                                                   << ", a longer file, or 0 for no validation");
+    d.val.assign(d.train.end() - n_val, d.train.end());
+    d.train.resize(d.train.size() - n_val);
   }
-  MT_CHECK(d.train.size() >= 2, "data.path " << c.data.path << " has " << d.train.size()
-                                             << " tokens; training needs at least 2");
+  const int64_t kept = static_cast<int64_t>(d.train.size());
+  MT_CHECK(kept >= need, "data.path " << c.data.path << " has " << kept << " tokens"
+                                      << (kept < total ? " besides those data.val_fraction holds out" : "")
+                                      << "; one training sequence needs model.seq_len + 1 = " << need
+                                      << ": use a longer token file or a smaller model.seq_len");
   auto check_vocab = [&](const std::vector<int32_t>& t, const std::string& what) {
     int32_t mx = t.empty() ? 0 : *std::max_element(t.begin(), t.end());
     MT_CHECK(mx < c.model.vocab_size, what << " holds token id " << mx << " but model.vocab_size = " << c.model.vocab_size

@@ -36,6 +36,7 @@
 #include "train/resume.h"
 #include "train/plan_report.h"
 #include "train/profile_report.h"
+#include "train/start_checks.h"
 #include "train/step_trace.h"
 #include "train/train_data.h"
 #include "train/stop.h"
@@ -629,13 +630,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
   print_summary(run, sum, mem, p);
   for (const std::string& line : plan_lines) run.log.message(line);
 
-  std::string plot = c.logging.plot;
-  if (run.world.rank() != 0 || (plot == "auto" && c.logging.metrics.empty())) plot = "";
-  if (plot == "auto") {  // metrics.jsonl -> metrics.svg
-    const std::string& m = c.logging.metrics;
-    size_t dot = m.rfind('.'), slash = m.rfind('/');
-    plot = (dot != std::string::npos && (slash == std::string::npos || dot > slash) ? m.substr(0, dot) : m) + ".svg";
-  }
+  const std::string plot = run.world.rank() == 0 ? plot_path(c) : "";  // auto: metrics.jsonl -> metrics.svg
   if (!plot.empty() && !p.train_curve.empty()) {
     plot_loss_svg(plot, c.model.family + " loss", p.train_curve, p.val_curve, sum.baseline_loss);
     run.log.message("loss curve: " + plot);
@@ -651,6 +646,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   const std::vector<std::string> resume_notes = resume_resolve(c, world.size());
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
   const auto t_start = Clock::now();
+  outputs_prepare(c, world);  // output paths, hardware profile, tokenizer: before any work
   MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every, world.rank() == 0);  // rank 0 prints
 
   // training.device: the model, its gradients and the optimizer state in host or GPU memory;

@@ -1,0 +1,21 @@
+// Checks of a run's inputs and outputs made before any work: a bad output path or a missing
+// profile found after hours of training would cost the run its end (the summary line, the
+// trace), so the files the run will write and read are tried at start-up.
+#pragma once
+#include <string>
+
+#include "comm/communicator.h"
+#include "train/config.h"
+
+namespace mt {
+
+// The loss curve's file: logging.plot, its "auto" resolved beside logging.metrics; "" for none.
+std::string plot_path(const Config& c);
+
+// Rank 0 creates the directories of logging.metrics, logging.trace (and its .svg) and
+// logging.plot, tries opening those files for writing (an existing file is kept as it is),
+// loads logging.hardware and data.tokenizer; every rank then fails with rank 0's message,
+// which names the key and what to change.
+void outputs_prepare(const Config& c, Communicator& world);
+
+}  // namespace mt
