@@ -243,6 +243,12 @@ TEST(CheckpointDir, UnresolvableOrUnsharedDirectoryIsRefusedBeforeAnyWork) {
                  {{"", "rank 1 does not see the file rank 0 wrote in checkpoint.dir = ck: it must be one directory "
                        "shared by all ranks"}});
   EXPECT_FALSE(fs::exists(d / "a/ck/.meshtrain-write-probe")) << "the probe is removed";
+  // A verdict only one rank reaches (a damaged checkpoint only rank 1 sees): every rank
+  // stops with that rank's message, none is left waiting in a collective.
+  fs::create_directories(d / "b/ck/step_00000003");
+  expect_refused("mpirun --oversubscribe --allow-run-as-root -n 1 -wdir " + d / "a" + " " + rank + " : -n 1 -wdir " +
+                     d / "b" + " " + rank,
+                 {{"", "rank 1: checkpoint.dir ck holds ck/step_00000003 without meta.json"}});
 }
 
 // A checkpoint.dir that cannot be made (a path under a regular file) stops the run before

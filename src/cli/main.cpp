@@ -106,21 +106,38 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
   const bool lead = world->rank() == 0;
   mt::Config cfg;
   if (cmd == "train") {
-    // Configuration and layout errors: every rank reaches the same verdict, rank 0 says it.
+    // Configuration and layout errors, said once by rank 0. The ranks read the same files and
+    // usually reach the same verdict; where they do not (a relative path in different working
+    // directories), they agree on the lowest rank's complaint, so none waits in a collective.
+    std::string problem;
+    bool help = false;
     try {
-      bool help = false;
       cfg = train_config(args, world->size(), &help);
-      if (help) {
-        if (lead) print_train_help();
-        return 0;
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+    if (world->size() > 1) {
+      const std::vector<std::string> all = mt::allgather_strings(*world, problem);
+      for (size_t r = all.size(); r-- > 0;)
+        if (!all[r].empty()) problem = r == 0 ? all[0] : "rank " + std::to_string(r) + ": " + all[r];
+    }
+    try {
+      if (problem.empty() && !help) {
+        // An unwritable checkpoint.dir, found now and said once (train() checks again, for
+        // its other callers); the same for the logging files, hardware profile and tokenizer.
+        mt::checkpoint_dir_prepare(cfg.checkpoint.dir, *world);
+        mt::outputs_prepare(cfg, *world);
       }
-      // An unwritable checkpoint.dir, found now and said once (train() checks again, for its
-      // other callers).
-      mt::checkpoint_dir_prepare(cfg.checkpoint.dir, *world);
-      mt::outputs_prepare(cfg, *world);  // the same for the logging files, hardware profile and tokenizer
     } catch (const mt::Error& e) {
-      if (lead) std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+      problem = e.what();
+    }
+    if (!problem.empty()) {
+      if (lead) std::fprintf(stderr, "meshtrain: error: %s\n", problem.c_str());
       return 1;
+    }
+    if (help) {
+      if (lead) print_train_help();
+      return 0;
     }
   }
   // From here on a failure may be one rank's alone: it names its rank and ends the job.
