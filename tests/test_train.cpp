@@ -363,6 +363,29 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
   EXPECT_EQ(out.find("mpirun"), std::string::npos) << "no rank started:\n" << out;
 }
 
+// What cannot run is refused before any work, naming the key: a test fault of no known form
+// (it was found at step 1), more micro-batches per step than any run needs (the schedule's
+// lists took the memory), a run whose predicted memory exceeds the machine's (it allocated
+// for minutes until killed), and plan's --global-batch below 1 (it fell back silently).
+TEST(Command, WhatCannotRunIsRefusedBeforeAnyWork) {
+  test::TempDir d;
+  const std::string train = std::string(MESHTRAIN_BIN) + " train --training.steps=1 --logging.metrics=" + d / "m.jsonl";
+  for (const auto& [opt, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--parallel.test_fault=boom:1", "parallel.test_fault = \"boom:1\": the kind is die, hang"},
+           {"--parallel.test_fault=spike:1", "write spike:RANK:STEP,STEP..."},
+           {"--training.global_batch=2097152 --training.micro_batch=1", "2097152 micro-batches per step"},
+           {"--model.n_layer=20000", "GiB per rank"},
+           {"--training.global_batch=4294967312", "GiB per rank"}}) {
+    std::string out;
+    EXPECT_EQ(test::run_command(train + " " + opt, &out), 1) << opt;
+    EXPECT_NE(out.find(want), std::string::npos) << opt << "\n" << out;
+    EXPECT_FALSE(std::filesystem::exists(d / "m.jsonl") && !test::read_lines(d / "m.jsonl").empty()) << opt;
+  }
+  std::string out;
+  EXPECT_NE(test::run_command(std::string(MESHTRAIN_BIN) + " plan --gpus 8 --global-batch 0", &out), 0);
+  EXPECT_NE(out.find("--global-batch 0: give at least 1 sequence"), std::string::npos) << out;
+}
+
 // prepare refuses what would write an empty or unasked-for file: a directory as --input
 // (fopen opened it, the read failed unchecked: 0 tokens, rc 0), an empty text, and a
 // --val-out without --val-fraction (silently not written); nothing is written.

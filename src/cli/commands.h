@@ -61,7 +61,7 @@ struct PlanOptions {
   std::vector<std::string> overrides;
   int gpus = 0, gpus_per_node = 8, top = 10;
   std::string hardware = "h100", layout, precision, grad_dtype, svg;
-  int64_t global_batch = 0;
+  int64_t global_batch = -1;  // -1: the configuration's
   bool json = false;
 };
 void plan_options_add(CLI::App* cmd, PlanOptions* o);

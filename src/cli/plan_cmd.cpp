@@ -90,6 +90,9 @@ int cmd_plan(const PlanOptions& o) {
                                                    << ": gradients are kept in fp32 or in the working precision ("
                                                    << (precision == "fp32" ? "fp32 here" : precision) << ")");
   q.precision = plan::Precisions::trained(precision, grad != "fp32");
+  MT_CHECK(o.global_batch == -1 || o.global_batch >= 1,
+           "--global-batch " << o.global_batch << ": give at least 1 sequence per step (or leave it out: the "
+                             << "configuration's training.global_batch)");
   q.global_batch = o.global_batch > 0 ? o.global_batch : q.config.training.global_batch;
   plan::Layout base;
   base.global_batch = q.global_batch;

@@ -70,13 +70,15 @@ void checkpoint_dir_prepare(const std::string& dir, Communicator& world) {
   const std::string probe = dir + "/.meshtrain-write-probe";
   std::string problem, nonce;
   if (world.rank() == 0) {
-    nonce = std::to_string(getpid()) + "-" + std::to_string(std::chrono::steady_clock::now().time_since_epoch().count());
+    const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+    nonce = std::to_string(getpid()) + "-" + std::to_string(now);
     std::error_code ec;
     fs::create_directories(dir, ec);
     std::ofstream f;
     if (!ec) f.open(probe);
     if (ec) problem = "cannot create checkpoint.dir = " + dir + ": " + ec.message();
-    else if (!(f << nonce << std::flush)) problem = "cannot write in checkpoint.dir = " + dir + ": " + std::strerror(errno);
+    else if (!(f << nonce << std::flush))
+      problem = "cannot write in checkpoint.dir = " + dir + ": " + std::strerror(errno);
     if (!problem.empty()) problem += "; choose another checkpoint.dir";
   }
   problem = first_problem(world, problem);
@@ -92,7 +94,8 @@ void checkpoint_dir_prepare(const std::string& dir, Communicator& world) {
   }
   std::error_code ec;
   if (world.rank() == 0 && problem.empty() && !fs::remove(probe, ec))
-    problem = "cannot remove files in checkpoint.dir = " + dir + ": " + ec.message() + "; choose another checkpoint.dir";
+    problem = "cannot remove files in checkpoint.dir = " + dir + ": " + ec.message() +
+              "; choose another checkpoint.dir";
   if (world.rank() == 0 && !problem.empty()) fs::remove(probe, ec);
   problem = first_problem(world, problem);
   MT_CHECK(problem.empty(), problem);

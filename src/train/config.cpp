@@ -18,6 +18,7 @@
 #include "core/cuda.h"
 #include "core/error.h"
 #include "nn/tp.h"
+#include "train/faults.h"
 #include "parallel/pipeline.h"
 #include "parallel/pipeline.h"
 #include "parallel/schedule.h"
@@ -322,6 +323,7 @@ void Config::validate() const {
   MT_CHECK(training.val_every >= 0, "training.val_every must not be negative");
   MT_CHECK(training.val_batches >= 1, "training.val_batches must be at least 1");
   MT_CHECK(training.threads >= 0, "training.threads must not be negative (0: all cores)");
+  fault_spec_check(parallel.test_fault);
   check_device();
   if (model.grad_working()) {  // 16-bit gradients (training.grad_dtype; model.validate checked the dtype)
     MT_CHECK(parallel.grad_comm_dtype == "fp32" || parallel.grad_comm_dtype == model.grad_dtype,
@@ -547,6 +549,14 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
            "training.global_batch = " << training.global_batch << " is not divisible by parallel.dp x training.micro_batch = "
                                       << parallel.dp << " x " << training.micro_batch << " = " << per_step
                                       << "; make global_batch a multiple of " << per_step);
+  // Beyond this many micro-batches per step the schedule's action lists alone would take
+  // the machine's memory; no run needs them (a larger micro_batch does the same work).
+  constexpr int64_t kMaxMicroBatches = int64_t{1} << 20;
+  MT_CHECK(training.global_batch / per_step <= kMaxMicroBatches,
+           "training.global_batch = " << training.global_batch << " is " << training.global_batch / per_step
+                                      << " micro-batches per step (global_batch / (parallel.dp x training.micro_batch "
+                                      << "= " << per_step << ")), more than the " << kMaxMicroBatches
+                                      << " meshtrain runs; raise training.micro_batch or lower training.global_batch");
   // The pipeline schedule must take this many chunks and micro-batches per step.
   if (parallel.pp_schedule.rfind("file:", 0) == 0) return check_pipeline();  // against the file (always)
   if (parallel.pp_chunks == 0) parallel.pp_chunks = schedule_default_chunks(parallel.pp_schedule);

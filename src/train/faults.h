@@ -15,6 +15,8 @@
 
 namespace mt {
 
+// Refuses a spec that is not one of the forms above (Config::validate, before any work).
+void fault_spec_check(const std::string& spec);
 // Whether numerical fault `kind` is injected at `step` on `rank`.
 bool injected(const std::string& spec, const std::string& kind, int64_t step, int rank);
 // The failures of the first form, at step 1.

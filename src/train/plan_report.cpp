@@ -10,8 +10,6 @@
 
 namespace mt {
 
-namespace {
-
 plan::Layout run_layout(const Config& c) {
   plan::Layout l;
   l.dp = c.parallel.dp, l.tp = c.parallel.tp, l.pp = c.parallel.pp, l.cp = c.parallel.cp;
@@ -25,6 +23,8 @@ plan::Layout run_layout(const Config& c) {
   l.global_batch = c.training.global_batch;
   return l;
 }
+
+namespace {
 
 std::string mib(double b) {
   char s[32];

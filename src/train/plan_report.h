@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/allocator.h"
+#include "plan/plan.h"
 #include "train/config.h"
 
 namespace mt {
@@ -23,6 +24,9 @@ struct PlanMeasured {
 // mem_steps_<tag> (the training steps' peak: the summary's mem_<tag> also holds the final
 // validation's), plan_comm_bytes_<axis> beside comm_bytes_<axis>_step (pipeline rank 0's),
 // plan_step_s (null without a profile).
+// The planner's layout of a run's (resolved) configuration.
+plan::Layout run_layout(const Config& c);
+
 nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& m, std::vector<std::string>* lines);
 
 }  // namespace mt

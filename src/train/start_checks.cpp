@@ -8,7 +8,11 @@
 #include "core/error.h"
 #include "data/tokenizer.h"
 #include "plan/hardware.h"
-#include "train/metrics.h"  // output_parent_create
+#include "plan/memory.h"
+#include "plan/search.h"        // knobs
+#include "train/metrics.h"      // output_parent_create
+#include "train/plan_report.h"  // run_layout
+#include "train/resume.h"       // resume_resolve
 
 namespace fs = std::filesystem;
 
@@ -63,6 +67,50 @@ void check_outputs(const Config& c) {
   }
 }
 
+// This machine's physical memory in bytes (MemTotal), 0 where unknown.
+double machine_memory() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[256];
+  double kb = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "MemTotal: %lf kB", &kb) == 1) break;
+  std::fclose(f);
+  return kb * 1024;
+}
+
+// The ranks of the job on this machine, as the launcher says (1 where none does).
+int ranks_here() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"})
+    if (const char* n = std::getenv(v); n && std::atoi(n) > 0) return std::atoi(n);
+  return 1;
+}
+
+// A CPU run whose ranks on this machine need more than its memory, by the planner's count of
+// what the busiest rank allocates (exact per tag; BLAS, MPI and the heap come on top), is
+// refused before it allocates for minutes and is killed. A GPU's memory is its allocator's.
+void check_memory(const Config& c, int world_size) {
+  if (c.training.device != "cpu" || c.parallel.pp_schedule.rfind("file:", 0) == 0) return;
+  Config r = c;
+  plan::Memory m;
+  try {
+    resume_resolve(r, world_size);  // the layout this run trains
+    m = plan::memory_per_rank(r.model, run_layout(r), plan::Precisions::trained(r.model.precision, r.model.grad_working()),
+                              r.optim.name, plan::knobs(r));
+  } catch (const Error&) {
+    return;  // a layout the engine refuses: its own check says so, with its own words
+  }
+  const double total = machine_memory(), here = ranks_here(), gib = 1 << 30;
+  if (total <= 0 || m.peak * here <= total) return;
+  char need[320];
+  std::snprintf(need, sizeof need, "the run needs %.1f GiB per rank (parameters %.1f, gradients %.1f, optimizer %.1f, "
+                "activations %.1f, buffers %.1f, staging %.1f) x %.0f rank%s on this machine, more than its %.1f GiB",
+                m.peak / gib, m.params / gib, m.grads / gib, m.optim / gib, m.activations / gib, m.comm / gib,
+                m.other / gib, here, here > 1 ? "s" : "", total / gib);
+  MT_FAIL(need << "; use a smaller model (model.n_layer, model.d_model, model.vocab_size) or training.micro_batch, "
+               << "training.recompute=true, parallel.zero=3, or more machines (meshtrain plan helps choose)");
+}
+
 }  // namespace
 
 void outputs_prepare(const Config& c, Communicator& world) {
@@ -70,6 +118,7 @@ void outputs_prepare(const Config& c, Communicator& world) {
   if (world.rank() == 0) {
     try {
       check_outputs(c);
+      check_memory(c, world.size());
     } catch (const Error& e) {
       problem = e.what();
     }

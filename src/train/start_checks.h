@@ -14,8 +14,9 @@ std::string plot_path(const Config& c);
 
 // Rank 0 creates the directories of logging.metrics, logging.trace (and its .svg) and
 // logging.plot, tries opening those files for writing (an existing file is kept as it is),
-// loads logging.hardware and data.tokenizer; every rank then fails with rank 0's message,
-// which names the key and what to change.
+// loads logging.hardware and data.tokenizer, and refuses a CPU run whose ranks on this
+// machine need more memory than it has (the planner's count); every rank then fails with
+// rank 0's message, which names the key and what to change.
 void outputs_prepare(const Config& c, Communicator& world);
 
 }  // namespace mt
