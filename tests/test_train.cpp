@@ -358,6 +358,9 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
   EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " nosuchcmd", &out), 1);
   EXPECT_NE(out.find("\"nosuchcmd\" is not a meshtrain command; the commands are train, launch"), std::string::npos)
       << out;
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " checkpoint foo " + d.path, &out), 1);
+  EXPECT_NE(out.find("checkpoint: \"foo\" is not a checkpoint command; use meshtrain checkpoint info DIR"),
+            std::string::npos) << out;
   EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " launch -n 2 nosuch", &out), 1);
   EXPECT_NE(out.find("launch: \"nosuch\" is not a command launch runs"), std::string::npos) << out;
   EXPECT_EQ(out.find("mpirun"), std::string::npos) << "no rank started:\n" << out;

@@ -225,6 +225,8 @@ int main(int argc, char** argv) {
     MT_CHECK(cmd.empty() || cmd[0] == '-' || std::find(kCommands.begin(), kCommands.end(), cmd) != kCommands.end(),
              "\"" << cmd << "\" is not a meshtrain command; the commands are train, launch, bench, prepare, export, "
                    << "sample, schedule, checkpoint and plan (meshtrain --help)");
+    MT_CHECK(cmd != "checkpoint" || argc < 3 || argv[2][0] == '-' || std::string(argv[2]) == "info",
+             "checkpoint: \"" << argv[2] << "\" is not a checkpoint command; use meshtrain checkpoint info DIR [--json]");
     CLI::App app{"meshtrain: train transformer language models (see README.md)"};
     app.require_subcommand(1);
     app.add_subcommand("train", "train a model: meshtrain train [--config FILE.toml] [--section.key=value ...]");
