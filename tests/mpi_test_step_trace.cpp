@@ -20,9 +20,9 @@ namespace {
 Communicator* g_world = nullptr;  // the test program's world, set in main
 
 // Every rank replays the simulator's timeline of its pipeline rank (one true axis, causal),
-// timed from its own 0: rank w started 10 ms x w after the true 0 (and, as 1 s apart,
-// on the wall clock's axis). The trace must give every action its true time plus one
-// shift common to all ranks: the lead of each rank's origin is put back.
+// timed from its own 0: rank w started 10 ms x w after the true 0, its wall-clock origin
+// as late. The trace must give every action its true time plus one shift common to all
+// ranks: the lead of each rank's origin is put back.
 TEST(StepTrace, RanksStartedAtDifferentMomentsShareOneTimeAxis) {
   Communicator& w = *g_world;
   Mesh mesh(w, w.size() / 2, 2, 1);

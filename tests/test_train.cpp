@@ -377,7 +377,7 @@ TEST(Command, WhatCannotRunIsRefusedBeforeAnyWork) {
            {"--parallel.test_fault=boom:1", "parallel.test_fault = \"boom:1\": the kind is die, hang"},
            {"--parallel.test_fault=spike:1", "write spike:RANK:STEP,STEP..."},
            {"--training.global_batch=2097152 --training.micro_batch=1", "2097152 micro-batches per step"},
-           {"--model.n_layer=20000", "GiB per rank"},
+           {"--model.n_layer=20000 --model.d_model=16384 --model.n_head=16", "GiB per rank"},  // a petabyte
            {"--training.global_batch=4294967312", "GiB per rank"}}) {
     std::string out;
     EXPECT_EQ(test::run_command(train + " " + opt, &out), 1) << opt;

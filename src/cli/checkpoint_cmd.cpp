@@ -241,7 +241,7 @@ int cmd_checkpoint(const CheckpointOptions& o) {
   // A step directory without meta.json is a damaged checkpoint, reported as one (its
   // meta.json missing) rather than passed over for an older one: given directly, or the
   // newest under a run's checkpoint.dir. Older damaged ones are named after the report.
-  const bool step_dir = fs::path(arg).filename().string().rfind("step_", 0) == 0;
+  const bool step_dir = checkpoint_step_name(fs::path(arg).lexically_normal().filename().string());
   std::vector<std::string> damaged = dir == arg || step_dir ? std::vector<std::string>{} : checkpoint_damaged(arg);
   if (dir.empty() && step_dir) dir = arg;
   if (!damaged.empty() && (dir.empty() || fs::path(damaged.back()).filename() > fs::path(dir).filename())) {
@@ -263,8 +263,8 @@ int cmd_checkpoint(const CheckpointOptions& o) {
   std::string others;
   for (const std::string& d : damaged) others += (others.empty() ? "" : "; ") + d + "/meta.json is missing";
   MT_CHECK(others.empty(), "checkpoint.dir " << root << " holds damaged checkpoints beside " << dir << ": " << others
-                                             << ". Training refuses a checkpoint.dir that holds them; restore each "
-                                             << "whole from a copy, or delete it");
+                                             << ". They are older than " << dir << ", which training resumes "
+                                             << "from; restore each whole from a copy, or delete it");
   return 0;
 }
 

@@ -12,8 +12,9 @@
 // Start-up: mpirun passes SIGUSR1 only to the ranks it has started, and a rank that has not
 // yet installed its handlers dies of it. So a stop asked before every rank of a `train` job
 // is up is held: after one barrier (past every rank's handlers) each rank on launch's
-// machine creates the file MESHTRAIN_LAUNCH_READY names, and the request goes out then. If
-// no rank runs on launch's machine, it goes out kReadyWaitS after the start.
+// machine creates the file MESHTRAIN_LAUNCH_READY names (in a directory of launch's own),
+// and the request goes out then, or kReadyWaitS after the start at the latest (where no rank
+// runs on launch's machine, no file comes).
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -27,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,16 +61,22 @@ std::string host_name() {
   return name;
 }
 
-// A fresh path for the ranks' ready file (nothing there yet).
-std::string ready_path() {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/meshtrain-launch-XXXXXX";
-  const int fd = mkstemp(path.data());
-  MT_CHECK(fd >= 0, "launch: cannot create a file under " << path << " (" << std::strerror(errno) << "); set TMPDIR");
-  close(fd);
-  unlink(path.c_str());
-  return path;
-}
+// The ranks' ready file, in a fresh directory only launch's user can write (so no other
+// user's file or link can stand in for it); both go when launch does.
+struct ReadyFile {
+  std::string dir, path;
+  ReadyFile() {
+    const char* tmp = std::getenv("TMPDIR");
+    dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/meshtrain-launch-XXXXXX";
+    MT_CHECK(mkdtemp(dir.data()), "launch: cannot create a directory " << dir << " (" << std::strerror(errno)
+                                                                       << "); set TMPDIR to a writable directory");
+    path = dir + "/ready";
+  }
+  ~ReadyFile() {
+    unlink(path.c_str());
+    rmdir(dir.c_str());
+  }
+};
 
 // Waits for mpirun `pid` to exit, passing stop requests on as SIGUSR1 once the ranks are up
 // (ready_file empty: at once).
@@ -133,7 +141,6 @@ int mpirun_forwarding(std::vector<std::string>& argv, const std::string& ready_f
   for (int sig : handled) sigaction(sig, &sa, nullptr);
   sigprocmask(SIG_SETMASK, &old, nullptr);
   wait_forwarding(pid, ready_file);
-  if (!ready_file.empty()) unlink(ready_file.c_str());
   g_mpirun = 0;  // before reaping it: until then its pid cannot be another process's
   int status = 0;
   waitpid(pid, &status, 0);
@@ -191,7 +198,9 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
   for (const char* v : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY"}) argv.insert(argv.end(), {"-x", v});
   if (!std::getenv("OMP_WAIT_POLICY")) setenv("OMP_WAIT_POLICY", "passive", 1);  // ranks share cores with comm threads
   const bool train = rest[0] == "train";  // the one command that installs stop handlers
-  const std::string ready_file = train ? ready_path() : "";
+  std::optional<ReadyFile> ready;
+  if (train) ready.emplace();
+  const std::string ready_file = train ? ready->path : "";
   if (train) {
     setenv(kReadyEnv, ready_file.c_str(), 1);
     setenv(kHostEnv, host_name().c_str(), 1);
@@ -210,7 +219,7 @@ void launch_ready_announce(Communicator& world) {
   if (!path || !host) return;  // not started by launch
   world.barrier();  // every rank is past stop_signals_install
   if (host_name() != host) return;
-  const int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+  const int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd >= 0) close(fd);
 }
 

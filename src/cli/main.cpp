@@ -128,7 +128,7 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
         mt::checkpoint_dir_prepare(cfg.checkpoint.dir, *world);
         mt::outputs_prepare(cfg, *world);
       }
-    } catch (const mt::Error& e) {
+    } catch (const std::exception& e) {
       problem = e.what();
     }
     if (!problem.empty()) {

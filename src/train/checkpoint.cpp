@@ -283,7 +283,7 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
       std::vector<std::string> dirs;
       for (const auto& e : fs::directory_iterator(root)) {
         const std::string n = e.path().filename().string();
-        if (e.is_directory() && n.rfind("step_", 0) == 0 && n.find(".old") == std::string::npos &&
+        if (e.is_directory() && checkpoint_step_name(n) &&
             e.path().string() != fs::path(final_dir).string())
           dirs.push_back(e.path());
       }
@@ -319,12 +319,17 @@ std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin
   return r;
 }
 
+bool checkpoint_step_name(const std::string& name, bool old) {
+  const std::string n = old && name.size() > 4 && name.ends_with(".old") ? name.substr(0, name.size() - 4) : name;
+  return n.size() > 5 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos;
+}
+
 std::vector<std::string> checkpoint_list(const std::string& root) {
   std::vector<std::string> dirs;
   if (!fs::is_directory(root)) return dirs;
   for (const auto& e : fs::directory_iterator(root)) {
     std::string name = e.path().filename().string();
-    if (!e.is_directory() || name.rfind("step_", 0) != 0 || !fs::exists(e.path() / "meta.json")) continue;
+    if (!e.is_directory() || !checkpoint_step_name(name, true) || !fs::exists(e.path() / "meta.json")) continue;
     // step_N.old is the previous copy of step N, complete; it counts only if a save died
     // between its two renames and step_N is missing.
     const size_t old = name.find(".old");
@@ -347,7 +352,7 @@ std::vector<std::string> checkpoint_damaged(const std::string& root) {
   if (!fs::is_directory(root, ec) || fs::exists(root + "/meta.json", ec)) return dirs;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     const std::string name = e.path().filename().string();
-    if (!e.is_directory(ec) || name.rfind("step_", 0) != 0 || fs::exists(e.path() / "meta.json", ec)) continue;
+    if (!e.is_directory(ec) || !checkpoint_step_name(name, true) || fs::exists(e.path() / "meta.json", ec)) continue;
     const size_t old = name.find(".old");
     if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old), ec)) continue;
     if (!fs::exists(e.path(), ec)) continue;  // renamed away meanwhile: pruned by a running save

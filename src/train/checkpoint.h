@@ -85,6 +85,9 @@ std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin
                                                     const std::vector<std::pair<std::string, float*>>& tensors,
                                                     bool primary_only);
 
+// Whether a directory's name is one a save gives a checkpoint: step_ and digits (step_N),
+// with ".old" for the previous copy of step N while it is being replaced (old = true).
+bool checkpoint_step_name(const std::string& name, bool old = false);
 // The complete checkpoint directories under root (step_* with a meta.json), oldest first.
 std::vector<std::string> checkpoint_list(const std::string& root);
 // The newest complete checkpoint directory under root ("" if none); a step directory

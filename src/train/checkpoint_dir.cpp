@@ -20,12 +20,6 @@ namespace mt {
 
 namespace {
 
-// "step_00000005": the name a save gives one checkpoint.
-bool step_name(const std::string& name) {
-  return name.size() > 5 && name.rfind("step_", 0) == 0 &&
-         name.find_first_not_of("0123456789", 5) == std::string::npos;
-}
-
 // The first non-empty string any rank gives, on every rank.
 std::string first_problem(Communicator& world, const std::string& mine) {
   if (world.size() == 1) return mine;
@@ -43,17 +37,22 @@ void checkpoint_dir_check(const CheckpointConfig& c) {
   const fs::path real = exists && !ec ? fs::canonical(c.dir, ec) : fs::path();
   MT_CHECK(!ec, "checkpoint.dir = " << c.dir << ": " << ec.message() << "; choose another checkpoint.dir");
   if (!exists) return;
-  if (fs::exists(real / "meta.json", ec) || step_name(real.filename().string()))
+  if (fs::exists(real / "meta.json", ec) || checkpoint_step_name(real.filename().string()))
     MT_FAIL("checkpoint.dir = " << c.dir << " is itself one checkpoint (" << real.string() << "), not a run's "
                                 << "directory of checkpoints: the run would write its checkpoints inside it and every "
                                 << "resume would go back to it. Set checkpoint.dir = " << real.parent_path().string()
                                 << " (checkpoint.resume=true continues from its newest checkpoint)");
   // Damaged ones newer than the newest complete checkpoint: a resume would go back past them
   // and later overwrite them. Older ones are no such loss (checkpoint info names them all).
-  const std::string newest = fs::path(checkpoint_latest(c.dir)).filename().string();
-  std::string list;
-  for (const std::string& d : checkpoint_damaged(c.dir))
-    if (fs::path(d).filename().string() > newest) list += (list.empty() ? "" : ", ") + d;
+  std::string newest, list;
+  try {
+    newest = fs::path(checkpoint_latest(c.dir)).filename().string();
+    for (const std::string& d : checkpoint_damaged(c.dir))
+      if (fs::path(d).filename().string() > newest) list += (list.empty() ? "" : ", ") + d;
+  } catch (const fs::filesystem_error& e) {  // unreadable: no permission, a directory gone meanwhile
+    MT_FAIL("checkpoint.dir = " << c.dir << ": " << e.code().message() << " (" << e.path1().string()
+                                << "); choose another checkpoint.dir");
+  }
   if (list.empty()) return;
   MT_FAIL("checkpoint.dir " << c.dir << " holds " << list << " without meta.json: a damaged checkpoint or a partial "
                             << "copy (meshtrain checkpoint info " << c.dir << " says more), newer than "

@@ -45,7 +45,7 @@ template <class T>
 T parse_int(const std::string& key, const std::string& v) {
   const char* b = v.data();
   const char* e = b + v.size();
-  if (b != e && *b == '+') ++b;
+  if (b != e && *b == '+' && (b + 1 == e || b[1] != '-')) ++b;  // "+5"; "+-5" stays no integer
   T x{};
   auto [p, ec] = std::from_chars(b, e, x);
   const bool digits = b != e && std::all_of(b + (*b == '-'), e, [](char ch) { return ch >= '0' && ch <= '9'; }) &&

@@ -45,7 +45,8 @@ nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& 
   const plan::Memory pm = plan::memory_per_rank(c.model, l, prec, c.optim.name, plan::knobs(c));
   const plan::CommBytes pc = plan::comm_bytes_rank(c.model, l, prec, /*pp_rank=*/0, plan::traffic(c));  // rank 0's, as measured
   const double predicted[] = {pm.params, pm.grads, pm.optim, pm.activations, pm.comm, pm.other};
-  const MemTag tags[] = {MemTag::params, MemTag::grads, MemTag::optim, MemTag::activations, MemTag::comm, MemTag::other};
+  const MemTag tags[] = {MemTag::params, MemTag::grads,  MemTag::optim,
+                         MemTag::activations, MemTag::comm, MemTag::other};
   // A run resumed at its last step trains none: nothing measured (null), not zero bytes.
   const bool ran = m.mem.peak_total > 0;
   const auto measured_json = [&](double v) { return ran ? nlohmann::json(v) : nlohmann::json(nullptr); };
@@ -56,7 +57,8 @@ nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& 
     j[std::string("plan_mem_") + memtag_name(tags[i])] = predicted[i];
     j[std::string("mem_steps_") + memtag_name(tags[i])] = measured_json(measured);
     if (tags[i] == MemTag::other && predicted[i] == 0 && measured == 0) continue;  // fp32 stages nothing
-    mem += std::string(i ? "," : "") + " " + memtag_name(tags[i]) + " " + mib(predicted[i]) + " / " + measured_text(measured);
+    mem += std::string(i ? "," : "") + " " + memtag_name(tags[i]) + " " + mib(predicted[i]) + " / " +
+           measured_text(measured);
   }
   lines->push_back(mem);
   const double axes[] = {pc.dp, pc.tp, pc.pp, pc.cp};

@@ -20,13 +20,13 @@ struct PlanMeasured {
   double step_s = 0;                  // mean time of a timed step
 };
 
-// Appends the printed lines to *lines and returns the metrics keys: plan_mem_<tag> beside
-// mem_steps_<tag> (the training steps' peak: the summary's mem_<tag> also holds the final
-// validation's), plan_comm_bytes_<axis> beside comm_bytes_<axis>_step (pipeline rank 0's),
-// plan_step_s (null without a profile).
 // The planner's layout of a run's (resolved) configuration.
 plan::Layout run_layout(const Config& c);
 
+// Appends the printed lines to *lines and returns the metrics keys: plan_mem_<tag> beside
+// mem_steps_<tag> (the training steps' peak: the summary's mem_<tag> also holds the final
+// validation's), plan_comm_bytes_<axis> beside comm_bytes_<axis>_step (pipeline rank 0's;
+// both measurements null where no step ran), plan_step_s (null without a profile).
 nlohmann::json plan_report(const Config& c, int world_size, const PlanMeasured& m, std::vector<std::string>* lines);
 
 }  // namespace mt

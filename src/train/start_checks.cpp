@@ -95,9 +95,9 @@ void check_memory(const Config& c, int world_size) {
   plan::Memory m;
   try {
     resume_resolve(r, world_size);  // the layout this run trains
-    m = plan::memory_per_rank(r.model, run_layout(r), plan::Precisions::trained(r.model.precision, r.model.grad_working()),
-                              r.optim.name, plan::knobs(r));
-  } catch (const Error&) {
+    const plan::Precisions prec = plan::Precisions::trained(r.model.precision, r.model.grad_working());
+    m = plan::memory_per_rank(r.model, run_layout(r), prec, r.optim.name, plan::knobs(r));
+  } catch (const std::exception&) {
     return;  // a layout the engine refuses: its own check says so, with its own words
   }
   const double total = machine_memory(), here = ranks_here(), gib = 1 << 30;
@@ -119,7 +119,7 @@ void outputs_prepare(const Config& c, Communicator& world) {
     try {
       check_outputs(c);
       check_memory(c, world.size());
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {  // any failure here is rank 0's alone: the others wait below
       problem = e.what();
     }
   }
