@@ -237,10 +237,11 @@ TEST(CheckpointDir, UnresolvableOrUnsharedDirectoryIsRefusedBeforeAnyWork) {
                  {{" --checkpoint.dir=" + d / "loop", "checkpoint.dir = " + d / "loop" + ": Too many levels"}});
   fs::create_directories(d / "a");
   fs::create_directories(d / "b");
-  const std::string rank = std::string(MESHTRAIN_BIN) + " train " + o + " --checkpoint.dir=ck";
+  // (expect_refused adds --logging.progress=off to the last rank's options: every rank gets it)
+  const std::string rank = std::string(MESHTRAIN_BIN) + " train " + o + " --checkpoint.dir=ck --logging.progress=off";
   expect_refused("mpirun --oversubscribe --allow-run-as-root -n 1 -wdir " + d / "a" + " " + rank + " : -n 1 -wdir " +
                      d / "b" + " " + rank,
-                 {{"", "rank 1 does not see the file rank 0 wrote in checkpoint.dir = ck: it must be one directory "
+                 {{"", "rank 1: cannot see the file rank 0 wrote in checkpoint.dir = ck: it must be one directory "
                        "shared by all ranks"}});
   EXPECT_FALSE(fs::exists(d / "a/ck/.meshtrain-write-probe")) << "the probe is removed";
   // A verdict only one rank reaches (a damaged checkpoint only rank 1 sees): every rank

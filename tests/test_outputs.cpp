@@ -29,8 +29,10 @@ nlohmann::json summary_of(const std::string& metrics) {
 // The planner's step time is null in every run here: none sets logging.hardware.
 void expect_summary(const nlohmann::json& j, std::vector<std::string> absent, const std::string& what) {
   absent.push_back("plan_step_s");
+  absent.push_back("loss_scale");  // fp32 runs
   for (const char* k : {"steps", "loss", "val_loss", "baseline_loss", "answer_accuracy", "baseline_accuracy",
-                        "tokens_per_s", "seconds", "ranks", "mem_peak", "mem_model_state", "plan_step_s"})
+                        "tokens_per_s", "seconds", "ranks", "mem_peak", "mem_model_state", "plan_step_s", "skipped",
+                        "loss_scale"})
     EXPECT_TRUE(j.contains(k)) << what << ": no " << k << " in " << j;
   for (const auto& [k, v] : j.items()) {
     if (k == "event") continue;
@@ -61,7 +63,8 @@ TEST(Summary, ValuesThatDoNotExistAreNull) {
                  "no validation data");
   EXPECT_FALSE(s.val_loss || s.baseline_loss);
 
-  // Resumed at its last step: no step runs, so there is no loss and no throughput.
+  // Resumed at its last step: no step runs, so there is no loss and no throughput. It
+  // appends to its metrics file (a fresh run starts it afresh: Outputs.MetricsFile...).
   c.checkpoint.resume = true;
   c.logging.metrics = d / "nothing_left.jsonl";
   s = train(c);
@@ -86,6 +89,38 @@ TEST(Summary, BuiltInTasksReportAnswerAccuracy) {
   c.logging.metrics = d / "m.jsonl";
   train(c);
   expect_summary(summary_of(c.logging.metrics), {}, "built-in tasks");
+}
+
+// A run that does not resume starts logging.metrics afresh (two runs' steps mixed in one
+// file would mislead every reader); a resumed run appends to it; a run refused at start-up
+// leaves it as it was.
+TEST(Outputs, MetricsFileIsStartedAfreshUnlessTheRunResumes) {
+  test::TempDir d;
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 400, 37));
+  c.training.steps = 2;
+  c.logging.metrics = d / "m.jsonl";
+  auto summaries = [&] {
+    int n = 0;
+    for (const std::string& l : test::read_lines(c.logging.metrics)) n += l.find("\"summary\"") != std::string::npos;
+    return n;
+  };
+  train(c);
+  const size_t one_run = test::read_lines(c.logging.metrics).size();
+  train(c);
+  EXPECT_EQ(test::read_lines(c.logging.metrics).size(), one_run);
+  EXPECT_EQ(summaries(), 1);
+  Config bad = c;
+  bad.data.path = d / "none.bin";
+  EXPECT_THROW(train(bad), Error);
+  EXPECT_EQ(summaries(), 1) << "a refused run leaves the file as it was";
+  c.checkpoint.dir = d / "ck";
+  train(c);
+  c.checkpoint.resume = true;
+  c.training.steps = 3;
+  train(c);
+  const std::vector<std::string> lines = test::read_lines(c.logging.metrics);
+  EXPECT_EQ(summaries(), 2) << "the resumed run appends";
+  EXPECT_EQ(nlohmann::json::parse(lines.front())["step"], 0);
 }
 
 // Metrics and the loss curve go into directories made for them, as checkpoint.dir does.
@@ -166,21 +201,38 @@ TEST(Outputs, CheckedBeforeTheFirstStep) {
   EXPECT_TRUE(fs::is_regular_file(c.logging.trace));
   EXPECT_TRUE(fs::is_regular_file(c.logging.trace + ".svg"));
 
-  // On the command line with two ranks: one message, before any step.
-  std::string out;
+  // On the command line with two ranks: one message, before any step. Data that does not
+  // load (a missing file, fewer tokens than one sequence) is said once too, not by each rank.
   const std::string metrics = d / "two.jsonl";
-  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " launch -n 2 train --data.path=" + c.data.path +
-                                  " --model.n_layer=1 --model.d_model=16 --model.n_head=2 --model.vocab_size=37"
-                                  " --model.seq_len=8 --training.global_batch=2 --training.steps=1"
-                                  " --logging.metrics=" + metrics + " --logging.trace=" + d / "file/t.json",
+  const std::string two = std::string(MESHTRAIN_BIN) + " launch -n 2 train --model.n_layer=1 --model.d_model=16"
+                          " --model.n_head=2 --model.vocab_size=37 --model.seq_len=8 --training.global_batch=2"
+                          " --training.steps=1 --logging.metrics=" + metrics;
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {" --data.path=" + c.data.path + " --logging.trace=" + d / "file/t.json", "logging.trace file " + d / "file/t.json"},
+      {" --data.path=" + d / "none.bin", d / "none.bin"},
+      {" --data.path=" + test::write_tokens(d, "t5.bin", 5, 37), "one training sequence needs model.seq_len + 1 = 9"}};
+  for (const auto& [opts, want] : refused) {
+    std::string out;
+    EXPECT_EQ(test::run_command(two + opts, &out), 1) << out;
+    EXPECT_NE(out.find(want), std::string::npos) << want << "\n" << out;
+    size_t errors = 0;
+    for (size_t at = out.find("error:"); at != std::string::npos; at = out.find("error:", at + 1)) ++errors;
+    EXPECT_EQ(errors, 1u) << out;
+    EXPECT_FALSE(fs::exists(metrics));
+  }
+  // Ranks started with other options: the keys that differ are named, once.
+  const std::string rank = std::string(MESHTRAIN_BIN) + " train --data.path=" + c.data.path +
+                           " --model.n_layer=1 --model.d_model=16 --model.n_head=2 --model.vocab_size=37"
+                           " --model.seq_len=8 --training.global_batch=2 --training.steps=1 --logging.progress=off";
+  std::string out;
+  EXPECT_NE(test::run_command("mpirun --oversubscribe --allow-run-as-root -n 1 " + rank + " : -n 1 " + rank +
+                                  " --training.seed=7",
                               &out),
-            1)
+            0);
+  EXPECT_NE(out.find("rank 1 runs another configuration than rank 0: training.seed = 7 (rank 0: 1337)"),
+            std::string::npos)
       << out;
-  EXPECT_NE(out.find("logging.trace file " + d / "file/t.json"), std::string::npos) << out;
-  size_t errors = 0;
-  for (size_t at = out.find("error:"); at != std::string::npos; at = out.find("error:", at + 1)) ++errors;
-  EXPECT_EQ(errors, 1u) << out;
-  EXPECT_FALSE(fs::exists(metrics));
+  EXPECT_EQ(out.find("error:"), out.rfind("error:")) << "said once\n" << out;
 }
 
 }  // namespace

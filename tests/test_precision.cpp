@@ -326,12 +326,20 @@ TEST(Precision, Fp16LossScalingSkipsExactlyTheOverflowingSteps) {
                            "16384"})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
   for (int s = 0; s < 12; ++s) EXPECT_TRUE(std::isfinite(r.loss[s])) << "step " << s;
+  // The learning-rate schedule (cosine) follows the updates taken: the step after a skip
+  // runs at the skipped step's rate. The summary counts the skips and has the final scale.
+  EXPECT_NE(st[2]["lr"], st[1]["lr"]);
+  EXPECT_EQ(st[3]["lr"], st[2]["lr"]);
+  EXPECT_EQ(st[6]["lr"], st[5]["lr"]);
+  EXPECT_EQ(r.summary["skipped"], 2);
+  EXPECT_EQ(r.summary["loss_scale"], 65536);
   // A skipped step changes nothing: the same run without the injection agrees up to step 2
   // and differs from step 3 on (it applied step 2).
   const RunResult& clean = rs.run("fp16_clean", 2, opts);
   EXPECT_EQ(clean.loss[2], r.loss[2]);
   EXPECT_NE(clean.loss[3], r.loss[3]);
   for (const nlohmann::json& j : steps_of(rs.dir, "fp16_clean")) EXPECT_FALSE(j["skipped"].get<bool>());
+  EXPECT_EQ(steps_of(rs.dir, "fp16_clean")[2]["lr"], st[3]["lr"]) << "the third update's rate";
 
   // The scale and its clean-step count are saved: the run stopped after step 6 (scale 16384,
   // one clean step since it halved) and resumed goes on exactly as the uninterrupted one

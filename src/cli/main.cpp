@@ -17,7 +17,6 @@
 // Exit status: 0 done; 1 an error (the message names it); 75 (kExitStopped) train stopped
 // early by SIGTERM or SIGUSR1 after writing a checkpoint: rerun with checkpoint.resume=true.
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -34,19 +33,16 @@
 #include "data/tokenizer.h"                   // tokenizer_make, sentencepiece_train
 #include "nn/hf.h"                            // hf_export
 #include "train/checkpoint.h"                 // checkpoint_latest, checkpoint_load
-#include "train/checkpoint_dir.h"             // checkpoint_dir_prepare
 #include "train/config.h"                     // config_load, config_keys
 #include "train/metrics.h"                    // output_parent_create
-#include "train/resume.h"                     // resume_resolve
 #include "train/sample.h"                     // sample_text
-#include "train/start_checks.h"               // outputs_prepare
 #include "train/stop.h"                       // stop_signals_install, kExitStopped
 #include "train/trainer.h"                    // train
 
 namespace {
 
-// Parses `train`'s options into a configuration. Errors here are the same on every rank.
-mt::Config train_config(const std::vector<std::string>& args, int world_size, bool* help) {
+// Parses `train`'s options into a configuration; train() resolves its layout.
+mt::Config train_config(const std::vector<std::string>& args, bool* help) {
   std::string config_path;
   std::vector<std::string> overrides;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -69,12 +65,7 @@ mt::Config train_config(const std::vector<std::string>& args, int world_size, bo
     if (body == "config") config_path = value;
     else overrides.push_back(body + "=" + value);
   }
-  mt::Config cfg = mt::config_load(config_path, overrides);
-  // Layout errors and a resumed checkpoint's mismatched keys, before any work; train()
-  // resolves cfg again and prints what a resumed layout changed.
-  mt::Config probe = cfg;
-  mt::resume_resolve(probe, world_size);
-  return cfg;
+  return mt::config_load(config_path, overrides);
 }
 
 void print_train_help() {
@@ -106,31 +97,18 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
   const bool lead = world->rank() == 0;
   mt::Config cfg;
   if (cmd == "train") {
-    // Configuration and layout errors, said once by rank 0. The ranks read the same files and
-    // usually reach the same verdict; where they do not (a relative path in different working
-    // directories), they agree on the lowest rank's complaint, so none waits in a collective.
+    // Configuration errors, said once by rank 0. The ranks read the same files and usually
+    // reach the same verdict; where they do not (a relative path in different working
+    // directories), they agree on the lowest rank's, so none waits in a collective. train()
+    // checks the layout, checkpoint.dir and the outputs before any work in the same way.
     std::string problem;
     bool help = false;
     try {
-      cfg = train_config(args, world->size(), &help);
+      cfg = train_config(args, &help);
     } catch (const std::exception& e) {
       problem = e.what();
     }
-    if (world->size() > 1) {
-      const std::vector<std::string> all = mt::allgather_strings(*world, problem);
-      for (size_t r = all.size(); r-- > 0;)
-        if (!all[r].empty()) problem = r == 0 ? all[0] : "rank " + std::to_string(r) + ": " + all[r];
-    }
-    try {
-      if (problem.empty() && !help) {
-        // An unwritable checkpoint.dir, found now and said once (train() checks again, for
-        // its other callers); the same for the logging files, hardware profile and tokenizer.
-        mt::checkpoint_dir_prepare(cfg.checkpoint.dir, *world);
-        mt::outputs_prepare(cfg, *world);
-      }
-    } catch (const std::exception& e) {
-      problem = e.what();
-    }
+    problem = mt::first_problem(*world, problem);
     if (!problem.empty()) {
       if (lead) std::fprintf(stderr, "meshtrain: error: %s\n", problem.c_str());
       return 1;
@@ -140,7 +118,8 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
       return 0;
     }
   }
-  // From here on a failure may be one rank's alone: it names its rank and ends the job.
+  // From here on a failure may be one rank's alone: it names its rank and ends the job;
+  // one the ranks agreed on (AgreedError) is said once.
   try {
     if (cmd == "train") {
       if (lead) mt::stop_notes_enable();
@@ -151,6 +130,9 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
              "bench: the benchmarks are `comm` (meshtrain launch -n 2 bench comm) and `profile` (meshtrain bench "
              "profile --out FILE.toml); step benchmarks are in bench/");
     return mt::cmd_bench_comm({args.begin() + 1, args.end()}, *world);
+  } catch (const mt::AgreedError& e) {
+    if (lead) std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     std::fflush(stdout);
     if (world->size() > 1) {
@@ -219,14 +201,6 @@ int main(int argc, char** argv) {
     if (cmd == "train" || cmd == "bench") return run_as_rank(cmd, std::vector<std::string>(argv + 2, argv + argc), &argc, &argv);
     if (cmd == "launch") return mt::cmd_launch(std::vector<std::string>(argv + 2, argv + argc), argv[0]);
 
-    // CLI11 says only "A subcommand is required" for a word it does not know: name it.
-    static const std::vector<std::string> kCommands = {"train",  "launch",   "bench",      "prepare", "export",
-                                                       "sample", "schedule", "checkpoint", "plan"};
-    MT_CHECK(cmd.empty() || cmd[0] == '-' || std::find(kCommands.begin(), kCommands.end(), cmd) != kCommands.end(),
-             "\"" << cmd << "\" is not a meshtrain command; the commands are train, launch, bench, prepare, export, "
-                   << "sample, schedule, checkpoint and plan (meshtrain --help)");
-    MT_CHECK(cmd != "checkpoint" || argc < 3 || argv[2][0] == '-' || std::string(argv[2]) == "info",
-             "checkpoint: \"" << argv[2] << "\" is not a checkpoint command; use meshtrain checkpoint info DIR [--json]");
     CLI::App app{"meshtrain: train transformer language models (see README.md)"};
     app.require_subcommand(1);
     app.add_subcommand("train", "train a model: meshtrain train [--config FILE.toml] [--section.key=value ...]");
@@ -273,6 +247,18 @@ int main(int argc, char** argv) {
     mt::PlanOptions plan_opts;
     mt::plan_options_add(plan_cmd, &plan_opts);
 
+    // CLI11 says only "A subcommand is required" for a word it does not know: name it.
+    std::string names;
+    bool known = cmd.empty() || cmd[0] == '-';
+    const std::vector<CLI::App*> commands = app.get_subcommands([](CLI::App*) { return true; });
+    for (size_t i = 0; i < commands.size(); ++i) {
+      const std::string& name = commands[i]->get_name();
+      names += (i == 0 ? "" : i + 1 == commands.size() ? " and " : ", ") + name;
+      known = known || name == cmd;
+    }
+    MT_CHECK(known, "\"" << cmd << "\" is not a meshtrain command; the commands are " << names << " (meshtrain --help)");
+    MT_CHECK(cmd != "checkpoint" || argc < 3 || argv[2][0] == '-' || std::string(argv[2]) == "info",
+             "checkpoint: \"" << argv[2] << "\" is not a checkpoint command; use meshtrain checkpoint info DIR [--json]");
     CLI11_PARSE(app, argc, argv);
 
     if (prep->parsed()) {

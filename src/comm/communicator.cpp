@@ -84,6 +84,14 @@ std::vector<std::string> allgather_strings(Communicator& group, const std::strin
   return r;
 }
 
+std::string first_problem(Communicator& group, const std::string& mine) {
+  if (group.size() == 1) return mine;
+  const std::vector<std::string> all = allgather_strings(group, mine);
+  for (size_t r = 0; r < all.size(); ++r)
+    if (!all[r].empty()) return r == 0 ? all[0] : "rank " + std::to_string(r) + ": " + all[r];
+  return "";
+}
+
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }

@@ -49,6 +49,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/error.h"
 #include "core/profile.h"
 #include "core/tensor.h"
 
@@ -367,5 +368,25 @@ double sum_doubles(Communicator& group, double x);
 // Every rank's string, on every rank in rank order (two all-gathers: lengths, then the bytes
 // padded to the longest).
 std::vector<std::string> allgather_strings(Communicator& group, const std::string& mine);
+
+// One verdict for a check whose outcome may differ by rank (a path each rank resolves from
+// its own working directory): the lowest rank's non-empty message, on every rank, named
+// "rank R: ..." when R is not 0; "" when no rank has one. Every rank then stops with the
+// same words and none is left waiting in a collective.
+std::string first_problem(Communicator& group, const std::string& mine);
+
+// Runs f on every rank of group; when it throws on any, every rank throws AgreedError with
+// first_problem's message (start-up checks: the command says it once, no rank is aborted).
+template <class F>
+void agreed(Communicator& group, F&& f) {
+  std::string problem;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    problem = e.what();
+  }
+  problem = first_problem(group, problem);
+  if (!problem.empty()) throw AgreedError(problem);
+}
 
 }  // namespace mt

@@ -11,6 +11,12 @@ struct Error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A start-up verdict every rank of the job throws, with the same message (train()'s checks
+// agree on it before any work): the command prints it once and exits 1, no rank is aborted.
+struct AgreedError : Error {
+  using Error::Error;
+};
+
 // MT_CHECK(cond, "what" << value << "; fix") throws mt::Error when cond is false.
 #define MT_CHECK(cond, msg)                      \
   do {                                           \

@@ -18,18 +18,6 @@ namespace fs = std::filesystem;
 
 namespace mt {
 
-namespace {
-
-// The first non-empty string any rank gives, on every rank.
-std::string first_problem(Communicator& world, const std::string& mine) {
-  if (world.size() == 1) return mine;
-  for (const std::string& p : allgather_strings(world, mine))
-    if (!p.empty()) return p;
-  return "";
-}
-
-}  // namespace
-
 void checkpoint_dir_check(const CheckpointConfig& c) {
   if (c.dir.empty()) return;
   std::error_code ec;
@@ -81,14 +69,14 @@ void checkpoint_dir_prepare(const std::string& dir, Communicator& world) {
     if (!problem.empty()) problem += "; choose another checkpoint.dir";
   }
   problem = first_problem(world, problem);
-  MT_CHECK(problem.empty(), problem);
+  if (!problem.empty()) throw AgreedError(problem);
   if (world.size() > 1) {
     nonce = allgather_strings(world, nonce)[0];
     std::ifstream f(probe);
     const std::string seen((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     if (seen != nonce)
-      problem = "rank " + std::to_string(world.rank()) + " does not see the file rank 0 wrote in checkpoint.dir = " +
-                dir + ": it must be one directory shared by all ranks (a shared filesystem), given as an absolute path";
+      problem = "cannot see the file rank 0 wrote in checkpoint.dir = " + dir +
+                ": it must be one directory shared by all ranks (a shared filesystem), given as an absolute path";
     problem = first_problem(world, problem);  // every rank has read it
   }
   std::error_code ec;
@@ -97,7 +85,7 @@ void checkpoint_dir_prepare(const std::string& dir, Communicator& world) {
               "; choose another checkpoint.dir";
   if (world.rank() == 0 && !problem.empty()) fs::remove(probe, ec);
   problem = first_problem(world, problem);
-  MT_CHECK(problem.empty(), problem);
+  if (!problem.empty()) throw AgreedError(problem);
 }
 
 std::string checkpoint_resume_point(const Config& c, Communicator& world, MetricsLog& log) {

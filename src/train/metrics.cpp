@@ -20,15 +20,17 @@ void output_parent_create(const std::string& path, const std::string& key) {
 }
 
 MetricsLog::MetricsLog(const std::string& path, const std::string& progress, int64_t every, bool enabled)
-    : every_(every), enabled_(enabled) {
+    : path_(path), every_(every), enabled_(enabled) {
   if (!enabled) return;
-  if (!path.empty()) {
-    output_parent_create(path, "logging.metrics");
-    file_ = std::fopen(path.c_str(), "a");
-    MT_CHECK(file_, "cannot open logging.metrics file " << path << ": " << std::strerror(errno)
-                                                         << "; choose another logging.metrics");
-  }
   live_ = progress == "on" || (progress == "auto" && isatty(fileno(stderr)));
+}
+
+void MetricsLog::open(bool fresh) {
+  if (!enabled_ || path_.empty() || file_) return;
+  output_parent_create(path_, "logging.metrics");
+  file_ = std::fopen(path_.c_str(), fresh ? "w" : "a");
+  MT_CHECK(file_, "cannot open logging.metrics file " << path_ << ": " << std::strerror(errno)
+                                                       << "; choose another logging.metrics");
 }
 
 MetricsLog::~MetricsLog() {

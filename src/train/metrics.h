@@ -12,17 +12,20 @@ namespace mt {
 
 class MetricsLog {
  public:
-  // path empty: no file (else appended to, its directory created). progress: "auto" (a
-  // terminal gets a live line) | "on" | "off".
+  // path empty: no file. progress: "auto" (a terminal gets a live line) | "on" | "off".
   // A log that is not enabled (ranks other than 0) writes and prints nothing.
   MetricsLog(const std::string& path, const std::string& progress, int64_t every, bool enabled = true);
   ~MetricsLog();
-  void write(const nlohmann::json& j);  // one line in the metrics file
+  // Opens the file (its directory created) once the run is ready to train: a fresh run
+  // starts it afresh, a resumed one appends. A run refused at start-up leaves it as it was.
+  void open(bool fresh);
+  void write(const nlohmann::json& j);  // one line in the metrics file (none before open)
   // The progress line (terminal) or a log line every `every` steps.
   void progress(int64_t step, int64_t total, double loss, double lr, double tokens_per_s, double eta_s);
   void message(const std::string& line);  // a line of its own, clearing the progress line first
 
  private:
+  std::string path_;
   FILE* file_ = nullptr;
   bool live_ = false;
   bool line_open_ = false;

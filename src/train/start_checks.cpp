@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "data/tokenizer.h"
@@ -12,7 +13,6 @@
 #include "plan/search.h"        // knobs
 #include "train/metrics.h"      // output_parent_create
 #include "train/plan_report.h"  // run_layout
-#include "train/resume.h"       // resume_resolve
 
 namespace fs = std::filesystem;
 
@@ -89,14 +89,12 @@ int ranks_here() {
 // A CPU run whose ranks on this machine need more than its memory, by the planner's count of
 // what the busiest rank allocates (exact per tag; BLAS, MPI and the heap come on top), is
 // refused before it allocates for minutes and is killed. A GPU's memory is its allocator's.
-void check_memory(const Config& c, int world_size) {
+void check_memory(const Config& c) {
   if (c.training.device != "cpu" || c.parallel.pp_schedule.rfind("file:", 0) == 0) return;
-  Config r = c;
   plan::Memory m;
   try {
-    resume_resolve(r, world_size);  // the layout this run trains
-    const plan::Precisions prec = plan::Precisions::trained(r.model.precision, r.model.grad_working());
-    m = plan::memory_per_rank(r.model, run_layout(r), prec, r.optim.name, plan::knobs(r));
+    const plan::Precisions prec = plan::Precisions::trained(c.model.precision, c.model.grad_working());
+    m = plan::memory_per_rank(c.model, run_layout(c), prec, c.optim.name, plan::knobs(c));
   } catch (const std::exception&) {
     return;  // a layout the engine refuses: its own check says so, with its own words
   }
@@ -113,18 +111,32 @@ void check_memory(const Config& c, int world_size) {
 
 }  // namespace
 
-void outputs_prepare(const Config& c, Communicator& world) {
-  std::string problem;
-  if (world.rank() == 0) {
-    try {
-      check_outputs(c);
-      check_memory(c, world.size());
-    } catch (const std::exception& e) {  // any failure here is rank 0's alone: the others wait below
-      problem = e.what();
-    }
+void check_same_config(const Config& c, Communicator& world) {
+  if (world.size() == 1) return;
+  const nlohmann::json mine = config_to_json(c);
+  const std::vector<std::string> all = allgather_strings(world, mine.dump());
+  for (size_t r = 1; r < all.size(); ++r) {
+    if (all[r] == all[0]) continue;
+    const nlohmann::json lead = nlohmann::json::parse(all[0]), other = nlohmann::json::parse(all[r]);
+    std::string keys;
+    for (const auto& [section, values] : lead.items())
+      for (const auto& [key, value] : values.items()) {
+        const nlohmann::json theirs = other.value(section, nlohmann::json::object()).value(key, nlohmann::json());
+        if (theirs != value)
+          keys += (keys.empty() ? "" : ", ") + section + "." + key + " = " + theirs.dump() + " (rank 0: " +
+                  value.dump() + ")";
+      }
+    throw AgreedError("rank " + std::to_string(r) + " runs another configuration than rank 0: " + keys +
+                      "; start every rank with the same config file and options");
   }
-  if (world.size() > 1) problem = allgather_strings(world, problem)[0];  // rank 0's verdict, on every rank
-  MT_CHECK(problem.empty(), problem);
+}
+
+void outputs_prepare(const Config& c, Communicator& world) {
+  agreed(world, [&] {  // rank 0 alone tries; every rank then stops with its message
+    if (world.rank() != 0) return;
+    check_outputs(c);
+    check_memory(c);
+  });
 }
 
 }  // namespace mt

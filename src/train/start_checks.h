@@ -15,8 +15,13 @@ std::string plot_path(const Config& c);
 // Rank 0 creates the directories of logging.metrics, logging.trace (and its .svg) and
 // logging.plot, tries opening those files for writing (an existing file is kept as it is),
 // loads logging.hardware and data.tokenizer, and refuses a CPU run whose ranks on this
-// machine need more memory than it has (the planner's count); every rank then fails with
-// rank 0's message, which names the key and what to change.
+// machine need more memory than it has (the planner's count of the layout c resolves to:
+// c is resolved, as train() resolves it); every rank then throws AgreedError with rank 0's
+// message, which names the key and what to change.
 void outputs_prepare(const Config& c, Communicator& world);
+
+// Every rank must run the same configuration (seed, files, layout): a rank whose resolved
+// configuration differs from rank 0's stops every rank with the keys that differ, named.
+void check_same_config(const Config& c, Communicator& world);
 
 }  // namespace mt

@@ -366,7 +366,10 @@ nlohmann::json step_run(Run& run, int64_t s) {
     ProfileScope ps("grad_norm");
     for (double x : sum_doubles(run.pp, sum_doubles(run.tp, run.strategy.grad_sumsq(run.opt.segments())))) sumsq += x;
   }
-  const double norm = std::sqrt(sumsq) / S, lr = lr_at(c.optim, s, c.training.steps) * lr_scale(c.optim, G);
+  // The schedule follows the updates taken: a skipped step (fp16 overflow, spike) does not
+  // advance warmup or decay, so the first update after ten skips is warmup's first.
+  const double norm = std::sqrt(sumsq) / S;
+  const double lr = lr_at(c.optim, run.opt.steps_taken(), c.training.steps) * lr_scale(c.optim, G);
   nlohmann::json j = {{"step", s}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}};
   if (run.scaler.enabled()) {  // every rank has the same sumsq, so all agree on a skip
     j["loss_scale"] = run.scaler.scale();
@@ -543,8 +546,11 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
   const Config& c = run.c;
   char buf[512];
   run.log.message("---");
-  std::snprintf(buf, sizeof buf, "trained %lld steps in %.1f s", static_cast<long long>(p.timed_steps), sum.seconds);
+  std::snprintf(buf, sizeof buf, "trained %lld step%s in %.1f s", static_cast<long long>(p.timed_steps),
+                p.timed_steps == 1 ? "" : "s", sum.seconds);
   std::string line = buf;
+  if (const int64_t skipped = p.steps_done - run.opt.steps_taken(); skipped > 0)
+    line += " (" + std::to_string(skipped) + (skipped == 1 ? " step" : " steps") + " skipped in all)";
   if (sum.tokens_per_s) {
     std::snprintf(buf, sizeof buf, ": %.0f tokens/s", *sum.tokens_per_s);
     line += buf;
@@ -614,7 +620,9 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
                        {"answer_accuracy", or_null(sum.answer_accuracy)},
                        {"baseline_accuracy", or_null(sum.baseline_accuracy)},
                        {"tokens_per_s", or_null(sum.tokens_per_s)}, {"seconds", sum.seconds},
-                       {"ranks", run.world.size()}};
+                       {"ranks", run.world.size()},
+                       {"skipped", p.steps_done - run.opt.steps_taken()},  // fp16 overflows and spikes, resumed ones too
+                       {"loss_scale", run.scaler.enabled() ? nlohmann::json(run.scaler.scale()) : nlohmann::json(nullptr)}};
   if (run.profiler) report_profile(run);
   if (run.trace) report_trace(run, js);
   js.update(memory_json(mem));
@@ -643,7 +651,10 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
 TrainSummary train(const Config& cfg, Communicator& world) {
   Config c = cfg;
   // The layout for this world size, reconciled with the checkpoint it resumes (train/resume.h).
-  const std::vector<std::string> resume_notes = resume_resolve(c, world.size());
+  // Its verdict can differ by rank (a damaged checkpoint only one rank's checkpoint.dir
+  // holds): the ranks agree on one before any work, as the checks below do.
+  std::vector<std::string> resume_notes;
+  agreed(world, [&] { resume_notes = resume_resolve(c, world.size()); });
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
   const auto t_start = Clock::now();
   outputs_prepare(c, world);  // output paths, hardware profile, tokenizer: before any work
@@ -666,9 +677,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     ~Restore() { c.set_options(saved); }
   } restore{world, world.options()};
   world.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, nullptr});
-  if (world.size() > 1)  // every rank must run the same configuration (same seed, files, layout)
-    check_same_hash(world, std::hash<std::string>{}(config_to_json(c).dump()), "a configuration",
-                    "start every rank with the same config file and options");
+  check_same_config(c, world);
   checkpoint_dir_prepare(c.checkpoint.dir, world);  // an unwritable one found now, not at the first save
   // logging.profile: made before the groups, whose communication threads record into it
   std::optional<Profiler> profiler;
@@ -680,7 +689,8 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   Communicator& dp = mesh.dp();
   set_nodes(c.parallel, mesh.data());
 
-  Data data = data_load(c);
+  Data data;
+  agreed(world, [&] { data = data_load(c); });  // a missing or short file: said once
   TokenLoader train_data(std::move(data.train), c.model.seq_len, c.data.shuffle, c.training.seed);
   std::optional<TokenLoader> val_data;  // none without validation data
   if (!data.val.empty()) val_data.emplace(data.val, c.model.seq_len, false, c.training.seed);
@@ -747,6 +757,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (profiler) run.profiler = &*profiler;
   alloc.reset_peaks();  // report the training's peaks, not the set-up's full copies
 
+  log.open(resumed_from.empty());  // a fresh run starts the metrics file afresh, a resumed one appends
   log_header(run, resumed_from, p.steps_done);
   for (const std::string& note : resume_notes) log.message(note);
   if (!compress_note.empty()) log.message(compress_note);
