@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds meshtrain (installing what is missing) and runs the whole test suite through CTest.
+# Builds meshtrain and its tests (installing what is missing, PyTorch for the parity tests
+# included) and runs the whole test suite through CTest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -102,7 +102,7 @@ declare -A how=(
   ["./build/meshtrain prepare --input corpus.txt --out train.bin --val-fraction 0.05 --val-out val.bin --train-tokenizer 8192 --tokenizer-prefix spm"]='corpus > corpus.txt
     run "$cmd"'
   ["./build/meshtrain train --config configs/gpt2_bench.toml --data.path=train.bin --data.val_path=val.bin --data.tokenizer=spm.model"]='run "$cmd $small --training.steps=2"'
-  ["./build/meshtrain train --config configs/gpt2_bench.toml --data.path=train.bin --checkpoint.resume=true"]='run "$cmd $small --training.steps=3"'
+  ["./build/meshtrain train --config configs/gpt2_bench.toml --data.path=train.bin --checkpoint.resume=true --data.tokenizer=spm.model"]='run "$cmd $small --training.steps=3"'
   ["./build/meshtrain export --checkpoint runs/gpt2_bench --out model.safetensors"]='run "$cmd"'
   ["./build/meshtrain checkpoint info runs/gpt2_bench"]='run "$cmd"'
   ['./build/meshtrain sample --checkpoint runs/gpt2_bench --prompt "Once upon" --tokens 100']='run "$cmd"'

@@ -182,6 +182,18 @@ TEST(Elastic, ResumeRefusesChangedRunKeysByName) {
     for (const std::string& want : wants) EXPECT_NE(out.find(want), std::string::npos) << opts << "\n" << out;
     expect_one_error(out, opts);
   }
+  // checkpoint.allow_change is not offered for a key it cannot take; a world size whose dp
+  // does not divide the kept global batch is told which dp sizes do (not to change the batch).
+  ASSERT_NE(run_command(bin + " train " + o + " --training.global_batch=16 --training.steps=4 --checkpoint.resume=true",
+                        &out),
+            0);
+  EXPECT_EQ(out.find("allow_change"), std::string::npos) << out;
+  ASSERT_NE(run_command(bin + " launch -n 3 train " + o + " --training.steps=4 --checkpoint.resume=true", &out), 0);
+  EXPECT_NE(out.find("A resumed run keeps the checkpoint's training.global_batch = 8: choose the ranks (and "
+                     "parallel.tp, pp, cp) so that dp divides it (dp 1, 2, 4, 8)"),
+            std::string::npos)
+      << out;
+  expect_one_error(out, "3 ranks");
   EXPECT_TRUE(resume_key_must_match("optim.lr"));
   EXPECT_FALSE(resume_key_must_match("model.init_from"));
   EXPECT_FALSE(resume_key_must_match("training.micro_batch"));

@@ -608,6 +608,15 @@ TEST(PlanCommand, PartialLayoutIsCompleted) {
   const std::string best = search(q, base).ranked.front().layout.text();
   EXPECT_EQ(x["layouts"][0]["layout"]["text"], best);
   EXPECT_TRUE(has(t.printed, "layout " + best + "\n")) << t.printed;
+
+  // gb is the question's global batch (it was overwritten by the configuration's); beside
+  // a different --global-batch it is refused.
+  const Plan g = plan_cmd(d, args + ",gb=64 --json");
+  ASSERT_EQ(g.rc, 0) << g.out;
+  EXPECT_EQ(parse(g.printed)["layouts"][0]["layout"]["global_batch"], 64) << g.printed;
+  const Plan both = plan_cmd(d, args + ",gb=64 --global-batch 32");
+  EXPECT_EQ(both.rc, 1);
+  EXPECT_TRUE(has(both.out, "--layout gb=64 and --global-batch 32 differ")) << both.out;
 }
 
 // A fully named layout that does not fit: its breakdown, a message, exit status 1.

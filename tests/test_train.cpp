@@ -364,6 +364,15 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
   EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " launch -n 2 nosuch", &out), 1);
   EXPECT_NE(out.find("launch: \"nosuch\" is not a command launch runs"), std::string::npos) << out;
   EXPECT_EQ(out.find("mpirun"), std::string::npos) << "no rank started:\n" << out;
+  // Help is help: bench --help lists its benchmarks (it was an error); train --help prints a
+  // float key as written (1e-05, not 9.999999747378752e-06); a choice that may be left unset
+  // is named, not shown as a blank.
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " bench --help", &out), 0) << out;
+  EXPECT_NE(out.find("meshtrain launch -n N bench comm"), std::string::npos) << out;
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " train --help", &out), 0) << out;
+  EXPECT_NE(out.find("model.norm_eps                     1e-05\n"), std::string::npos) << out;
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " train --parallel.sharding=x", &out), 1);
+  EXPECT_NE(out.find("expected one of \"\" (unset) NO_SHARD"), std::string::npos) << out;
 }
 
 // What cannot run is refused before any work, naming the key: a test fault of no known form
@@ -424,6 +433,24 @@ TEST(Safetensors, FailedFinishRemovesTheTemporary) {
   });
   EXPECT_NE(e.find("cannot rename"), std::string::npos) << e;
   for (const auto& f : fs::directory_iterator(d.path)) EXPECT_EQ(f.path().filename(), "out") << f.path();
+}
+
+// A model trained on another tokenizer's ids than the one sample decodes with (byte here,
+// vocabulary 4096): sample says so instead of printing undecodable tokens as noise.
+TEST(Command, SampleSaysWhenTokensAreNotInTheTokenizer) {
+  test::TempDir d;
+  std::string out, bin = MESHTRAIN_BIN;
+  ASSERT_EQ(test::run_command(bin + " train --data.path=" + test::write_tokens(d, "t.bin", 2000, 4096) +
+                                  " --model.vocab_size=4096 --model.n_layer=1 --model.d_model=16 --model.n_head=2"
+                                  " --model.seq_len=16 --training.steps=1 --training.global_batch=2"
+                                  " --logging.progress=off --checkpoint.dir=" + d / "ck",
+                              &out),
+            0)
+      << out;
+  ASSERT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " --prompt hi --tokens 20", &out), 0) << out;
+  EXPECT_NE(out.find("generated tokens are not in the tokenizer byte (257 tokens; the model has 4096)"),
+            std::string::npos)
+      << out;
 }
 
 // prepare -> train -> export -> sample, through the command.

@@ -73,7 +73,10 @@ void print_train_help() {
   auto j = mt::config_to_json(mt::Config{});
   for (const std::string& k : mt::config_keys()) {
     std::string sec = k.substr(0, k.find('.')), key = k.substr(k.find('.') + 1);
-    std::printf("  %-28s %s\n", k.c_str(), j[sec][key].dump().c_str());
+    const nlohmann::json& v = j[sec][key];
+    char num[32];
+    std::snprintf(num, sizeof num, "%g", v.is_number_float() ? v.get<double>() : 0.0);  // 1e-05, not 9.99...e-06
+    std::printf("  %-34s %s\n", k.c_str(), v.is_number_float() ? num : v.dump().c_str());
   }
 }
 
@@ -126,6 +129,13 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
       return mt::train(cfg, *world).stopped_by ? mt::kExitStopped : 0;
     }
     if (!args.empty() && args[0] == "profile") return mt::cmd_bench_profile({args.begin() + 1, args.end()}, *world);
+    if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
+      if (lead)
+        std::printf("usage: meshtrain launch -n N bench comm [--help]     collective bandwidth between the ranks\n"
+                    "       meshtrain bench profile --out FILE.toml [--help]  this machine's hardware profile\n"
+                    "step benchmarks (against PyTorch) are the scripts in bench/\n");
+      return 0;
+    }
     MT_CHECK(!args.empty() && args[0] == "comm",
              "bench: the benchmarks are `comm` (meshtrain launch -n 2 bench comm) and `profile` (meshtrain bench "
              "profile --out FILE.toml); step benchmarks are in bench/");

@@ -24,8 +24,8 @@ void plan_options_add(CLI::App* cmd, PlanOptions* o) {
   cmd->add_option("--hardware", o->hardware, "a100-40gb | a100-80gb | h100 | h200 | FILE.toml (meshtrain bench profile)")
       ->capture_default_str();
   cmd->add_option("--global-batch", o->global_batch, "sequences per step (default: the configuration's)");
-  cmd->add_option("--layout", o->layout, "dp=..,tp=..,pp=..,cp=..,v=..,schedule=..,zero=..,sp=..,recompute=..,mb=..; "
-                                         "fields left out are chosen");
+  cmd->add_option("--layout", o->layout, "dp=..,tp=..,pp=..,cp=..,v=..,schedule=..,zero=..,shard_group=..,sp=..,"
+                                         "recompute=..,mb=..,gb=..; fields left out are chosen");
   cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp16 (default: bf16 on GPUs, fp32 on CPUs)");
   cmd->add_option("--grad-dtype", o->grad_dtype,
                   "fp32 | the precision's 16-bit type: gradients kept in it, 2Ψ + 2Ψ + 12Ψ (default: the "
@@ -97,6 +97,11 @@ int cmd_plan(const PlanOptions& o) {
   plan::Layout base;
   base.global_batch = q.global_batch;
   if (!o.layout.empty()) base = plan::layout_parse(o.layout, base);
+  if (base.named.count("gb")) {  // the layout's batch is the question's
+    MT_CHECK(o.global_batch <= 0 || o.global_batch == base.global_batch,
+             "--layout gb=" << base.global_batch << " and --global-batch " << o.global_batch << " differ; give one");
+    q.global_batch = base.global_batch;
+  }
 
   const plan::SearchResult r = plan::search(q, base);
   const double params = plan::parameter_count(q.config.model);

@@ -72,7 +72,7 @@ std::string fmt(double x) {
 
 std::string layout_line(const PipeLayout& L) {
   return "pp " + std::to_string(L.pp) + ", " + std::to_string(L.chunks) + (L.chunks == 1 ? " chunk" : " chunks") +
-         " per rank, " + std::to_string(L.micro) + " micro-batches";
+         " per rank, " + std::to_string(L.micro) + (L.micro == 1 ? " micro-batch" : " micro-batches");
 }
 
 std::string list(const std::vector<int>& v) {
@@ -243,7 +243,7 @@ int cmd_schedule(const ScheduleOptions& o) {
               fmt(costs.f).c_str(), fmt(costs.b).c_str(), fmt(costs.bi).c_str(), fmt(costs.bw).c_str(),
               fmt(costs.send).c_str(), fmt(costs.recv).c_str());
   if (o.compare) {
-    std::printf("pp %d, %d micro-batches\n", pp, micro);
+    std::printf("pp %d, %d micro-batch%s\n", pp, micro, micro == 1 ? "" : "es");
     compare_print(sims, not_run);
   } else {
     std::printf("%s: %s\n", sims[0].name.c_str(), layout_line(sims[0].layout).c_str());

@@ -262,8 +262,8 @@ std::string DDP::describe() const {
     how += " hierarchical (nodes of " + std::to_string(dp_.ranks_per_node()) + " dp ranks" +
            (node_ ? ": exact inside a node, compressed between nodes)" : ")");
   char buf[320];
-  std::snprintf(buf, sizeof buf, "ddp: %d gradient buckets of about %g MiB, %s reduction %s", num_buckets(),
-                cfg_.bucket_mb, how.c_str(), when);
+  std::snprintf(buf, sizeof buf, "ddp: %d gradient bucket%s of about %g MiB, %s reduction %s", num_buckets(),
+                num_buckets() > 1 ? "s" : "", cfg_.bucket_mb, how.c_str(), when);
   return buf;
 }
 

@@ -101,7 +101,7 @@ Key str_key(const std::string& name, Sec Config::*sec, std::string Sec::*field, 
   std::string accepts = "a string";
   if (!allowed.empty()) {
     accepts = "one of";
-    for (const auto& a : allowed) accepts += " " + a;
+    for (const auto& a : allowed) accepts += " " + (a.empty() ? std::string("\"\" (unset)") : a);
   }
   return {name, accepts,
           [=](Config& c, const std::string& v) {
@@ -566,7 +566,8 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
       MT_FAIL("parallel.pp_schedule = " << parallel.pp_schedule << " cannot run parallel.pp_chunks = "
                                         << parallel.pp_chunks << ": " << issue->why << "; set parallel.pp_chunks="
                                         << issue->use);
-    MT_FAIL("parallel.pp_schedule = " << parallel.pp_schedule << " cannot run " << m << " micro-batches per step "
+    MT_FAIL("parallel.pp_schedule = " << parallel.pp_schedule << " cannot run " << m
+                                      << (m == 1 ? " micro-batch" : " micro-batches") << " per step "
                                       << "(training.global_batch / (parallel.dp x training.micro_batch) = "
                                       << training.global_batch << " / " << per_step << "): " << issue->why
                                       << "; set training.global_batch=" << int64_t{issue->use} * per_step

@@ -119,7 +119,17 @@ void fit_micro_batch(Config& cfg, int world_size, int64_t saved_micro, std::vect
     cfg = t;
     return;
   }
-  if (error) throw *error;  // no micro-batch fits: the layout itself does not (world size, global batch)
+  if (error) {  // no micro-batch fits: the layout itself does not (world size, global batch)
+    // The global batch is the checkpoint's (the data position is step x global_batch): what
+    // may change is the layout, so its message says which data-parallel sizes divide it.
+    const int64_t G = cfg.training.global_batch;
+    std::string dps;
+    for (int64_t d = 1, n = 0; d <= G && n < 8; ++d)
+      if (G % d == 0) dps += (n++ ? ", " : "") + std::to_string(d);
+    throw Error(std::string(error->what()) + ". A resumed run keeps the checkpoint's training.global_batch = " +
+                std::to_string(G) + ": choose the ranks (and parallel.tp, pp, cp) so that dp divides it (dp " + dps +
+                (G > 8 ? ", ..." : "") + ")");
+  }
   cfg = first;
 }
 
@@ -155,11 +165,15 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
     if (model)
       MT_FAIL("checkpoint " << dir << " was saved with " << list << "; the model's shape cannot change when resuming: "
                             << "use the checkpoint's model settings or a new checkpoint.dir");
+    // checkpoint.allow_change is offered only where it can take every key that differs
+    const bool allowable = std::all_of(differ.begin(), differ.end(),
+                                       [](const std::string& d) { return may_change(d.substr(0, d.find(' '))); });
     MT_FAIL("checkpoint " << dir << " was saved with " << list << ". A resumed run continues the saved one, so its "
                           << "model, data and optimizer keys, training.global_batch and training.seed must be the "
                           << "checkpoint's: drop or correct these options (meshtrain checkpoint info " << dir
-                          << " lists the saved values), set checkpoint.allow_change to the keys to change them on "
-                          << "purpose, or use a new checkpoint.dir");
+                          << " lists the saved values), "
+                          << (allowable ? "set checkpoint.allow_change to the keys to change them on purpose, " : "")
+                          << "or use a new checkpoint.dir");
   }
   fit_micro_batch(cfg, world_size, saved.training.micro_batch, notes);
 

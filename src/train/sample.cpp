@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <vector>
 
 #include "core/error.h"
@@ -59,6 +60,15 @@ std::string sample_text(const SampleOptions& o) {
     if (next == tok->eot()) break;
     ids.push_back(next);
   }
+  // Tokens the tokenizer does not have: the model learned another tokenizer's ids (a run
+  // resumed without its data.tokenizer records the default one). Said, not printed as noise.
+  int64_t outside = 0;
+  for (size_t i = n_prompt; i < ids.size(); ++i) outside += ids[i] >= tok->vocab_size();
+  if (outside > 0)
+    std::fprintf(stderr, "meshtrain: warning: %lld of %zu generated tokens are not in the tokenizer %s (%d tokens; the "
+                 "model has %d): it was trained with another one; pass --tokenizer FILE.model\n",
+                 static_cast<long long>(outside), ids.size() - n_prompt,
+                 (o.tokenizer.empty() ? cfg.data.tokenizer : o.tokenizer).c_str(), tok->vocab_size(), V);
   return o.prompt + tok->decode(std::vector<int32_t>(ids.begin() + n_prompt, ids.end()));
 }
 

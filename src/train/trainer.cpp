@@ -241,10 +241,11 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
   int64_t whole = 0;
   for (const Unit& u : run.model.units()) whole += u.global_numel;
   std::snprintf(head, sizeof head,
-                "meshtrain: %s, %d layers, d_model %d, %.2fM parameters | %d rank%s (dp %d, cp %d, tp %d, pp %d), %d "
-                "threads each",
-                c.model.family.c_str(), c.model.n_layer, c.model.d_model, whole / 1e6, run.world.size(),
-                run.world.size() > 1 ? "s" : "", R, c.parallel.cp, run.tp.size(), run.pp.size(), omp_get_max_threads());
+                "meshtrain: %s, %d layer%s, d_model %d, %.2fM parameters | %d rank%s (dp %d, cp %d, tp %d, pp %d), %d "
+                "thread%s each",
+                c.model.family.c_str(), c.model.n_layer, c.model.n_layer > 1 ? "s" : "", c.model.d_model, whole / 1e6,
+                run.world.size(), run.world.size() > 1 ? "s" : "", R, c.parallel.cp, run.tp.size(), run.pp.size(),
+                omp_get_max_threads(), omp_get_max_threads() > 1 ? "s" : "");
   run.log.message(head);
   if (run.world.size() > 1) run.log.message(run.mesh.table());
   if (run.alloc.device() == Device::cuda)
@@ -290,10 +291,11 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
       mine += (mine.empty() ? "" : ", ") + std::to_string(ch.first_layer) + "-" + std::to_string(ch.end_layer - 1);
     const Simulation sim = schedule_simulate(sc);
     std::snprintf(head, sizeof head,
-                  "pipeline: %s, %d rank%s x %d chunk%s, %d micro-batches per step; this rank's blocks %s; "
+                  "pipeline: %s, %d rank%s x %d chunk%s, %d micro-batch%s per step; this rank's blocks %s; "
                   "bubble %.1f%% with equal action costs",
                   sc.name.c_str(), sc.layout.pp, sc.layout.pp > 1 ? "s" : "", sc.layout.chunks,
-                  sc.layout.chunks > 1 ? "s" : "", sc.layout.micro, mine.c_str(), 100 * sim.bubble);
+                  sc.layout.chunks > 1 ? "s" : "", sc.layout.micro, sc.layout.micro > 1 ? "es" : "", mine.c_str(),
+                  100 * sim.bubble);
     run.log.message(head);
   }
   if (!resumed_from.empty()) run.log.message("resumed from " + resumed_from + " at step " + std::to_string(start));
