@@ -209,7 +209,9 @@ TEST(CheckpointDir, OneStepDirectoryIsRefusedForTraining) {
                                                                                   " is itself one checkpoint"},
                        {" --checkpoint.resume=true --checkpoint.dir=" + step, use},
                        {" --checkpoint.resume=true --checkpoint.dir=" + step + "/", use},
-                       {" --checkpoint.dir=" + step, use}});
+                       {" --checkpoint.dir=" + step, use},
+                       // and the run's own directory, without resuming: said once, not by each rank
+                       {" --checkpoint.dir=" + d / "run", "already holds checkpoints of another run"}});
   EXPECT_EQ(std::distance(fs::directory_iterator(step), fs::directory_iterator()), 2) << "meta.json and one shard";
   std::string out;
   EXPECT_EQ(info(step, &out), 0) << out;

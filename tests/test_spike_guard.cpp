@@ -106,6 +106,19 @@ TEST(SpikeGuard, StopsTheRunAfterMaxSkipsInARow) {
   EXPECT_NE(out.find("2 steps in a row were skipped as spikes, the last at step 13"), std::string::npos) << out;
   EXPECT_NE(out.find("training.max_skips = 2"), std::string::npos) << out;
   EXPECT_EQ(out.find("step 14"), std::string::npos) << "no rank went on past the stop\n" << out;
+  // Said once, and the metrics file ends with the reason; the same for a non-finite loss
+  // without the guard (it printed "-nan" and asked to set the grad_clip that was set).
+  EXPECT_EQ(out.find("error:"), out.rfind("error:")) << out;
+  const std::string nan_cmd = std::string("OMP_NUM_THREADS=1 ") + MESHTRAIN_BIN + " launch -n 2 train " +
+                              spike_options(d) + " --training.skip_spikes=0 --parallel.test_fault=nan:1:3" +
+                              " --logging.progress=off --logging.metrics=" + d / "nan.jsonl";
+  EXPECT_NE(run_command(nan_cmd, &out), 0) << out;
+  EXPECT_NE(out.find("the loss became NaN at step 3; lower optim.lr, tighten optim.grad_clip"), std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("error:"), out.rfind("error:")) << out;
+  const nlohmann::json last = nlohmann::json::parse(read_lines(d / "nan.jsonl").back());
+  EXPECT_EQ(last["event"], "error") << last;
+  EXPECT_EQ(last["step"], 3) << last;
   std::string bad;
   EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " train " + spike_options(d) + " --training.skip_spikes=-1", &bad), 0);
   EXPECT_NE(bad.find("training.skip_spikes = -1 must not be negative"), std::string::npos) << bad;

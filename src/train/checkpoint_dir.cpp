@@ -89,18 +89,25 @@ void checkpoint_dir_prepare(const std::string& dir, Communicator& world) {
 }
 
 std::string checkpoint_resume_point(const Config& c, Communicator& world, MetricsLog& log) {
+  // What the directory holds, read by every rank; the verdict agreed and said once.
   std::string from;
-  if (c.checkpoint.resume) from = checkpoint_latest(c.checkpoint.dir);
-  if (world.size() > 1)
-    check_same_hash(world, std::hash<std::string>{}(from), "newest checkpoint (" + from + ")",
-                    "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
-  if (c.checkpoint.dir.empty()) return from;
-  if (!c.checkpoint.resume) {
+  agreed(world, [&] {
+    if (c.checkpoint.resume) from = checkpoint_latest(c.checkpoint.dir);
+    if (c.checkpoint.resume || c.checkpoint.dir.empty()) return;
     const std::string old = checkpoint_latest(c.checkpoint.dir);
     MT_CHECK(old.empty(), "checkpoint.dir " << c.checkpoint.dir << " already holds checkpoints of another run (newest "
                                             << old << "); set checkpoint.resume=true to continue it, or choose "
                                             << "another checkpoint.dir (nothing was overwritten)");
+  });
+  if (world.size() > 1) {
+    try {  // every rank compares every rank's hash: the same verdict everywhere
+      check_same_hash(world, std::hash<std::string>{}(from), "newest checkpoint (" + from + ")",
+                      "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
+    } catch (const Error& e) {
+      throw AgreedError(e.what());
+    }
   }
+  if (c.checkpoint.dir.empty()) return from;
   if (world.rank() == 0)  // before any rank saves: the set-up ends with a barrier
     for (const std::string& t : checkpoint_remove_incomplete(c.checkpoint.dir))
       log.message("removed " + t + ", an incomplete checkpoint left by an interrupted save");

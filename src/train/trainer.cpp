@@ -302,6 +302,13 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
   else if (c.checkpoint.resume) run.log.message("no checkpoint in " + c.checkpoint.dir + "; starting from step 0");
 }
 
+// A stop every rank reaches at step s with the same message (a non-finite loss, too many
+// spikes): the metrics file ends with an error event, and the command says it once.
+[[noreturn]] void stop_training(Run& run, int64_t s, const std::string& message) {
+  run.log.write({{"event", "error"}, {"step", s}, {"message", message}});
+  throw AgreedError(message);
+}
+
 // training.skip_spikes: whether step s (its loss and gradient norm, the same on every rank)
 // is skipped as a spike. The ranks agree through one reduction: a step is skipped where any
 // rank judged it a spike. Stops the run after training.max_skips skips in a row.
@@ -322,11 +329,14 @@ bool skip_spike(Run& run, int64_t s, double loss, double norm, nlohmann::json& j
   msg << "step " << s << ": skipped as a spike: " << what << " (training.skip_spikes = " << run.c.training.skip_spikes
       << ")";
   run.log.message(msg.str());
-  MT_CHECK(!run.spikes.too_many(),
-           run.spikes.skips_in_a_row() << " steps in a row were skipped as spikes, the last at step " << s << " ("
-               << what << "); training stopped (training.max_skips = " << run.c.training.max_skips
-               << "). Resume from the last checkpoint with a lower optim.lr or a tighter optim.grad_clip, or raise "
-                  "training.skip_spikes or training.max_skips");
+  if (run.spikes.too_many()) {
+    std::ostringstream stop;
+    stop << run.spikes.skips_in_a_row() << " steps in a row were skipped as spikes, the last at step " << s << " ("
+         << what << "); training stopped (training.max_skips = " << run.c.training.max_skips
+         << "). Resume from the last checkpoint with a lower optim.lr or a tighter optim.grad_clip, or raise "
+            "training.skip_spikes or training.max_skips";
+    stop_training(run, s, stop.str());
+  }
   return true;
 }
 
@@ -356,10 +366,11 @@ nlohmann::json step_run(Run& run, int64_t s) {
   // A tied embedding's two copies (first and last stage) take the sum of their gradients.
   if (run.tie) run.tie->allreduce(run.opt.segments()[0].g);
   const double loss = sum_doubles(run.data, sum_doubles(run.pp, loss_sum)) / tokens_per_step;
-  MT_CHECK(std::isfinite(loss) || run.spikes.enabled(),
-           "the loss became " << loss << " at step " << s
-                              << "; lower optim.lr, set optim.grad_clip, add warmup_steps, or skip such steps "
-                                 "(training.skip_spikes)");
+  if (!std::isfinite(loss) && !run.spikes.enabled())  // the same sum on every rank
+    stop_training(run, s, std::string("the loss became ") + (std::isnan(loss) ? "NaN" : "infinite") + " at step " +
+                              std::to_string(s) + "; lower optim.lr, " +
+                              (c.optim.grad_clip > 0 ? "tighten optim.grad_clip" : "set optim.grad_clip") +
+                              ", add optim.warmup_steps, or skip such steps (training.skip_spikes)");
   // Each element once: a tp rank counts its shards and the replicas it is first to hold, a
   // pipeline rank its stages (the tied copy on the last stage counts as a replica). Units'
   // sums are added in unit order, so a unit held whole by one rank counts as on one rank.
