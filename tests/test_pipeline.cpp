@@ -219,6 +219,13 @@ TEST(Pipeline, LayoutsThatCannotRunAreRefused) {
       {" --parallel.pp=2 --parallel.pp_layers=1,2", "lists 2 stages holding 3 blocks"},
       {" --parallel.pp=2 --parallel.pp_schedule=zb-h1 --training.recompute=true", "use 1f1b or interleaved"},
       {" --parallel.pp=2 --parallel.pp_schedule=2f2b", "is not a schedule"},
+      // a schedule file that is no file: the key named
+      {" --parallel.pp=2 --parallel.pp_schedule=file:", "parallel.pp_schedule = file: names no file"},
+      {" --parallel.pp=2 --parallel.pp_schedule=file:" + d.path,
+       "parallel.pp_schedule = file:" + d.path + ": " + d.path + " is a directory, not a schedule file"},
+      {" --parallel.pp=2 --parallel.pp_schedule=file:" + d / "none.csv",
+       "parallel.pp_schedule = file:" + d / "none.csv" + ": cannot open the schedule file " + d / "none.csv" +
+           ": No such file"},
   };
   expect_refused(std::string(MESHTRAIN_BIN) + " launch -n 2 train " + o, bad);
 }

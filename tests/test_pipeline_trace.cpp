@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <set>
@@ -324,7 +326,12 @@ void expect_every_rank_traced(const std::string& name, const std::string& layout
   EXPECT_EQ(count.size(), 2 * ranks * r.loss.size()) << name;
   ASSERT_TRUE(r.summary.contains("pp_bubble")) << r.summary.dump();
   EXPECT_GT(r.summary["pp_simulated_ms"].get<double>(), 0);
-  EXPECT_TRUE(std::filesystem::exists(d / "trace.json.svg"));
+  // The picture's times are the trace's, in milliseconds, labelled so
+  std::ifstream svg(d / "trace.json.svg");
+  const std::string picture((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  char step[64];
+  std::snprintf(step, sizeof step, "; step %g ms, bubble", std::round(r.summary["pp_simulated_ms"].get<double>() * 1000) / 1000);  // the simulated panel
+  EXPECT_NE(picture.find(step), std::string::npos) << step << "\n" << picture.substr(0, 2000);
 }
 
 TEST(PipelineTrace, TrainingTraceHoldsEveryRankAtPipelineTimesData) {

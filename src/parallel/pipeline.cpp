@@ -181,7 +181,13 @@ Schedule pipeline_schedule(const ParallelConfig& par, const ModelConfig& model, 
   const std::string& name = par.pp_schedule;
   if (name.rfind("file:", 0) == 0) {
     const std::string path = name.substr(5);
-    s = schedule_read(path);
+    MT_CHECK(!path.empty(), "parallel.pp_schedule = file: names no file; give file:PATH, a schedule file (meshtrain "
+                            "schedule --csv PATH writes one)");
+    try {
+      s = schedule_read(path);
+    } catch (const Error& e) {
+      MT_FAIL("parallel.pp_schedule = " << name << ": " << e.what());
+    }
     const PipeLayout& l = s.layout;
     MT_CHECK(l.pp == par.pp && l.micro == m && (par.pp_chunks == 0 || l.chunks == par.pp_chunks),
              "the schedule in " << path << " is for pp=" << l.pp << ", chunks=" << l.chunks << ", microbatches="

@@ -63,7 +63,9 @@ double grid_step(double span) {
 
 }  // namespace
 
-std::string schedule_svg(const std::vector<Simulation>& sims) {
+std::string schedule_svg(const std::vector<Simulation>& sims, double per_unit, const std::string& unit) {
+  const std::string suffix = unit.empty() ? "" : " " + unit;
+  auto shown = [&](double t) { return number(t * per_unit); };
   const double W = 1100, left = 64, right = 20, row = 22, title_h = 26, gap = 22, legend_h = 34;
   double longest = 0, height = legend_h + 10;
   for (const Simulation& s : sims) {
@@ -87,14 +89,14 @@ std::string schedule_svg(const std::vector<Simulation>& sims) {
     const PipeLayout& L = s.layout;
     o << "<text x='" << left << "' y='" << y + 16 << "' font-size='13'>" << xml_escape(s.name) << ": pp " << L.pp << ", "
       << L.chunks << (L.chunks == 1 ? " chunk" : " chunks") << " per rank, " << L.micro
-      << " micro-batches; step " << number(s.step_time) << ", bubble " << std::fixed << std::setprecision(1)
+      << (L.micro == 1 ? " micro-batch" : " micro-batches") << "; step " << shown(s.step_time) << suffix << ", bubble " << std::fixed << std::setprecision(1)
       << 100 * s.bubble << std::defaultfloat << std::setprecision(6) << "%</text>\n";
     y += title_h;
     const double step = grid_step(longest);
     for (double t = 0; t <= s.step_time + 1e-9; t += step)
       o << "<line x1='" << left + t * scale << "' x2='" << left + t * scale << "' y1='" << y << "' y2='"
         << y + L.pp * row << "' stroke='#e4e4e4'/><text x='" << left + t * scale << "' y='" << y + L.pp * row + 13
-        << "' text-anchor='middle' fill='#666'>" << number(t) << "</text>\n";
+        << "' text-anchor='middle' fill='#666'>" << shown(t) << (t == 0 ? suffix : "") << "</text>\n";
     for (int r = 0; r < L.pp; ++r) {
       const double top = y + r * row;
       o << "<text x='" << left - 8 << "' y='" << top + 15 << "' text-anchor='end'>rank " << r << "</text>\n";
@@ -104,7 +106,7 @@ std::string schedule_svg(const std::vector<Simulation>& sims) {
         const Rgb c = chunk_shade(kind_colour(t.action.kind), t.action.chunk, L.chunks);
         o << "<rect x='" << left + t.start * scale << "' y='" << top + 1 << "' width='" << w << "' height='"
           << row - 2 << "' fill='" << hex(c) << "' stroke='white' stroke-width='0.5'><title>"
-          << action_describe(t.action) << ": " << number(t.start) << " to " << number(t.end) << "</title></rect>\n";
+          << action_describe(t.action) << ": " << shown(t.start) << " to " << shown(t.end) << suffix << "</title></rect>\n";
         if (t.action.is_compute() && w >= 6.5 * std::to_string(t.action.micro).size())
           o << "<text x='" << left + t.start * scale + w / 2 << "' y='" << top + 15 << "' text-anchor='middle' fill='"
             << (dark(c) ? "white" : "black") << "' font-size='10'>" << t.action.micro << "</text>\n";

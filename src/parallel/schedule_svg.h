@@ -10,6 +10,8 @@
 
 namespace mt {
 
-std::string schedule_svg(const std::vector<Simulation>& sims);
+// Times are drawn in the simulations' own unit (equal action costs: 1 per forward), or, with
+// `unit` ("ms"), multiplied by `per_unit` (1e3 for seconds) and labelled.
+std::string schedule_svg(const std::vector<Simulation>& sims, double per_unit = 1, const std::string& unit = "");
 
 }  // namespace mt

@@ -1,5 +1,8 @@
 // The text format of schedules (schedule.h): one CSV line per action, a layout line first.
+#include <cerrno>
 #include <charconv>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -114,8 +117,10 @@ Schedule schedule_from_text(const std::string& text, const std::string& source) 
 }
 
 Schedule schedule_read(const std::string& path) {
+  std::error_code ec;
+  MT_CHECK(!std::filesystem::is_directory(path, ec), path << " is a directory, not a schedule file");
   std::ifstream f(path);
-  MT_CHECK(f, "cannot open the schedule file " << path);
+  MT_CHECK(f, "cannot open the schedule file " << path << ": " << std::strerror(errno));
   std::stringstream text;
   text << f.rdbuf();
   return schedule_from_text(text.str(), path);

@@ -88,7 +88,7 @@ std::optional<PipelineMeasure> StepTrace::finish() const {
     trace = doc.dump() + "\n";
   }
   for (const auto& [file, text] : {std::pair{path_, trace},
-                                   std::pair{path_ + ".svg", schedule_svg({steps_.back().sim, predicted})}}) {
+                                   std::pair{path_ + ".svg", schedule_svg({steps_.back().sim, predicted}, 1e3, "ms")}}) {
     std::ofstream out(file);
     out << text;
     MT_CHECK(out.good(), "logging.trace = " << path_ << ": could not write " << file);
