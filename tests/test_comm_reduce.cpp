@@ -195,6 +195,24 @@ TEST(PowerSGDCompression, TracksTheUncompressedRunWithTheExpectedBytes) {
   EXPECT_LT(want_psgd / want_fp32, 0.2);
 }
 
+// Settings a run accepts but that change nothing are said in its header: a PowerSGD rank
+// no matrix is smaller than (the gradients travel uncompressed), compression with one
+// data-parallel rank, loss scaling without fp16, a warmup longer than the run.
+TEST(PowerSGDCompression, SettingsThatChangeNothingAreSaid) {
+  TempDir d;
+  const std::string o = compression_tasks(2);
+  const RunResult wide = train_run(d, "wide", 2, o + " --parallel.grad_compression=powersgd --parallel.powersgd_rank=100000");
+  EXPECT_NE(wide.output.find("uncompressed fp32 (parallel.powersgd_rank = 100000 is at least every matrix's smaller side"),
+            std::string::npos)
+      << wide.output;
+  const RunResult one = train_run(d, "one", 1, o + " --parallel.grad_compression=int8 --optim.loss_scale=1024" +
+                                                   " --optim.warmup_steps=5");
+  for (const std::string want : {"note: parallel.grad_compression = int8 does nothing here: there is one data-parallel rank",
+                                 "note: optim.loss_scale and optim.loss_scale_window apply to training.precision = fp16 only",
+                                 "note: optim.warmup_steps = 5 is not less than training.steps = 2"})
+    EXPECT_NE(one.output.find(want), std::string::npos) << want << "\n" << one.output;
+}
+
 // Hierarchical and compressed together (DDP, dp 4 in nodes of 2, the built-in tasks, 40
 // steps, several buckets): each bucket is summed exactly inside the node and only what
 // crosses the nodes is compressed, so the runs track the uncompressed hierarchical run

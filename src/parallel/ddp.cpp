@@ -256,8 +256,14 @@ std::string DDP::describe() const {
                                     : "after backward";
   std::string how = cfg_.grad_comm_dtype;
   if (cfg_.grad_compression == "int8") how = "int8-compressed (error feedback)";
-  if (cfg_.grad_compression == "powersgd")
-    how = "powersgd-compressed (rank " + std::to_string(cfg_.powersgd_rank) + ", error feedback, warm start)";
+  if (cfg_.grad_compression == "powersgd") {
+    int matrices = 0;
+    for (const Bucket& b : buckets_) matrices += b.psgd ? b.psgd->compressed_matrices() : 0;
+    how = matrices > 0 ? "powersgd-compressed (rank " + std::to_string(cfg_.powersgd_rank) + ": " +
+                             std::to_string(matrices) + " matrices; error feedback, warm start)"
+                       : "uncompressed fp32 (parallel.powersgd_rank = " + std::to_string(cfg_.powersgd_rank) +
+                             " is at least every matrix's smaller side, so PowerSGD would not shrink any: lower it)";
+  }
   if (cfg_.hierarchical)
     how += " hierarchical (nodes of " + std::to_string(dp_.ranks_per_node()) + " dp ranks" +
            (node_ ? ": exact inside a node, compressed between nodes)" : ")");

@@ -111,6 +111,24 @@ void check_memory(const Config& c) {
 
 }  // namespace
 
+std::vector<std::string> settings_without_effect(const Config& c) {
+  std::vector<std::string> notes;
+  const ParallelConfig& p = c.parallel;
+  if (p.grad_compression != "none" && p.dp * p.cp == 1)
+    notes.push_back("parallel.grad_compression = " + p.grad_compression + " does nothing here: there is one " +
+                    "data-parallel rank, no gradient is reduced");
+  const OptimConfig unset;
+  if (c.model.precision != "fp16" &&
+      (c.optim.loss_scale != unset.loss_scale || c.optim.loss_scale_window != unset.loss_scale_window))
+    notes.push_back("optim.loss_scale and optim.loss_scale_window apply to training.precision = fp16 only (this run: " +
+                    c.model.precision + ")");
+  if (c.optim.warmup_steps >= c.training.steps && c.training.steps > 0)
+    notes.push_back("optim.warmup_steps = " + std::to_string(c.optim.warmup_steps) + " is not less than " +
+                    "training.steps = " + std::to_string(c.training.steps) + ": the learning rate never reaches " +
+                    "its peak");
+  return notes;
+}
+
 void check_same_config(const Config& c, Communicator& world) {
   if (world.size() == 1) return;
   const nlohmann::json mine = config_to_json(c);

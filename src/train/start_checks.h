@@ -3,6 +3,7 @@
 // trace), so the files the run will write and read are tried at start-up.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "train/config.h"
@@ -19,6 +20,11 @@ std::string plot_path(const Config& c);
 // c is resolved, as train() resolves it); every rank then throws AgreedError with rank 0's
 // message, which names the key and what to change.
 void outputs_prepare(const Config& c, Communicator& world);
+
+// Settings this resolved configuration accepts but that change nothing, each with why:
+// compression with one data-parallel rank, loss scaling without fp16, a warmup longer than
+// the run. The run says so in its header.
+std::vector<std::string> settings_without_effect(const Config& c);
 
 // Every rank must run the same configuration (seed, files, layout): a rank whose resolved
 // configuration differs from rank 0's stops every rank with the keys that differ, named.

@@ -666,8 +666,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   // The layout for this world size, reconciled with the checkpoint it resumes (train/resume.h).
   // Its verdict can differ by rank (a damaged checkpoint only one rank's checkpoint.dir
   // holds): the ranks agree on one before any work, as the checks below do.
-  std::vector<std::string> resume_notes;
-  agreed(world, [&] { resume_notes = resume_resolve(c, world.size()); });
+  std::vector<std::string> notes;  // what a resumed layout changed, settings that do nothing
+  agreed(world, [&] { notes = resume_resolve(c, world.size()); });
+  for (const std::string& n : settings_without_effect(c)) notes.push_back("note: " + n);
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
   const auto t_start = Clock::now();
   outputs_prepare(c, world);  // output paths, hardware profile, tokenizer: before any work
@@ -772,7 +773,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
 
   log.open(resumed_from.empty());  // a fresh run starts the metrics file afresh, a resumed one appends
   log_header(run, resumed_from, p.steps_done);
-  for (const std::string& note : resume_notes) log.message(note);
+  for (const std::string& note : notes) log.message(note);
   if (!compress_note.empty()) log.message(compress_note);
   if (!gpu_comm_note.empty()) log.message(gpu_comm_note);
   run_steps(run, p);
