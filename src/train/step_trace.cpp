@@ -68,16 +68,20 @@ void StepTrace::add(int64_t step, double start, const std::vector<TimedAction>& 
 std::optional<PipelineMeasure> StepTrace::finish() const {
   if (!writer_ || steps_.empty()) return std::nullopt;
   PipelineMeasure m;
-  m.steps = static_cast<int>(steps_.size());
+  // The first traced step runs several times slower (page faults, first touches): the
+  // means are the later steps'.
+  m.first_left_out = steps_.size() > 1;
+  const std::vector<TraceStep> measured(steps_.begin() + (m.first_left_out ? 1 : 0), steps_.end());
+  m.steps = static_cast<int>(measured.size());
   // The mean duration of every action over the steps, as one timeline, gives the costs.
   Simulation mean = steps_.back().sim;
   for (size_t r = 0; r < mean.ranks.size(); ++r)
     for (size_t i = 0; i < mean.ranks[r].size(); ++i) {
       double start = 0, end = 0;
-      for (const TraceStep& s : steps_) start += s.sim.ranks[r][i].start, end += s.sim.ranks[r][i].end;
+      for (const TraceStep& s : measured) start += s.sim.ranks[r][i].start, end += s.sim.ranks[r][i].end;
       mean.ranks[r][i].start = start / m.steps, mean.ranks[r][i].end = end / m.steps;
     }
-  for (const TraceStep& s : steps_) m.step_s += s.sim.step_time / m.steps, m.bubble += s.sim.bubble / m.steps;
+  for (const TraceStep& s : measured) m.step_s += s.sim.step_time / m.steps, m.bubble += s.sim.bubble / m.steps;
   Simulation predicted = schedule_simulate(schedule_, measured_costs(mean, /*stage_weights=*/true));
   predicted.name = schedule_.name + " (simulated with the measured costs)";
   m.simulated_s = predicted.step_time;

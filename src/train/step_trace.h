@@ -26,7 +26,8 @@ namespace mt {
 
 // What the steps' timelines say, for the summary and the benchmarks.
 struct PipelineMeasure {
-  int steps = 0;
+  int steps = 0;           // the steps measured: those traced but the first (its warm-up: page faults,
+  bool first_left_out = false;  // first touches), unless only one was traced
   double step_s = 0;       // mean pipeline time per step (first action to last, over ranks)
   double bubble = 0;       // mean measured bubble
   double simulated_s = 0;  // the simulator's step for the mean measured action costs (stage weights included)

@@ -520,10 +520,10 @@ void report_trace(const Run& run, nlohmann::json& js) {
   js["pp_simulated_ms"] = m->simulated_s * 1e3;
   char buf[256];
   std::snprintf(buf, sizeof buf,
-                "pipeline trace: %s and %s.svg (%d steps): %.1f ms per step's pipeline, bubble %.1f%%; the simulator "
-                "with the measured action costs: %.1f ms",
-                run.trace->path().c_str(), run.trace->path().c_str(), m->steps, m->step_s * 1e3, 100 * m->bubble,
-                m->simulated_s * 1e3);
+                "pipeline trace: %s and %s.svg (%d step%s%s): %.1f ms per step's pipeline, bubble %.1f%%; the "
+                "simulator with the measured action costs: %.1f ms",
+                run.trace->path().c_str(), run.trace->path().c_str(), m->steps, m->steps == 1 ? "" : "s",
+                m->first_left_out ? " after the first" : "", m->step_s * 1e3, 100 * m->bubble, m->simulated_s * 1e3);
   run.log.message(buf);
 }
 
