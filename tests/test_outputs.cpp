@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "train/start_checks.h"
 #include "train/trainer.h"
 #include "test_util.h"
 
@@ -121,6 +122,31 @@ TEST(Outputs, MetricsFileIsStartedAfreshUnlessTheRunResumes) {
   const std::vector<std::string> lines = test::read_lines(c.logging.metrics);
   EXPECT_EQ(summaries(), 2) << "the resumed run appends";
   EXPECT_EQ(nlohmann::json::parse(lines.front())["step"], 0);
+}
+
+// The memory check's budget: MemTotal, or the memory cgroup's limit where that is less (a
+// container, a job's allocation: a run over it was killed without a message); "max" and
+// version 1's "no limit" (a huge number) leave MemTotal.
+TEST(StartChecks, MachineMemoryIsTheSmallerOfMemTotalAndTheCgroupLimit) {
+  test::TempDir d;
+  auto write = [&](const std::string& path, const std::string& text) {
+    fs::create_directories(fs::path(d / path).parent_path());
+    std::ofstream(d / path) << text;
+  };
+  write("proc/meminfo", "MemTotal:        1000 kB\nMemFree:          500 kB\n");
+  EXPECT_EQ(machine_memory(d.path).bytes, 1024000);
+  EXPECT_EQ(machine_memory(d.path).source, "");
+  write("sys/fs/cgroup/memory.max", "max\n");
+  write("proc/self/cgroup", "4:memory:/a\n0::/job/1\n");
+  write("sys/fs/cgroup/memory/a/memory.limit_in_bytes", "9223372036854771712\n");
+  EXPECT_EQ(machine_memory(d.path).bytes, 1024000);
+  write("sys/fs/cgroup/job/1/memory.max", "512000\n");
+  const MachineMemory m = machine_memory(d.path);
+  EXPECT_EQ(m.bytes, 512000);
+  EXPECT_EQ(m.source, d / "sys/fs/cgroup/job/1/memory.max");
+  write("sys/fs/cgroup/memory/a/memory.limit_in_bytes", "256000\n");
+  EXPECT_EQ(machine_memory(d.path).bytes, 256000);
+  EXPECT_GT(machine_memory().bytes, 0) << "this machine's";
 }
 
 // Metrics and the loss curve go into directories made for them, as checkpoint.dir does.

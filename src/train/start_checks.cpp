@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -67,17 +68,44 @@ void check_outputs(const Config& c) {
   }
 }
 
-// This machine's physical memory in bytes (MemTotal), 0 where unknown.
-double machine_memory() {
-  std::FILE* f = std::fopen("/proc/meminfo", "r");
-  if (!f) return 0;
-  char line[256];
-  double kb = 0;
-  while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "MemTotal: %lf kB", &kb) == 1) break;
-  std::fclose(f);
-  return kb * 1024;
+// The first number in a file ("max" and a missing file: none).
+double number_in(const std::string& path) {
+  std::ifstream f(path);
+  double x = 0;
+  return f >> x ? x : 0;
 }
+
+}  // namespace
+
+MachineMemory machine_memory(const std::string& root) {
+  MachineMemory m;
+  std::ifstream info(root + "/proc/meminfo");
+  for (std::string key; info >> key;) {
+    double kb = 0;
+    if (key == "MemTotal:" && info >> kb) {
+      m.bytes = kb * 1024;
+      break;
+    }
+  }
+  // A container's or a job's memory cgroup: version 2 (the process's own group, as
+  // /proc/self/cgroup names it, or the root of a namespaced view), or version 1.
+  std::vector<std::string> limits = {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"};
+  std::ifstream groups(root + "/proc/self/cgroup");
+  for (std::string line; std::getline(groups, line);) {
+    const size_t v1 = line.find(":memory:/");
+    if (line.rfind("0::/", 0) == 0 && line.size() > 4) limits.push_back("/sys/fs/cgroup" + line.substr(3) + "/memory.max");
+    if (v1 != std::string::npos && line.size() > v1 + 9)
+      limits.push_back("/sys/fs/cgroup/memory" + line.substr(v1 + 8) + "/memory.limit_in_bytes");
+  }
+  for (const std::string& path : limits)
+    if (const double limit = number_in(root + path); limit > 0 && (m.bytes <= 0 || limit < m.bytes)) {
+      m.bytes = limit;
+      m.source = root + path;
+    }
+  return m;
+}
+
+namespace {
 
 // The ranks of the job on this machine, as the launcher says (1 where none does).
 int ranks_here() {
@@ -98,13 +126,15 @@ void check_memory(const Config& c) {
   } catch (const std::exception&) {
     return;  // a layout the engine refuses: its own check says so, with its own words
   }
-  const double total = machine_memory(), here = ranks_here(), gib = 1 << 30;
+  const MachineMemory machine = machine_memory();
+  const double total = machine.bytes, here = ranks_here(), gib = 1 << 30;
   if (total <= 0 || m.peak * here <= total) return;
-  char need[320];
+  char need[480];
   std::snprintf(need, sizeof need, "the run needs %.1f GiB per rank (parameters %.1f, gradients %.1f, optimizer %.1f, "
-                "activations %.1f, buffers %.1f, staging %.1f) x %.0f rank%s on this machine, more than its %.1f GiB",
+                "activations %.1f, buffers %.1f, staging %.1f) x %.0f rank%s on this machine, more than its %.1f GiB%s%s",
                 m.peak / gib, m.params / gib, m.grads / gib, m.optim / gib, m.activations / gib, m.comm / gib,
-                m.other / gib, here, here > 1 ? "s" : "", total / gib);
+                m.other / gib, here, here > 1 ? "s" : "", total / gib,
+                machine.source.empty() ? "" : " (the memory limit in ", machine.source.empty() ? "" : (machine.source + ")").c_str());
   MT_FAIL(need << "; use a smaller model (model.n_layer, model.d_model, model.vocab_size) or training.micro_batch, "
                << "training.recompute=true, parallel.zero=3, or more machines (meshtrain plan helps choose)");
 }

@@ -21,6 +21,15 @@ std::string plot_path(const Config& c);
 // message, which names the key and what to change.
 void outputs_prepare(const Config& c, Communicator& world);
 
+// The memory this process may use: the machine's (MemTotal), or its memory cgroup's limit
+// where that is less (a container, a job's allocation), with the file that set it. Paths
+// under `root` (tests).
+struct MachineMemory {
+  double bytes = 0;    // 0: unknown
+  std::string source;  // the cgroup file, where the limit is the cgroup's
+};
+MachineMemory machine_memory(const std::string& root = "");
+
 // Settings this resolved configuration accepts but that change nothing, each with why:
 // compression with one data-parallel rank, loss scaling without fp16, a warmup longer than
 // the run. The run says so in its header.
