@@ -13,10 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 train_only=false
-case "${1:-}" in
+case "$*" in
   "") ;;
   --train-only) train_only=true ;;
-  *) echo "setup: unknown option $1 (the one option is --train-only)" >&2; exit 2 ;;
+  *) echo "setup: unknown options: $* (the one option is --train-only)" >&2; exit 2 ;;
 esac
 
 packages=(build-essential cmake pkg-config libopenblas-openmp-dev libopenmpi-dev openmpi-bin

@@ -209,7 +209,7 @@ TEST(PowerSGDCompression, SettingsThatChangeNothingAreSaid) {
                                                    " --optim.warmup_steps=5");
   for (const std::string want : {"note: parallel.grad_compression = int8 does nothing here: there is one data-parallel rank",
                                  "note: optim.loss_scale and optim.loss_scale_window apply to training.precision = fp16 only",
-                                 "note: optim.warmup_steps = 5 is not less than training.steps = 2"})
+                                 "note: optim.warmup_steps = 5 is more than training.steps = 2"})
     EXPECT_NE(one.output.find(want), std::string::npos) << want << "\n" << one.output;
 }
 

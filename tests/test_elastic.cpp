@@ -194,6 +194,8 @@ TEST(Elastic, ResumeRefusesChangedRunKeysByName) {
             std::string::npos)
       << out;
   expect_one_error(out, "3 ranks");
+  ASSERT_NE(run_command(bin + " train " + o + " --parallel.pp=4 --training.steps=4 --checkpoint.resume=true", &out), 0);
+  EXPECT_EQ(out.find("A resumed run keeps"), std::string::npos) << "not for a layout the ranks do not fit\n" << out;
   EXPECT_TRUE(resume_key_must_match("optim.lr"));
   EXPECT_FALSE(resume_key_must_match("model.init_from"));
   EXPECT_FALSE(resume_key_must_match("training.micro_batch"));

@@ -259,6 +259,15 @@ TEST(Outputs, CheckedBeforeTheFirstStep) {
             std::string::npos)
       << out;
   EXPECT_EQ(out.find("error:"), out.rfind("error:")) << "said once\n" << out;
+  // also a key that changes the collectives themselves (checked before it applies)
+  EXPECT_NE(test::run_command("mpirun --oversubscribe --allow-run-as-root -n 1 " + rank + " : -n 1 " + rank +
+                                  " --parallel.debug_collectives=true",
+                              &out),
+            0);
+  EXPECT_NE(out.find("rank 1 runs another configuration than rank 0: parallel.debug_collectives = true (rank 0: "
+                     "false)"),
+            std::string::npos)
+      << out;
 }
 
 }  // namespace

@@ -119,6 +119,20 @@ TEST(SpikeGuard, StopsTheRunAfterMaxSkipsInARow) {
   const nlohmann::json last = nlohmann::json::parse(read_lines(d / "nan.jsonl").back());
   EXPECT_EQ(last["event"], "error") << last;
   EXPECT_EQ(last["step"], 3) << last;
+  // Under tensor parallelism a loss only one tp rank sees as NaN stops its partner too (it
+  // was left waiting in the gradient norm's sum); a spike only rank 1 judges is named so.
+  const std::string tp = std::string("OMP_NUM_THREADS=1 timeout 300 ") + MESHTRAIN_BIN + " launch -n 2 train " +
+                         options("gpt2", 8, 2) + " --parallel.tp=2 --logging.progress=off --data.path=" + d / "t.bin";
+  EXPECT_NE(run_command(tp + " --training.steps=6 --parallel.test_fault=nan:1:3", &out), 0) << out;
+  EXPECT_NE(out.find("the loss became NaN at step 3"), std::string::npos) << out;
+  EXPECT_EQ(out.find("error:"), out.rfind("error:")) << out;
+  EXPECT_NE(run_command(tp + " --training.steps=16 --training.skip_spikes=6 --training.max_skips=2" +
+                            " --parallel.test_fault=nan:1:12,13",
+                        &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("step 12: skipped as a spike: rank 1: the loss is nan"), std::string::npos) << out;
+  EXPECT_NE(out.find("the last at step 13 (rank 1: the loss is nan)"), std::string::npos) << out;
   std::string bad;
   EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " train " + spike_options(d) + " --training.skip_spikes=-1", &bad), 0);
   EXPECT_NE(bad.find("training.skip_spikes = -1 must not be negative"), std::string::npos) << bad;

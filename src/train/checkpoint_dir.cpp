@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "core/error.h"
-#include "parallel/data_parallel.h"  // check_same_hash
 #include "train/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -99,13 +98,13 @@ std::string checkpoint_resume_point(const Config& c, Communicator& world, Metric
                                             << old << "); set checkpoint.resume=true to continue it, or choose "
                                             << "another checkpoint.dir (nothing was overwritten)");
   });
-  if (world.size() > 1) {
-    try {  // every rank compares every rank's hash: the same verdict everywhere
-      check_same_hash(world, std::hash<std::string>{}(from), "newest checkpoint (" + from + ")",
-                      "checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
-    } catch (const Error& e) {
-      throw AgreedError(e.what());
-    }
+  if (world.size() > 1) {  // every rank compares every rank's: the same verdict everywhere
+    const std::vector<std::string> all = allgather_strings(world, from);
+    for (size_t r = 1; r < all.size(); ++r)
+      if (all[r] != all[0])
+        throw AgreedError("rank " + std::to_string(r) + " resumes from " + (all[r].empty() ? "no checkpoint" : all[r]) +
+                          ", rank 0 from " + (all[0].empty() ? "no checkpoint" : all[0]) +
+                          ": checkpoint.dir must be one directory shared by all ranks, given as an absolute path");
   }
   if (c.checkpoint.dir.empty()) return from;
   if (world.rank() == 0)  // before any rank saves: the set-up ends with a barrier

@@ -120,15 +120,24 @@ void fit_micro_batch(Config& cfg, int world_size, int64_t saved_micro, std::vect
     return;
   }
   if (error) {  // no micro-batch fits: the layout itself does not (world size, global batch)
-    // The global batch is the checkpoint's (the data position is step x global_batch): what
-    // may change is the layout, so its message says which data-parallel sizes divide it.
+    // The global batch is the checkpoint's (the data position is step x global_batch): where
+    // the ranks' dp does not divide it, what may change is the layout, and the message says
+    // which data-parallel sizes do.
     const int64_t G = cfg.training.global_batch;
+    const int64_t model_ranks = int64_t{cfg.parallel.tp} * cfg.parallel.pp * cfg.parallel.cp;
+    const int64_t dp = cfg.parallel.dp > 0                                     ? cfg.parallel.dp
+                       : model_ranks > 0 && world_size % model_ranks == 0 ? world_size / model_ranks
+                                                                          : 0;
+    if (dp == 0 || G % dp == 0) throw *error;
     std::string dps;
-    for (int64_t d = 1, n = 0; d <= G && n < 8; ++d)
+    int64_t d = 1;
+    for (int n = 0; d <= G && n < 8; ++d)
       if (G % d == 0) dps += (n++ ? ", " : "") + std::to_string(d);
+    bool more = false;
+    for (; d <= G && !more; ++d) more = G % d == 0;
     throw Error(std::string(error->what()) + ". A resumed run keeps the checkpoint's training.global_batch = " +
                 std::to_string(G) + ": choose the ranks (and parallel.tp, pp, cp) so that dp divides it (dp " + dps +
-                (G > 8 ? ", ..." : "") + ")");
+                (more ? ", ..." : "") + ")");
   }
   cfg = first;
 }

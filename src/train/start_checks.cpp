@@ -152,8 +152,8 @@ std::vector<std::string> settings_without_effect(const Config& c) {
       (c.optim.loss_scale != unset.loss_scale || c.optim.loss_scale_window != unset.loss_scale_window))
     notes.push_back("optim.loss_scale and optim.loss_scale_window apply to training.precision = fp16 only (this run: " +
                     c.model.precision + ")");
-  if (c.optim.warmup_steps >= c.training.steps && c.training.steps > 0)
-    notes.push_back("optim.warmup_steps = " + std::to_string(c.optim.warmup_steps) + " is not less than " +
+  if (c.optim.warmup_steps > c.training.steps && c.training.steps > 0)
+    notes.push_back("optim.warmup_steps = " + std::to_string(c.optim.warmup_steps) + " is more than " +
                     "training.steps = " + std::to_string(c.training.steps) + ": the learning rate never reaches " +
                     "its peak");
   return notes;

@@ -310,21 +310,20 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
 }
 
 // training.skip_spikes: whether step s (its loss and gradient norm, the same on every rank)
-// is skipped as a spike. The ranks agree through one reduction: a step is skipped where any
-// rank judged it a spike. Stops the run after training.max_skips skips in a row.
+// is skipped as a spike. The ranks agree by gathering their verdicts: a step is skipped where
+// any rank judged it a spike, with the lowest such rank's reason. Stops the run after
+// training.max_skips skips in a row.
 bool skip_spike(Run& run, int64_t s, double loss, double norm, nlohmann::json& j) {
-  const std::string why = run.spikes.check(loss, norm);
-  float votes = why.empty() ? 0.0f : 1.0f;
-  run.world.allreduce(Tensor::wrap(&votes, {1}, DType::f32));
-  j["skipped"] = votes > 0;
-  if (votes == 0) {
+  // Every rank's reason (the lowest rank's, named), so that all say the same
+  const std::string what = first_problem(run.world, run.spikes.check(loss, norm));
+  j["skipped"] = !what.empty();
+  if (what.empty()) {
     run.spikes.applied(loss, norm);
     return false;
   }
   run.spikes.skipped();
   if (!std::isfinite(loss)) j["loss"] = nullptr;
   if (!std::isfinite(norm)) j["grad_norm"] = nullptr;
-  const std::string what = why.empty() ? "another rank judged it a spike" : why;
   std::ostringstream msg;
   msg << "step " << s << ": skipped as a spike: " << what << " (training.skip_spikes = " << run.c.training.skip_spikes
       << ")";
@@ -366,19 +365,26 @@ nlohmann::json step_run(Run& run, int64_t s) {
   // A tied embedding's two copies (first and last stage) take the sum of their gradients.
   if (run.tie) run.tie->allreduce(run.opt.segments()[0].g);
   const double loss = sum_doubles(run.data, sum_doubles(run.pp, loss_sum)) / tokens_per_step;
-  if (!std::isfinite(loss) && !run.spikes.enabled())  // the same sum on every rank
-    stop_training(run, s, std::string("the loss became ") + (std::isnan(loss) ? "NaN" : "infinite") + " at step " +
-                              std::to_string(s) + "; lower optim.lr, " +
-                              (c.optim.grad_clip > 0 ? "tighten optim.grad_clip" : "set optim.grad_clip") +
-                              ", add optim.warmup_steps, or skip such steps (training.skip_spikes)");
   // Each element once: a tp rank counts its shards and the replicas it is first to hold, a
   // pipeline rank its stages (the tied copy on the last stage counts as a replica). Units'
   // sums are added in unit order, so a unit held whole by one rank counts as on one rank.
-  double sumsq = 0;
+  // Two counts ride along, so that every rank (tp partners too) sees a non-finite loss.
+  double sumsq = 0, nan_losses = 0, inf_losses = 0;
   {
     ProfileScope ps("grad_norm");
-    for (double x : sum_doubles(run.pp, sum_doubles(run.tp, run.strategy.grad_sumsq(run.opt.segments())))) sumsq += x;
+    std::vector<double> parts = run.strategy.grad_sumsq(run.opt.segments());
+    parts.push_back(std::isnan(loss));
+    parts.push_back(std::isinf(loss));
+    parts = sum_doubles(run.pp, sum_doubles(run.tp, std::move(parts)));
+    inf_losses = parts.back(), parts.pop_back();
+    nan_losses = parts.back(), parts.pop_back();
+    for (double x : parts) sumsq += x;
   }
+  if (nan_losses + inf_losses > 0 && !run.spikes.enabled())
+    stop_training(run, s, std::string("the loss became ") + (nan_losses > 0 ? "NaN" : "infinite") + " at step " +
+                              std::to_string(s) + "; lower optim.lr, " +
+                              (c.optim.grad_clip > 0 ? "tighten optim.grad_clip" : "set optim.grad_clip") +
+                              ", add optim.warmup_steps, or skip such steps (training.skip_spikes)");
   // The schedule follows the updates taken: a skipped step (fp16 overflow, spike) does not
   // advance warmup or decay, so the first update after ten skips is warmup's first.
   const double norm = std::sqrt(sumsq) / S;
@@ -668,6 +674,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   // holds): the ranks agree on one before any work, as the checks below do.
   std::vector<std::string> notes;  // what a resumed layout changed, settings that do nothing
   agreed(world, [&] { notes = resume_resolve(c, world.size()); });
+  check_same_config(c, world);  // before the options (a debug_collectives on one rank only) apply
   for (const std::string& n : settings_without_effect(c)) notes.push_back("note: " + n);
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
   const auto t_start = Clock::now();
@@ -691,7 +698,6 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     ~Restore() { c.set_options(saved); }
   } restore{world, world.options()};
   world.set_options({c.parallel.debug_collectives, c.parallel.timeout_s, nullptr});
-  check_same_config(c, world);
   checkpoint_dir_prepare(c.checkpoint.dir, world);  // an unwritable one found now, not at the first save
   // logging.profile: made before the groups, whose communication threads record into it
   std::optional<Profiler> profiler;
