@@ -373,7 +373,7 @@ RankTraffic comm_traffic(const ModelConfig& model, const Layout& layout, const P
     t.tp += m * tp_flows(model, layout, prec, ch).total();
     t.cp += m * cp_flows(model, layout, prec, ch).total();
   }
-  if (layout.tp > 1) t.tp += allgather(layout.tp, 8 * units);  // the gradient norm's per-unit sums
+  if (layout.tp > 1) t.tp += allgather(layout.tp, 8 * (units + 1));  // the gradient norm's per-unit sums, a loss check
   if (layout.pp > 1) {
     const PipeLayout lay{shape.pp, shape.chunks, shape.micro, shape.vee ? Placement::vee : Placement::loop};
     const double msg = pp_message_bytes(model, layout, prec);

@@ -200,8 +200,8 @@ double tp_bytes_per_step(const Run& run) {
   const Config& c = run.c;
   const int64_t M = c.training.micro_batch, n_micro = c.training.global_batch / (int64_t{run.dp.size()} * M);
   // and the gradient norm's per-unit sums of squares (LAMB, LARS: and two per tensor for the
-  // trust ratios), gathered from every tp rank
-  const double norm = 8.0 * (run.model.units().size() + run.opt.norm_sums()) * (run.tp.size() - 1);
+  // trust ratios) with the count of non-finite losses, gathered from every tp rank
+  const double norm = 8.0 * (run.model.units().size() + run.opt.norm_sums() + 1) * (run.tp.size() - 1);
   return norm + n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, run.model.dims().T,
                                                    c.training.recompute, c.parallel.sequence_parallel, run.model.share());
 }
@@ -368,20 +368,24 @@ nlohmann::json step_run(Run& run, int64_t s) {
   // Each element once: a tp rank counts its shards and the replicas it is first to hold, a
   // pipeline rank its stages (the tied copy on the last stage counts as a replica). Units'
   // sums are added in unit order, so a unit held whole by one rank counts as on one rank.
-  // Two counts ride along, so that every rank (tp partners too) sees a non-finite loss.
-  double sumsq = 0, nan_losses = 0, inf_losses = 0;
+  // The loss is summed over dp, cp and pp but not over tp: one more number rides along in
+  // the tp sum, so that tp partners too see a non-finite loss (1 per NaN, 1024 per inf).
+  double sumsq = 0, bad_losses = 0;
   {
     ProfileScope ps("grad_norm");
     std::vector<double> parts = run.strategy.grad_sumsq(run.opt.segments());
-    parts.push_back(std::isnan(loss));
-    parts.push_back(std::isinf(loss));
-    parts = sum_doubles(run.pp, sum_doubles(run.tp, std::move(parts)));
-    inf_losses = parts.back(), parts.pop_back();
-    nan_losses = parts.back(), parts.pop_back();
-    for (double x : parts) sumsq += x;
+    if (run.tp.size() > 1) {
+      parts.push_back(std::isnan(loss) ? 1 : std::isinf(loss) ? 1024 : 0);
+      parts = sum_doubles(run.tp, std::move(parts));
+      bad_losses = parts.back(), parts.pop_back();
+    } else {
+      bad_losses = std::isnan(loss) ? 1 : std::isinf(loss) ? 1024 : 0;
+    }
+    for (double x : sum_doubles(run.pp, std::move(parts))) sumsq += x;
   }
-  if (nan_losses + inf_losses > 0 && !run.spikes.enabled())
-    stop_training(run, s, std::string("the loss became ") + (nan_losses > 0 ? "NaN" : "infinite") + " at step " +
+  if (bad_losses > 0 && !run.spikes.enabled())
+    stop_training(run, s, std::string("the loss became ") + (std::fmod(bad_losses, 1024) > 0 ? "NaN" : "infinite") +
+                              " at step " +
                               std::to_string(s) + "; lower optim.lr, " +
                               (c.optim.grad_clip > 0 ? "tighten optim.grad_clip" : "set optim.grad_clip") +
                               ", add optim.warmup_steps, or skip such steps (training.skip_spikes)");
