@@ -19,18 +19,25 @@ namespace {
 
 Communicator* g_world = nullptr;  // the test program's world, set in main
 
+// What every test here traces: pp 2 (1f1b, 4 micro-batches) times the rest as dp, each
+// pipeline rank's true timeline from the simulator with fixed costs, and the trace.
+struct Traced {
+  Communicator& w = *g_world;
+  Mesh mesh{w, w.size() / 2, 2, 1};
+  Schedule s = schedule_make("1f1b", 2, 1, 4);
+  Simulation truth = schedule_simulate(s, ActionCosts{1e-3, 2e-3, 1e-3, 1e-3, 1e-4, 1e-4, {}});
+  test::TempDir d;
+  std::string path = d / "trace.json";
+  StepTrace trace{path, s, mesh};
+};
+
 // Every rank replays the simulator's timeline of its pipeline rank (one true axis, causal),
 // timed from its own 0: rank w started 10 ms x w after the true 0, its wall-clock origin
 // as late. The trace must give every action its true time plus one shift common to all
 // ranks: the lead of each rank's origin is put back.
 TEST(StepTrace, RanksStartedAtDifferentMomentsShareOneTimeAxis) {
-  Communicator& w = *g_world;
-  Mesh mesh(w, w.size() / 2, 2, 1);
-  const Schedule s = schedule_make("1f1b", 2, 1, 4);
-  const Simulation truth = schedule_simulate(s, ActionCosts{1e-3, 2e-3, 1e-3, 1e-3, 1e-4, 1e-4, {}});
-  const test::TempDir d;
-  const std::string path = d / "trace.json";
-  StepTrace trace(path, s, mesh);
+  Traced t;
+  auto& [w, mesh, s, truth, d, path, trace] = t;
   const double late = 0.01 * w.rank(), origin = 1.8e9 + late;
   for (int64_t step = 0; step < 2; ++step) {
     std::vector<TimedAction> mine = truth.ranks[mesh.pp().rank()];
@@ -65,12 +72,8 @@ TEST(StepTrace, RanksStartedAtDifferentMomentsShareOneTimeAxis) {
 // The first traced step (page faults, first touches) runs several times slower than the
 // rest: the summary's step time and the simulator's costs are the later steps' means.
 TEST(StepTrace, TheFirstStepIsLeftOutOfTheMeans) {
-  Communicator& w = *g_world;
-  Mesh mesh(w, w.size() / 2, 2, 1);
-  const Schedule s = schedule_make("1f1b", 2, 1, 4);
-  const Simulation truth = schedule_simulate(s, ActionCosts{1e-3, 2e-3, 1e-3, 1e-3, 1e-4, 1e-4, {}});
-  const test::TempDir d;
-  StepTrace trace(d / "trace.json", s, mesh);
+  Traced t;
+  auto& [w, mesh, s, truth, d, path, trace] = t;
   for (int64_t step = 0; step < 3; ++step) {
     std::vector<TimedAction> mine = truth.ranks[mesh.pp().rank()];
     const double slow = step == 0 ? 5 : 1;

@@ -74,9 +74,13 @@ void print_train_help() {
   for (const std::string& k : mt::config_keys()) {
     std::string sec = k.substr(0, k.find('.')), key = k.substr(k.find('.') + 1);
     const nlohmann::json& v = j[sec][key];
-    char num[32];
-    std::snprintf(num, sizeof num, "%g", v.is_number_float() ? v.get<double>() : 0.0);  // 1e-05, not 9.99...e-06
-    std::printf("  %-34s %s\n", k.c_str(), v.is_number_float() ? num : v.dump().c_str());
+    std::string shown = v.dump();
+    if (v.is_number_float()) {  // as written: 1e-05, not the float's 9.999999747378752e-06
+      char num[32];
+      std::snprintf(num, sizeof num, "%g", v.get<double>());
+      shown = num;
+    }
+    std::printf("  %-34s %s\n", k.c_str(), shown.c_str());
   }
 }
 

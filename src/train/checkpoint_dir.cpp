@@ -55,20 +55,17 @@ void checkpoint_dir_prepare(const std::string& dir, Communicator& world) {
   // removes it (pruning old checkpoints removes files too).
   const std::string probe = dir + "/.meshtrain-write-probe";
   std::string problem, nonce;
-  if (world.rank() == 0) {
+  agreed(world, [&] {
+    if (world.rank() != 0) return;
     const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
     nonce = std::to_string(getpid()) + "-" + std::to_string(now);
     std::error_code ec;
     fs::create_directories(dir, ec);
-    std::ofstream f;
-    if (!ec) f.open(probe);
-    if (ec) problem = "cannot create checkpoint.dir = " + dir + ": " + ec.message();
-    else if (!(f << nonce << std::flush))
-      problem = "cannot write in checkpoint.dir = " + dir + ": " + std::strerror(errno);
-    if (!problem.empty()) problem += "; choose another checkpoint.dir";
-  }
-  problem = first_problem(world, problem);
-  if (!problem.empty()) throw AgreedError(problem);
+    MT_CHECK(!ec, "cannot create checkpoint.dir = " << dir << ": " << ec.message() << "; choose another checkpoint.dir");
+    std::ofstream f(probe);
+    MT_CHECK(f << nonce << std::flush,
+             "cannot write in checkpoint.dir = " << dir << ": " << std::strerror(errno) << "; choose another checkpoint.dir");
+  });
   if (world.size() > 1) {
     nonce = allgather_strings(world, nonce)[0];
     std::ifstream f(probe);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <span>
 #include <tuple>
 
 #include "core/error.h"
@@ -71,7 +72,7 @@ std::optional<PipelineMeasure> StepTrace::finish() const {
   // The first traced step runs several times slower (page faults, first touches): the
   // means are the later steps'.
   m.first_left_out = steps_.size() > 1;
-  const std::vector<TraceStep> measured(steps_.begin() + (m.first_left_out ? 1 : 0), steps_.end());
+  const std::span<const TraceStep> measured(steps_.begin() + (m.first_left_out ? 1 : 0), steps_.end());
   m.steps = static_cast<int>(measured.size());
   // The mean duration of every action over the steps, as one timeline, gives the costs.
   Simulation mean = steps_.back().sim;

@@ -374,13 +374,9 @@ nlohmann::json step_run(Run& run, int64_t s) {
   {
     ProfileScope ps("grad_norm");
     std::vector<double> parts = run.strategy.grad_sumsq(run.opt.segments());
-    if (run.tp.size() > 1) {
-      parts.push_back(std::isnan(loss) ? 1 : std::isinf(loss) ? 1024 : 0);
-      parts = sum_doubles(run.tp, std::move(parts));
-      bad_losses = parts.back(), parts.pop_back();
-    } else {
-      bad_losses = std::isnan(loss) ? 1 : std::isinf(loss) ? 1024 : 0;
-    }
+    parts.push_back(std::isnan(loss) ? 1 : std::isinf(loss) ? 1024 : 0);
+    parts = sum_doubles(run.tp, std::move(parts));
+    bad_losses = parts.back(), parts.pop_back();
     for (double x : sum_doubles(run.pp, std::move(parts))) sumsq += x;
   }
   if (bad_losses > 0 && !run.spikes.enabled())
