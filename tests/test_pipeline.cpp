@@ -188,7 +188,7 @@ TEST(Pipeline, CheckpointResumesAtAnotherPipeline) {
 }
 
 // A schedule written as a file (here 1f1b's own lists) runs and trains bit-identically to
-// the named one; a file for another layout is refused naming both.
+// the named one; a file for another layout is refused naming both and the batch that fits.
 TEST(Pipeline, ScheduleFromFile) {
   TempDir d;
   const std::string o = pp_options("llama", 4, 1, " --data.path=" + write_tokens(d, "t.bin", 3000, 37)) +
@@ -197,11 +197,13 @@ TEST(Pipeline, ScheduleFromFile) {
   expect_bit_identical(train_run(d, "named", 2, o), train_run(d, "file", 2, o + " --parallel.pp_schedule=file:" + d / "mine.csv"),
                        "schedule file");
   std::string out;
-  EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " launch -n 2 train " + o + " --training.global_batch=6" +
+  EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " launch -n 2 train " + o + " --training.global_batch=8" +
                             " --parallel.pp_schedule=file:" + d / "mine.csv" + " --logging.progress=off",
                         &out),
             0);
-  EXPECT_NE(out.find("is for pp=2, chunks=1, microbatches=4, but this run has parallel.pp = 2, 6 micro-batches"),
+  EXPECT_NE(out.find("is a schedule of 4 micro-batches per step, but this run has 8 (training.global_batch / "
+                     "(parallel.dp x training.micro_batch) = 8 / 1); set training.global_batch=4, or "
+                     "training.micro_batch=2, or write the file for 8 micro-batches"),
             std::string::npos)
       << out;
 }

@@ -128,7 +128,9 @@ void expect_adds_up(const ProfiledRun& r, int ranks) {
     const double step = p["step_ms"][k], other = p["other_ms"][k];
     EXPECT_NEAR(rows + other, step, 1e-6 * step) << "rank " << k;  // arithmetic: exact but for rounding
     EXPECT_GE(other, 0.0) << "rank " << k;
-    EXPECT_LT(other, 0.05 * step) << "rank " << k << ": the table misses " << other << " ms of " << step << "\n"
+    // Unprofiled time is a few percent of the step (once 5.1% while a build shared the
+    // cores); an op left out of the table (the products alone are over half) is far more.
+    EXPECT_LT(other, 0.10 * step) << "rank " << k << ": the table misses " << other << " ms of " << step << "\n"
                                   << r.output;
   }
   double measured = 0;  // by the trainer, rank 0

@@ -131,7 +131,7 @@ class PositionShardGrads {
   std::vector<std::pair<Tensor, Tensor>> pairs_;  // (the real gradient, its slot)
 };
 
-// out[B, Tl, C] = block(x[B, Tl, C]); fills a.
+// out[B, Tl, C] = block(x[B, Tl, C]); fills acts.
 void block_forward(const BlockEnv& env, const Unit& u, const BlockActs& acts, const Tensor& x, const Tensor& out, int B,
                    int T);
 // dresid holds d(out) on entry and d(x) on return; parameter gradients accumulate in u.g.

@@ -3,13 +3,15 @@
 // Parameters live in one flat buffer per unit — unit 0 is the embedding, units 1..L the
 // transformer blocks, unit L+1 the final norm (+ untied head) — so data-parallel buckets,
 // shards and checkpoint I/O work on flat ranges. Each Hugging Face tensor is a ParamSpec:
-// a named range of its unit, stored in the layout the linear ops use ([out, in]), so
-// GPT-2's Conv1D weights ([in, out] on disk) are transposed on import and export.
+// a named range of its unit, stored in the layout its linear op uses: [out, in] for the
+// column-parallel weights, [in, out] for the row-parallel ones (so that a tp rank's rows are
+// contiguous); the specs marked hf_transposed (GPT-2's c_attn and c_fc, Llama's o_proj and
+// down_proj) are transposed on import and export (model_layout.cpp).
 //
 //   Model model(cfg, alloc, /*micro_batch=*/B);
 //   model.init(seed);
-//   double loss_sum = model.forward(tokens, targets);   // [B, T] each
-//   model.backward(1.0f / n_tokens);                    // grads += d(loss_sum * scale)
+//   double loss_sum = model.forward(tokens, targets, B, T);  // [B, T] each
+//   model.backward(1.0f / n_tokens);                         // grads += d(loss_sum * scale)
 //
 // Under pipeline parallelism a rank holds one or more chunks of consecutive blocks
 // (ModelShare: the first chunk of the pipeline also holds the embedding, the last the final
@@ -145,7 +147,7 @@ DType working_dtype(const ModelConfig& cfg);
 DType grad_dtype(const ModelConfig& cfg);
 
 // The units and parameter specs of a configuration as tp rank `tp.rank` of `tp.size` holds
-// them (the TP plan: model.cpp), without allocating anything.
+// them (the TP plan: model_layout.cpp), without allocating anything.
 std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp = {});
 
 // The bytes of activations (and backward workspace) a Model holds for micro-batches of B

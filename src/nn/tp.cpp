@@ -1,28 +1,13 @@
 #include "nn/tp.h"
 
 #include <algorithm>
-#include <functional>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "core/message.h"
 
 namespace mt {
-
-namespace {
-
-// The tp sizes up to 64 for which ok(tp) holds, as "1, 2, 4 or 8".
-std::string tp_sizes(const std::function<bool(int)>& ok) {
-  std::vector<int> v;
-  for (int t = 1; t <= 64; ++t)
-    if (ok(t)) v.push_back(t);
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i)
-    out += (i == 0 ? "" : i + 1 == v.size() ? " or " : ", ") + std::to_string(v[i]);
-  return out;
-}
-
-}  // namespace
 
 void validate_tp(const ModelConfig& cfg, int tp) {
   MT_CHECK(tp >= 1, "parallel.tp = " << tp << " must be at least 1");
@@ -32,7 +17,7 @@ void validate_tp(const ModelConfig& cfg, int tp) {
   auto kv_ok = [&](int t) { return kv % t == 0 || t % kv == 0; };
   auto ff_ok = [&](int t) { return ff % t == 0; };
   auto all_ok = [&](int t) { return heads_ok(t) && kv_ok(t) && ff_ok(t) && t <= cfg.vocab_size; };
-  const std::string works = "; parallel.tp can be " + tp_sizes(all_ok) + " for this model";
+  const std::string works = "; parallel.tp can be " + values_where(1, 64, all_ok) + " for this model";
   MT_CHECK(heads_ok(tp), "model.n_head = " << cfg.n_head << " does not split over parallel.tp = " << tp
                                            << " ranks (each rank holds whole heads)" << works);
   MT_CHECK(kv_ok(tp), "model.n_kv_head = " << kv << " and parallel.tp = " << tp

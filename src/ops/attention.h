@@ -1,4 +1,4 @@
-// Causal self-attention with grouped-query heads, on a fused qkv buffer, in two variants.
+// Causal self-attention with grouped-query heads, on a fused qkv buffer, in three variants.
 //
 // qkv[B, T, (NH + 2 NKV) * D]: per token the NH query heads, then NKV key heads, then NKV
 // value heads, each D wide. Query head h reads key/value head h / (NH / NKV). Scores are
@@ -26,7 +26,7 @@
 
 namespace mt {
 
-// The dimensions of a fused qkv buffer, checked (shared by both variants).
+// The dimensions of a fused qkv buffer, checked (shared by every variant).
 struct AttentionShape {
   int64_t B, T, NH, NKV, D, W, G;  // W = (NH + 2 NKV) D, G = NH / NKV query heads per kv head
 };

@@ -1,27 +1,25 @@
 #include "train/config.h"
 
-#include "parallel/pipeline.h"
-#include "parallel/schedule.h"
-
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
-#include <limits>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <limits>
+#include <optional>
 #include <sstream>
 #include <toml++/toml.h>
 
 #include "core/cuda.h"
 #include "core/error.h"
+#include "core/message.h"
 #include "nn/tp.h"
-#include "train/faults.h"
-#include "parallel/pipeline.h"
 #include "parallel/pipeline.h"
 #include "parallel/schedule.h"
+#include "train/faults.h"
 
 namespace mt {
 
@@ -384,20 +382,6 @@ void Config::validate() const {
   }
 }
 
-namespace {
-
-// The n in [lo, hi] for which ok(n) holds, as "2, 3 or 6" ("" if none).
-std::string values_where(int lo, int hi, const std::function<bool(int)>& ok) {
-  std::vector<int> v;
-  for (int n = lo; n <= hi; ++n)
-    if (ok(n)) v.push_back(n);
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i == 0 ? "" : i + 1 == v.size() ? " or " : ", ") + std::to_string(v[i]);
-  return out;
-}
-
-}  // namespace
-
 // Hierarchical reductions (DDP's all-reduce, ZeRO's reduce-scatters) and gradient
 // compression (DDP's buckets; ZeRO's reductions at every stage, or under HYBRID_SHARD the
 // replicas' all-reduce: parallel/zero.h).
@@ -590,7 +574,26 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
 }
 
 void Config::check_pipeline() const {
-  const int m = static_cast<int>(training.global_batch / (int64_t{parallel.dp} * training.micro_batch));
+  const int64_t per_step = int64_t{parallel.dp} * training.micro_batch;
+  const int m = static_cast<int>(training.global_batch / per_step);
+  if (parallel.pp_schedule.rfind("file:", 0) == 0) {
+    // A file written for another number of micro-batches: the batch that gives it. (A file
+    // that does not read is named by pipeline_schedule.)
+    std::optional<PipeLayout> file;
+    try {
+      file = schedule_read(parallel.pp_schedule.substr(5)).layout;
+    } catch (const Error&) {
+    }
+    const int64_t per_micro = file ? int64_t{parallel.dp} * file->micro : 0;  // the micro_batch keeping the batch
+    const int64_t kept = per_micro && training.global_batch % per_micro == 0 ? training.global_batch / per_micro : 0;
+    MT_CHECK(!file || file->pp != parallel.pp || file->micro == m,
+             "parallel.pp_schedule = " << parallel.pp_schedule << " is a schedule of " << file->micro
+                                       << " micro-batches per step, but this run has " << m << " (training.global_batch"
+                                       << " / (parallel.dp x training.micro_batch) = " << training.global_batch << " / "
+                                       << per_step << "); set training.global_batch=" << file->micro * per_step
+                                       << (kept ? ", or training.micro_batch=" + std::to_string(kept) : "")
+                                       << ", or write the file for " << m << " micro-batches");
+  }
   pipeline_schedule(parallel, model, m, training.recompute);  // throws what cannot run
 }
 

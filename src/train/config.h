@@ -1,5 +1,7 @@
-// The run's configuration: every key of every section, with defaults, read from a TOML
-// file and then from --section.key=value overrides. Unknown keys and bad values are
+// The run's configuration: every section, read from a TOML file and then from
+// --section.key=value overrides. The [model], [optim] and [parallel] sections' keys and
+// defaults are in nn/model_config.h, optim/optimizer.h (OptimConfig) and
+// parallel/parallel_config.h; the others are here. Unknown keys and bad values are
 // errors that name the key and what it accepts.
 #pragma once
 #include <cstdint>

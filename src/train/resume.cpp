@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "core/error.h"
+#include "core/message.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_dir.h"
 
@@ -129,15 +130,10 @@ void fit_micro_batch(Config& cfg, int world_size, int64_t saved_micro, std::vect
                        : model_ranks > 0 && world_size % model_ranks == 0 ? world_size / model_ranks
                                                                           : 0;
     if (dp == 0 || G % dp == 0) throw *error;
-    std::string dps;
-    int64_t d = 1;
-    for (int n = 0; d <= G && n < 8; ++d)
-      if (G % d == 0) dps += (n++ ? ", " : "") + std::to_string(d);
-    bool more = false;
-    for (; d <= G && !more; ++d) more = G % d == 0;
+    const std::string dps = values_where(1, G, [&](int64_t d) { return G % d == 0; }, 8);
     throw Error(std::string(error->what()) + ". A resumed run keeps the checkpoint's training.global_batch = " +
                 std::to_string(G) + ": choose the ranks (and parallel.tp, pp, cp) so that dp divides it (dp " + dps +
-                (more ? ", ..." : "") + ")");
+                ")");
   }
   cfg = first;
 }
