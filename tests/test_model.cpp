@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -268,6 +270,72 @@ TEST(HuggingFace, ImportErrorsNameTheTensorAndTheKey) {
   Model sm(shallower, alloc, 1);
   EXPECT_THROW(hf_import(shallower, sm.units(), d / "m.safetensors"), Error);  // layer 1 has no place
   EXPECT_THROW(hf_import(cfg, m.units(), d / "missing.safetensors"), Error);
+}
+
+// Files as Hugging Face saves GPT-2 (without "transformer." before the base model's names)
+// and with a longer position table than the run's model.seq_len (its first rows are used)
+// load; a directory stands for its model.safetensors; non-finite weights are refused.
+TEST(HuggingFace, Gpt2ShortNamesLongerPositionsDirectoriesAndNaN) {
+  test::TempDir d;
+  ModelConfig longer = tiny("gpt2"), cfg = tiny("gpt2");
+  longer.seq_len = 12;  // the file's 12 positions; the run's 7
+  CpuAllocator alloc;
+  Model src(longer, alloc, 1), dst(cfg, alloc, 1);
+  src.init(3);
+  hf_export(longer, src.units(), d / "long.safetensors");
+  // The same tensors without the prefix, into a directory as model.safetensors; and with a NaN.
+  auto rewrite = [&](const std::string& out, bool nan) {
+    SafetensorsReader r(d / "long.safetensors");
+    std::vector<std::pair<std::string, Shape>> list;
+    for (const auto& [name, e] : r.entries()) list.emplace_back(name.substr(std::string("transformer.").size()), e.shape);
+    SafetensorsWriter w(out, list);
+    for (const auto& [name, e] : r.entries()) {
+      std::vector<float> x(shape_numel(e.shape));
+      r.read_f32(name, x.data(), x.size());
+      if (nan && name == "transformer.h.1.mlp.c_fc.weight") x[3] = NAN;
+      w.write(name.substr(std::string("transformer.").size()), x.data());
+    }
+    w.finish();
+  };
+  std::filesystem::create_directory(d / "snapshot");
+  rewrite(d / "snapshot/model.safetensors", false);
+  rewrite(d / "nan.safetensors", true);
+
+  HfImporter imp(cfg, dst.units(), d / "snapshot");
+  for (size_t u = 0; u < dst.units().size(); ++u) imp.unit(static_cast<int>(u), dst.units()[u].w.f32());
+  for (const Unit& u : dst.units())
+    for (const ParamSpec& p : u.params) {
+      const Tensor a = src.param(p.name), b = dst.param(p.name);  // wpe: the first 7 of 12 rows
+      EXPECT_EQ(0, std::memcmp(a.f32(), b.f32(), b.numel() * 4)) << p.name;
+    }
+  ASSERT_EQ(imp.notes().size(), 1u);
+  EXPECT_NE(imp.notes()[0].find("wpe.weight holds 12 positions; the first 7"), std::string::npos) << imp.notes()[0];
+
+  auto error_of = [&](const std::string& path) -> std::string {
+    try {
+      HfImporter bad(cfg, dst.units(), path);
+      for (size_t u = 0; u < dst.units().size(); ++u) bad.unit(static_cast<int>(u), dst.units()[u].w.f32());
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_NE(error_of(d / "nan.safetensors").find("tensor h.1.mlp.c_fc.weight in"), std::string::npos);
+  EXPECT_NE(error_of(d / "nan.safetensors").find("NaN or infinite"), std::string::npos);
+  EXPECT_NE(error_of(d.path).find("model.init_from = " + d.path + " is a directory without a model.safetensors"),
+            std::string::npos)
+      << error_of(d.path);
+  EXPECT_NE(error_of(d / "missing.safetensors").find("model.init_from: cannot open"), std::string::npos)
+      << error_of(d / "missing.safetensors");
+  ModelConfig more = cfg;
+  more.seq_len = 13;  // more positions than the file has
+  Model m13(more, alloc, 1);
+  try {
+    HfImporter bad(more, m13.units(), d / "long.safetensors");
+    ADD_FAILURE() << "expected a shape error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.seq_len (at most the file's positions)"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Model, RejectsBadShapes) {

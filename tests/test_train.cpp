@@ -13,6 +13,7 @@
 #include "train/train_data.h"
 #include "train/trainer.h"
 #include "test_util.h"
+#include "train_runs.h"
 
 using namespace mt;
 using test::error_of;
@@ -128,6 +129,25 @@ TEST(DataLoad, UnusableDataIsRefusedByKey) {
   expect("data.val_fraction = 0.1 and data.val_path = v.bin both choose the validation tokens; set only one");
   e = error_of([&] { config_load("", {"data.val_fraction=0.1"}); });
   expect("data.val_fraction = 0.1 holds out the tail of data.path, but data.path is not set");
+}
+
+// Validation reads each whole sequence of its tokens once, never one around the end: with
+// 3 sequences of seq_len + 1 = 17 tokens in the file (sequence j reads tokens 16j .. 16j + 16)
+// and a global batch of 4, the loss is the same whether the file ends after token 48 or
+// token 59 (the 4th position used to read tokens 48 .. 64 around the end), and the header
+// says how many sequences it reads.
+TEST(DataLoad, ValidationReadsNoSequenceAroundTheEnd) {
+  test::TempDir d;
+  const std::string o =
+      test::options("gpt2", 4, 1) + " --training.steps=2 --training.val_batches=1 --data.path=" + test::write_tokens(d, "t.bin", 800, 37);
+  const test::RunResult a = test::train_run(d, "a", 1, o + " --data.val_path=" + test::write_tokens(d, "v49.bin", 49, 37, 5));
+  const test::RunResult b = test::train_run(d, "b", 1, o + " --data.val_path=" + test::write_tokens(d, "v60.bin", 60, 37, 5));
+  ASSERT_TRUE(a.summary["val_loss"].is_number()) << a.output;
+  EXPECT_EQ(a.summary["val_loss"], b.summary["val_loss"]) << a.output << b.output;
+  EXPECT_NE(a.output.find("note: validation reads 3 sequences, all the validation tokens hold, not "
+                          "training.val_batches x training.global_batch = 4"),
+            std::string::npos)
+      << a.output;
 }
 
 // training.attention: fused by default, materialized on request, anything else is an error

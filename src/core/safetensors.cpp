@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -25,6 +26,7 @@ size_t st_dtype_size(const std::string& d) {
 }  // namespace
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
+  MT_CHECK(!std::filesystem::is_directory(path), path << " is a directory, not a safetensors file");
   FILE* f = std::fopen(path.c_str(), "rb");
   MT_CHECK(f, "cannot open safetensors file " << path << ": " << std::strerror(errno));
   std::fseek(f, 0, SEEK_END);

@@ -19,16 +19,22 @@ namespace mt {
 void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::string& path);
 
 // The same, one unit at a time (a sharded model never holds all of it): open checks the
-// file's names and shapes against the layout once; unit() fills one unit's flat buffer.
+// file's names and shapes against the layout once; unit() fills one unit's flat buffer and
+// refuses non-finite values. path: a safetensors file, or a directory holding
+// model.safetensors. GPT-2 names may come with or without "transformer.", and GPT-2's
+// position table may be longer than model.seq_len (its first rows are used).
 class HfImporter {
  public:
   HfImporter(const ModelConfig& cfg, const std::vector<Unit>& layout, const std::string& path);
   ~HfImporter();
   void unit(int u, float* dst) const;  // unit u's global_numel elements
+  // What the import adapts, for the run's header (a position table cut to model.seq_len).
+  const std::vector<std::string>& notes() const { return notes_; }
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  std::vector<std::string> notes_;
 };
 // Writes units' parameters as a Hugging Face safetensors file (atomically).
 void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path);

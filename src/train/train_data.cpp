@@ -85,15 +85,24 @@ void fill_part(const TokenLoader& data, int64_t first, int M, int32_t* tokens, i
     }
 }
 
+int64_t val_sequences(const TokenLoader& val, const Config& c) {
+  const int64_t whole = (val.num_tokens() - 1) / c.model.seq_len;  // sequence j reads tokens jT .. jT + T
+  return std::min(c.training.val_batches * c.training.global_batch, whole);
+}
+
 ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const Config& c, bool builtin,
                    Communicator& dp, Communicator& data, Communicator& pp, const std::vector<int32_t>& pos) {
   const int M = static_cast<int>(c.training.micro_batch), T = c.model.seq_len, V = c.model.vocab_size;
   const int Tl = static_cast<int>(pos.size());  // this rank's positions of each sequence (context parallelism)
   const int64_t R = dp.size(), per_rank = c.training.val_batches * c.training.global_batch / R;
+  const int64_t counted = val_sequences(val, c);
   std::vector<int32_t> in(M * T), tg(M * T), best(M * Tl);
   std::vector<uint8_t> mask(T);
-  auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {
-    fill_part(val, dp.rank() + R * int64_t{micro} * M, M, tokens, targets, R, T, pos);
+  auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {  // tokens, targets: [M, Tl]
+    const int64_t first = dp.rank() + R * int64_t{micro} * M;
+    fill_part(val, first, M, tokens, targets, R, T, pos);
+    for (int s = 0; s < M; ++s)
+      if (first + R * s >= counted) std::fill_n(targets + int64_t{s} * Tl, Tl, -1);
   };
   // [loss sum, correct answers, answers, answers per target character...]
   std::vector<double> tally(3 + V, 0.0);
@@ -102,6 +111,7 @@ ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const C
     val.fill(dp.rank() + R * int64_t{micro} * M, M, in.data(), tg.data(), R);  // whole sequences: answers need context
     model.predictions(best.data(), slot);  // greedy, over the whole vocabulary (collective over tp)
     for (int s = 0; s < M; ++s) {
+      if (dp.rank() + R * (int64_t{micro} * M + s) >= counted) continue;
       tasks_answer_mask(&in[s * T], &tg[s * T], T, mask.data());
       for (int i = 0; i < Tl; ++i) {
         const int t = pos[i];
@@ -115,7 +125,7 @@ ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const C
   tally[0] = pipe.evaluate(static_cast<int>((per_rank + M - 1) / M), feed, count_answers);
   tally = sum_doubles(data, sum_doubles(pp, tally));
   ValResult r;
-  r.loss = tally[0] / (double(c.training.val_batches) * c.training.global_batch * T);
+  r.loss = tally[0] / (double(counted) * T);
   if (tally[2] > 0) {
     r.accuracy = tally[1] / tally[2];
     r.baseline_accuracy = *std::max_element(tally.begin() + 3, tally.end()) / tally[2];
