@@ -514,4 +514,15 @@ TEST(Command, PrepareTrainExportSample) {
     EXPECT_TRUE(lines[0].contains(k)) << k;
 }
 
+// train --help shows a default that follows model.family as such: model.tie_embeddings was
+// listed as true, which is gpt2's default only (llama's head is untied).
+TEST(Command, HelpShowsTheFamilyDefaultOfTieEmbeddings) {
+  std::string out;
+  ASSERT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " train --help", &out), 0) << out;
+  const size_t at = out.find("  model.tie_embeddings ");
+  ASSERT_NE(at, std::string::npos) << out;
+  EXPECT_EQ(out.substr(at, out.find('\n', at) - at),
+            "  model.tie_embeddings               family default: gpt2 true, llama false");
+}
+
 }  // namespace

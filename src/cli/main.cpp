@@ -68,18 +68,25 @@ mt::Config train_config(const std::vector<std::string>& args, bool* help) {
   return mt::config_load(config_path, overrides);
 }
 
+// A default as written: 1e-05, not the float's 9.999999747378752e-06.
+std::string default_text(const nlohmann::json& v) {
+  if (!v.is_number_float()) return v.dump();
+  char num[32];
+  std::snprintf(num, sizeof num, "%g", v.get<double>());
+  return num;
+}
+
 void print_train_help() {
   std::printf("usage: meshtrain train [--config FILE.toml] [--section.key=value ...]\n\nkeys (defaults):\n");
-  auto j = mt::config_to_json(mt::Config{});
+  mt::Config llama;
+  llama.model.family = "llama";
+  const nlohmann::json j = mt::config_to_json(mt::Config{}), jl = mt::config_to_json(llama);
   for (const std::string& k : mt::config_keys()) {
     std::string sec = k.substr(0, k.find('.')), key = k.substr(k.find('.') + 1);
-    const nlohmann::json& v = j[sec][key];
-    std::string shown = v.dump();
-    if (v.is_number_float()) {  // as written: 1e-05, not the float's 9.999999747378752e-06
-      char num[32];
-      std::snprintf(num, sizeof num, "%g", v.get<double>());
-      shown = num;
-    }
+    std::string shown = default_text(j[sec][key]);
+    // A default that follows model.family (model.tie_embeddings) is shown for each family.
+    if (k != "model.family" && jl[sec][key] != j[sec][key])
+      shown = "family default: gpt2 " + shown + ", llama " + default_text(jl[sec][key]);
     std::printf("  %-34s %s\n", k.c_str(), shown.c_str());
   }
 }
