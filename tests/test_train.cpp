@@ -8,6 +8,8 @@
 
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "data/tasks.h"
+#include "data/tokenizer.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/train_data.h"
@@ -523,6 +525,26 @@ TEST(Command, HelpShowsTheFamilyDefaultOfTieEmbeddings) {
   ASSERT_NE(at, std::string::npos) << out;
   EXPECT_EQ(out.substr(at, out.find('\n', at) - at),
             "  model.tie_embeddings               family default: gpt2 true, llama false");
+}
+
+// prepare says the vocabulary the trained model has: a small text supports fewer pieces than
+// asked, and it printed the number asked.
+TEST(Command, PrepareSaysTheTrainedVocabulary) {
+  test::TempDir d;
+  std::ofstream(d / "corpus.txt") << tasks_generate(5, 2000);
+  std::string out;
+  ASSERT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " prepare --input " + d / "corpus.txt" + " --out " +
+                                  d / "u.bin --train-tokenizer 70000 --tokenizer-prefix " + d / "big",
+                              &out),
+            0)
+      << out;
+  const int pieces = tokenizer_make(d / "big.model")->vocab_size();
+  ASSERT_LT(pieces, 70000);
+  EXPECT_NE(out.find("trained SentencePiece model " + d / "big.model" + " (vocabulary " + std::to_string(pieces) +
+                     ", fewer than the 70000 asked"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("set model.vocab_size >= " + std::to_string(pieces)), std::string::npos) << out;
 }
 
 }  // namespace

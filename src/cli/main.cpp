@@ -184,9 +184,14 @@ void run_prepare(const std::string& input, const std::string& out, const std::st
     mt::output_parent_create(sp_prefix, "--tokenizer-prefix");
     mt::sentencepiece_train(input, sp_prefix, sp_vocab);
     tokenizer = sp_prefix + ".model";
-    std::printf("trained SentencePiece model %s (vocabulary %d)\n", tokenizer.c_str(), sp_vocab);
   }
   auto tok = mt::tokenizer_make(tokenizer);
+  if (sp_vocab > 0) {  // a small text supports fewer pieces than asked: the model's own count
+    std::printf("trained SentencePiece model %s (vocabulary %d", tokenizer.c_str(), tok->vocab_size());
+    if (tok->vocab_size() < sp_vocab)
+      std::printf(", fewer than the %d asked: the text supports no more pieces", sp_vocab);
+    std::printf(")\n");
+  }
   FILE* f = std::fopen(input.c_str(), "rb");
   MT_CHECK(f, "cannot open --input " << input << ": " << std::strerror(errno));
   std::string text;
