@@ -547,4 +547,23 @@ TEST(Command, PrepareSaysTheTrainedVocabulary) {
   EXPECT_NE(out.find("set model.vocab_size >= " + std::to_string(pieces)), std::string::npos) << out;
 }
 
+// prepare refuses tokenizer options that contradict each other, writing nothing: --tokenizer
+// beside --train-tokenizer (the model given was ignored) and --tokenizer-prefix without
+// --train-tokenizer (ignored too).
+TEST(Command, PrepareRefusesConflictingTokenizerOptions) {
+  test::TempDir d;
+  std::ofstream(d / "corpus.txt") << tasks_generate(5, 200);
+  sentencepiece_train(d / "corpus.txt", d / "spm", 300);
+  const std::string prep = std::string(MESHTRAIN_BIN) + " prepare --input " + d / "corpus.txt" + " --out " + d / "t.bin";
+  for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
+           {" --tokenizer " + d / "spm.model" + " --train-tokenizer 300 --tokenizer-prefix " + d / "v",
+            "--tokenizer " + d / "spm.model" + " and --train-tokenizer 300 cannot go together"},
+           {" --tokenizer-prefix " + d / "v", "--tokenizer-prefix " + d / "v" + " needs --train-tokenizer N"}}) {
+    std::string out;
+    EXPECT_EQ(test::run_command(prep + args, &out), 1) << args;
+    EXPECT_NE(out.find(want), std::string::npos) << args << "\n" << out;
+    EXPECT_FALSE(fs::exists(d / "t.bin") || fs::exists(d / "v.model")) << args;
+  }
+}
+
 }  // namespace

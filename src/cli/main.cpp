@@ -168,9 +168,17 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
 
 // meshtrain prepare: every option is checked before the (possibly long) tokenizer training,
 // and the text must be a readable regular file with at least one token: fopen opens a
-// directory, whose read fails, which would write an empty token file.
+// directory, whose read fails, which would write an empty token file. tokenizer_given: the
+// command line named --tokenizer, which --train-tokenizer would replace by the model it trains.
 void run_prepare(const std::string& input, const std::string& out, const std::string& val_out, std::string tokenizer,
-                 std::string sp_prefix, double val_fraction, int sp_vocab) {
+                 bool tokenizer_given, std::string sp_prefix, double val_fraction, int sp_vocab) {
+  MT_CHECK(!tokenizer_given || sp_vocab == 0,
+           "--tokenizer " << tokenizer << " and --train-tokenizer " << sp_vocab << " cannot go together: "
+                          << "--train-tokenizer trains a new SentencePiece model and tokenizes with it. Drop "
+                          << "--train-tokenizer (and --tokenizer-prefix) to tokenize with " << tokenizer
+                          << ", or drop --tokenizer to train a new model");
+  MT_CHECK(sp_prefix.empty() || sp_vocab > 0, "--tokenizer-prefix " << sp_prefix << " needs --train-tokenizer N (the "
+                                              << "vocabulary size of the model to train), or leave it out");
   std::error_code ec;
   MT_CHECK(std::filesystem::is_regular_file(input, ec),
            "--input " << input << " is " << (std::filesystem::exists(input, ec) ? "not a regular file" : "not there")
@@ -288,7 +296,7 @@ int main(int argc, char** argv) {
     CLI11_PARSE(app, argc, argv);
 
     if (prep->parsed()) {
-      run_prepare(input, out, val_out, tokenizer, sp_prefix, val_fraction, sp_vocab);
+      run_prepare(input, out, val_out, tokenizer, prep->count("--tokenizer") > 0, sp_prefix, val_fraction, sp_vocab);
     } else if (exp->parsed()) {
       std::error_code ec;  // before the parameters are read: the rename at the end would fail
       MT_CHECK(!std::filesystem::is_directory(exp_out, ec),
