@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "data/tasks.h"
+#include "data/tokenizer.h"
 #include "train/start_checks.h"
 #include "train/trainer.h"
 #include "test_util.h"
@@ -268,6 +270,43 @@ TEST(Outputs, CheckedBeforeTheFirstStep) {
                      "false)"),
             std::string::npos)
       << out;
+}
+
+// A SentencePiece data.tokenizer with more pieces than model.vocab_size is refused before
+// any step, naming both keys and the size to set (sample refused it only after training),
+// and said once by a job; the byte tokenizer is not compared (a small vocabulary's tokens).
+TEST(Outputs, TokenizerLargerThanTheVocabularyIsRefusedBeforeTheFirstStep) {
+  test::TempDir d;
+  std::ofstream(d / "corpus.txt") << tasks_generate(3, 3000);
+  sentencepiece_train(d / "corpus.txt", d / "spm", 300);
+  const int pieces = tokenizer_make(d / "spm.model")->vocab_size();
+  ASSERT_GT(pieces, 257);
+  Config c = test::tiny_config("gpt2", test::write_tokens(d, "t.bin", 400, 37));
+  c.training.steps = 1;
+  c.model.vocab_size = 257;
+  c.logging.metrics = d / "m.jsonl";
+  c.data.tokenizer = d / "spm.model";
+  const std::string want = "data.tokenizer = " + d / "spm.model" + " has " + std::to_string(pieces) +
+                           " tokens but model.vocab_size = 257: the model has no ids for the rest. Set "
+                           "model.vocab_size=" + std::to_string(pieces) + " (or more)";
+  const std::string msg = error_of(c);
+  EXPECT_NE(msg.find(want), std::string::npos) << msg;
+  EXPECT_FALSE(fs::exists(c.logging.metrics)) << "a step ran";
+  std::string out;
+  EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " launch -n 2 train --data.path=" + c.data.path +
+                                  " --model.n_layer=1 --model.d_model=16 --model.n_head=2 --model.seq_len=8"
+                                  " --training.global_batch=2 --training.steps=1 --logging.metrics=" + c.logging.metrics +
+                                  " --data.tokenizer=" + c.data.tokenizer,
+                              &out),
+            1);
+  EXPECT_NE(out.find(want), std::string::npos) << out;
+  EXPECT_EQ(out.find("error:"), out.rfind("error:")) << "said once\n" << out;
+  EXPECT_FALSE(fs::exists(c.logging.metrics)) << "a step ran";
+  c.model.vocab_size = pieces;
+  train(c);
+  c.model.vocab_size = 37;  // the byte tokenizer and a smaller vocabulary: its token file's
+  c.data.tokenizer = "byte";
+  train(c);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -58,14 +59,21 @@ void check_outputs(const Config& c) {
                                     << " (or leave logging.hardware empty for no step-time prediction)");
     }
   }
-  // `sample` reads the tokenizer from the checkpoint's configuration: one that cannot load
-  // would be found only then. (Its size is not compared with model.vocab_size: the byte
-  // tokenizer's 257 pieces name more ids than a token file of a small vocabulary uses.)
+  // `sample` reads the tokenizer from the checkpoint's configuration: one that cannot load,
+  // or a SentencePiece model with more pieces than the model has ids, would be found only
+  // then. (The byte tokenizer's size is not compared with model.vocab_size: its 257 pieces
+  // name more ids than a token file of a small vocabulary uses.)
+  std::unique_ptr<Tokenizer> tok;
   try {
-    tokenizer_make(c.data.tokenizer);
+    tok = tokenizer_make(c.data.tokenizer);
   } catch (const Error& e) {
     MT_FAIL("data.tokenizer = " << c.data.tokenizer << ": " << e.what());
   }
+  MT_CHECK(c.data.tokenizer == "byte" || tok->vocab_size() <= c.model.vocab_size,
+           "data.tokenizer = " << c.data.tokenizer << " has " << tok->vocab_size() << " tokens but model.vocab_size = "
+                               << c.model.vocab_size << ": the model has no ids for the rest. Set model.vocab_size="
+                               << tok->vocab_size() << " (or more), or set data.tokenizer to the model that made "
+                               << "data.path");
 }
 
 // The first number in a file ("max" and a missing file: none).
