@@ -566,4 +566,33 @@ TEST(Command, PrepareRefusesConflictingTokenizerOptions) {
   }
 }
 
+// A small SentencePiece model, and the command that trains on random ids below its size in d
+// (a data.tokenizer given relative to d), to which a test adds options.
+std::string sentencepiece_run(const test::TempDir& d) {
+  std::ofstream(d / "corpus.txt") << tasks_generate(5, 2000);
+  sentencepiece_train(d / "corpus.txt", d / "spm", 300);
+  return "cd " + d.path + " && " + MESHTRAIN_BIN + " train --data.path=" + test::write_tokens(d, "t.bin", 2000, 260) +
+         " --model.vocab_size=300 --model.n_layer=1 --model.d_model=16 --model.n_head=2 --model.seq_len=16"
+         " --training.global_batch=2 --logging.progress=off --checkpoint.dir=ck";
+}
+
+// A run's checkpoints record its SentencePiece data.tokenizer by its absolute path, so sample
+// works from any directory (it could not open the relative "spm.model" elsewhere); a model
+// that is really gone is said, with what to pass.
+TEST(Command, SampleFindsTheTokenizerFromAnyDirectory) {
+  test::TempDir d;
+  std::string out;
+  ASSERT_EQ(test::run_command(sentencepiece_run(d) + " --training.steps=1 --data.tokenizer=spm.model", &out), 0) << out;
+  const std::string sample =
+      "cd / && " + std::string(MESHTRAIN_BIN) + " sample --checkpoint " + d / "ck" + " --prompt copy --tokens 5";
+  ASSERT_EQ(test::run_command(sample, &out), 0) << out;
+  EXPECT_EQ(out.rfind("copy", 0), 0u) << out;
+  fs::rename(d / "spm.model", d / "moved.model");
+  EXPECT_EQ(test::run_command(sample, &out), 1) << out;
+  EXPECT_NE(out.find("cannot open SentencePiece model " + d / "spm.model"), std::string::npos) << out;
+  EXPECT_NE(out.find("Pass --tokenizer FILE.model, that SentencePiece model where it is now"), std::string::npos)
+      << out;
+  EXPECT_EQ(test::run_command(sample + " --tokenizer " + d / "moved.model", &out), 0) << out;
+}
+
 }  // namespace

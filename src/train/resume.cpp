@@ -1,6 +1,7 @@
 #include "train/resume.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <optional>
 
 #include "core/error.h"
@@ -13,6 +14,13 @@ namespace mt {
 namespace {
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+// A SentencePiece model by its absolute path; "byte" (and "", which the start-up checks
+// refuse) as they are.
+std::string tokenizer_absolute(const std::string& tokenizer) {
+  if (tokenizer == "byte" || tokenizer.empty()) return tokenizer;
+  return std::filesystem::absolute(tokenizer).lexically_normal().string();
+}
 
 // Keys checkpoint.allow_change may name: a new data file, learning rate or seed still
 // continues the saved model and optimizer state. The model's shape, the optimizer's kind
@@ -151,6 +159,8 @@ bool resume_key_must_match(const std::string& key) {
 std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
   allowed_changes(cfg.checkpoint.allow_change);  // a typo is an error on any run
   checkpoint_dir_check(cfg.checkpoint);  // not one step directory, no damaged ones
+  // Checkpoints record data.tokenizer for sample, which may run in another directory.
+  cfg.data.tokenizer = tokenizer_absolute(cfg.data.tokenizer);
   const std::string dir = cfg.checkpoint.resume ? checkpoint_latest(cfg.checkpoint.dir) : "";
   if (dir.empty()) {
     cfg.resolve_layout(world_size);

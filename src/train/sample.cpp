@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <memory>
 #include <vector>
 
 #include "core/error.h"
@@ -27,7 +29,20 @@ std::string sample_text(const SampleOptions& o) {
   cfg.model.precision = "fp32";  // a checkpoint holds fp32 parameters (the masters of a mixed-precision run)
   Model model(cfg.model, alloc, 1);
   checkpoint_load(dir, cfg.model, checkpoint_param_slices(model.units()));
-  auto tok = tokenizer_make(o.tokenizer.empty() ? cfg.data.tokenizer : o.tokenizer);
+  // The checkpoint's tokenizer, as the run recorded it: a relative path (checkpoints written
+  // before runs recorded absolute ones) is read from this directory.
+  std::unique_ptr<Tokenizer> tok;
+  try {
+    tok = tokenizer_make(o.tokenizer.empty() ? cfg.data.tokenizer : o.tokenizer);
+  } catch (const Error& e) {
+    if (!o.tokenizer.empty()) MT_FAIL("--tokenizer " << o.tokenizer << ": " << e.what());
+    MT_FAIL("the tokenizer checkpoint " << dir << " was trained with (its data.tokenizer) does not load: " << e.what()
+                                        << ". Pass --tokenizer FILE.model, that SentencePiece model where it is now"
+                                        << (std::filesystem::path(cfg.data.tokenizer).is_relative()
+                                                ? ", or run sample in the directory the training ran in (the path "
+                                                  "is relative to it)"
+                                                : ""));
+  }
   MT_CHECK(tok->vocab_size() <= cfg.model.vocab_size, "the tokenizer has " << tok->vocab_size()
                                                                           << " tokens but the model only "
                                                                           << cfg.model.vocab_size << "; pass --tokenizer");
