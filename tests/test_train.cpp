@@ -595,4 +595,25 @@ TEST(Command, SampleFindsTheTokenizerFromAnyDirectory) {
   EXPECT_EQ(test::run_command(sample + " --tokenizer " + d / "moved.model", &out), 0) << out;
 }
 
+// A resumed run whose data.tokenizer is not the checkpoint's says so, naming both: one left
+// out (byte) went into the new checkpoints silently, and sample printed noise. The same
+// model, given relative or absolute, is no change.
+TEST(Command, ResumeNotesAnotherTokenizer) {
+  test::TempDir d;
+  const std::string train = sentencepiece_run(d);
+  std::string out;
+  ASSERT_EQ(test::run_command(train + " --training.steps=1 --data.tokenizer=spm.model", &out), 0) << out;
+  ASSERT_EQ(test::run_command(train + " --training.steps=2 --checkpoint.resume=true --data.tokenizer=" + d / "spm.model",
+                              &out),
+            0)
+      << out;
+  EXPECT_EQ(out.find("data.tokenizer"), std::string::npos) << "the same model\n" << out;
+  ASSERT_EQ(test::run_command(train + " --training.steps=3 --checkpoint.resume=true", &out), 0) << out;
+  EXPECT_NE(out.find("data.tokenizer = byte instead of the checkpoint's " + d / "spm.model" +
+                     ": this run's checkpoints record byte, which sample decodes with; pass --data.tokenizer=" +
+                     d / "spm.model" + " to keep the checkpoint's"),
+            std::string::npos)
+      << out;
+}
+
 }  // namespace

@@ -191,6 +191,14 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
                           << "or use a new checkpoint.dir");
   }
   fit_micro_batch(cfg, world_size, saved.training.micro_batch, notes);
+  // The tokenizer may change (a moved file), but one left out of the command line is the
+  // default byte, which then goes into this run's checkpoints: said, with what keeps it.
+  // (A relative path in an older checkpoint is read from this directory.)
+  const std::string saved_tokenizer = tokenizer_absolute(saved.data.tokenizer);
+  if (cfg.data.tokenizer != saved_tokenizer)
+    notes.push_back("data.tokenizer = " + cfg.data.tokenizer + " instead of the checkpoint's " + saved_tokenizer +
+                    ": this run's checkpoints record " + cfg.data.tokenizer + ", which sample decodes with; pass " +
+                    "--data.tokenizer=" + saved_tokenizer + " to keep the checkpoint's");
 
   const int saved_world = meta.value("world_size", 1);
   const std::string was = layout_text(saved, saved_world), is = layout_text(cfg, world_size);
