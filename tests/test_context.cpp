@@ -121,7 +121,9 @@ TEST(ContextParallel, WithEveryAxis) {
                     "tp2 cp2 dp2");
 }
 
-// Validation runs through the ring too: the same validation losses as one rank.
+// Validation runs through the ring too, and through dp (each rank its sequences, the sums
+// over the data group) and pp (the loss on the last stage, summed over the pipeline): the
+// same validation losses as one rank, to the training's drift between layouts.
 TEST(ContextParallel, ValidationMatchesSingleRank) {
   TempDir d;
   const std::string o = options("gpt2", 4, 0) + " --training.val_every=2 --data.val_fraction=0.2 --data.path=" +
@@ -135,10 +137,14 @@ TEST(ContextParallel, ValidationMatchesSingleRank) {
     }
     return v;
   };
-  const std::vector<double> one = val_losses("one", 1, ""), cp = val_losses("cp2", 2, " --parallel.cp=2");
+  const std::vector<double> one = val_losses("one", 1, "");
   ASSERT_GE(one.size(), 2u);
-  ASSERT_EQ(cp.size(), one.size());
-  for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(cp[i], one[i], 1e-5 * one[i]) << i;
+  for (const std::string axis : {"cp", "dp", "pp"}) {
+    const std::string layout = " --parallel." + axis + "=2";
+    const std::vector<double> v = val_losses(axis + "2", 2, layout);
+    ASSERT_EQ(v.size(), one.size()) << layout;
+    for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(v[i], one[i], 1e-5 * one[i]) << layout << " " << i;
+  }
 }
 
 // A checkpoint written at cp 2 x dp 2 holds whole units like any other: it resumes at one

@@ -28,6 +28,14 @@ TEST_P(ZeroFamily, StagesMatchSingleRank) {
   RunResult hybrid = train_run(d, "hybrid", 4, options(fam, 8, 1) + data + kClip +
                                                    " --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2");
   expect_equivalent(one, hybrid, fam + " HYBRID_SHARD 2x2");
+  // Stages 1-2 sharded in groups of 2 and replicated across them: each replica group's
+  // all-reduce of its chunk (one family: the path is the same for both)
+  for (int stage = 1; fam == "gpt2" && stage <= 2; ++stage) {
+    const std::string name = "groups" + std::to_string(stage);
+    RunResult z = train_run(d, name, 4, options(fam, 8, 1) + data + kClip + " --parallel.zero=" + std::to_string(stage) +
+                                            " --parallel.shard_group=2");
+    expect_equivalent(one, z, fam + " ZeRO " + std::to_string(stage) + " in shard groups of 2 at dp 4");
+  }
   RunResult keep = train_run(d, "keep", 2, options(fam, 8, 0) + data + kClip +
                                                " --parallel.sharding=FULL_SHARD --parallel.reshard_after_forward=false"
                                                " --parallel.prefetch=false");
