@@ -129,7 +129,7 @@ void expect_adds_up(const ProfiledRun& r, int ranks) {
     EXPECT_NEAR(rows + other, step, 1e-6 * step) << "rank " << k;  // arithmetic: exact but for rounding
     EXPECT_GE(other, 0.0) << "rank " << k;
     // Unprofiled time is a few percent of the step (once 5.1% while a build shared the
-    // cores); an op left out of the table (the products alone are over half) is far more.
+    // cores): the bound catches a large op left out of the table, not a small one.
     EXPECT_LT(other, 0.10 * step) << "rank " << k << ": the table misses " << other << " ms of " << step << "\n"
                                   << r.output;
   }
