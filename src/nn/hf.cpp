@@ -67,7 +67,7 @@ struct HfImporter::Impl {
   Impl(const ModelConfig& c, const std::vector<Unit>& l, const std::string& path) try
       : cfg(c), layout(l), r(path) {
     short_names = !c.is_llama() && !r.has("transformer.wte.weight") && r.has("wte.weight");
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // the reader's errors, and the file system's
     throw Error(std::string("model.init_from: ") + e.what());
   }
   // The file's name of parameter `name`.

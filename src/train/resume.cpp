@@ -15,13 +15,6 @@ namespace {
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
 
-// A SentencePiece model by its absolute path; "byte" (and "", which the start-up checks
-// refuse) as they are.
-std::string tokenizer_absolute(const std::string& tokenizer) {
-  if (tokenizer == "byte" || tokenizer.empty()) return tokenizer;
-  return std::filesystem::absolute(tokenizer).lexically_normal().string();
-}
-
 // Keys checkpoint.allow_change may name: a new data file, learning rate or seed still
 // continues the saved model and optimizer state. The model's shape, the optimizer's kind
 // (its state tensors) and the global batch (the data position is step x global_batch) may not.
@@ -156,11 +149,16 @@ bool resume_key_must_match(const std::string& key) {
          key == "training.global_batch" || key == "training.seed";
 }
 
+// A SentencePiece model by its absolute path; "byte" (and "", which the start-up checks
+// refuse) as they are.
+std::string tokenizer_absolute(const std::string& tokenizer) {
+  if (tokenizer == "byte" || tokenizer.empty()) return tokenizer;
+  return std::filesystem::absolute(tokenizer).lexically_normal().string();
+}
+
 std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
   allowed_changes(cfg.checkpoint.allow_change);  // a typo is an error on any run
   checkpoint_dir_check(cfg.checkpoint);  // not one step directory, no damaged ones
-  // Checkpoints record data.tokenizer for sample, which may run in another directory.
-  cfg.data.tokenizer = tokenizer_absolute(cfg.data.tokenizer);
   const std::string dir = cfg.checkpoint.resume ? checkpoint_latest(cfg.checkpoint.dir) : "";
   if (dir.empty()) {
     cfg.resolve_layout(world_size);
@@ -195,7 +193,7 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
   // default byte, which then goes into this run's checkpoints: said, with what keeps it.
   // (A relative path in an older checkpoint is read from this directory.)
   const std::string saved_tokenizer = tokenizer_absolute(saved.data.tokenizer);
-  if (cfg.data.tokenizer != saved_tokenizer)
+  if (tokenizer_absolute(cfg.data.tokenizer) != saved_tokenizer)
     notes.push_back("data.tokenizer = " + cfg.data.tokenizer + " instead of the checkpoint's " + saved_tokenizer +
                     ": this run's checkpoints record " + cfg.data.tokenizer + ", which sample decodes with; pass " +
                     "--data.tokenizer=" + saved_tokenizer + " to keep the checkpoint's");

@@ -38,4 +38,9 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size);
 // Whether a resumed run must have the checkpoint's value of this key ("optim.lr": true).
 bool resume_key_must_match(const std::string& key);
 
+// A SentencePiece model's path made absolute (checkpoints record it for sample, which may
+// run in another directory); "byte" and "" as they are. train() applies it after the ranks
+// have compared their configurations, which may start in different directories.
+std::string tokenizer_absolute(const std::string& tokenizer);
+
 }  // namespace mt

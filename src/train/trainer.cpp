@@ -347,6 +347,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   std::vector<std::string> notes;  // what a resumed layout changed, settings that do nothing
   agreed(world, [&] { notes = resume_resolve(c, world.size()); });
   check_same_config(c, world);  // before the options (a debug_collectives on one rank only) apply
+  c.data.tokenizer = tokenizer_absolute(c.data.tokenizer);  // as checkpoints record it
   for (const std::string& n : settings_without_effect(c)) notes.push_back("note: " + n);
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
   const auto t_start = Clock::now();
@@ -389,7 +390,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   if (const int64_t asked = c.training.val_batches * c.training.global_batch;
       val_data && val_sequences(*val_data, c) < asked)
     notes.push_back("note: validation reads " + std::to_string(val_sequences(*val_data, c)) +
-                    " sequences, all the validation tokens hold, not training.val_batches x training.global_batch = " +
+                    (val_sequences(*val_data, c) == 1 ? " sequence" : " sequences") + ", all the validation tokens hold, not training.val_batches x training.global_batch = " +
                     std::to_string(asked));
   const std::optional<double> baseline = unigram_baseline(train_data.tokens(), data.val, c.model.vocab_size);
 
