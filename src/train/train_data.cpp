@@ -96,13 +96,14 @@ ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const C
   const int Tl = static_cast<int>(pos.size());  // this rank's positions of each sequence (context parallelism)
   const int64_t R = dp.size(), per_rank = c.training.val_batches * c.training.global_batch / R;
   const int64_t counted = val_sequences(val, c);
+  // Whether sequence s of this rank's micro-batch reads a position past those counted
+  auto beyond = [&](int micro, int s) { return dp.rank() + R * (int64_t{micro} * M + s) >= counted; };
   std::vector<int32_t> in(M * T), tg(M * T), best(M * Tl);
   std::vector<uint8_t> mask(T);
   auto feed = [&](int micro, int32_t* tokens, int32_t* targets) {  // tokens, targets: [M, Tl]
-    const int64_t first = dp.rank() + R * int64_t{micro} * M;
-    fill_part(val, first, M, tokens, targets, R, T, pos);
+    fill_part(val, dp.rank() + R * int64_t{micro} * M, M, tokens, targets, R, T, pos);
     for (int s = 0; s < M; ++s)
-      if (first + R * s >= counted) std::fill_n(targets + int64_t{s} * Tl, Tl, -1);
+      if (beyond(micro, s)) std::fill_n(targets + int64_t{s} * Tl, Tl, -1);
   };
   // [loss sum, correct answers, answers, answers per target character...]
   std::vector<double> tally(3 + V, 0.0);
@@ -111,7 +112,7 @@ ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const C
     val.fill(dp.rank() + R * int64_t{micro} * M, M, in.data(), tg.data(), R);  // whole sequences: answers need context
     model.predictions(best.data(), slot);  // greedy, over the whole vocabulary (collective over tp)
     for (int s = 0; s < M; ++s) {
-      if (dp.rank() + R * (int64_t{micro} * M + s) >= counted) continue;
+      if (beyond(micro, s)) continue;
       tasks_answer_mask(&in[s * T], &tg[s * T], T, mask.data());
       for (int i = 0; i < Tl; ++i) {
         const int t = pos[i];
