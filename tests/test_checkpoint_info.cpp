@@ -6,6 +6,8 @@
 // damaged step directory in it, and a path it can write.
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
 
 #include "train_runs.h"
 
@@ -172,6 +174,55 @@ TEST(CheckpointInfo, CorruptMetadataIsNamed) {
                         &out),
             0);
   EXPECT_NE(out.find(dir + "/meta.json is corrupt"), std::string::npos) << out;
+}
+
+// A meta.json without a CRC of its own (an older checkpoint's, or one edited) that parses
+// but holds a field of the wrong kind: info, a resume and export name the field (they
+// stopped with a library's "internal error: type must be number" or read a range from
+// element -1), and a configuration value meshtrain refuses is named as the file's.
+TEST(CheckpointInfo, MetadataFieldsOfTheWrongKindAreNamed) {
+  TempDir d;
+  const std::string dir = saved_run(d);
+  nlohmann::json meta;
+  std::ifstream(dir + "/meta.json") >> meta;
+  meta.erase("meta_crc32");
+  const std::string o = options("gpt2", 8, 2) + " --training.steps=3 --data.path=" + d / "t.bin";
+  const std::string resume = std::string(MESHTRAIN_BIN) + " train " + o + " --checkpoint.dir=" + d / "ck" +
+                             " --checkpoint.resume=true --logging.progress=off";
+  const std::string exp = std::string(MESHTRAIN_BIN) + " export --checkpoint " + d / "ck" + " --out " + d / "o.safetensors";
+  for (const auto& [edit, want] : std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>>{
+           {[](nlohmann::json& m) { m["shards"][0]["ranges"][0]["begin"] = -1; },
+            "is corrupt (it has shards[0].ranges[0].begin = -1, not an element index)"},
+           {[](nlohmann::json& m) { m["config"]["parallel"] = 257; },
+            "is corrupt (it has config.parallel = 257, not an object of keys)"},
+           {[](nlohmann::json& m) { m["optimizer"].erase("steps_taken"); }, "is corrupt (it has no optimizer.steps_taken)"},
+           {[](nlohmann::json& m) { m["units"][1]["params"][0]["shape"] = {"a"}; },
+            "is corrupt (it has units[1].params[0].shape = [\"a\"], not a list of sizes)"},
+           {[](nlohmann::json& m) { m["shards"][0]["file"] = "../t.bin"; },
+            "is corrupt (it has shards[0].file = \"../t.bin\", not a file name)"}}) {
+    nlohmann::json m = meta;
+    edit(m);
+    std::ofstream(dir + "/meta.json") << m.dump(1);
+    std::string out;
+    EXPECT_EQ(info(d / "ck", &out), 1) << out;
+    EXPECT_NE(out.find(dir + "/meta.json " + want), std::string::npos) << out;
+    for (const std::string& cmd : {resume, exp}) {
+      EXPECT_EQ(run_command(cmd, &out), 1) << cmd << "\n" << out;
+      EXPECT_NE(out.find(dir + "/meta.json " + want), std::string::npos) << cmd << "\n" << out;
+      EXPECT_EQ(out.find("internal error"), std::string::npos) << out;
+    }
+  }
+  nlohmann::json m = meta;
+  m["config"]["model"]["n_layer"] = "x";
+  std::ofstream(dir + "/meta.json") << m.dump(1);
+  std::string out;
+  EXPECT_EQ(run_command(exp, &out), 1) << out;
+  EXPECT_NE(out.find(dir + "/meta.json records a configuration this meshtrain does not take (bad value \"x\" for "
+                              "model.n_layer"),
+            std::string::npos)
+      << out;
+  std::ofstream(dir + "/meta.json") << meta.dump(1);  // its fields as written, no CRC: an older checkpoint reads
+  EXPECT_EQ(info(d / "ck", &out), 0) << out;
 }
 
 TEST(CheckpointInfo, MissingDirectoryIsAClearError) {

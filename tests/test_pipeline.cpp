@@ -220,6 +220,11 @@ TEST(Pipeline, LayoutsThatCannotRunAreRefused) {
        "model.n_layer = 4 is fewer than parallel.pp x parallel.pp_chunks = 2 x 4"},
       {" --parallel.pp=2 --parallel.pp_layers=1,2", "lists 2 stages holding 3 blocks"},
       {" --parallel.pp=2 --parallel.pp_schedule=zb-h1 --training.recompute=true", "use 1f1b or interleaved"},
+      // every rank would make every rank's lists of 2^23 forward passes: gigabytes
+      {" --parallel.pp=2 --parallel.pp_schedule=interleaved --parallel.pp_chunks=4 --training.global_batch=1048576 "
+       "--training.micro_batch=1",
+       "parallel.pp x parallel.pp_chunks x the micro-batches per step = 2 x 4 x 1048576 forward passes per step, more "
+       "than the 4194304 meshtrain schedules; raise training.micro_batch"},
       {" --parallel.pp=2 --parallel.pp_schedule=2f2b", "is not a schedule"},
       // a schedule file that is no file: the key named
       {" --parallel.pp=2 --parallel.pp_schedule=file:", "parallel.pp_schedule = file: names no file"},

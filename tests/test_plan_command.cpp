@@ -269,6 +269,22 @@ TEST(PlanCommand, BadInputIsExplained) {
     expect_one_error(p.out, "unknown key");
   }
   {
+    // The largest cluster --gpus takes: its divisors by trial up to the square root (the
+    // loop to 2^31 - 1 wrapped round to a division by zero), and no layout with advice
+    // for too few devices.
+    const Plan p = plan_cmd(d, "--config " + kBench + " --gpus 2147483647");
+    EXPECT_EQ(p.rc, 1) << p.out;
+    EXPECT_TRUE(has(p.out, "no layout runs at all: change --gpus or --global-batch")) << p.out;
+    EXPECT_FALSE(has(p.out, "use more GPUs")) << p.out;
+    expect_one_error(p.out, "no layout of this model fits");
+  }
+  for (const char* layout : {"tp=2147483648", "mb=1099511627777"}) {  // past int and 2^40: refused, not wrapped
+    const Plan p = plan_cmd(d, cfg + "--layout " + layout);
+    EXPECT_EQ(p.rc, 1) << p.out;
+    EXPECT_TRUE(has(p.out, "expected a whole number from 1 to")) << p.out;
+    expect_one_error(p.out, layout);
+  }
+  {
     // A named layout the engine refuses: the engine's reason.
     const Plan p = plan_cmd(d, cfg + "--layout tp=4");
     EXPECT_EQ(p.rc, 1) << p.out;

@@ -341,6 +341,11 @@ TEST(Schedule, TextRejectsMalformedLines) {
   EXPECT_NE(error(layout + "0,F,x1,0\n").find("s.csv:2: micro \"x1\" is not a whole number"), std::string::npos);
   EXPECT_NE(error(layout + "0,F,0\n").find("s.csv:2: 3 fields"), std::string::npos);
   EXPECT_NE(error(layout + "0,F,0,0,\n").find("s.csv:2: F names no peer"), std::string::npos);
+  // Each count within its range, their product not (2^52 forward passes: it crashed).
+  EXPECT_NE(error("layout,pp=65536,chunks=65536,microbatches=1048576\n0,F,0,0\n")
+                .find("s.csv:1: pp x chunks x microbatches = 65536 x 65536 x 1048576 forward passes per step, more "
+                      "than the 4194304 meshtrain schedules"),
+            std::string::npos);
 }
 
 // ---- The command ----
@@ -422,6 +427,10 @@ TEST(Schedule, CommandErrorsNameTheFlagAndAValue) {
       {"--costs BX=1", "--costs: \"BX=1\" is not ACTION=TIME"},
       {"--compare --csv x.csv", "--csv writes one schedule"},
       {"--schedule file:/nonexistent/s.csv", "cannot open the schedule file /nonexistent/s.csv"},
+      // A million micro-batches: its timelines took minutes and every byte of memory.
+      {"--pp 4 --microbatches 1048576 --json", "pp x chunks x micro-batches = 4 x 1 x 1048576 forward passes, more than "
+                                               "the 65536 this command simulates and draws: use fewer micro-batches"},
+      {"--pp 2147483647 --chunks 2147483647 --microbatches 2147483647", "2147483647 x 2147483647 x 2147483647"},
   };
   for (const auto& [args, message] : cases) {
     int status = 0;

@@ -15,8 +15,8 @@
 #include "cli/commands.h"
 #include "core/error.h"              // MT_CHECK
 #include "data/token_file.h"         // kTokenFileMagic
-#include "train/checkpoint.h"        // checkpoint_inspect, checkpoint_list, checkpoint_latest, checkpoint_damaged
-#include "train/config.h"            // config_from_json, config_to_json
+#include "train/checkpoint.h"        // checkpoint_inspect, _list, _latest, _damaged, _saved_config
+#include "train/config.h"            // config_to_json
 
 namespace fs = std::filesystem;
 
@@ -85,7 +85,7 @@ nlohmann::json info_json(const CheckpointInfo& info, const std::string& root) {
   if (info.meta.is_null()) return j;
 
   const nlohmann::json& meta = info.meta;
-  const Config c = config_from_json(meta.at("config"));
+  const Config c = checkpoint_saved_config(info.dir, meta);
   const nlohmann::json cj = config_to_json(c);
   const int64_t step = meta.at("step").get<int64_t>();
   j["step"] = step;

@@ -130,9 +130,15 @@ int cmd_plan(const PlanOptions& o) {
     }
     // Nothing runs: say what each family lacks.
     std::string why;
-    for (const plan::Rejected& x : r.rejected) why += "\n  " + x.family + ": " + x.reason;
-    MT_FAIL("no layout of this model fits " << o.gpus << " x " << q.cluster.hw.name << ":" << why
-                                            << "\nuse more GPUs, a device with more memory, or a smaller model");
+    bool memory = false;  // some family runs but needs more memory than the device has
+    for (const plan::Rejected& x : r.rejected) {
+      why += "\n  " + x.family + ": " + x.reason;
+      memory = memory || x.reason.rfind("does not fit", 0) == 0;
+    }
+    MT_FAIL("no layout of this model fits " << o.gpus << " x " << q.cluster.hw.name << ":" << why << "\n"
+                                            << (memory ? "use more GPUs, a device with more memory, or a smaller model"
+                                                       : "no layout runs at all: change --gpus or --global-batch as "
+                                                         "the reasons above say"));
   }
   if (o.json) {
     out["layouts"] = nlohmann::json::array();

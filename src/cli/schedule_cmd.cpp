@@ -200,11 +200,27 @@ int cmd_schedule(const ScheduleOptions& o) {
   }
   const int pp = from_file ? schedules[0].layout.pp : o.pp.value_or(kDefaultPp);
   const int micro = from_file ? schedules[0].layout.micro : o.micro.value_or(kDefaultMicro);
+  // The timelines (JSON, pictures) grow with every action: a bound far above any pipeline
+  // a person reads, far below the memory a million micro-batches' timelines take.
+  const auto too_large = [&](int chunks) -> std::optional<std::string> {
+    constexpr int64_t kMaxDrawn = 1 << 16;
+    if (schedule_within(pp, chunks, micro, kMaxDrawn)) return std::nullopt;
+    return "pp x chunks x micro-batches = " + std::to_string(pp) + " x " + std::to_string(chunks) + " x " +
+           std::to_string(micro) + " forward passes, more than the " + std::to_string(kMaxDrawn) + " this command " +
+           "simulates and draws: use fewer micro-batches (the bubble follows the micro-batches per pipeline rank, " +
+           "which a smaller count shows)";
+  };
+  if (auto why = from_file ? too_large(schedules[0].layout.chunks) : std::nullopt) MT_FAIL(*why);
   std::vector<std::string> named;  // the named schedules to make
   if (o.compare) named = names;
   else if (!from_file) named = {o.schedule};
   for (const std::string& name : named) {
     const int chunks = o.chunks.value_or(schedule_default_chunks(name));
+    if (auto why = too_large(chunks)) {
+      MT_CHECK(o.compare, *why);
+      not_run.push_back({name, *why});
+      continue;
+    }
     if (auto issue = schedule_layout_issue(name, pp, chunks, micro)) {
       MT_CHECK(o.compare, issue_message(*issue, chunks, micro));
       not_run.push_back({name, issue_message(*issue, chunks, micro)});

@@ -206,6 +206,9 @@ std::optional<LayoutIssue> schedule_layout_issue(const std::string& name, int pp
            "unknown pipeline schedule \"" << name << "\"; the schedules are gpipe, 1f1b, interleaved, zb-h1, zbv");
   MT_CHECK(pp >= 1 && chunks >= 1 && micro >= 1, "pipeline layout: ranks (" << pp << "), chunks (" << chunks
                                                      << ") and micro-batches (" << micro << ") must be at least 1");
+  MT_CHECK(schedule_within(pp, chunks, micro),
+           "pipeline layout: " << pp << " ranks x " << chunks << " chunks x " << micro << " micro-batches is more than the "
+                               << kMaxScheduleForwards << " forward passes per step meshtrain schedules");
   if (name == "zbv" && chunks != 2)
     return LayoutIssue{LayoutIssue::chunks, 2, "zbv runs exactly 2 chunks per rank (a V)"};
   if (name == "interleaved") {

@@ -87,6 +87,14 @@ struct Schedule {
 //                schedule.cpp); activations held bounded by 1f1b's first rank's.
 const std::vector<std::string>& schedule_names();
 
+// The largest pipeline a schedule is made or read for: pp x chunks x micro-batches forward
+// passes per step (every rank makes every rank's action list: about 1 GB at this size).
+constexpr int64_t kMaxScheduleForwards = int64_t{1} << 22;
+// Whether pp x chunks x micro (each at least 1) is at most `most`, without overflow.
+inline bool schedule_within(int64_t pp, int64_t chunks, int64_t micro, int64_t most = kMaxScheduleForwards) {
+  return pp <= most && chunks <= most / pp && micro <= most / (pp * chunks);
+}
+
 // Why a named schedule cannot run a layout: the knob to change, a value to use instead
 // (the smallest valid one at or above the value given, else the only valid one) and the
 // reason. Callers name the knob their own way (--chunks, parallel.pp_chunks).

@@ -54,6 +54,9 @@ PipeLayout layout_parse(const std::vector<std::string>& f, const std::string& wh
     else MT_FAIL(where << ": unknown layout entry \"" << f[i] << "\"; the line is " << kLayoutFormat);
   }
   MT_CHECK(pp && chunks && micro, where << ": the layout line needs pp, chunks and microbatches: " << kLayoutFormat);
+  MT_CHECK(schedule_within(L.pp, L.chunks, L.micro), where << ": pp x chunks x microbatches = " << L.pp << " x " << L.chunks
+                                                            << " x " << L.micro << " forward passes per step, more than the "
+                                                            << kMaxScheduleForwards << " meshtrain schedules");
   MT_CHECK(L.placement == Placement::loop || L.chunks == 2, where << ": stages=v needs chunks=2");
   return L;
 }

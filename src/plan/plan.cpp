@@ -1,5 +1,6 @@
 #include "plan/plan.h"
 
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -39,7 +40,8 @@ std::string Layout::text() const {
 
 namespace {
 
-int64_t parse_int(const std::string& key, const std::string& value, int64_t least) {
+int64_t parse_int(const std::string& key, const std::string& value, int64_t least,
+                  int64_t most = std::numeric_limits<int>::max()) {
   size_t used = 0;
   int64_t v = 0;
   try {
@@ -47,8 +49,8 @@ int64_t parse_int(const std::string& key, const std::string& value, int64_t leas
   } catch (const std::exception&) {
     used = 0;
   }
-  MT_CHECK(used == value.size() && !value.empty() && v >= least,
-           "--layout " << key << "=" << value << ": expected a whole number of at least " << least);
+  MT_CHECK(used == value.size() && !value.empty() && v >= least && v <= most,
+           "--layout " << key << "=" << value << ": expected a whole number from " << least << " to " << most);
   return v;
 }
 
@@ -76,8 +78,8 @@ Layout layout_parse(const std::string& text, Layout base) {
       base.zero = static_cast<int>(parse_int(key, value, 0));
       MT_CHECK(base.zero <= 3, "--layout zero=" << value << ": ZeRO stages are 0 (DDP), 1, 2 and 3");
     } else if (key == "shard_group") base.shard_group = static_cast<int>(parse_int(key, value, 0));
-    else if (key == "mb") base.micro_batch = parse_int(key, value, 1);
-    else if (key == "gb") base.global_batch = parse_int(key, value, 1);
+    else if (key == "mb") base.micro_batch = parse_int(key, value, 1, int64_t{1} << 40);
+    else if (key == "gb") base.global_batch = parse_int(key, value, 1, int64_t{1} << 40);
     else if (key == "sp") {
       MT_CHECK(value == "0" || value == "1" || value == "true" || value == "false",
                "--layout sp=" << value << ": use 1 or 0");

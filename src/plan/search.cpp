@@ -37,11 +37,15 @@ std::string gib(double bytes) {
   return s;
 }
 
-std::vector<int> divisors(int n) {
-  std::vector<int> d;
-  for (int i = 1; i <= n; ++i)
-    if (n % i == 0) d.push_back(i);
-  return d;
+std::vector<int> divisors(int n) {  // ascending; up to sqrt(n), so a cluster of 2^31 devices takes no time
+  std::vector<int> low, high;
+  for (int64_t i = 1; i * i <= n; ++i)
+    if (n % i == 0) {
+      low.push_back(static_cast<int>(i));
+      if (i * i != n) high.push_back(static_cast<int>(n / i));
+    }
+  low.insert(low.end(), high.rbegin(), high.rend());
+  return low;
 }
 
 }  // namespace
@@ -142,8 +146,9 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
   for (int tp : values("tp", base.tp, divisors(std::min(G, q.cluster.gpus_per_node))))
     for (int pp : values("pp", base.pp, divisors(G)))
       for (int cp : values("cp", base.cp, {1, 2, 4, 8})) {
-        if (G % (tp * pp * cp) != 0 || (!named("pp") && pp > q.config.model.n_layer)) continue;
-        const int dp = G / (tp * pp * cp);
+        const int64_t model_ranks = int64_t{tp} * pp * cp;
+        if (G % model_ranks != 0 || (!named("pp") && pp > q.config.model.n_layer)) continue;
+        const int dp = static_cast<int>(G / model_ranks);
         if (named("dp") && dp != base.dp) continue;
         // A named schedule without v runs its own default chunks (interleaved and zbv: 2).
         std::vector<std::pair<std::string, int>> schedules = {
@@ -234,7 +239,7 @@ SearchResult search(const Question& q, const Layout& base) {
 Layout search_closest(const Question& q, const Layout& base) {
   const std::vector<Layout> all = candidates(q, base);
   if (all.empty()) {
-    int fixed = 1;
+    int64_t fixed = 1;  // each size is at most 2^31 - 1: the product of four fits
     std::string named;
     for (const char* k : {"dp", "tp", "pp", "cp"})
       if (base.named.count(k)) {

@@ -110,6 +110,90 @@ nlohmann::json write_rank_state(const std::string& tmp, int rank, const RankStat
   return {{"rank", rank}, {"file", name}, {"bytes", fs::file_size(tmp + "/" + name)}, {"crc32", crc32_file(tmp + "/" + name)}};
 }
 
+// What is wrong with the fields of a parsed meta.json ("" when nothing): each field that
+// this file and `checkpoint info` read, of the kind checkpoint_save writes. A meta.json
+// that parses but was edited, or written by another tool (an older one carries no CRC of
+// its own), is so named as damaged before a reader meets a missing key or a wrong type.
+std::string meta_fields_problem(const nlohmann::json& meta) {
+  using J = nlohmann::json;
+  std::string problem;
+  // obj[key], when it is there and ok(value); else the first problem, named by its path.
+  auto need = [&](const J& obj, const std::string& path, const char* key, auto ok, const char* kind) -> const J* {
+    if (!problem.empty()) return nullptr;
+    if (!obj.contains(key)) {
+      problem = "has no " + path + key;
+      return nullptr;
+    }
+    if (ok(obj[key])) return &obj[key];
+    const std::string v = obj[key].dump();
+    problem = "has " + path + key + " = " + (v.size() > 40 ? v.substr(0, 37) + "..." : v) + ", not " + kind;
+    return nullptr;
+  };
+  const auto count = [](const J& v) { return v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0); };
+  const auto text = [](const J& v) { return v.is_string(); };
+  const auto object = [](const J& v) { return v.is_object(); };
+  const auto numbers = [](const J& v) {
+    return v.is_array() && std::all_of(v.begin(), v.end(), [](const J& x) { return x.is_number(); });
+  };
+  const auto list_of = [](auto each) { return [each](const J& v) { return v.is_array() && std::all_of(v.begin(), v.end(), each); }; };
+  const auto file_name = [](const J& v) {  // a file of the checkpoint's own directory
+    return v.is_string() && !v.get<std::string>().empty() && v.get<std::string>().find('/') == std::string::npos;
+  };
+  // A shard or state file's record; each of an array's elements through i.
+  auto file_record = [&](const J& f, const std::string& path) {
+    need(f, path, "file", file_name, "a file name");
+    need(f, path, "rank", count, "a rank");
+    need(f, path, "bytes", count, "a byte count");
+    need(f, path, "crc32", [](const J& v) { return v.is_number_unsigned() && v.get<uint64_t>() <= 0xFFFFFFFFu; }, "a CRC-32");
+  };
+  auto each = [&](const J* array, const std::string& path, auto check) {
+    for (size_t i = 0; array && problem.empty() && i < array->size(); ++i) {
+      const std::string at = path + "[" + std::to_string(i) + "].";
+      if ((*array)[i].is_object()) check((*array)[i], at);
+      else problem = "has " + path + "[" + std::to_string(i) + "], not an object";
+    }
+  };
+  need(meta, "", "step", count, "a step number");
+  if (meta.contains("world_size")) need(meta, "", "world_size", [](const J& v) { return v.is_number_integer() && v.get<int64_t>() > 0; }, "a rank count");
+  if (const J* c = need(meta, "", "config", object, "an object"))
+    for (auto s = c->begin(); s != c->end(); ++s) need(*c, "config.", s.key().c_str(), object, "an object of keys");
+  if (const J* o = need(meta, "", "optimizer", object, "an object")) {
+    need(*o, "optimizer.", "name", text, "a string");
+    need(*o, "optimizer.", "steps_taken", count, "a count of steps");
+    if (o->contains("loss_scale")) need(*o, "optimizer.", "loss_scale", [](const J& v) { return v.is_number(); }, "a number");
+    if (o->contains("loss_scale_clean")) need(*o, "optimizer.", "loss_scale_clean", count, "a count of steps");
+    if (const J* g = o->contains("spike_guard") ? need(*o, "optimizer.", "spike_guard", object, "an object") : nullptr) {
+      need(*g, "optimizer.spike_guard.", "loss", numbers, "a list of numbers");
+      need(*g, "optimizer.spike_guard.", "grad_norm", numbers, "a list of numbers");
+      need(*g, "optimizer.spike_guard.", "skips_in_a_row", count, "a count");
+    }
+  }
+  each(need(meta, "", "units", [](const J& v) { return v.is_array(); }, "a list"), "units", [&](const J& u, const std::string& at) {
+    need(u, at, "name", text, "a string");
+    need(u, at, "numel", count, "an element count");
+    each(need(u, at, "params", [](const J& v) { return v.is_array(); }, "a list"), at + "params", [&](const J& p, const std::string& pat) {
+      need(p, pat, "name", text, "a string");
+      need(p, pat, "shape", list_of(count), "a list of sizes");
+      need(p, pat, "offset", count, "an element offset");
+    });
+  });
+  each(need(meta, "", "shards", [](const J& v) { return v.is_array(); }, "a list"), "shards", [&](const J& sh, const std::string& at) {
+    file_record(sh, at);
+    each(need(sh, at, "ranges", [](const J& v) { return v.is_array(); }, "a list"), at + "ranges", [&](const J& rg, const std::string& rat) {
+      need(rg, rat, "unit", text, "a unit's name");
+      const J* b = need(rg, rat, "begin", count, "an element index");
+      need(rg, rat, "end", [&](const J& v) { return count(v) && b && v.get<int64_t>() >= b->get<int64_t>(); }, "an element index >= begin");
+      need(rg, rat, "tensors", list_of(text), "a list of names");
+    });
+  });
+  if (meta.contains("rank_state"))
+    if (const J* r = need(meta, "", "rank_state", object, "an object")) {
+      need(*r, "rank_state.", "layout", text, "a string");
+      each(need(*r, "rank_state.", "files", [](const J& v) { return v.is_array(); }, "a list"), "rank_state.files", file_record);
+    }
+  return problem;
+}
+
 // meta.json of a checkpoint directory, parsed and checked. problem says what is wrong
 // ("" when nothing); damaged: the file is missing or corrupt (not merely another format).
 struct MetaRead {
@@ -135,6 +219,7 @@ MetaRead meta_read(const std::string& dir) {
   // Checkpoints written before meta.json carried its CRC have none to check.
   if (j.contains("meta_crc32") && j["meta_crc32"] != meta_crc(j))
     return {{}, "corrupt (its CRC-32 differs from the one it records)", true};
+  if (const std::string p = meta_fields_problem(j); !p.empty()) return {{}, "corrupt (it " + p + ")", true};
   return {std::move(j), "", false};
 }
 
@@ -374,13 +459,22 @@ std::vector<std::string> checkpoint_remove_incomplete(const std::string& root) {
 
 nlohmann::json checkpoint_meta(const std::string& dir) { return read_meta(dir); }
 
-Config checkpoint_config(const std::string& dir) { return config_from_json(read_meta(dir).at("config")); }
+Config checkpoint_saved_config(const std::string& dir, const nlohmann::json& meta) {
+  try {
+    return config_from_json(meta.at("config"));
+  } catch (const Error& e) {
+    MT_FAIL("checkpoint file " << dir << "/meta.json records a configuration this meshtrain does not take (" << e.what()
+                               << "); delete " << dir << " to resume from an earlier checkpoint");
+  }
+}
+
+Config checkpoint_config(const std::string& dir) { return checkpoint_saved_config(dir, read_meta(dir)); }
 
 int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
                         OptimizerProgress* optimizer) {
   nlohmann::json meta = read_meta(dir);
   // The model's shape must be the one saved (init_from does not matter once trained).
-  Config saved = config_from_json(meta.at("config"));
+  Config saved = checkpoint_saved_config(dir, meta);
   Config now;
   now.model = model;
   nlohmann::json a = config_to_json(saved)["model"], b = config_to_json(now)["model"];

@@ -102,10 +102,12 @@ std::vector<std::string> checkpoint_damaged(const std::string& root);
 // Removes what interrupted saves left under root (.tmp-step_* directories); returns their
 // paths. Only while no save runs: rank 0 at start-up.
 std::vector<std::string> checkpoint_remove_incomplete(const std::string& root);
-// A checkpoint directory's meta.json, checked (format, version, its CRC-32).
+// A checkpoint directory's meta.json, checked (format, version, its CRC-32, the kind of
+// each field meshtrain reads).
 nlohmann::json checkpoint_meta(const std::string& dir);
-// The configuration stored in a checkpoint directory.
+// The configuration stored in a checkpoint directory; from its meta.json, read already.
 Config checkpoint_config(const std::string& dir);
+Config checkpoint_saved_config(const std::string& dir, const nlohmann::json& meta);
 // Fills every slice from whichever shards hold its range. Checks that the model shape
 // matches and that each shard file read is intact (size and CRC-32). Returns the step;
 // *optimizer (when given) receives the optimizer's progress (loss_scale 0, spike_guard

@@ -545,6 +545,10 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
   if (parallel.pp_schedule.rfind("file:", 0) == 0) return check_pipeline();  // against the file (always)
   if (parallel.pp_chunks == 0) parallel.pp_chunks = schedule_default_chunks(parallel.pp_schedule);
   const int m = static_cast<int>(training.global_batch / per_step);
+  MT_CHECK(schedule_within(parallel.pp, parallel.pp_chunks, m),
+           "parallel.pp x parallel.pp_chunks x the micro-batches per step = " << parallel.pp << " x " << parallel.pp_chunks
+               << " x " << m << " forward passes per step, more than the " << kMaxScheduleForwards
+               << " meshtrain schedules; raise training.micro_batch or lower training.global_batch");
   if (auto issue = schedule_layout_issue(parallel.pp_schedule, parallel.pp, parallel.pp_chunks, m)) {
     if (issue->knob == LayoutIssue::chunks)
       MT_FAIL("parallel.pp_schedule = " << parallel.pp_schedule << " cannot run parallel.pp_chunks = "

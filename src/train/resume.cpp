@@ -165,7 +165,7 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
     return {};
   }
   const nlohmann::json meta = checkpoint_meta(dir);
-  const Config saved = config_from_json(meta.at("config"));
+  const Config saved = checkpoint_saved_config(dir, meta);
   std::vector<std::string> notes;
   const std::vector<std::string> differ = compare_keys(saved, cfg, notes);
   if (!differ.empty()) {
