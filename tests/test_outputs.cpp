@@ -83,6 +83,22 @@ TEST(Summary, ValuesThatDoNotExistAreNull) {
   EXPECT_FALSE(s.loss || s.tokens_per_s);
 }
 
+// A run of 2^63 - 1 steps (stopped by SIGTERM after 3 seconds): its progress line's
+// estimate is said as more than 100000 hours (the hours, cast to int, printed
+// "eta -2147483648h-8m").
+TEST(Outputs, ProgressOfAnEndlessRunSaysItsEstimate) {
+  test::TempDir d;
+  std::string out;
+  const int rc = test::run_command("timeout --preserve-status -s TERM 3 " + std::string(MESHTRAIN_BIN) +
+                                       " train --training.steps=9223372036854775807 --logging.progress=on "
+                                       "--logging.every=1 --model.n_layer=1 --model.d_model=32 --model.n_head=2",
+                                   &out);
+  EXPECT_EQ(rc, 75) << out;  // stopped by the signal, as preemption is
+  EXPECT_NE(out.find("/9223372036854775807 | loss"), std::string::npos) << out;
+  EXPECT_NE(out.find("| eta >100000h"), std::string::npos) << out;
+  EXPECT_EQ(out.find("-2147483648h"), std::string::npos) << out;
+}
+
 TEST(Summary, BuiltInTasksReportAnswerAccuracy) {
   test::TempDir d;
   Config c = test::tiny_config("gpt2", "");

@@ -84,7 +84,16 @@ TEST(Config, RangesFiniteNumbersAndConfigFile) {
     EXPECT_NE(e.find("expected a finite number"), std::string::npos) << o << ": " << e;
   }
   e = err({"model.d_model=0"});
-  EXPECT_NE(e.find("model.d_model = 0 must be at least 1"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.d_model = 0 must be from 1 to 1048576"), std::string::npos) << e;
+  // Past any model trained: the pipeline's loop over 2^31 layers ran for minutes, 100000
+  // OpenMP threads overflowed the stack.
+  for (const auto& [o, want] : std::vector<std::pair<std::string, std::string>>{
+           {"model.n_layer=2147483647", "model.n_layer = 2147483647 must be from 1 to 65536"},
+           {"model.seq_len=16777217", "model.seq_len = 16777217 must be from 1 to 16777216"},
+           {"training.threads=100000", "training.threads = 100000 must be from 0 (all cores) to 4096"}}) {
+    e = err({o});
+    EXPECT_NE(e.find(want), std::string::npos) << o << ": " << e;
+  }
   test::TempDir d;
   e = error_of([&] { config_load(d.path, {}); });
   EXPECT_NE(e.find("--config " + d.path + " is not a regular file"), std::string::npos) << e;
@@ -155,6 +164,15 @@ TEST(DataLoad, ValidationReadsNoSequenceAroundTheEnd) {
                           "training.val_batches x training.global_batch = 4"),
             std::string::npos)
       << a.output;
+  // A val_batches past any file reads all of it, and only its micro-batches: the same loss
+  // (these 2^62 asked-for sequences would take years, and their count overflowed).
+  const test::RunResult e = test::train_run(d, "e", 2, o + " --data.val_path=" + d / "v49.bin" +
+                                                           " --training.val_batches=1152921504606846976");
+  EXPECT_EQ(e.summary["val_loss"], c.summary["val_loss"]) << e.output;
+  EXPECT_NE(e.output.find("note: validation reads 3 sequences, all the validation tokens hold, not "
+                          "training.val_batches x training.global_batch = 4611686018427387904"),
+            std::string::npos)
+      << e.output;
 }
 
 // training.attention: fused by default, materialized on request, anything else is an error

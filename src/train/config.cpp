@@ -320,7 +320,8 @@ void Config::validate() const {
                                       << "of accumulation steps");
   MT_CHECK(training.val_every >= 0, "training.val_every must not be negative");
   MT_CHECK(training.val_batches >= 1, "training.val_batches must be at least 1");
-  MT_CHECK(training.threads >= 0, "training.threads must not be negative (0: all cores)");
+  MT_CHECK(training.threads >= 0 && training.threads <= 4096,  // OpenMP's start-up took the stack at 100000
+           "training.threads = " << training.threads << " must be from 0 (all cores) to 4096");
   fault_spec_check(parallel.test_fault);
   check_device();
   if (model.grad_working()) {  // 16-bit gradients (training.grad_dtype; model.validate checked the dtype)

@@ -47,6 +47,7 @@ void MetricsLog::write(const nlohmann::json& j) {
 
 static std::string format_duration(double s) {
   char buf[32];
+  if (!(s < 3.6e8)) return ">100000h";  // training.steps may be up to 2^63 - 1: no int overflow
   if (s >= 3600) std::snprintf(buf, sizeof buf, "%dh%02dm", int(s / 3600), int(s / 60) % 60);
   else if (s >= 60) std::snprintf(buf, sizeof buf, "%dm%02ds", int(s / 60), int(s) % 60);
   else std::snprintf(buf, sizeof buf, "%.0fs", s);

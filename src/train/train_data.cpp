@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/error.h"
 #include "data/tasks.h"
@@ -85,17 +86,24 @@ void fill_part(const TokenLoader& data, int64_t first, int M, int32_t* tokens, i
     }
 }
 
+int64_t val_asked(const Config& c) {
+  const int64_t G = c.training.global_batch, most = std::numeric_limits<int64_t>::max();
+  return c.training.val_batches > most / G ? most : c.training.val_batches * G;
+}
+
 int64_t val_sequences(const TokenLoader& val, const Config& c) {
   const int64_t whole = (val.num_tokens() - 1) / c.model.seq_len;  // sequence j reads tokens jT .. jT + T
-  return std::min(c.training.val_batches * c.training.global_batch, whole);
+  return std::min(val_asked(c), whole);
 }
 
 ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const Config& c, bool builtin,
                    Communicator& dp, Communicator& data, Communicator& pp, const std::vector<int32_t>& pos) {
   const int M = static_cast<int>(c.training.micro_batch), T = c.model.seq_len, V = c.model.vocab_size;
   const int Tl = static_cast<int>(pos.size());  // this rank's positions of each sequence (context parallelism)
-  const int64_t R = dp.size(), per_rank = c.training.val_batches * c.training.global_batch / R;
   const int64_t counted = val_sequences(val, c);
+  // Rank r reads sequences r, r + R, ...: the micro-batches that hold a counted one (with a
+  // large val_batches and few tokens, the asked-for batches beyond them would be masked work).
+  const int64_t R = dp.size(), per_rank = (counted + R - 1) / R;
   // Whether sequence s of this rank's micro-batch reads a position past those counted
   auto beyond = [&](int micro, int s) { return dp.rank() + R * (int64_t{micro} * M + s) >= counted; };
   std::vector<int32_t> in(M * T), tg(M * T), best(M * Tl);

@@ -36,6 +36,9 @@ struct ValResult {
 void fill_part(const TokenLoader& data, int64_t first, int M, int32_t* tokens, int32_t* targets, int64_t stride, int T,
                const std::vector<int32_t>& pos);
 
+// training.val_batches x training.global_batch: the sequences validation asks for (at most
+// INT64_MAX; a val_batches larger than any file reads all of it).
+int64_t val_asked(const Config& c);
 // The validation sequences validate() counts: val_batches global batches, or fewer where
 // the tokens hold fewer whole sequences (a sequence past the end would wrap to the start).
 int64_t val_sequences(const TokenLoader& val, const Config& c);
@@ -44,7 +47,8 @@ int64_t val_sequences(const TokenLoader& val, const Config& c);
 // way training reads a step (rank r takes positions r, r + R, ...), so every layout
 // evaluates the same sequences; for the built-in tasks also the greedy accuracy on answer
 // characters. The micro-batches go through the pipeline forward only; the ranks holding
-// the head count them. Positions past val_sequences() run with targets of -1 (not counted).
+// the head count them: the micro-batches holding those sequences, whose positions past them
+// run with targets of -1 (not counted).
 ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const Config& c, bool builtin,
                    Communicator& dp, Communicator& data, Communicator& pp, const std::vector<int32_t>& pos);
 

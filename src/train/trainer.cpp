@@ -387,7 +387,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   TokenLoader train_data(std::move(data.train), c.model.seq_len, c.data.shuffle, c.training.seed);
   std::optional<TokenLoader> val_data;  // none without validation data
   if (!data.val.empty()) val_data.emplace(data.val, c.model.seq_len, false, c.training.seed);
-  const int64_t asked = c.training.val_batches * c.training.global_batch;
+  const int64_t asked = val_asked(c);
   if (const int64_t n = val_data ? val_sequences(*val_data, c) : asked; n < asked)
     notes.push_back("note: validation reads " + std::to_string(n) + (n == 1 ? " sequence" : " sequences") +
                     ", all the validation tokens hold, not training.val_batches x training.global_batch = " +
