@@ -198,6 +198,8 @@ TEST(CheckpointInfo, MetadataFieldsOfTheWrongKindAreNamed) {
            {[](nlohmann::json& m) { m["optimizer"].erase("steps_taken"); }, "is corrupt (it has no optimizer.steps_taken)"},
            {[](nlohmann::json& m) { m["units"][1]["params"][0]["shape"] = {"a"}; },
             "is corrupt (it has units[1].params[0].shape = [\"a\"], not a list of sizes)"},
+           {[](nlohmann::json& m) { m["config"]["parallel"].erase("dp"); },  // info divided by it
+            "is corrupt (it records parallel.dp = 0 and training.micro_batch = 2, not the layout a run resolved)"},
            {[](nlohmann::json& m) { m["shards"][0]["file"] = "../t.bin"; },
             "is corrupt (it has shards[0].file = \"../t.bin\", not a file name)"}}) {
     nlohmann::json m = meta;

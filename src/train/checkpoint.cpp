@@ -460,12 +460,19 @@ std::vector<std::string> checkpoint_remove_incomplete(const std::string& root) {
 nlohmann::json checkpoint_meta(const std::string& dir) { return read_meta(dir); }
 
 Config checkpoint_saved_config(const std::string& dir, const nlohmann::json& meta) {
+  Config c;
   try {
-    return config_from_json(meta.at("config"));
+    c = config_from_json(meta.at("config"));
   } catch (const Error& e) {
     MT_FAIL("checkpoint file " << dir << "/meta.json records a configuration this meshtrain does not take (" << e.what()
                                << "); delete " << dir << " to resume from an earlier checkpoint");
   }
+  // A run saves the layout it resolved: its dp and micro-batch, never 0 ("derive it").
+  MT_CHECK(c.parallel.dp >= 1 && c.training.micro_batch >= 1,
+           "checkpoint file " << dir << "/meta.json is corrupt (it records parallel.dp = " << c.parallel.dp
+                              << " and training.micro_batch = " << c.training.micro_batch << ", not the layout a run "
+                              << "resolved); delete " << dir << " to resume from an earlier checkpoint");
+  return c;
 }
 
 Config checkpoint_config(const std::string& dir) { return checkpoint_saved_config(dir, read_meta(dir)); }
