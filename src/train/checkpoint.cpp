@@ -110,15 +110,16 @@ nlohmann::json write_rank_state(const std::string& tmp, int rank, const RankStat
   return {{"rank", rank}, {"file", name}, {"bytes", fs::file_size(tmp + "/" + name)}, {"crc32", crc32_file(tmp + "/" + name)}};
 }
 
-// What is wrong with the fields of a parsed meta.json ("" when nothing): each field that
-// this file and `checkpoint info` read, of the kind checkpoint_save writes. A meta.json
-// that parses but was edited, or written by another tool (an older one carries no CRC of
-// its own), is so named as damaged before a reader meets a missing key or a wrong type.
-std::string meta_fields_problem(const nlohmann::json& meta) {
+// The fields of a parsed meta.json against the kinds checkpoint_save writes, each that
+// this file and `checkpoint info` read; the first problem is kept, named by its path
+// ("has shards[0].ranges[2].begin = -1, not an element index").
+struct MetaFields {
   using J = nlohmann::json;
+  using Kind = bool (*)(const J&);
   std::string problem;
-  // obj[key], when it is there and ok(value); else the first problem, named by its path.
-  auto need = [&](const J& obj, const std::string& path, const char* key, auto ok, const char* kind) -> const J* {
+
+  // obj[key], when it is there and of the kind; else null (and the problem, the first).
+  const J* need(const J& obj, const std::string& path, const char* key, Kind ok, const char* kind) {
     if (!problem.empty()) return nullptr;
     if (!obj.contains(key)) {
       problem = "has no " + path + key;
@@ -128,70 +129,90 @@ std::string meta_fields_problem(const nlohmann::json& meta) {
     const std::string v = obj[key].dump();
     problem = "has " + path + key + " = " + (v.size() > 40 ? v.substr(0, 37) + "..." : v) + ", not " + kind;
     return nullptr;
-  };
-  const auto count = [](const J& v) { return v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0); };
-  const auto text = [](const J& v) { return v.is_string(); };
-  const auto object = [](const J& v) { return v.is_object(); };
-  const auto numbers = [](const J& v) {
-    return v.is_array() && std::all_of(v.begin(), v.end(), [](const J& x) { return x.is_number(); });
-  };
-  const auto list_of = [](auto each) { return [each](const J& v) { return v.is_array() && std::all_of(v.begin(), v.end(), each); }; };
-  const auto file_name = [](const J& v) {  // a file of the checkpoint's own directory
-    return v.is_string() && !v.get<std::string>().empty() && v.get<std::string>().find('/') == std::string::npos;
-  };
-  // A shard or state file's record; each of an array's elements through i.
-  auto file_record = [&](const J& f, const std::string& path) {
+  }
+  // check(element, its path) for each element of a list, each an object.
+  template <class Check>
+  void each(const J* list, const std::string& path, Check check) {
+    for (size_t i = 0; list && problem.empty() && i < list->size(); ++i) {
+      const std::string at = path + "[" + std::to_string(i) + "]";
+      if ((*list)[i].is_object()) check((*list)[i], at + ".");
+      else problem = "has " + at + ", not an object";
+    }
+  }
+  void file_record(const J& f, const std::string& path) {  // a shard's or a state file's
     need(f, path, "file", file_name, "a file name");
     need(f, path, "rank", count, "a rank");
     need(f, path, "bytes", count, "a byte count");
-    need(f, path, "crc32", [](const J& v) { return v.is_number_unsigned() && v.get<uint64_t>() <= 0xFFFFFFFFu; }, "a CRC-32");
-  };
-  auto each = [&](const J* array, const std::string& path, auto check) {
-    for (size_t i = 0; array && problem.empty() && i < array->size(); ++i) {
-      const std::string at = path + "[" + std::to_string(i) + "].";
-      if ((*array)[i].is_object()) check((*array)[i], at);
-      else problem = "has " + path + "[" + std::to_string(i) + "], not an object";
-    }
-  };
-  need(meta, "", "step", count, "a step number");
-  if (meta.contains("world_size")) need(meta, "", "world_size", [](const J& v) { return v.is_number_integer() && v.get<int64_t>() > 0; }, "a rank count");
-  if (const J* c = need(meta, "", "config", object, "an object"))
-    for (auto s = c->begin(); s != c->end(); ++s) need(*c, "config.", s.key().c_str(), object, "an object of keys");
-  if (const J* o = need(meta, "", "optimizer", object, "an object")) {
-    need(*o, "optimizer.", "name", text, "a string");
-    need(*o, "optimizer.", "steps_taken", count, "a count of steps");
-    if (o->contains("loss_scale")) need(*o, "optimizer.", "loss_scale", [](const J& v) { return v.is_number(); }, "a number");
-    if (o->contains("loss_scale_clean")) need(*o, "optimizer.", "loss_scale_clean", count, "a count of steps");
-    if (const J* g = o->contains("spike_guard") ? need(*o, "optimizer.", "spike_guard", object, "an object") : nullptr) {
-      need(*g, "optimizer.spike_guard.", "loss", numbers, "a list of numbers");
-      need(*g, "optimizer.spike_guard.", "grad_norm", numbers, "a list of numbers");
-      need(*g, "optimizer.spike_guard.", "skips_in_a_row", count, "a count");
-    }
+    need(f, path, "crc32", [](const J& v) { return v.is_number_unsigned() && v.get<uint64_t>() <= 0xFFFFFFFFu; },
+         "a CRC-32");
   }
-  each(need(meta, "", "units", [](const J& v) { return v.is_array(); }, "a list"), "units", [&](const J& u, const std::string& at) {
-    need(u, at, "name", text, "a string");
-    need(u, at, "numel", count, "an element count");
-    each(need(u, at, "params", [](const J& v) { return v.is_array(); }, "a list"), at + "params", [&](const J& p, const std::string& pat) {
-      need(p, pat, "name", text, "a string");
-      need(p, pat, "shape", list_of(count), "a list of sizes");
-      need(p, pat, "offset", count, "an element offset");
+
+  static bool count(const J& v) { return v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0); }
+  static bool text(const J& v) { return v.is_string(); }
+  static bool object(const J& v) { return v.is_object(); }
+  static bool list(const J& v) { return v.is_array(); }
+  static bool file_name(const J& v) {  // a file of the checkpoint's own directory
+    return v.is_string() && !v.get<std::string>().empty() && v.get<std::string>().find('/') == std::string::npos;
+  }
+  template <Kind element>
+  static bool list_of(const J& v) {
+    return v.is_array() && std::all_of(v.begin(), v.end(), element);
+  }
+  static bool number(const J& v) { return v.is_number(); }
+};
+
+// What is wrong with a parsed meta.json's fields ("" when nothing): one that parses but was
+// edited, or written by another tool (an older one carries no CRC of its own), is so named
+// as damaged before a reader meets a missing key or a wrong type.
+std::string meta_fields_problem(const nlohmann::json& meta) {
+  using J = nlohmann::json;
+  using M = MetaFields;
+  MetaFields m;
+  m.need(meta, "", "step", M::count, "a step number");
+  if (meta.contains("world_size"))
+    m.need(meta, "", "world_size", [](const J& v) { return v.is_number_integer() && v.get<int64_t>() > 0; },
+           "a rank count");
+  if (const J* c = m.need(meta, "", "config", M::object, "an object"))
+    for (auto s = c->begin(); s != c->end(); ++s) m.need(*c, "config.", s.key().c_str(), M::object, "an object of keys");
+  if (const J* o = m.need(meta, "", "optimizer", M::object, "an object")) {
+    m.need(*o, "optimizer.", "name", M::text, "a string");
+    m.need(*o, "optimizer.", "steps_taken", M::count, "a count of steps");
+    if (o->contains("loss_scale")) m.need(*o, "optimizer.", "loss_scale", M::number, "a number");
+    if (o->contains("loss_scale_clean")) m.need(*o, "optimizer.", "loss_scale_clean", M::count, "a count of steps");
+    if (o->contains("spike_guard"))
+      if (const J* g = m.need(*o, "optimizer.", "spike_guard", M::object, "an object")) {
+        m.need(*g, "optimizer.spike_guard.", "loss", M::list_of<M::number>, "a list of numbers");
+        m.need(*g, "optimizer.spike_guard.", "grad_norm", M::list_of<M::number>, "a list of numbers");
+        m.need(*g, "optimizer.spike_guard.", "skips_in_a_row", M::count, "a count");
+      }
+  }
+  m.each(m.need(meta, "", "units", M::list, "a list"), "units", [&](const J& u, const std::string& at) {
+    m.need(u, at, "name", M::text, "a string");
+    m.need(u, at, "numel", M::count, "an element count");
+    m.each(m.need(u, at, "params", M::list, "a list"), at + "params", [&](const J& p, const std::string& pat) {
+      m.need(p, pat, "name", M::text, "a string");
+      m.need(p, pat, "shape", M::list_of<M::count>, "a list of sizes");
+      m.need(p, pat, "offset", M::count, "an element offset");
     });
   });
-  each(need(meta, "", "shards", [](const J& v) { return v.is_array(); }, "a list"), "shards", [&](const J& sh, const std::string& at) {
-    file_record(sh, at);
-    each(need(sh, at, "ranges", [](const J& v) { return v.is_array(); }, "a list"), at + "ranges", [&](const J& rg, const std::string& rat) {
-      need(rg, rat, "unit", text, "a unit's name");
-      const J* b = need(rg, rat, "begin", count, "an element index");
-      need(rg, rat, "end", [&](const J& v) { return count(v) && b && v.get<int64_t>() >= b->get<int64_t>(); }, "an element index >= begin");
-      need(rg, rat, "tensors", list_of(text), "a list of names");
+  m.each(m.need(meta, "", "shards", M::list, "a list"), "shards", [&](const J& sh, const std::string& at) {
+    m.file_record(sh, at);
+    m.each(m.need(sh, at, "ranges", M::list, "a list"), at + "ranges", [&](const J& rg, const std::string& rat) {
+      m.need(rg, rat, "unit", M::text, "a unit's name");
+      const J* begin = m.need(rg, rat, "begin", M::count, "an element index");
+      const J* end = m.need(rg, rat, "end", M::count, "an element index");
+      if (begin && end && end->get<int64_t>() < begin->get<int64_t>())
+        m.problem = "has " + rat + "end = " + end->dump() + ", before its begin " + begin->dump();
+      m.need(rg, rat, "tensors", M::list_of<M::text>, "a list of names");
     });
   });
   if (meta.contains("rank_state"))
-    if (const J* r = need(meta, "", "rank_state", object, "an object")) {
-      need(*r, "rank_state.", "layout", text, "a string");
-      each(need(*r, "rank_state.", "files", [](const J& v) { return v.is_array(); }, "a list"), "rank_state.files", file_record);
+    if (const J* r = m.need(meta, "", "rank_state", M::object, "an object")) {
+      m.need(*r, "rank_state.", "layout", M::text, "a string");
+      m.each(m.need(*r, "rank_state.", "files", M::list, "a list"), "rank_state.files",
+             [&](const J& f, const std::string& at) { m.file_record(f, at); });
     }
-  return problem;
+  return m.problem;
 }
 
 // meta.json of a checkpoint directory, parsed and checked. problem says what is wrong
