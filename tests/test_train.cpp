@@ -535,6 +535,22 @@ TEST(Command, PrepareTrainExportSample) {
     EXPECT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " " + opt, &out), 1) << opt;
     EXPECT_NE(out.find(want), std::string::npos) << opt << "\n" << out;
   }
+  // A model of 256 ids on byte-level tokens (its tokenizer has 257, end-of-text the last):
+  // it samples (it was refused for the tokenizer's size); what it cannot read is named.
+  ASSERT_EQ(test::run_command(bin + " train --data.path=" + d / "new/t.bin" + " --model.vocab_size=256" +
+                                  " --model.n_layer=1 --model.d_model=16 --model.n_head=2 --model.seq_len=16"
+                                  " --training.steps=1 --training.global_batch=2 --checkpoint.dir=" + d / "ck256",
+                              &out),
+            0)
+      << out;
+  EXPECT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck256" + " --prompt hello --tokens 5", &out), 0)
+      << out;
+  EXPECT_EQ(out.rfind("hello", 0), 0u) << out;
+  EXPECT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck256" + " --prompt ''", &out), 1) << out;
+  EXPECT_NE(out.find("an empty prompt starts from the end-of-text token, id 256, past the model's "
+                     "model.vocab_size = 256 ids: give a --prompt"),
+            std::string::npos)
+      << out;
   auto lines = step_metrics(d / "m.jsonl");
   ASSERT_EQ(lines.size(), 3u);
   for (const char* k : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mem_params", "mem_grads",

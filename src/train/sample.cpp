@@ -43,11 +43,16 @@ std::string sample_text(const SampleOptions& o) {
                                                   "is relative to it)"
                                                 : ""));
   }
-  MT_CHECK(tok->vocab_size() <= cfg.model.vocab_size, "the tokenizer has " << tok->vocab_size()
-                                                                          << " tokens but the model only "
-                                                                          << cfg.model.vocab_size << "; pass --tokenizer");
   std::vector<int32_t> ids = tok->encode(o.prompt);
   if (ids.empty()) ids.push_back(tok->eot());
+  // The prompt's ids must be the model's; its tokenizer may have more (a model of 256 ids
+  // trained on a byte-level file, whose tokenizer adds end-of-text as 256, samples).
+  for (const int32_t id : ids)
+    MT_CHECK(id < cfg.model.vocab_size,
+             (o.prompt.empty() ? "an empty prompt starts from the end-of-text token, id " : "the prompt holds token id ")
+                 << id << ", past the model's model.vocab_size = " << cfg.model.vocab_size << " ids"
+                 << (o.prompt.empty() ? ": give a --prompt" : ": the model was trained on other ids than this "
+                                                              "tokenizer's; pass the one it was trained with (--tokenizer)"));
   const size_t n_prompt = ids.size();
   const int T = cfg.model.seq_len, V = cfg.model.vocab_size;
   Philox rng{o.seed};
