@@ -121,6 +121,9 @@ TEST(DataLoad, UnusableDataIsRefusedByKey) {
   c.data.val_path = test::write_tokens(d, "v0.bin", 0, 37);
   e = error_of([&] { data_load(c); });
   expect("data.val_path " + d / "v0.bin" + " has 0 tokens; one validation sequence needs model.seq_len + 1 = 10");
+  c.data.val_path = test::write_tokens(d, "v1.bin", 1, 37);
+  e = error_of([&] { data_load(c); });
+  expect("data.val_path " + d / "v1.bin" + " has 1 token; one validation sequence needs");
   c.data.val_path = test::write_tokens(d, "v10.bin", 10, 37);
   EXPECT_EQ(data_load(c).val.size(), 10u);
   c.data.val_path = "";

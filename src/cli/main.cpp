@@ -219,12 +219,12 @@ void run_prepare(const std::string& input, const std::string& out, const std::st
     ids.resize(ids.size() - n_val);
     mt::output_parent_create(val_out, "--val-out");
     mt::token_file_write(val_out, val);
-    std::printf("wrote %zu validation tokens to %s\n", val.size(), val_out.c_str());
+    std::printf("wrote %zu validation token%s to %s\n", val.size(), val.size() == 1 ? "" : "s", val_out.c_str());
   }
   mt::output_parent_create(out, "--out");
   mt::token_file_write(out, ids);
-  std::printf("wrote %zu tokens to %s (vocabulary %d: set model.vocab_size >= %d)\n", ids.size(), out.c_str(),
-              tok->vocab_size(), tok->vocab_size());
+  std::printf("wrote %zu token%s to %s (vocabulary %d: set model.vocab_size >= %d)\n", ids.size(),
+              ids.size() == 1 ? "" : "s", out.c_str(), tok->vocab_size(), tok->vocab_size());
 }
 
 }  // namespace

@@ -35,7 +35,8 @@ Data data_load(const Config& c) {
   if (!c.data.val_path.empty()) {
     d.val = token_file_read(c.data.val_path, "data.val_path");
     MT_CHECK(static_cast<int64_t>(d.val.size()) >= need,
-             "data.val_path " << c.data.val_path << " has " << d.val.size() << " tokens; one validation sequence "
+             "data.val_path " << c.data.val_path << " has " << d.val.size() << (d.val.size() == 1 ? " token" : " tokens")
+                              << "; one validation sequence "
                               << "needs model.seq_len + 1 = " << need << ": use a longer validation file, a smaller "
                               << "model.seq_len, or no data.val_path");
   } else if (c.data.val_fraction > 0 && !d.builtin) {
@@ -50,7 +51,7 @@ Data data_load(const Config& c) {
     d.train.resize(d.train.size() - n_val);
   }
   const int64_t kept = static_cast<int64_t>(d.train.size());
-  MT_CHECK(kept >= need, "data.path " << c.data.path << " has " << kept << " tokens"
+  MT_CHECK(kept >= need, "data.path " << c.data.path << " has " << kept << (kept == 1 ? " token" : " tokens")
                                       << (kept < total ? " besides those data.val_fraction holds out" : "")
                                       << "; one training sequence needs model.seq_len + 1 = " << need
                                       << ": use a longer token file or a smaller model.seq_len");
