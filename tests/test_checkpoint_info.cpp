@@ -198,6 +198,9 @@ TEST(CheckpointInfo, MetadataFieldsOfTheWrongKindAreNamed) {
            {[](nlohmann::json& m) { m["optimizer"].erase("steps_taken"); }, "is corrupt (it has no optimizer.steps_taken)"},
            {[](nlohmann::json& m) { m["units"][1]["params"][0]["shape"] = {"a"}; },
             "is corrupt (it has units[1].params[0].shape = [\"a\"], not a list of sizes)"},
+           {[](nlohmann::json& m) { m["units"][1]["params"][0]["shape"] = {int64_t{1} << 40, int64_t{1} << 40}; },
+            "is corrupt (it has units[1].params[0].shape = [1099511627776,1099511627776] at offset 0, past its "
+            "unit's"},  // info multiplied the sizes past int64
            {[](nlohmann::json& m) { m["config"]["parallel"].erase("dp"); },  // info divided by it
             "is corrupt (it records parallel.dp = 0 and training.micro_batch = 2, not the layout a run resolved)"},
            {[](nlohmann::json& m) { m["shards"][0]["file"] = "../t.bin"; },

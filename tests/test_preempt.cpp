@@ -193,8 +193,11 @@ TEST(Preempt, SigtermToLaunchStopsEveryRankAfterOneStep) {
 }
 
 // A stop asked while the ranks are still starting (mpirun just spawned, before any rank has
-// its handlers) is held by launch until every rank is up, then stops them after step 1;
-// mpirun alone would pass it to no rank yet, or kill ranks still without handlers.
+// its handlers) is held by launch until every rank is up, then stops them together after a
+// step; mpirun alone would pass it to no rank yet (exit 0), or kill ranks still without
+// handlers (exit 138). Which step is timing: launch looks for the ranks every 20 ms and
+// mpirun passes the signal on while they train steps of milliseconds (on an idle machine it
+// came after step 2 to 9 as often as after step 1).
 TEST(Preempt, StopDuringStartUpIsHeldUntilTheRanksAreUp) {
   TempDir d;
   const std::string o = opts(d);
@@ -202,7 +205,7 @@ TEST(Preempt, StopDuringStartUpIsHeldUntilTheRanksAreUp) {
   ASSERT_TRUE(wait_for([&] { return !children(job.pid).empty(); })) << job.output();  // mpirun is running
   kill(job.pid, SIGTERM);
   const int rc = job.finish(60);
-  EXPECT_EQ(expect_stopped(job, rc, d / "run.jsonl", d / "run"), 1);
+  EXPECT_GE(expect_stopped(job, rc, d / "run.jsonl", d / "run"), 1);
   const std::string out = job.output(), asked = "meshtrain launch: asking every rank to stop";
   EXPECT_TRUE(has(out, asked) && out.find(asked) == out.rfind(asked)) << "passed on once: " << out;
   EXPECT_FALSE(processes_left("[-]-checkpoint.dir=" + d / "run"));

@@ -188,11 +188,19 @@ std::string meta_fields_problem(const nlohmann::json& meta) {
   }
   m.each(m.need(meta, "", "units", M::list, "a list"), "units", [&](const J& u, const std::string& at) {
     m.need(u, at, "name", M::text, "a string");
-    m.need(u, at, "numel", M::count, "an element count");
+    const J* numel = m.need(u, at, "numel", M::count, "an element count");
     m.each(m.need(u, at, "params", M::list, "a list"), at + "params", [&](const J& p, const std::string& pat) {
       m.need(p, pat, "name", M::text, "a string");
-      m.need(p, pat, "shape", M::list_of<M::count>, "a list of sizes");
-      m.need(p, pat, "offset", M::count, "an element offset");
+      const J* shape = m.need(p, pat, "shape", M::list_of<M::count>, "a list of sizes");
+      const J* offset = m.need(p, pat, "offset", M::count, "an element offset");
+      if (!numel || !shape || !offset) return;
+      // The tensor lies within its unit (its element count taken without overflow).
+      const int64_t room = numel->get<int64_t>() - std::min(offset->get<int64_t>(), numel->get<int64_t>());
+      int64_t n = 1;
+      for (const J& d : *shape) n = d.get<int64_t>() == 0 ? 0 : n > room / d.get<int64_t>() ? room + 1 : n * d.get<int64_t>();
+      if (offset->get<int64_t>() > numel->get<int64_t>() || n > room)
+        m.problem = "has " + pat + "shape = " + shape->dump() + " at offset " + offset->dump() + ", past its unit's " +
+                    numel->dump() + " elements";
     });
   });
   m.each(m.need(meta, "", "shards", M::list, "a list"), "shards", [&](const J& sh, const std::string& at) {
