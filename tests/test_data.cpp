@@ -221,10 +221,16 @@ TEST(Tokenizer, MissingAndCorruptModel) {
   const std::string corrupt = dir.file("corrupt.model");
   std::ofstream(corrupt) << "this is not a protobuf at all \xff\xff\xff";
   msg = error_of([&] { tokenizer_make(corrupt); });
-  EXPECT_HAS(msg, corrupt + " is not a SentencePiece model");
+  EXPECT_HAS(msg, corrupt + " does not load as a SentencePiece model");
+  // A directory is named as one (the library's stream threw "basic_filebuf::underflow").
+  fs::create_directories(dir.file("sub.model"));
+  EXPECT_HAS(error_of([&] { tokenizer_make(dir.file("sub.model")); }), dir.file("sub.model") + " is a directory");
 
   EXPECT_HAS(error_of([&] { sentencepiece_train(dir.file("none.txt"), dir.file("m"), 300); }),
              "cannot open tokenizer training text");
+  std::ofstream(dir.file("t.txt")) << "abc";
+  EXPECT_HAS(error_of([&] { sentencepiece_train(dir.file("t.txt"), dir.file("m"), 2147483647); }),
+             "tokenizer vocab_size 2147483647 is more than the 16777216 pieces meshtrain trains");
 }
 
 TEST(Tokenizer, SentencePieceTrainAndRoundTrip) {

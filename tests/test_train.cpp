@@ -424,6 +424,20 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
   EXPECT_NE(out.find("model.norm_eps                     1e-05\n"), std::string::npos) << out;
   EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " train --parallel.sharding=x", &out), 1);
   EXPECT_NE(out.find("expected one of \"\" (unset) NO_SHARD"), std::string::npos) << out;
+  // A command line the parser cannot take exits 1 like any error, in meshtrain's words (it
+  // exited 104 to 114 with CLI11's, and --gpus 0 printed a range ending in 1.8e308).
+  for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
+           {"sample --checkpoint x --tokens x", "error: --tokens x is not an integer in the option's range; see "
+                                                "meshtrain sample --help"},
+           {"sample --checkpoint x --temperature warm", "error: --temperature warm is not a number"},
+           {"prepare --input", "error: --input needs a value; see meshtrain prepare --help"},
+           {"prepare", "error: --input is required; see meshtrain prepare --help"},
+           {"checkpoint info", "error: DIR is required; see meshtrain checkpoint info --help"},
+           {"plan --gpus 0", "error: --gpus 0: give the cluster's devices, at least 1"},
+           {"plan --gpus 8 --gpus-per-node -1", "error: --gpus-per-node -1: give the devices of one node, at least 1"}}) {
+    EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " " + args, &out), 1) << args << "\n" << out;
+    EXPECT_NE(out.find(want), std::string::npos) << args << "\n" << out;
+  }
 }
 
 // What cannot run is refused before any work, naming the key: a test fault of no known form

@@ -228,7 +228,7 @@ std::string damage_message(const CheckpointInfo& info, const std::string& root) 
 void checkpoint_options_add(CLI::App* cmd, CheckpointOptions* o) {
   cmd->require_subcommand(1);
   auto* info = cmd->add_subcommand("info", "what a checkpoint holds; checks every file's CRC-32");
-  info->add_option("dir", o->dir, "a checkpoint directory, or a run's checkpoint.dir (its newest)")->required();
+  info->add_option("DIR", o->dir, "a checkpoint directory, or a run's checkpoint.dir (its newest)")->required();
   info->add_flag("--json", o->json, "print one JSON object");
 }
 

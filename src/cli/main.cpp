@@ -17,12 +17,14 @@
 // Exit status: 0 done; 1 an error (the message names it); 75 (kExitStopped) train stopped
 // early by SIGTERM or SIGUSR1 after writing a checkpoint: rerun with checkpoint.resume=true.
 #include <CLI/CLI.hpp>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <optional>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -193,7 +195,12 @@ void run_prepare(const std::string& input, const std::string& out, const std::st
     mt::sentencepiece_train(input, sp_prefix, sp_vocab);
     tokenizer = sp_prefix + ".model";
   }
-  auto tok = mt::tokenizer_make(tokenizer);
+  std::unique_ptr<mt::Tokenizer> tok;
+  try {
+    tok = mt::tokenizer_make(tokenizer);
+  } catch (const mt::Error& e) {
+    MT_FAIL((sp_vocab > 0 ? "the trained tokenizer: " : "--tokenizer " + tokenizer + ": ") << e.what());
+  }
   if (sp_vocab > 0) {  // a small text supports fewer pieces than asked: the model's own count
     std::printf("trained SentencePiece model %s (vocabulary %d", tokenizer.c_str(), tok->vocab_size());
     if (tok->vocab_size() < sp_vocab)
@@ -225,6 +232,29 @@ void run_prepare(const std::string& input, const std::string& out, const std::st
   mt::token_file_write(out, ids);
   std::printf("wrote %zu token%s to %s (vocabulary %d: set model.vocab_size >= %d)\n", ids.size(),
               ids.size() == 1 ? "" : "s", out.c_str(), tok->vocab_size(), tok->vocab_size());
+}
+
+// CLI11's words for a command line it cannot take, in meshtrain's: "Could not convert:
+// --top = x" says what --top takes; "--input: 1 required TEXT missing" that it needs a value.
+std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e) {
+  std::string text = e.what();
+  std::smatch m;
+  if (std::regex_match(text, m, std::regex(R"(Could not convert: (\S+) = (.*))"))) {
+    std::string kind = "a value of its kind";
+    for (const CLI::App* sub : app.get_subcommands()) {
+      if (const CLI::Option* opt = sub->get_option_no_throw(m[1].str())) {
+        const std::string type = opt->get_type_name();
+        kind = type == "INT" ? "an integer in the option's range" : type == "UINT" ? "an integer of at least 0 in the "
+             "option's range" : type == "FLOAT" ? "a number" : kind;
+      }
+    }
+    return m[1].str() + " " + m[2].str() + " is not " + kind;
+  }
+  if (std::regex_match(text, m, std::regex(R"((\S+): \d+ required \S+ missing)"))) return m[1].str() + " needs a value";
+  // "The following argument was not expected: x" goes on after "error: ", in lower case.
+  const auto c = [&](size_t i) { return static_cast<unsigned char>(text[i]); };
+  if (text.size() > 1 && std::isupper(c(0)) && std::islower(c(1))) text[0] = static_cast<char>(std::tolower(c(0)));
+  return text;
 }
 
 }  // namespace
@@ -293,7 +323,12 @@ int main(int argc, char** argv) {
     MT_CHECK(known, "\"" << cmd << "\" is not a meshtrain command; the commands are " << names << " (meshtrain --help)");
     MT_CHECK(cmd != "checkpoint" || argc < 3 || argv[2][0] == '-' || std::string(argv[2]) == "info",
              "checkpoint: \"" << argv[2] << "\" is not a checkpoint command; use meshtrain checkpoint info DIR [--json]");
-    CLI11_PARSE(app, argc, argv);
+    try {
+      app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+      if (e.get_exit_code() == 0) return app.exit(e);  // --help
+      MT_FAIL(parse_error_text(app, e) << "; see meshtrain " << cmd << (cmd == "checkpoint" ? " info" : "") << " --help");
+    }
 
     if (prep->parsed()) {
       run_prepare(input, out, val_out, tokenizer, prep->count("--tokenizer") > 0, sp_prefix, val_fraction, sp_vocab);

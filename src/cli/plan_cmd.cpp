@@ -19,8 +19,8 @@ namespace mt {
 void plan_options_add(CLI::App* cmd, PlanOptions* o) {
   cmd->add_option("--config", o->config, "training configuration (its [model], [optim] and batch)");
   cmd->add_option("--set", o->overrides, "section.key=value over the configuration (repeatable)");
-  cmd->add_option("--gpus", o->gpus, "devices in the cluster")->required()->check(CLI::PositiveNumber);
-  cmd->add_option("--gpus-per-node", o->gpus_per_node, "devices per node")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--gpus", o->gpus, "devices in the cluster")->required();
+  cmd->add_option("--gpus-per-node", o->gpus_per_node, "devices per node")->capture_default_str();
   cmd->add_option("--hardware", o->hardware, "a100-40gb | a100-80gb | h100 | h200 | FILE.toml (meshtrain bench profile)")
       ->capture_default_str();
   cmd->add_option("--global-batch", o->global_batch, "sequences per step (default: the configuration's)");
@@ -77,6 +77,8 @@ void print_breakdown(const plan::Prediction& p, const plan::Question& q) {
 }  // namespace
 
 int cmd_plan(const PlanOptions& o) {
+  MT_CHECK(o.gpus >= 1, "--gpus " << o.gpus << ": give the cluster's devices, at least 1");
+  MT_CHECK(o.gpus_per_node >= 1, "--gpus-per-node " << o.gpus_per_node << ": give the devices of one node, at least 1");
   plan::Question q;
   q.config = config_load(o.config, o.overrides);
   q.config.validate();

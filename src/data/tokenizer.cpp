@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <unordered_map>
@@ -53,8 +54,16 @@ class SentencePieceTokenizer final : public Tokenizer {
     MT_CHECK(probe, "cannot open SentencePiece model " << path << ": " << std::strerror(errno)
                                                        << "; the tokenizer must be \"byte\" or the path of "
                                                           "an existing .model file");
-    const auto status = sp_.Load(path);
-    MT_CHECK(status.ok(), path << " is not a SentencePiece model (" << status.ToString()
+    std::error_code ec;
+    MT_CHECK(!std::filesystem::is_directory(path, ec), path << " is a directory; the tokenizer must be \"byte\" or "
+                                                             "the path of a SentencePiece .model file");
+    sentencepiece::util::Status status;
+    try {
+      status = sp_.Load(path);
+    } catch (const std::exception& e) {  // the library's stream reports a read that fails by throwing
+      MT_FAIL("cannot read SentencePiece model " << path << ": " << e.what());
+    }
+    MT_CHECK(status.ok(), path << " does not load as a SentencePiece model (" << status.ToString()
                                << "); use a .model file written by SentencePiece or `meshtrain prepare`, "
                                   "or the tokenizer \"byte\"");
     vocab_ = sp_.GetPieceSize();
@@ -120,6 +129,10 @@ void sentencepiece_train(const std::string& text_path, const std::string& model_
   MT_CHECK(vocab_size >= 260, "tokenizer vocab_size " << vocab_size
                                                       << " is too small for a byte-fallback model; "
                                                          "use at least 260 (256 bytes + 3 specials + 1)");
+  // SentencePiece's trainer takes time in proportion to the vocabulary asked for, however
+  // small the text (2^31 took 37 s for 265 pieces); 2^24 is far past any tokenizer's.
+  MT_CHECK(vocab_size <= (1 << 24), "tokenizer vocab_size " << vocab_size << " is more than the 16777216 pieces "
+                                                            << "meshtrain trains; ask for fewer");
   const std::unordered_map<std::string, std::string> args = {
       {"input", text_path},
       {"model_prefix", model_prefix},
