@@ -277,6 +277,10 @@ TEST(PlanCommand, BadInputIsExplained) {
     EXPECT_TRUE(has(p.out, "no layout runs at all: change --gpus or --global-batch")) << p.out;
     EXPECT_FALSE(has(p.out, "use more GPUs")) << p.out;
     expect_one_error(p.out, "no layout of this model fits");
+    const Plan q = plan_cmd(d, "--config " + kBench + " --gpus 2147483647 --layout shard_group=8");
+    EXPECT_EQ(q.rc, 1) << q.out;
+    EXPECT_TRUE(has(q.out, "parallel.shard_group = 8 does not divide dp = 2147483647; parallel.shard_group can be 1 "
+                           "or 2147483647")) << q.out;
   }
   for (const char* layout : {"tp=2147483648", "mb=1099511627777"}) {  // past int and 2^40: refused, not wrapped
     const Plan p = plan_cmd(d, cfg + "--layout " + layout);

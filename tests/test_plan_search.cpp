@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/message.h"
 #include "plan/hardware.h"
 #include "plan/search.h"
 #include "plan/time.h"
@@ -184,6 +185,23 @@ TEST(PlanLayout, ErrorsNameTheKeyAndValue) {
 // ---- The search ---------------------------------------------------------------------------
 
 // The core benchmark model on 2 and 4 devices of an H100 and of a CPU-like profile.
+// The divisors the search ranges over and the messages list: by trial to the square root
+// (trials to n took 65 s for a message about dp = 2^31 - 1), of every size int64 holds.
+TEST(PlanSearch, DivisorsAndTheirText) {
+  EXPECT_EQ(divisors(1), (std::vector<int64_t>{1}));
+  EXPECT_EQ(divisors(12), (std::vector<int64_t>{1, 2, 3, 4, 6, 12}));
+  EXPECT_EQ(divisors(49), (std::vector<int64_t>{1, 7, 49}));
+  EXPECT_EQ(divisors(2147483647), (std::vector<int64_t>{1, 2147483647}));
+  EXPECT_EQ(divisors(int64_t{1} << 40).size(), 41u);
+  EXPECT_TRUE(divisors(0).empty());
+  EXPECT_EQ(values_text(divisors(12)), "1, 2, 3, 4, 6 or 12");
+  EXPECT_EQ(values_text(divisors(12), 4), "1, 2, 3, 4, ...");
+  EXPECT_EQ(values_text(divisors(12), 6), "1, 2, 3, 4, 6 or 12");
+  EXPECT_EQ(values_text({}), "");
+  EXPECT_EQ(values_where(1, 10, [](int64_t n) { return n % 3 == 0; }), "3, 6 or 9");
+  EXPECT_EQ(values_where(1, 100, [](int64_t n) { return n % 3 == 0; }, 2), "3, 6, ...");
+}
+
 TEST(PlanSearch, RankedLayoutsAreValidAndFastestFirst) {
   for (const Hardware& hw : {hardware_get("h100"), cpu_like()})
     for (int gpus : {2, 4}) {

@@ -7,20 +7,36 @@
 
 namespace mt {
 
-// The n in [lo, hi] for which ok(n) holds, as "2, 3 or 6" ("" if none); with shown > 0, at
-// most that many, followed by ", ..." where more hold.
+// The values as "2, 3 or 6" ("" if none); with shown > 0, the first `shown` of them,
+// followed by ", ..." where there are more.
+inline std::string values_text(const std::vector<int64_t>& v, int shown = 0) {
+  const bool more = shown > 0 && std::ssize(v) > shown;
+  const size_t n = more ? static_cast<size_t>(shown) : v.size();
+  std::string out;
+  for (size_t i = 0; i < n; ++i) out += (i == 0 ? "" : i + 1 == n && !more ? " or " : ", ") + std::to_string(v[i]);
+  return more ? out + ", ..." : out;
+}
+
+// The n in [lo, hi] for which ok(n) holds, as values_text writes them. It tries every n: for
+// small ranges (a divisor of a rank count that may be 2^31 goes through divisors()).
 inline std::string values_where(int64_t lo, int64_t hi, const std::function<bool(int64_t)>& ok, int shown = 0) {
   std::vector<int64_t> v;
-  bool more = false;
-  for (int64_t n = lo; n <= hi && !more; ++n)
-    if (ok(n)) {
-      more = shown > 0 && std::ssize(v) == shown;
-      if (!more) v.push_back(n);
+  for (int64_t n = lo; n <= hi && (shown == 0 || std::ssize(v) <= shown); ++n)
+    if (ok(n)) v.push_back(n);
+  return values_text(v, shown);
+}
+
+// The divisors of n >= 1, ascending; trial division up to sqrt(n), so n = 2^31 - 1 takes
+// no time.
+inline std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> low, high;
+  for (int64_t i = 1; i <= n / i; ++i)
+    if (n % i == 0) {
+      low.push_back(i);
+      if (i != n / i) high.push_back(n / i);
     }
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i)
-    out += (i == 0 ? "" : i + 1 == v.size() && !more ? " or " : ", ") + std::to_string(v[i]);
-  return more ? out + ", ..." : out;
+  low.insert(low.end(), high.rbegin(), high.rend());
+  return low;
 }
 
 }  // namespace mt

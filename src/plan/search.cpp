@@ -6,6 +6,7 @@
 
 #include "comm/communicator.h"
 #include "core/error.h"
+#include "core/message.h"  // divisors
 #include "parallel/schedule.h"  // schedule_default_chunks
 #include "plan/comm.h"
 #include "plan/memory.h"
@@ -37,15 +38,9 @@ std::string gib(double bytes) {
   return s;
 }
 
-std::vector<int> divisors(int n) {  // ascending; up to sqrt(n), so a cluster of 2^31 devices takes no time
-  std::vector<int> low, high;
-  for (int64_t i = 1; i * i <= n; ++i)
-    if (n % i == 0) {
-      low.push_back(static_cast<int>(i));
-      if (i * i != n) high.push_back(static_cast<int>(n / i));
-    }
-  low.insert(low.end(), high.rbegin(), high.rend());
-  return low;
+std::vector<int> divisors_of(int n) {  // divisors() as ints
+  const std::vector<int64_t> d = divisors(n);
+  return {d.begin(), d.end()};
 }
 
 }  // namespace
@@ -143,8 +138,8 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
   };
   const int G = q.cluster.gpus;
   std::vector<Layout> out;
-  for (int tp : values("tp", base.tp, divisors(std::min(G, q.cluster.gpus_per_node))))
-    for (int pp : values("pp", base.pp, divisors(G)))
+  for (int tp : values("tp", base.tp, divisors_of(std::min(G, q.cluster.gpus_per_node))))
+    for (int pp : values("pp", base.pp, divisors_of(G)))
       for (int cp : values("cp", base.cp, {1, 2, 4, 8})) {
         const int64_t model_ranks = int64_t{tp} * pp * cp;
         if (G % model_ranks != 0 || (!named("pp") && pp > q.config.model.n_layer)) continue;

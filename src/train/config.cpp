@@ -492,9 +492,12 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
   if (sh == "HYBRID_SHARD") {
     const int dp = data;  // the ranks that reduce gradients together (dp x cp)
     auto hybrid = [](int n, int g) { return g > 1 && g < n && n % g == 0; };
-    const std::string groups = values_where(2, dp - 1, [&](int g) { return hybrid(dp, g); });
-    int more = dp + 1;  // the smallest dp with a hybrid shard group
-    while (values_where(2, more - 1, [&](int g) { return hybrid(more, g); }).empty()) ++more;
+    std::vector<int64_t> between;  // dp's divisors but 1 and dp
+    for (int64_t g : divisors(dp))
+      if (hybrid(dp, static_cast<int>(g))) between.push_back(g);
+    const std::string groups = values_text(between);
+    int64_t more = dp + 1;  // the smallest dp with a hybrid shard group: one with 3 divisors or more
+    while (divisors(more).size() < 3) ++more;
     MT_CHECK(hybrid(dp, parallel.shard_group),
              "parallel.sharding = HYBRID_SHARD needs parallel.shard_group between 2 and " << data_name << " - 1 dividing "
                  << data_name << " = " << dp << " (got " << parallel.shard_group << "); "
@@ -520,7 +523,7 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
   MT_CHECK(parallel.ranks_per_node == 0 || data % parallel.ranks_per_node == 0,
            data_name << " = " << data << " is not a multiple of parallel.ranks_per_node = " << parallel.ranks_per_node
                      << " (nodes of consecutive " << data_name << " ranks); set parallel.ranks_per_node to one of "
-                     << values_where(1, data, [&](int g) { return data % g == 0; }));
+                     << values_text(divisors(data)));
   MT_CHECK(parallel.ranks_per_node == 0 || parallel.zero == 0 || parallel.shard_group % parallel.ranks_per_node == 0 ||
                parallel.ranks_per_node % parallel.shard_group == 0,
            "parallel.shard_group = " << parallel.shard_group << " and parallel.ranks_per_node = "
@@ -529,7 +532,7 @@ void Config::resolve_layout(int world_size, bool check_schedule) {
   MT_CHECK(data % parallel.shard_group == 0,
            "parallel.shard_group = " << parallel.shard_group << " does not divide " << data_name << " = " << data
                                      << "; parallel.shard_group can be "
-                                     << values_where(1, data, [&](int g) { return data % g == 0; }));
+                                     << values_text(divisors(data)));
   MT_CHECK(training.global_batch % per_step == 0,
            "training.global_batch = " << training.global_batch << " is not divisible by parallel.dp x training.micro_batch = "
                                       << parallel.dp << " x " << training.micro_batch << " = " << per_step

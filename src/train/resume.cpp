@@ -131,7 +131,7 @@ void fit_micro_batch(Config& cfg, int world_size, int64_t saved_micro, std::vect
                        : model_ranks > 0 && world_size % model_ranks == 0 ? world_size / model_ranks
                                                                           : 0;
     if (dp == 0 || G % dp == 0) throw *error;
-    const std::string dps = values_where(1, G, [&](int64_t d) { return G % d == 0; }, 8);
+    const std::string dps = values_text(divisors(G), 8);
     throw Error(std::string(error->what()) + ". A resumed run keeps the checkpoint's training.global_batch = " +
                 std::to_string(G) + ": choose the ranks (and parallel.tp, pp, cp) so that dp divides it (dp " + dps +
                 ")");
