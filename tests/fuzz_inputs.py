@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Mutation fuzzing of what users hand meshtrain, through its command line.
 
-Makes valid inputs first (a token file, a checkpoint, its safetensors export, a schedule
-file, a hardware profile, a configuration), then, case by case, mutates one of them (or a
-command's numbers) and runs the command that reads it. A case fails when the command:
+Makes valid inputs first (a text, a token file, a checkpoint, its safetensors export, a
+schedule file, a hardware profile, a configuration, a SentencePiece model), then, case by
+case, mutates one of them (or a command's numbers) and runs the command that reads it. A case fails when the command:
   - crashes (a signal, an abort) or trips a sanitizer (an ASan/UBSan build, see README);
+  - exits with a status other than 0, 1 (an error, named) or 75 (stopped, resumable);
   - hangs (FUZZ_TIMEOUT_S, default 60);
   - stops with "internal error" (an exception meshtrain did not turn into a message that
     names the input) or a library's bare text ("basic_string", "stoll", ...).
@@ -165,6 +166,95 @@ def bytes_mutate(r, data, header=0):
     return bytes(data)
 
 
+def pb_parse(data):
+    """A protocol buffer message as [field, wire type, value], or None when data is not one. Length-delimited
+    values that parse as messages are parsed too (a string may pass for one: either way it is bytes to mutate)."""
+    def varint(i):
+        v, shift = 0, 0
+        while True:
+            if i >= len(data) or shift > 63:
+                raise ValueError
+            v |= (data[i] & 0x7F) << shift
+            shift += 7
+            i += 1
+            if data[i - 1] < 0x80:
+                return v, i
+    fields, i = [], 0
+    try:
+        while i < len(data):
+            key, i = varint(i)
+            field, wire = key >> 3, key & 7
+            if field == 0 or wire not in (0, 1, 2, 5):
+                return None
+            if wire == 0:
+                v, i = varint(i)
+            elif wire in (1, 5):
+                n = 8 if wire == 1 else 4
+                v, i = data[i:i + n], i + n
+                if i > len(data):
+                    return None
+            else:
+                n, i = varint(i)
+                v, i = data[i:i + n], i + n
+                if i > len(data):
+                    return None
+                v = pb_parse(v) if v and pb_parse(v) else v
+            fields.append([field, wire, v])
+    except ValueError:
+        return None
+    return fields
+
+
+def pb_write(fields):
+    def varint(v):
+        out = bytearray()
+        v &= 2**64 - 1
+        while True:
+            out.append((v & 0x7F) | (0x80 if v > 0x7F else 0))
+            v >>= 7
+            if not v:
+                return bytes(out)
+    out = bytearray()
+    for field, wire, v in fields:
+        out += varint(field << 3 | wire)
+        if wire == 0:
+            out += varint(v)
+        elif wire == 2:
+            v = pb_write(v) if isinstance(v, list) else v
+            out += varint(len(v)) + v
+        else:
+            out += v
+    return bytes(out)
+
+
+def pb_mutate(r, data):
+    """1 to 3 changes to a protocol buffer's fields at any depth: a number, a float, a string replaced, a field
+    deleted or repeated. The result still parses, so the reader's own checks meet it."""
+    doc = pb_parse(data)
+    def leaves(fields):
+        for f in fields:
+            yield fields, f
+            if isinstance(f[2], list):
+                yield from leaves(f[2])
+    for _ in range(r.randint(1, 3)):
+        parent, f = r.choice(list(leaves(doc)))
+        c = r.random()
+        if c < 0.1:
+            parent.remove(f)
+        elif c < 0.2 or isinstance(f[2], list):
+            parent.insert(r.randrange(len(parent) + 1), [f[0], f[1], f[2]])
+        elif f[1] == 0:
+            f[2] = r.choice([0, 1, 2, 3, 4, 5, 6, 7, 255, 256, 2**31 - 1, 2**31, 2**32, 2**64 - 1, f[2] + 1])
+        elif f[1] == 5:
+            f[2] = struct.pack("<f", r.choice([0.0, -0.0, -1.0, 0.5, 1e-45, -1e30, 3.4e38, float("inf"), float("-inf"), float("nan")]))
+        elif f[1] == 1:
+            f[2] = struct.pack("<d", r.choice(FLOATS))
+        else:
+            f[2] = r.choice([b"", b"a", b"<0x41>", b"<0xZZ>", b"\xff\xfe", "\u2581".encode(), b"a" * 300, b"<unk>",
+                             b"<s>", b"\x00"])
+    return pb_write(doc)
+
+
 def text_mutate(r, text):
     """1 to 3 line-level changes: a number replaced, a line deleted, repeated, cut or extended."""
     lines = text.split("\n")
@@ -210,6 +300,8 @@ class Fuzzer:
         for args in (["prepare", "--input", "text.txt", "--out", "tokens.bin"],
                      ["train", "--data.path=tokens.bin", "--training.steps=2", "--checkpoint.dir=ckpt"] + TINY,
                      ["export", "--checkpoint", "ckpt", "--out", "model.safetensors"],
+                     ["prepare", "--input", "text.txt", "--out", "spm_tokens.bin", "--train-tokenizer", "300",
+                      "--tokenizer-prefix", "spm"],
                      ["schedule", "--pp", "2", "--microbatches", "4", "--csv", "sched.txt"]):
             p = subprocess.run([self.mt] + args, cwd=self.seeds, capture_output=True, text=True)
             if p.returncode != 0:
@@ -236,6 +328,7 @@ class Fuzzer:
         except subprocess.TimeoutExpired as e:
             out, rc = ((e.stdout or b"") + (e.stderr or b"")).decode(errors="replace"), None
         kind = "hang" if rc is None else f"signal or abort (exit {rc})" if rc < 0 or rc >= 128 else None
+        kind = kind or (f"exit status {rc}, not 0, 1 or 75" if rc not in (0, 1, 75) else None)
         kind = kind or next((k for pat, k in FAILURES if re.search(pat, out)), None)
         if not kind:
             return
@@ -327,6 +420,50 @@ class Fuzzer:
         self.run("schedule_sizes", ["schedule", "--schedule", r.choice(["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"]),
                                     "--pp", n(), "--chunks", n(), "--microbatches", n(), "--json"], {})
 
+    def t_prepare(self):
+        r = self.r
+        text = bytes_mutate(r, self.seed("text.txt"), header=256) if r.random() < 0.7 else r.choice(
+            [b"", b"\n", b"\xff\xfe\x00", bytes(range(256)), "\u00e9\u4e2d\U0001f600\n".encode() * 50])
+        args = ["prepare", "--input", "in.txt", "--out", "o.bin"]
+        if r.random() < 0.4:
+            args += ["--val-fraction", r.choice(["0", "0.05", "0.5", "0.999999", "1", "-0.1", "2", "nan", "inf", "1e-300"]),
+                     "--val-out", "v.bin"]
+        c = r.random()
+        if c < 0.3:
+            args += ["--tokenizer", "spm.model"]
+        elif c < 0.55:
+            args += ["--train-tokenizer", r.choice(["0", "1", "2", "3", "256", "300", "5000", "-1", "2147483647"]),
+                     "--tokenizer-prefix", r.choice(["t", "sub/t", ""])]
+        self.run("prepare", args, {"in.txt": text, "spm.model": self.seed("spm.model")})
+
+    def t_spm_model(self):
+        raw = self.seed("spm.model")
+        model = pb_mutate(self.r, raw) if self.r.random() < 0.8 else bytes_mutate(self.r, raw)
+        files = {"m.model": model, "text.txt": self.seed("text.txt"), "tokens.bin": self.seed("spm_tokens.bin"),
+                 "ck/step_00000002/meta.json": self.seed("ckpt/step_00000002/meta.json"),
+                 "ck/step_00000002/shard_00000.safetensors": self.seed("ckpt/step_00000002/shard_00000.safetensors")}
+        cmd = self.r.choice([["prepare", "--input", "text.txt", "--out", "o.bin", "--tokenizer", "m.model"],
+                             ["train", "--data.path=tokens.bin", "--data.tokenizer=m.model", "--training.steps=1"] + TINY
+                             + ["--model.vocab_size=512"],
+                             ["sample", "--checkpoint", "ck", "--tokenizer", "m.model", "--prompt", "the", "--tokens", "3"]])
+        self.run(f"spm_model:{cmd[0]}", cmd, files)
+
+    def t_sample(self):
+        r = self.r
+        n = lambda: r.choice(["0", "1", "-1", "3", "2147483647", "2147483648", "-2147483648", "1e9", "x", ""])
+        f = lambda: r.choice(["0", "-0", "-1", "1e-45", "1e-300", "1e300", "nan", "inf", "-inf", "0.8", ""])
+        prompt = r.choice(["", "the", "\xff\xfe", "\u00e9\u4e2d", "a" * 5000, "\x00x"])
+        args = ["sample", "--checkpoint", "ck", "--prompt", prompt.replace("\x00", ""), "--tokens",
+                r.choice(["0", "1", "3", "20", "1000", "-1", "x"])]
+        for flag, v in (("--temperature", f), ("--top-k", n), ("--seed", n)):
+            if r.random() < 0.5:
+                args += [flag, v()]
+        if r.random() < 0.2:
+            args += ["--tokenizer", r.choice(["byte", "spm.model", "missing.model", "", "ck"])]
+        files = {"ck/step_00000002/meta.json": self.seed("ckpt/step_00000002/meta.json"), "spm.model": self.seed("spm.model"),
+                 "ck/step_00000002/shard_00000.safetensors": self.seed("ckpt/step_00000002/shard_00000.safetensors")}
+        self.run("sample", args, files)
+
     def fuzz(self, cases, only):
         targets = sorted(t for t in dir(self) if t.startswith("t_") and (not only or t[2:] in only))
         for _ in range(cases):
@@ -349,7 +486,7 @@ def main():
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--only", help="targets, comma-separated: config, tokens, meta, shard, safetensors, schedule, "
-                                   "hardware, plan, schedule_sizes")
+                                   "hardware, plan, schedule_sizes, prepare, spm_model, sample")
     ap.add_argument("--keep", help="a directory to keep each failing case in")
     a = ap.parse_args()
     f = Fuzzer(os.path.abspath(a.meshtrain), a.keep, a.seed, float(os.environ.get("FUZZ_TIMEOUT_S", 60)))
