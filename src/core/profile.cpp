@@ -6,9 +6,11 @@
 
 namespace mt {
 
-namespace detail {
-thread_local Profiler* t_profiler = nullptr;
-}
+namespace {
+thread_local Profiler* t_profiler = nullptr;  // the profiler this thread records into, or null
+}  // namespace
+
+Profiler* profile_active() { return t_profiler; }
 
 double profile_now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -18,20 +20,20 @@ Profiler::Profiler(double origin, int64_t max_event_steps, size_t max_events)
     : origin_(origin), max_event_steps_(max_event_steps), max_events_(max_events) {}
 
 Profiler::~Profiler() {
-  if (detail::t_profiler == this) detail::t_profiler = nullptr;  // a step left by an exception
+  if (t_profiler == this) t_profiler = nullptr;  // a step left by an exception
 }
 
 void Profiler::step_begin() {
-  MT_CHECK(detail::t_profiler == nullptr, "internal: a profiler step begins inside another");
+  MT_CHECK(t_profiler == nullptr, "internal: a profiler step begins inside another");
   stack_.clear();  // a step left by an exception may have left scopes behind
-  detail::t_profiler = this;
+  t_profiler = this;
   step_start_ = profile_now();
 }
 
 void Profiler::step_end() {
   step_s_ += profile_now() - step_start_;
   ++steps_;
-  detail::t_profiler = nullptr;
+  t_profiler = nullptr;
 }
 
 int Profiler::intern(const std::string& name) {

@@ -104,19 +104,18 @@ class Profiler {
 // The steady clock in seconds (the same clock as comm's now_seconds()).
 double profile_now();
 
-namespace detail {
-extern thread_local Profiler* t_profiler;  // the profiler this thread records into, or null
-}
-// The profiler recording on this thread right now (inside a step), or null.
-inline Profiler* profile_active() { return detail::t_profiler; }
+// The profiler recording on this thread right now (inside a step), or null. Not inline: the
+// thread-local it reads stays in profile.cpp (read from other files, GCC's UBSan checked its
+// address with flags the linker's TLS rewrite had changed, and reported a null pointer).
+Profiler* profile_active();
 
 class ProfileScope {
  public:
-  explicit ProfileScope(const char* literal) : p_(detail::t_profiler) {
+  explicit ProfileScope(const char* literal) : p_(profile_active()) {
     if (p_) p_->push(literal);
   }
   // id from p->intern(), when p is the active profiler (else nothing is recorded)
-  ProfileScope(Profiler* p, int id) : p_(p && p == detail::t_profiler ? p : nullptr) {
+  ProfileScope(Profiler* p, int id) : p_(p && p == profile_active() ? p : nullptr) {
     if (p_) p_->push_id(id);
   }
   ~ProfileScope() {
