@@ -221,7 +221,7 @@ TEST(Tokenizer, MissingAndCorruptModel) {
   const std::string corrupt = dir.file("corrupt.model");
   std::ofstream(corrupt) << "this is not a protobuf at all \xff\xff\xff";
   msg = error_of([&] { tokenizer_make(corrupt); });
-  EXPECT_HAS(msg, corrupt + " does not load as a SentencePiece model");
+  EXPECT_HAS(msg, corrupt + " does not load as a SentencePiece model (its bytes do not parse as one)");
   // A directory is named as one (the library's stream threw "basic_filebuf::underflow").
   fs::create_directories(dir.file("sub.model"));
   EXPECT_HAS(error_of([&] { tokenizer_make(dir.file("sub.model")); }), dir.file("sub.model") + " is a directory");

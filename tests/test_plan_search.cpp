@@ -184,7 +184,6 @@ TEST(PlanLayout, ErrorsNameTheKeyAndValue) {
 
 // ---- The search ---------------------------------------------------------------------------
 
-// The core benchmark model on 2 and 4 devices of an H100 and of a CPU-like profile.
 // The divisors the search ranges over and the messages list: by trial to the square root
 // (trials to n took 65 s for a message about dp = 2^31 - 1), of every size int64 holds.
 TEST(PlanSearch, DivisorsAndTheirText) {
@@ -202,6 +201,7 @@ TEST(PlanSearch, DivisorsAndTheirText) {
   EXPECT_EQ(values_where(1, 100, [](int64_t n) { return n % 3 == 0; }, 2), "3, 6, ...");
 }
 
+// The core benchmark model on 2 and 4 devices of an H100 and of a CPU-like profile.
 TEST(PlanSearch, RankedLayoutsAreValidAndFastestFirst) {
   for (const Hardware& hw : {hardware_get("h100"), cpu_like()})
     for (int gpus : {2, 4}) {

@@ -17,8 +17,8 @@ inline std::string values_text(const std::vector<int64_t>& v, int shown = 0) {
   return more ? out + ", ..." : out;
 }
 
-// The n in [lo, hi] for which ok(n) holds, as values_text writes them. It tries every n: for
-// small ranges (a divisor of a rank count that may be 2^31 goes through divisors()).
+// The n in [lo, hi] for which ok(n) holds, as values_text writes them. It tries every n, so
+// it is for small ranges; the divisors of a count that may reach 2^31 come from divisors().
 inline std::string values_where(int64_t lo, int64_t hi, const std::function<bool(int64_t)>& ok, int shown = 0) {
   std::vector<int64_t> v;
   for (int64_t n = lo; n <= hi && (shown == 0 || std::ssize(v) <= shown); ++n)

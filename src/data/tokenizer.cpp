@@ -63,7 +63,9 @@ class SentencePieceTokenizer final : public Tokenizer {
     } catch (const std::exception& e) {  // the library's stream reports a read that fails by throwing
       MT_FAIL("cannot read SentencePiece model " << path << ": " << e.what());
     }
-    MT_CHECK(status.ok(), path << " does not load as a SentencePiece model (" << status.ToString()
+    std::string why = status.ToString();  // the library's check, or its parser's source line
+    if (why.find("ParseFromArray") != std::string::npos) why = "its bytes do not parse as one";
+    MT_CHECK(status.ok(), path << " does not load as a SentencePiece model (" << why
                                << "); use a .model file written by SentencePiece or `meshtrain prepare`, "
                                   "or the tokenizer \"byte\"");
     vocab_ = sp_.GetPieceSize();
