@@ -434,7 +434,14 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
            {"prepare", "error: --input is required; see meshtrain prepare --help"},
            {"checkpoint info", "error: DIR is required; see meshtrain checkpoint info --help"},
            {"plan --gpus 0", "error: --gpus 0: give the cluster's devices, at least 1"},
-           {"plan --gpus 8 --gpus-per-node -1", "error: --gpus-per-node -1: give the devices of one node, at least 1"}}) {
+           {"plan --gpus 8 --gpus-per-node -1", "error: --gpus-per-node -1: give the devices of one node, at least 1"},
+           // bench comm reads its own options: an unknown one was "needs a value", or the
+           // usage with exit status 2; 1T was read as 1 byte, 1e400 cast to int64
+           {"bench comm --bogus", "error: bench comm: unknown option --bogus; usage: meshtrain launch -n N bench comm"},
+           {"bench comm --sizes 4K", "error: bench comm: unknown option --sizes"},
+           {"bench comm --max-bytes 1T", "error: bench comm: bad size 1T: write e.g. 1K, 64M or 1G, at most 16G"},
+           {"bench comm --max-bytes 1e400", "error: bench comm: bad size 1e400"},
+           {"bench comm --iters 99999999999", "error: bench comm: --iters 99999999999: give a whole number from 1"}}) {
     EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " " + args, &out), 1) << args << "\n" << out;
     EXPECT_NE(out.find(want), std::string::npos) << args << "\n" << out;
   }

@@ -5,6 +5,9 @@
 // buffers on the GPUs (each rank on its machine's GPUs round robin) and carries them as a
 // training run would (parallel.gpu_comm: NCCL where every rank has its own GPU).
 #include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -21,14 +24,19 @@ namespace mt {
 
 namespace {
 
-int64_t parse_size(const std::string& s) {
+constexpr const char* kUsage = "usage: meshtrain launch -n N bench comm [--min-bytes 1K] [--max-bytes 64M] [--iters 20] "
+                                "[--dtype f32|bf16] [--device cpu|cuda] [--gpu-comm auto|nccl|host]";
+
+int64_t parse_size(const std::string& s) {  // 1K, 64M, 1G: bytes, at most 16G (each rank holds buffers of this size)
   char* end = nullptr;
   double v = std::strtod(s.c_str(), &end);
-  std::string unit = end;
-  if (unit == "K" || unit == "k") v *= 1024;
-  else if (unit == "M" || unit == "m") v *= 1024 * 1024;
-  else if (unit == "G" || unit == "g") v *= 1024.0 * 1024 * 1024;
-  else MT_CHECK(unit.empty(), "bad size " << s << ": write e.g. 1K, 64M");
+  const std::string unit = end;
+  const std::string units = "kmg";  // K, M, G: the powers of 1024
+  const size_t power = unit.size() == 1 ? units.find(static_cast<char>(std::tolower(unit[0]))) : std::string::npos;
+  if (power != std::string::npos) v *= std::pow(1024.0, static_cast<double>(power + 1));
+  MT_CHECK(end != s.c_str() && (unit.empty() || power != std::string::npos) && std::isfinite(v) && v >= 0 &&
+               v <= 16.0 * 1024 * 1024 * 1024,
+           "bench comm: bad size " << s << ": write e.g. 1K, 64M or 1G, at most 16G");
   return static_cast<int64_t>(v);
 }
 
@@ -41,25 +49,32 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
   std::string device = "cpu", gpu_comm = "auto";
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
-    MT_CHECK(i + 1 < args.size() || a == "--help", "bench comm: option " << a << " needs a value");
-    if (a == "--min-bytes") min_bytes = parse_size(args[++i]);
-    else if (a == "--max-bytes") max_bytes = parse_size(args[++i]);
-    else if (a == "--iters") iters = std::atoi(args[++i].c_str());
-    else if (a == "--dtype") {
-      const std::string d = args[++i];
-      MT_CHECK(d == "f32" || d == "bf16", "bench comm: --dtype is f32 or bf16");
-      dtype = d == "f32" ? DType::f32 : DType::bf16;
+    if (a == "--help" || a == "-h") {
+      if (world.rank() == 0) std::printf("%s\n", kUsage);
+      return 0;
+    }
+    MT_CHECK(a == "--min-bytes" || a == "--max-bytes" || a == "--iters" || a == "--dtype" || a == "--device" ||
+                 a == "--gpu-comm",
+             "bench comm: unknown option " << a << "; " << kUsage);
+    MT_CHECK(i + 1 < args.size(), "bench comm: option " << a << " needs a value");
+    const std::string& v = args[++i];
+    if (a == "--min-bytes") min_bytes = parse_size(v);
+    else if (a == "--max-bytes") max_bytes = parse_size(v);
+    else if (a == "--iters") {
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      MT_CHECK(end != v.c_str() && *end == '\0' && n >= 1 && n <= 1000000,
+               "bench comm: --iters " << v << ": give a whole number from 1 to 1000000");
+      iters = static_cast<int>(n);
+    } else if (a == "--dtype") {
+      MT_CHECK(v == "f32" || v == "bf16", "bench comm: --dtype is f32 or bf16");
+      dtype = v == "f32" ? DType::f32 : DType::bf16;
     } else if (a == "--device") {
-      device = args[++i];
+      device = v;
       MT_CHECK(device == "cpu" || device == "cuda", "bench comm: --device is cpu or cuda");
-    } else if (a == "--gpu-comm") {
-      gpu_comm = args[++i];
-      MT_CHECK(gpu_comm == "auto" || gpu_comm == "nccl" || gpu_comm == "host", "bench comm: --gpu-comm is auto, nccl or host");
     } else {
-      if (world.rank() == 0)
-        std::printf("usage: meshtrain launch -n N bench comm [--min-bytes 1K] [--max-bytes 64M] [--iters 20] "
-                    "[--dtype f32|bf16] [--device cpu|cuda] [--gpu-comm auto|nccl|host]\n");
-      return a == "--help" ? 0 : 2;
+      gpu_comm = v;
+      MT_CHECK(gpu_comm == "auto" || gpu_comm == "nccl" || gpu_comm == "host", "bench comm: --gpu-comm is auto, nccl or host");
     }
   }
   MT_CHECK(min_bytes >= 4 && max_bytes >= min_bytes && iters >= 1, "bench comm: need 4 <= min-bytes <= max-bytes, iters >= 1");
