@@ -3,7 +3,8 @@
 
 Makes valid inputs first (a text, a token file, a checkpoint, its safetensors export, a
 schedule file, a hardware profile, a configuration, a SentencePiece model), then, case by
-case, mutates one of them (or a command's numbers) and runs the command that reads it. A case fails when the command:
+case, mutates one of them (or a command's numbers) and runs the command that reads it. A
+case fails when the command:
   - crashes (a signal, an abort) or trips a sanitizer (an ASan/UBSan build, see README);
   - exits with a status other than 0, 1 (an error, named) or 75 (stopped, resumable);
   - hangs (FUZZ_TIMEOUT_S, default 60);
@@ -198,7 +199,7 @@ def pb_parse(data):
                 v, i = data[i:i + n], i + n
                 if i > len(data):
                     return None
-                v = pb_parse(v) if v and pb_parse(v) else v
+                v = (pb_parse(v) if v else None) or v
             fields.append([field, wire, v])
     except ValueError:
         return None
@@ -366,6 +367,10 @@ class Fuzzer:
             self.run("tokens", ["train", "--data.path=tokens.bin", "--data.val_path=t.bin", "--training.steps=1",
                                 "--training.val_batches=2"] + TINY, {"t.bin": data, "tokens.bin": self.seed("tokens.bin")})
 
+    def checkpoint_files(self):
+        """The seed checkpoint, unchanged, as ck/ (files for run)."""
+        return {f"ck/step_00000002/{n}": self.seed(f"ckpt/step_00000002/{n}") for n in ("meta.json", "shard_00000.safetensors")}
+
     def checkpoint_commands(self, target, meta, shard):
         d = "ck/step_00000002/"
         files = {d + "meta.json": meta, d + "shard_00000.safetensors": shard, "tokens.bin": self.seed("tokens.bin")}
@@ -445,8 +450,7 @@ class Fuzzer:
         raw = self.seed("spm.model")
         model = pb_mutate(self.r, raw) if self.r.random() < 0.8 else bytes_mutate(self.r, raw)
         files = {"m.model": model, "text.txt": self.seed("text.txt"), "tokens.bin": self.seed("spm_tokens.bin"),
-                 "ck/step_00000002/meta.json": self.seed("ckpt/step_00000002/meta.json"),
-                 "ck/step_00000002/shard_00000.safetensors": self.seed("ckpt/step_00000002/shard_00000.safetensors")}
+                 **self.checkpoint_files()}
         cmd = self.r.choice([["prepare", "--input", "text.txt", "--out", "o.bin", "--tokenizer", "m.model"],
                              ["train", "--data.path=tokens.bin", "--data.tokenizer=m.model", "--training.steps=1"] + TINY
                              + ["--model.vocab_size=512"],
@@ -465,9 +469,7 @@ class Fuzzer:
                 args += [flag, v()]
         if r.random() < 0.2:
             args += ["--tokenizer", r.choice(["byte", "spm.model", "missing.model", "", "ck"])]
-        files = {"ck/step_00000002/meta.json": self.seed("ckpt/step_00000002/meta.json"), "spm.model": self.seed("spm.model"),
-                 "ck/step_00000002/shard_00000.safetensors": self.seed("ckpt/step_00000002/shard_00000.safetensors")}
-        self.run("sample", args, files)
+        self.run("sample", args, {"spm.model": self.seed("spm.model"), **self.checkpoint_files()})
 
     def fuzz(self, cases, only):
         targets = sorted(t for t in dir(self) if t.startswith("t_") and (not only or t[2:] in only))

@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -47,37 +49,44 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
   int iters = 20;
   DType dtype = DType::f32;
   std::string device = "cpu", gpu_comm = "auto";
+  // Each option and what its value sets: the one list of the options there are.
+  const std::map<std::string, std::function<void(const std::string&)>> options = {
+      {"--min-bytes", [&](const std::string& v) { min_bytes = parse_size(v); }},
+      {"--max-bytes", [&](const std::string& v) { max_bytes = parse_size(v); }},
+      {"--iters",
+       [&](const std::string& v) {
+         char* end = nullptr;
+         const long n = std::strtol(v.c_str(), &end, 10);
+         MT_CHECK(end != v.c_str() && *end == '\0' && n >= 1 && n <= 1000000,
+                  "bench comm: --iters " << v << ": give a whole number from 1 to 1000000");
+         iters = static_cast<int>(n);
+       }},
+      {"--dtype",
+       [&](const std::string& v) {
+         MT_CHECK(v == "f32" || v == "bf16", "bench comm: --dtype is f32 or bf16");
+         dtype = v == "f32" ? DType::f32 : DType::bf16;
+       }},
+      {"--device",
+       [&](const std::string& v) {
+         MT_CHECK(v == "cpu" || v == "cuda", "bench comm: --device is cpu or cuda");
+         device = v;
+       }},
+      {"--gpu-comm", [&](const std::string& v) {
+         MT_CHECK(v == "auto" || v == "nccl" || v == "host", "bench comm: --gpu-comm is auto, nccl or host");
+         gpu_comm = v;
+       }}};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
       if (world.rank() == 0) std::printf("%s\n", kUsage);
       return 0;
     }
-    MT_CHECK(a == "--min-bytes" || a == "--max-bytes" || a == "--iters" || a == "--dtype" || a == "--device" ||
-                 a == "--gpu-comm",
-             "bench comm: unknown option " << a << "; " << kUsage);
+    const auto option = options.find(a);
+    MT_CHECK(option != options.end(), "bench comm: unknown option " << a << "; " << kUsage);
     MT_CHECK(i + 1 < args.size(), "bench comm: option " << a << " needs a value");
-    const std::string& v = args[++i];
-    if (a == "--min-bytes") min_bytes = parse_size(v);
-    else if (a == "--max-bytes") max_bytes = parse_size(v);
-    else if (a == "--iters") {
-      char* end = nullptr;
-      const long n = std::strtol(v.c_str(), &end, 10);
-      MT_CHECK(end != v.c_str() && *end == '\0' && n >= 1 && n <= 1000000,
-               "bench comm: --iters " << v << ": give a whole number from 1 to 1000000");
-      iters = static_cast<int>(n);
-    } else if (a == "--dtype") {
-      MT_CHECK(v == "f32" || v == "bf16", "bench comm: --dtype is f32 or bf16");
-      dtype = v == "f32" ? DType::f32 : DType::bf16;
-    } else if (a == "--device") {
-      device = v;
-      MT_CHECK(device == "cpu" || device == "cuda", "bench comm: --device is cpu or cuda");
-    } else {
-      gpu_comm = v;
-      MT_CHECK(gpu_comm == "auto" || gpu_comm == "nccl" || gpu_comm == "host", "bench comm: --gpu-comm is auto, nccl or host");
-    }
+    option->second(args[++i]);
   }
-  MT_CHECK(min_bytes >= 4 && max_bytes >= min_bytes && iters >= 1, "bench comm: need 4 <= min-bytes <= max-bytes, iters >= 1");
+  MT_CHECK(min_bytes >= 4 && max_bytes >= min_bytes, "bench comm: need 4 <= min-bytes <= max-bytes");
   const int n = world.size();
   const size_t es = dtype_size(dtype);
   // The buffers' memory, and the group that carries them (on the GPU, as training does).
