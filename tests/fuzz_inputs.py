@@ -416,8 +416,8 @@ class Fuzzer:
 
     def t_plan(self):
         r = self.r
-        # 100000, not a million: the planner replays every micro-batch of each layout it weighs (a million
-        # take 30 s, minutes under the sanitizers: slow, not wrong)
+        # 100000, not a million: the pipeline simulator steps every micro-batch of each layout it weighs
+        # (a million take 3 s, much longer under the sanitizers: slow, not wrong)
         size = lambda: r.choice(["0", "1", "2", "3", "4", "8", "-1", "2147483648", "100000", "x", ""])
         layout = ",".join(f"{k}={size()}" for k in r.sample(["dp", "tp", "pp", "cp", "v", "zero", "shard_group", "mb", "gb"],
                                                             r.randint(1, 4)))

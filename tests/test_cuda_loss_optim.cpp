@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -169,37 +170,53 @@ TEST(CudaLoss, CrossEntropyOnePassRescalesAndKeepsInfAndNaN) {
 TEST(CudaLoss, HeadBackwardFromTheLossMatchesTheTwoStepsBitForBit) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
   std::mt19937 g(21);
-  const int N = 37, V = 104, C = 48, valid = 100, begin = 200;
-  VecF logits = randv(N * V, g, -4.0f, 4.0f), x = randv(N * C, g), w = randv(V * C, g), dw0 = randv(V * C, g);
-  std::vector<int32_t> tg = make_targets(N, 2 * valid + begin, true, g);  // some in this shard, most not
-  for (int n = 0; n < N; n += 4) tg[n] = begin + n % valid;
-  VecF lse(N);
-  for (int n = 0; n < N; ++n) {
-    double m = -1e30, s = 0;
-    for (int i = 0; i < valid; ++i) m = std::max<double>(m, logits[n * V + i]);
-    for (int i = 0; i < valid; ++i) s += std::exp(logits[n * V + i] - m);
-    lse[n] = static_cast<float>(m + std::log(s));
+  // (N, V, C, w16): w16 > 0 passes the weight as the model does, a 16-bit view that many
+  // elements into its unit's buffer (w16 x 2 bytes past 256-byte alignment); V = 50304 is
+  // GPT-2's padded vocabulary (the kernels' many column blocks).
+  for (auto [N, V, C, w16] : {std::array<int, 4>{37, 104, 48, 0}, {37, 104, 48, 8}, {5, 50304, 64, 1}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " V " + std::to_string(V) + " w16 offset " + std::to_string(w16));
+    const int valid = V - 4, begin = 200;
+    VecF logits = randv(N * V, g, -4.0f, 4.0f), x = randv(N * C, g), w = randv(V * C, g), dw0 = randv(V * C, g);
+    std::vector<int32_t> tg = make_targets(N, 2 * valid + begin, true, g);  // some in this shard, most not
+    for (int n = 0; n < N; n += 4) tg[n] = begin + n % valid;
+    VecF lse(N);
+    for (int n = 0; n < N; ++n) {
+      double m = -1e30, s = 0;
+      for (int i = 0; i < valid; ++i) m = std::max<double>(m, logits[n * V + i]);
+      for (int i = 0; i < valid; ++i) s += std::exp(logits[n * V + i] - m);
+      lse[n] = static_cast<float>(m + std::log(s));
+    }
+    const float scale = 1.0f / N;
+    for (DType dt : {DType::bf16, DType::f16}) {
+      SCOPED_TRACE(dtype_name(dt));
+      VecF wr = w, xr = x;
+      round_to(dt, wr.data(), wr.data(), V * C);  // a working copy's values
+      round_to(dt, xr.data(), xr.data(), N * C);  // the kept norm output's
+      const Tensor dlse = to_dev(lse, {N}), dtg = to_dev_i(tg, {N}), dx_in = to_dev(xr, {N, C});
+      Tensor dw_in = to_dev(wr, {V, C});
+      if (w16 > 0) {
+        const Tensor buf = Tensor::empty({int64_t{V} * C + w16}, dt, test::gpu(), MemTag::params);
+        const Tensor view = buf.view(w16, {V, C});
+        view.convert_from(dw_in);
+        dw_in = view;
+      }
+      Autocast scope(dt);
+      const Tensor lg1 = to_dev(logits, {N, V}), dx1 = poisoned({N, C}), dw1 = to_dev(dw0, {V, C});
+      ASSERT_TRUE(cross_entropy_head_backward(dx1, dw1, lg1, dlse, dtg, scale, begin, valid, dx_in, dw_in));
+      EXPECT_TRUE(same_bits(to_host(lg1), logits)) << "the logits changed";
+      const Tensor lg2 = to_dev(logits, {N, V}), dx2 = poisoned({N, C}), dw2 = to_dev(dw0, {V, C});
+      cross_entropy_backward_shard(lg2, lg2, dlse, dtg, scale, begin, valid);
+      linear_backward(dx2, dw2, nullptr, lg2, dx_in, dw_in);
+      EXPECT_TRUE(same_bits(to_host(dx1), to_host(dx2))) << "dx";
+      EXPECT_TRUE(same_bits(to_host(dw1), to_host(dw2))) << "dw";
+    }
   }
-  const float scale = 1.0f / N;
-  for (DType dt : {DType::bf16, DType::f16}) {
-    SCOPED_TRACE(dtype_name(dt));
-    VecF wr = w, xr = x;
-    round_to(dt, wr.data(), wr.data(), V * C);  // a working copy's values
-    round_to(dt, xr.data(), xr.data(), N * C);  // the kept norm output's
-    const Tensor dlse = to_dev(lse, {N}), dtg = to_dev_i(tg, {N}), dx_in = to_dev(xr, {N, C}), dw_in = to_dev(wr, {V, C});
-    Autocast scope(dt);
-    const Tensor lg1 = to_dev(logits, {N, V}), dx1 = poisoned({N, C}), dw1 = to_dev(dw0, {V, C});
-    ASSERT_TRUE(cross_entropy_head_backward(dx1, dw1, lg1, dlse, dtg, scale, begin, valid, dx_in, dw_in));
-    EXPECT_TRUE(same_bits(to_host(lg1), logits)) << "the logits changed";
-    const Tensor lg2 = to_dev(logits, {N, V}), dx2 = poisoned({N, C}), dw2 = to_dev(dw0, {V, C});
-    cross_entropy_backward_shard(lg2, lg2, dlse, dtg, scale, begin, valid);
-    linear_backward(dx2, dw2, nullptr, lg2, dx_in, dw_in);
-    EXPECT_TRUE(same_bits(to_host(dx1), to_host(dx2))) << "dx";
-    EXPECT_TRUE(same_bits(to_host(dw1), to_host(dw2))) << "dw";
-  }
+  const int N = 37, V = 104, C = 48;
+  const VecF logits = randv(N * V, g), lse = randv(N, g), x = randv(N * C, g), w = randv(V * C, g), dw0 = randv(V * C, g);
+  const std::vector<int32_t> tg = make_targets(N, V, true, g);
   const Tensor dx = poisoned({N, C});
   EXPECT_FALSE(cross_entropy_head_backward(dx, to_dev(dw0, {V, C}), to_dev(logits, {N, V}), to_dev(lse, {N}),
-                                           to_dev_i(tg, {N}), scale, begin, valid, to_dev(x, {N, C}),
+                                           to_dev_i(tg, {N}), 1.0f / N, 0, V, to_dev(x, {N, C}),
                                            to_dev(w, {V, C})))
       << "fp32";
   for (float v : to_host(dx)) ASSERT_TRUE(std::isnan(v)) << "written in fp32";

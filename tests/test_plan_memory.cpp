@@ -253,6 +253,48 @@ TEST(PlanMemory, GpipeKeepsEveryMicroBatch1f1bAtMostP) {
   EXPECT_NEAR(one / 2 / 1e9, 22.63, 0.005);  // GB per micro-batch in flight
 }
 
+// ZeRO 2-3's replay skips the repeats of a steady schedule (ZeroReplay::peak): every pp
+// rank's comm and peak must be the bytes of the replay that steps through every action,
+// exactly (whole bytes, so no rounding), over schedules, ZeRO stages, shard groups, the
+// hooks' knobs and the bound on reductions in flight.
+TEST(PlanMemory, ReplaySkipsOnlyRepeats) {
+  const char* layouts[] = {"dp=2,zero=2,mb=1,gb=48",
+                           "dp=2,zero=3,mb=1,gb=48",
+                           "dp=4,zero=3,shard_group=2,mb=1,gb=32",
+                           "dp=2,pp=2,zero=2,mb=1,gb=40,schedule=1f1b",
+                           "dp=2,pp=2,zero=3,mb=1,gb=40,schedule=1f1b",
+                           "dp=2,pp=2,zero=3,mb=1,gb=24,schedule=gpipe",
+                           "dp=2,pp=4,zero=3,mb=1,gb=48,schedule=interleaved,v=2",
+                           "dp=2,pp=4,zero=2,mb=1,gb=48,schedule=zb-h1",
+                           "dp=2,pp=4,zero=3,mb=1,gb=48,schedule=zbv"};
+  std::vector<std::pair<std::string, MemoryKnobs>> knobs(6);
+  knobs[0].first = "default";
+  knobs[1].first = "prefetch off", knobs[1].second.prefetch = false;
+  knobs[2].first = "kept after forward", knobs[2].second.reshard_after_forward = false;
+  knobs[3].first = "no bound", knobs[3].second.reductions_in_flight = 0;
+  knobs[4].first = "3 in flight", knobs[4].second.reductions_in_flight = 3;
+  knobs[5].first = "int8", knobs[5].second.grad_compression = "int8";
+  int compared = 0;
+  for (const std::string family : {"gpt2", "llama"}) {
+    ModelConfig m = tiny(family);
+    m.n_layer = 8;
+    for (const char* text : layouts)
+      for (const auto& [name, k] : knobs) {
+        MemoryKnobs every = k;
+        every.replay_every_action = true;
+        const Layout lay = layout_parse(text);
+        const std::vector<Memory> fast = memory_per_pp_rank(m, lay, fp32(), "adamw", k);
+        const std::vector<Memory> full = memory_per_pp_rank(m, lay, fp32(), "adamw", every);
+        ASSERT_EQ(fast.size(), full.size());
+        for (size_t r = 0; r < fast.size(); ++r, ++compared) {
+          EXPECT_EQ(fast[r].comm, full[r].comm) << family << " " << text << " " << name << " pp rank " << r;
+          EXPECT_EQ(fast[r].peak, full[r].peak) << family << " " << text << " " << name << " pp rank " << r;
+        }
+      }
+  }
+  EXPECT_EQ(compared, 2 * 6 * (3 * 1 + 3 * 2 + 3 * 4));  // families x knobs x pp ranks
+}
+
 // ---- shared/seeds/003: Llama 3 70B ---------------------------------------------------------
 
 // The seed's memory examples under its own assumptions (Ψ = 70e9, every state in 2 bytes:

@@ -32,6 +32,7 @@ struct ModelConfig {
   // accumulates into once per unit and micro-batch from an fp32 staging buffer (nn/model.h).
   std::string grad_dtype = "fp32";
 
+  bool operator==(const ModelConfig&) const = default;
   bool fused_attention() const { return attention == "fused"; }
   bool mixed_precision() const { return precision != "fp32"; }
   bool grad_working() const { return grad_dtype != "fp32"; }  // gradients in the 16-bit working dtype

@@ -2,9 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
+#include <memory>
 #include <mutex>
-#include <tuple>
 
 #include "core/error.h"
 #include "nn/model.h"
@@ -77,22 +76,29 @@ PipelineShape pipeline_shape(const ModelConfig& model, const Layout& layout) {
   return p;
 }
 
-std::vector<double> unit_numels(const ModelConfig& model, int tp) {
-  // model_layout names every parameter: kept per shape, the planner asks for the same few often
-  using Key = std::tuple<std::string, int, int, int, int, int, int, int, bool, int>;
+std::shared_ptr<const std::vector<Unit>> planned_units(const ModelConfig& model, int tp) {
+  struct Entry {
+    ModelConfig model;
+    int tp;
+    std::shared_ptr<const std::vector<Unit>> units;
+  };
   static std::mutex mu;
-  static std::map<Key, std::vector<double>> cache;
-  const Key key{model.family, model.n_layer, model.n_head, model.kv_heads(), model.d_model, model.ff_dim(),
-                model.vocab_size, model.seq_len, model.tied(), tp};
+  static std::vector<Entry> cache;
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (auto it = cache.find(key); it != cache.end()) return it->second;
+    for (const Entry& e : cache)
+      if (e.tp == tp && e.model == model) return e.units;
   }
-  std::vector<double> n;
-  for (const Unit& u : model_layout(model, TpShard{tp, 0})) n.push_back(static_cast<double>(u.numel));
+  auto units = std::make_shared<const std::vector<Unit>>(model_layout(model, TpShard{tp, 0}));  // throws if invalid
   std::lock_guard<std::mutex> lock(mu);
   if (cache.size() >= 64) cache.clear();
-  cache.emplace(key, n);
+  cache.push_back({model, tp, units});
+  return units;
+}
+
+std::vector<double> unit_numels(const ModelConfig& model, int tp) {
+  std::vector<double> n;
+  for (const Unit& u : *planned_units(model, tp)) n.push_back(static_cast<double>(u.numel));
   return n;
 }
 
@@ -129,7 +135,7 @@ BucketReduction powersgd_reduction(const std::vector<PsgdMatrix>& matrices, doub
 
 BucketReduction chunk_reduction(const ModelConfig& model, int tp, int unit, double S, double R,
                                 const TrafficOptions& opt) {
-  const Unit u = model_layout(model, TpShard{tp, 0})[unit];
+  const Unit& u = (*planned_units(model, tp))[unit];
   const int64_t len = std::min<int64_t>(static_cast<int64_t>(std::ceil(u.numel / S)), u.numel);
   if (len == 0) return {};
   if (opt.grad_compression == "int8") return bucket_reduction(model, tp, {unit}, static_cast<double>(len), R, opt, 4);
@@ -156,7 +162,7 @@ BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::ve
       flat.hierarchical = false;
       x = bucket_reduction(model, tp, units, len, nodes, flat, 4);
     } else {
-      const std::vector<Unit> layout = model_layout(model, TpShard{tp, 0});
+      const std::vector<Unit>& layout = *planned_units(model, tp);
       std::vector<PsgdMatrix> matrices;
       int64_t off = 0;
       for (int u : units) {
@@ -179,7 +185,7 @@ BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::ve
     return r;
   }
   if (opt.grad_compression == "powersgd") {
-    const std::vector<Unit> layout = model_layout(model, TpShard{tp, 0});  // the matrices' shapes
+    const std::vector<Unit>& layout = *planned_units(model, tp);  // the matrices' shapes
     std::vector<PsgdMatrix> matrices;
     for (int u : units)
       for (const PsgdMatrix& m : psgd_matrices(layout[u].params, 0, layout[u].numel)) matrices.push_back(m);

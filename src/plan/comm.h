@@ -37,10 +37,15 @@
 // (ZeRO with grad_compression = int8: one all-to-all of int8 blocks per unit instead of
 // the reduce-scatter); DDP's all-reduce uses grad_comm_dtype.
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "plan/plan.h"
+
+namespace mt {
+struct Unit;  // nn/model.h
+}
 
 namespace mt::plan {
 
@@ -130,6 +135,11 @@ struct PipelineShape {
   int stages() const { return pp * chunks; }
 };
 PipelineShape pipeline_shape(const ModelConfig& model, const Layout& layout);
+
+// model_layout(model, TpShard{tp, 0}), kept: a search asks for the same few many times
+// (the parameters' names make it the costliest part of weighing a layout). Throws as
+// model_layout does.
+std::shared_ptr<const std::vector<Unit>> planned_units(const ModelConfig& model, int tp);
 
 // The elements of each unit (0 embedding, 1..L blocks, L + 1 final norm and head) one tp
 // rank holds, by the TP plan (model_layout): split weights' shares, replicated norms, the

@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "core/error.h"
@@ -69,7 +70,7 @@ struct Setup {
   bool full = false;         // training.recompute
   bool selective = false;    // attention scores recomputed: no T x T tensor kept
   int N = 1, R = 1;          // ZeRO's shard group and its replicas (dp x cp = N R)
-  std::vector<Unit> units;   // tp rank 0's units, all held
+  std::shared_ptr<const std::vector<Unit>> units;  // tp rank 0's units, all held
   std::vector<int> layers;   // blocks per virtual stage
   std::shared_ptr<const PipeFacts> pipe;
   int L() const { return cfg.n_layer; }
@@ -91,7 +92,7 @@ Setup setup(const ModelConfig& model, const Layout& lay, const Precisions& prec,
   s.B = lay.micro_batch;
   s.full = lay.recompute == "full";
   s.selective = lay.recompute == "selective";
-  s.units = model_layout(model, TpShard{lay.tp, 0});  // validates the model and the tp split
+  s.units = planned_units(model, lay.tp);  // validates the model and the tp split
   s.d = local_dims(model, TpShard{lay.tp, 0});
   MT_CHECK(lay.cp == 1 || model.seq_len % (2 * lay.cp) == 0,
            "model.seq_len = " << model.seq_len << " does not split into 2 x parallel.cp = " << 2 * lay.cp << " chunks");
@@ -134,7 +135,7 @@ RankShare rank_share(const Setup& s, int rank) {
   for (int st = 0; st < lay.stages(); ++st) begin[st + 1] = begin[st] + s.layers[st];
   RankShare r;
   r.share.split_backward = s.pipe->split_backward;
-  std::vector<bool> held(s.units.size(), false);
+  std::vector<bool> held(s.units->size(), false);
   for (int c = 0; c < lay.chunks; ++c) {
     const int st = lay.stage(rank, c);
     const ChunkSpec ch{begin[st], begin[st + 1], st == 0, st == lay.stages() - 1, s.pipe->slots[rank][c]};
@@ -144,7 +145,7 @@ RankShare rank_share(const Setup& s, int rank) {
     held[s.L() + 1] = held[s.L() + 1] || ch.head;
     r.embeds = r.embeds || ch.embed;
   }
-  for (size_t u = 0; u < s.units.size(); ++u) r.numel.push_back(held[u] ? s.units[u].numel : 0);
+  for (size_t u = 0; u < s.units->size(); ++u) r.numel.push_back(held[u] ? (*s.units)[u].numel : 0);
   return r;
 }
 
@@ -243,22 +244,58 @@ class ZeroReplay {
     gathered_.assign(n_, false), full_g_.assign(n_, false), pending_.assign(n_, false);
   }
 
+  // The rank's compute actions in order. The replay reads only each one's kind and chunk,
+  // so where the state at the start of a micro-batch's first forward (chunk 0) equals the
+  // previous one's, the steps between repeat, and the stretch of actions that repeats
+  // them revisits those states and their peaks: it is skipped in whole repeats. A steady
+  // schedule of m micro-batches replays in a few of them, not m (every byte count is a
+  // whole number, so the sums and the comparison are exact).
   double peak() {
-    for (const Action& a : s_.pipe->schedule.ranks[rank_]) {
-      if (!a.is_compute()) continue;
-      const ChunkSpec& ch = r_.share.chunks[a.chunk];
-      if (a.kind == Action::F) forward(ch);
-      else backward(ch, a.kind);
+    std::vector<std::pair<Action::Kind, int>> steps;  // (kind, chunk)
+    for (const Action& a : s_.pipe->schedule.ranks[rank_])
+      if (a.is_compute()) steps.emplace_back(a.kind, a.chunk);
+    const std::pair<Action::Kind, int> anchor{Action::F, 0};
+    std::optional<State> mark;  // the state at the last anchor
+    size_t mark_at = 0;
+    for (size_t i = 0; i < steps.size();) {
+      if (steps[i] == anchor) {
+        State now = state();
+        if (mark && *mark == now && !s_.knobs.replay_every_action) {
+          const size_t period = i - mark_at;
+          size_t same = 0;  // actions from i repeating those from mark_at
+          while (i + same < steps.size() && steps[i + same] == steps[mark_at + same]) ++same;
+          const size_t skip = same / period * period;
+          if (skip > 0) {
+            i += skip;  // the state is now again `now`
+            mark.reset();
+            continue;
+          }
+        }
+        mark = std::move(now), mark_at = i;
+      }
+      const ChunkSpec& ch = r_.share.chunks[steps[i].second];
+      if (steps[i].first == Action::F) forward(ch);
+      else backward(ch, steps[i].first);
+      ++i;
     }
     finish();
     return peak_;
   }
 
  private:
+  struct State {
+    std::vector<bool> gathered, full_g, pending;
+    std::deque<int> order;
+    double live;
+    bool operator==(const State&) const = default;
+  };
+  State state() const { return {gathered_, full_g_, pending_, order_, live_}; }
   bool pipelined() const { return s_.lay.pp > 1; }
   bool held(int u) const { return u >= 0 && u < n_ && r_.numel[u] > 0; }
-  std::vector<int> used(int u) const {
-    return u == s_.L() + 1 && s_.cfg.tied() ? std::vector<int>{u, 0} : std::vector<int>{u};
+  template <class Visit>
+  void for_used(int u, Visit visit) {  // the units u's compute reads: a tied head the embedding too
+    visit(u);
+    if (u == s_.L() + 1 && s_.cfg.tied()) visit(0);
   }
   void take(double b) { live_ += b, peak_ = std::max(peak_, live_); }
   void start_gather(int u) {  // a gathered copy [N c], its all-gather queued
@@ -287,21 +324,21 @@ class ZeroReplay {
   // ZeRO's hooks (parallel/zero.cpp).
   void before_forward(int u) {
     if (s_.lay.zero < 3) return;
-    for (int x : used(u)) gather(x);
+    for_used(u, [&](int x) { gather(x); });
     if (s_.knobs.prefetch && held(u + 1)) start_gather(u + 1);
   }
   void after_forward(int u) {
     if (s_.lay.zero < 3 || !s_.knobs.reshard_after_forward || pipelined()) return;
-    for (int x : used(u)) release(x);
+    for_used(u, [&](int x) { release(x); });
   }
   void before_backward(int u) {
     if (u == n_ - 1) drain();  // the previous micro-step's reductions
     if (s_.lay.zero == 3) {
-      for (int x : used(u)) gather(x);
+      for_used(u, [&](int x) { gather(x); });
       if (s_.knobs.prefetch && held(u - 1)) start_gather(u - 1);
     }
     if (s_.lay.zero >= 2)
-      for (int x : used(u)) ensure_grad(x);
+      for_used(u, [&](int x) { ensure_grad(x); });
   }
   void after_backward(int u) {
     if (s_.lay.zero < 2) return;  // stage 1 reduces in place

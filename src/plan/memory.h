@@ -75,6 +75,7 @@ struct MemoryKnobs {
   std::string pp_layers = "auto";        // parallel.pp_layers: blocks per stage
   int reductions_in_flight = static_cast<int>(ZeRO::kReductionsInFlight);  // ZeRO 2-3: reductions pending at once; 0: no bound
   int send_copies_in_flight = 0;         // pipeline: send copies a rank keeps at once; 0: the schedule's bound
+  bool replay_every_action = false;      // ZeRO 2-3: step the replay through repeats too (for comparison)
   bool hierarchical = false;             // parallel.hierarchical: DDP's buckets by node (staging per node)
   int ranks_per_node = 0;                // its nodes' data-parallel ranks; 0: all of them on one node
   std::string grad_compression = "none";  // parallel.grad_compression: int8 / powersgd buffers per bucket
