@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -441,10 +442,41 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
            {"bench comm --sizes 4K", "error: bench comm: unknown option --sizes"},
            {"bench comm --max-bytes 1T", "error: bench comm: bad size 1T: write e.g. 1K, 64M or 1G, at most 16G"},
            {"bench comm --max-bytes 1e400", "error: bench comm: bad size 1e400"},
-           {"bench comm --iters 99999999999", "error: bench comm: --iters 99999999999: give a whole number from 1"}}) {
+           {"bench comm --iters 99999999999", "error: bench comm: --iters 99999999999: give a whole number from 1"},
+           // bench profile likewise (an unknown option or a missing value printed the usage
+           // with exit status 2); --out is checked before the minutes of measuring
+           {"bench profile --bogus 1", "error: bench profile: unknown option --bogus\nusage:"},
+           {"bench profile --out", "error: bench profile: option --out needs a value"},
+           {"bench profile --out /", "error: bench profile: --out / is a directory; give a file name, e.g. --out "
+                                     "/hardware_profile.toml"},
+           {"bench profile --out /proc/x/y.toml", "error: cannot create the directory /proc/x of --out file"},
+           // launch's -n was atoi's (99999999999 asked mpirun for 1215752191 ranks), and a
+           // missing host file ended in mpirun's "internal error ... should be reported"
+           {"launch -n 99999999999 train", "error: launch: -n 99999999999 is not a number of ranks; give a whole "
+                                           "number from 1"},
+           {"launch -n 2x train", "error: launch: -n 2x is not a number of ranks"},
+           {"launch -np 0 train", "error: launch: -np 0 is not a number of ranks"},
+           {"launch --hostfile /nonexistent -n 2 train", "error: launch: --hostfile /nonexistent is not a readable "
+                                                         "file; give mpirun's host file"},
+           {"launch -n 2 --machinefile=/ train", "error: launch: --machinefile / is not a readable file"},
+           {"launch -n 2 --hostfile", "error: launch: --hostfile needs a file of host names"}}) {
     EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " " + args, &out), 1) << args << "\n" << out;
     EXPECT_NE(out.find(want), std::string::npos) << args << "\n" << out;
   }
+}
+
+// launch passes mpirun an option's value after '=' as the next argument (Open MPI 4 said
+// 'unknown option "--hostfile=FILE"'), and -n=N is the number of ranks.
+TEST(Command, LaunchTakesAnOptionsValueAfterEquals) {
+  test::TempDir d;
+  const std::string hosts = d / "hosts";
+  std::ofstream(hosts) << "localhost slots=2\n";
+  std::string out;
+  const std::string cmd = std::string(MESHTRAIN_BIN) + " launch -n=2 --hostfile=" + hosts +
+                          " --map-by=slot train --training.steps=1 --logging.progress=off --logging.metrics=" +
+                          d / "m.jsonl";
+  ASSERT_EQ(test::run_command(cmd, &out), 0) << cmd << "\n" << out;
+  EXPECT_NE(out.find("2 ranks"), std::string::npos) << out;
 }
 
 // What cannot run is refused before any work, naming the key: a test fault of no known form

@@ -2,7 +2,14 @@
 // (plan/hardware.h): matrix FLOP/s, memory size and bandwidth, collective bandwidth and
 // latency between its ranks, and the fraction of peak a training step reaches. Writes the
 // profile file (default hardware_profile.toml; --out - prints it instead).
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -14,42 +21,59 @@
 
 namespace mt {
 
+namespace {
+
+constexpr const char* kUsage =
+    "usage: [meshtrain launch -n N] meshtrain bench profile [--out FILE.toml] [--seconds S] [--config FILE.toml]\n"
+    "  measures this machine, one device per rank, and writes a hardware profile for\n"
+    "  `meshtrain plan --hardware FILE.toml`\n"
+    "  --out FILE.toml   where to write it (default hardware_profile.toml; - prints it)\n"
+    "  --seconds S       about how long to measure (default 20)\n"
+    "  --config FILE     the model whose training step calibrates `efficiency`, at its\n"
+    "                    training.micro_batch (default: configs/gpt2_bench.toml's model, micro-batch 8)";
+
+}  // namespace
+
 int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world) {
   const bool lead = world.rank() == 0;
   std::string out = "hardware_profile.toml", config;
   plan::MeasureOptions o;
+  const std::map<std::string, std::function<void(const std::string&)>> options = {
+      {"--out", [&](const std::string& v) { out = v; }},
+      {"--config", [&](const std::string& v) { config = v; }},
+      {"--seconds", [&](const std::string& v) {
+         char* end = nullptr;
+         o.seconds = std::strtod(v.c_str(), &end);
+         MT_CHECK(!v.empty() && !*end && o.seconds > 0 && o.seconds <= 3600,
+                  "bench profile: --seconds " << v << ": expected a number of seconds, more than 0 and at most 3600");
+       }}};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
-    if (a == "--help" || a == "-h" || i + 1 >= args.size() || (a != "--out" && a != "--seconds" && a != "--config")) {
-      if (lead) {
-        if (a != "--help" && a != "-h") std::fprintf(stderr, "bench profile: unknown option or missing value: %s\n", a.c_str());
-        std::printf(
-            "usage: [meshtrain launch -n N] meshtrain bench profile [--out FILE.toml] [--seconds S] [--config FILE.toml]\n"
-            "  measures this machine, one device per rank, and writes a hardware profile for\n"
-            "  `meshtrain plan --hardware FILE.toml`\n"
-            "  --out FILE.toml   where to write it (default hardware_profile.toml; - prints it)\n"
-            "  --seconds S       about how long to measure (default 20)\n"
-            "  --config FILE     the model whose training step calibrates `efficiency`, at its\n"
-            "                    training.micro_batch (default: configs/gpt2_bench.toml's model, micro-batch 8)\n");
-      }
-      return a == "--help" || a == "-h" ? 0 : 2;
+    if (a == "--help" || a == "-h") {
+      if (lead) std::printf("%s\n", kUsage);
+      return 0;
     }
-    const std::string v = args[++i];
-    if (a == "--out") out = v;
-    else if (a == "--config") config = v;
-    else {
-      char* end = nullptr;
-      o.seconds = std::strtod(v.c_str(), &end);
-      MT_CHECK(!v.empty() && !*end && o.seconds > 0 && o.seconds <= 3600,
-               "bench profile: --seconds " << v << ": expected a number of seconds, more than 0 and at most 3600");
-    }
+    const auto option = options.find(a);
+    MT_CHECK(option != options.end(), "bench profile: unknown option " << a << "\n" << kUsage);
+    MT_CHECK(i + 1 < args.size(), "bench profile: option " << a << " needs a value");
+    option->second(args[++i]);
   }
+  // The file is written after minutes of measuring: a place it cannot go is named first.
+  MT_CHECK(!out.empty(), "bench profile: --out is empty; give a file name, e.g. --out hardware_profile.toml");
+  MT_CHECK(!std::filesystem::is_directory(out), "bench profile: --out " << out << " is a directory; give a file "
+                                                << "name, e.g. --out " << (std::filesystem::path(out) / "hardware_profile.toml").string());
   if (!config.empty()) {
     const Config c = config_load(config, {});
     o.model = c.model;
     o.micro_batch = static_cast<int>(c.training.micro_batch > 0 ? c.training.micro_batch : c.training.global_batch);
   }
-  if (lead && out != "-") output_parent_create(out, "--out");
+  if (lead && out != "-") {
+    output_parent_create(out, "--out");
+    const std::filesystem::path dir = std::filesystem::path(out).parent_path();
+    MT_CHECK(access(dir.empty() ? "." : dir.c_str(), W_OK) == 0 &&
+                 (!std::filesystem::exists(out) || access(out.c_str(), W_OK) == 0),
+             "bench profile: cannot write --out " << out << ": " << std::strerror(errno) << "; choose another --out");
+  }
   // Progress goes to stdout, or to stderr when the profile itself does.
   FILE* talk = out == "-" ? stderr : stdout;
   if (lead)

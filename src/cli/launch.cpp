@@ -25,9 +25,11 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <thread>
@@ -154,14 +156,25 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
   bool hostfile = false;
   std::vector<std::string> mpi_opts, rest;
   for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (!rest.empty() || (a.rfind("-", 0) != 0)) {  // the meshtrain command and its options
-      rest.push_back(a);
+    if (!rest.empty() || args[i].rfind("-", 0) != 0) {  // the meshtrain command and its options
+      rest.push_back(args[i]);
       continue;
     }
+    // An option's value: after '=' (passed to mpirun as the next argument: Open MPI 4 takes
+    // no --option=value), or the next argument.
+    std::string a = args[i], v;
+    bool has_value = false;
+    if (const size_t eq = a.find('='); eq != std::string::npos) v = a.substr(eq + 1), a.resize(eq), has_value = true;
     if (a == "-n" || a == "-np") {
-      MT_CHECK(i + 1 < args.size(), "launch: " << a << " needs a number of ranks");
-      n = std::atoi(args[++i].c_str());
+      MT_CHECK(has_value || i + 1 < args.size(), "launch: " << a << " needs a number of ranks");
+      if (!has_value) v = args[++i];
+      char* end = nullptr;
+      errno = 0;
+      const long ranks = std::strtol(v.c_str(), &end, 10);
+      MT_CHECK(end != v.c_str() && *end == '\0' && errno == 0 && ranks >= 1 && ranks <= INT_MAX,
+               "launch: " << a << " " << v << " is not a number of ranks; give a whole number from 1, "
+                          << "e.g. meshtrain launch -n 2 train");
+      n = static_cast<int>(ranks);
       continue;
     }
     if (a == "--help" || a == "-h") {
@@ -171,12 +184,20 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
                   "(exit status 75); SIGINT (Ctrl-C): the job ends at once\n");
       return 0;
     }
-    if (a == "--hostfile" || a == "-hostfile" || a == "--machinefile") hostfile = true;
-    mpi_opts.push_back(a);
     // an mpirun option's value follows it unless it starts with '-'
-    if (i + 1 < args.size() && args[i + 1].rfind("-", 0) != 0 && a.find('=') == std::string::npos &&
-        a != "--oversubscribe" && a != "--allow-run-as-root" && a != "--tag-output" && a != "--report-bindings")
-      mpi_opts.push_back(args[++i]);
+    const bool flag = a == "--oversubscribe" || a == "--allow-run-as-root" || a == "--tag-output" ||
+                      a == "--report-bindings";
+    if (!has_value && !flag && i + 1 < args.size() && args[i + 1].rfind("-", 0) != 0) v = args[++i], has_value = true;
+    if (a == "--hostfile" || a == "-hostfile" || a == "--machinefile" || a == "-machinefile") {
+      hostfile = true;
+      // mpirun's own refusal of a missing file ends in "an internal error ... should be reported"
+      MT_CHECK(has_value && !v.empty(), "launch: " << a << " needs a file of host names");
+      MT_CHECK(std::filesystem::is_regular_file(v) && access(v.c_str(), R_OK) == 0,
+               "launch: " << a << " " << v << " is not a readable file; give mpirun's host file (one host "
+                          << "per line, e.g. 'node1 slots=8')");
+    }
+    mpi_opts.push_back(a);
+    if (has_value) mpi_opts.push_back(v);
   }
   MT_CHECK(n >= 1, "launch: give the number of ranks, e.g. meshtrain launch -n 2 train");
   MT_CHECK(!rest.empty(), "launch: give the command to run, e.g. meshtrain launch -n " << n << " train");
