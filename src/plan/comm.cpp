@@ -98,7 +98,8 @@ std::shared_ptr<const std::vector<Unit>> planned_units(const ModelConfig& model,
 
 std::vector<double> unit_numels(const ModelConfig& model, int tp) {
   std::vector<double> n;
-  for (const Unit& u : *planned_units(model, tp)) n.push_back(static_cast<double>(u.numel));
+  const auto units = planned_units(model, tp);
+  for (const Unit& u : *units) n.push_back(static_cast<double>(u.numel));
   return n;
 }
 
@@ -135,7 +136,8 @@ BucketReduction powersgd_reduction(const std::vector<PsgdMatrix>& matrices, doub
 
 BucketReduction chunk_reduction(const ModelConfig& model, int tp, int unit, double S, double R,
                                 const TrafficOptions& opt) {
-  const Unit& u = (*planned_units(model, tp))[unit];
+  const auto units = planned_units(model, tp);  // held: the cache may drop its entry
+  const Unit& u = (*units)[unit];
   const int64_t len = std::min<int64_t>(static_cast<int64_t>(std::ceil(u.numel / S)), u.numel);
   if (len == 0) return {};
   if (opt.grad_compression == "int8") return bucket_reduction(model, tp, {unit}, static_cast<double>(len), R, opt, 4);
@@ -162,13 +164,13 @@ BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::ve
       flat.hierarchical = false;
       x = bucket_reduction(model, tp, units, len, nodes, flat, 4);
     } else {
-      const std::vector<Unit>& layout = *planned_units(model, tp);
+      const auto layout = planned_units(model, tp);
       std::vector<PsgdMatrix> matrices;
       int64_t off = 0;
       for (int u : units) {
-        for (const PsgdMatrix& m : psgd_matrices(layout[u].params, -off, static_cast<int64_t>(len) - off))
+        for (const PsgdMatrix& m : psgd_matrices((*layout)[u].params, -off, static_cast<int64_t>(len) - off))
           matrices.push_back(m);
-        off += layout[u].numel;
+        off += (*layout)[u].numel;
       }
       x = powersgd_reduction(matrices, len, nodes, opt.powersgd_rank);
     }
@@ -185,10 +187,10 @@ BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::ve
     return r;
   }
   if (opt.grad_compression == "powersgd") {
-    const std::vector<Unit>& layout = *planned_units(model, tp);  // the matrices' shapes
+    const auto layout = planned_units(model, tp);  // the matrices' shapes
     std::vector<PsgdMatrix> matrices;
     for (int u : units)
-      for (const PsgdMatrix& m : psgd_matrices(layout[u].params, 0, layout[u].numel)) matrices.push_back(m);
+      for (const PsgdMatrix& m : psgd_matrices((*layout)[u].params, 0, (*layout)[u].numel)) matrices.push_back(m);
     return powersgd_reduction(matrices, n, D, opt.powersgd_rank);
   }
   // Communicator::allreduce_hierarchical: rank 0 sends its pieces of the node's other shards
