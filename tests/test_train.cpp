@@ -431,6 +431,9 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
            {"sample --checkpoint x --tokens x", "error: --tokens x is not an integer in the option's range; see "
                                                 "meshtrain sample --help"},
            {"sample --checkpoint x --temperature warm", "error: --temperature warm is not a number"},
+           // CLI11 took -5 for the unsigned seed as 2^64 - 5, and 10^23 without a word
+           {"sample --checkpoint x --seed -5", "error: --seed: -5 is not a whole number from 0 to 18446744073709551615"},
+           {"sample --checkpoint x --seed 99999999999999999999999", "error: --seed: 99999999999999999999999 is not"},
            {"prepare --input", "error: --input needs a value; see meshtrain prepare --help"},
            {"prepare", "error: --input is required; see meshtrain prepare --help"},
            {"checkpoint info", "error: DIR is required; see meshtrain checkpoint info --help"},

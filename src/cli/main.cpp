@@ -20,6 +20,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -296,7 +297,19 @@ int main(int argc, char** argv) {
     smp->add_option("--tokens", so.max_tokens, "tokens to generate")->capture_default_str();
     smp->add_option("--temperature", so.temperature, "0 for greedy")->capture_default_str();
     smp->add_option("--top-k", so.top_k, "sample among the k likeliest (0: all)")->capture_default_str();
-    smp->add_option("--seed", so.seed)->capture_default_str();
+    // CLI11 takes -5 for an unsigned option as 2^64 - 5, and more than 2^64 - 1 without a word
+    const CLI::Validator seed_range(
+        [](std::string& v) -> std::string {
+          char* end = nullptr;
+          errno = 0;
+          std::strtoull(v.c_str(), &end, 10);
+          const bool whole = !v.empty() && std::isdigit(static_cast<unsigned char>(v[0])) && *end == '\0';
+          return whole && errno == 0 ? "" : v + " is not a whole number from 0 to 18446744073709551615";
+        },
+        "0..2^64-1");
+    smp->add_option("--seed", so.seed, "the sampler's seed: the same seed, the same text")
+        ->check(seed_range)
+        ->capture_default_str();
     smp->add_option("--tokenizer", so.tokenizer, "byte or a .model file (default: the checkpoint's)");
 
     auto* sched = app.add_subcommand("schedule", "simulate a pipeline schedule: timeline, bubble, activations held");
