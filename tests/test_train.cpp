@@ -13,6 +13,7 @@
 #include "data/tokenizer.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
+#include "train/sample.h"
 #include "train/train_data.h"
 #include "train/trainer.h"
 #include "test_util.h"
@@ -558,6 +559,65 @@ TEST(Command, SampleSaysWhenTokensAreNotInTheTokenizer) {
   EXPECT_NE(out.find("generated tokens are not in the tokenizer byte (257 tokens; the model has 4096)"),
             std::string::npos)
       << out;
+}
+
+// sample shows its text as it is made: the pieces it emits concatenate to the text it
+// returns, the prompt first, and none ends inside a character (a byte-level model writes
+// multi-byte UTF-8 one token at a time; a cut character would print as garbage, then be
+// rewritten). The command prints the same text.
+TEST(Sample, ShowsTheTextAsItIsMade) {
+  test::TempDir d;
+  std::string text;
+  for (int i = 0; i < 40; ++i) text += "héllo wörld, ça va? 日本語のテキスト ";  // 2- and 3-byte characters
+  std::ofstream(d / "text.txt") << text;
+  std::string out, bin = MESHTRAIN_BIN;
+  ASSERT_EQ(test::run_command(bin + " prepare --input " + d / "text.txt" + " --out " + d / "t.bin", &out), 0) << out;
+  ASSERT_EQ(test::run_command(bin + " train --data.path=" + d / "t.bin" +
+                                  " --model.n_layer=1 --model.d_model=32 --model.n_head=2 --model.seq_len=32"
+                                  " --training.steps=40 --optim.lr=0.01 --training.global_batch=8"
+                                  " --logging.progress=off --checkpoint.dir=" + d / "ck",
+                              &out),
+            0)
+      << out;
+  // Whether cutting the whole text at n splits a UTF-8 character it holds (a lead byte before
+  // n whose continuation bytes run past n). The model may also write bytes that never make a
+  // character (a lead byte followed by another): those are shown as they are.
+  const auto cut = [](const std::string& whole, size_t n) {
+    const auto cont = [&](size_t i) { return i < whole.size() && (static_cast<unsigned char>(whole[i]) & 0xC0) == 0x80; };
+    size_t lead = n;
+    while (lead > 0 && n - lead < 3 && cont(lead - 1)) --lead;
+    if (lead == 0) return false;
+    const unsigned char c = static_cast<unsigned char>(whole[lead - 1]);
+    const size_t want = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1, start = lead - 1;
+    if (start + want <= n) return false;
+    for (size_t i = start + 1; i < start + want; ++i)
+      if (!cont(i)) return false;
+    return true;
+  };
+  int multibyte = 0;
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    SampleOptions o;
+    o.checkpoint = d / "ck";
+    o.prompt = "héllo";
+    o.max_tokens = 80;
+    o.seed = seed;
+    std::vector<std::string> pieces;
+    const std::string whole = sample_text(o, [&](const std::string& p) { pieces.push_back(p); });
+    ASSERT_GE(pieces.size(), 3u) << "seed " << seed;
+    EXPECT_EQ(pieces[0], "héllo");
+    std::string shown;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      shown += pieces[i];
+      EXPECT_FALSE(cut(whole, shown.size())) << "seed " << seed << " piece " << i;
+    }
+    EXPECT_EQ(shown, whole) << "seed " << seed;
+    for (unsigned char c : whole.substr(o.prompt.size())) multibyte += c >= 0xC0;
+    if (seed == 1) {
+      ASSERT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " --prompt héllo --tokens 80", &out), 0);
+      EXPECT_EQ(out, whole + "\n");
+    }
+  }
+  EXPECT_GT(multibyte, 0) << "no multi-byte character was generated: the test shows nothing";
 }
 
 // prepare -> train -> export -> sample, through the command.

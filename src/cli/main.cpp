@@ -364,7 +364,11 @@ int main(int argc, char** argv) {
       mt::hf_export(cfg.model, layout, fetch, exp_out);
       std::printf("exported %s to %s\n", dir.c_str(), exp_out.c_str());
     } else if (smp->parsed()) {
-      std::printf("%s\n", mt::sample_text(so).c_str());
+      mt::sample_text(so, [](const std::string& piece) {  // shown as it is generated
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+        std::fflush(stdout);
+      });
+      std::printf("\n");
     } else if (sched->parsed()) {
       return mt::cmd_schedule(sched_opts);
     } else if (ckpt_cmd->parsed()) {

@@ -15,7 +15,26 @@
 
 namespace mt {
 
-std::string sample_text(const SampleOptions& o) {
+namespace {
+
+// How much of a decoded text can be shown without taking back: all of it but trailing
+// U+FFFDs and a trailing UTF-8 sequence that is not complete yet (either may become another
+// character when the next token's bytes arrive).
+size_t settled(const std::string& text) {
+  size_t end = text.size();
+  while (end >= 3 && text.compare(end - 3, 3, "\xEF\xBF\xBD") == 0) end -= 3;
+  // the last character's lead byte and how many bytes it announces
+  size_t lead = end;
+  while (lead > 0 && end - lead < 4 && (static_cast<unsigned char>(text[lead - 1]) & 0xC0) == 0x80) --lead;
+  if (lead == 0) return end;
+  const unsigned char c = static_cast<unsigned char>(text[lead - 1]);
+  const size_t want = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+  return end - (lead - 1) < want ? lead - 1 : end;
+}
+
+}  // namespace
+
+std::string sample_text(const SampleOptions& o, const std::function<void(const std::string&)>& emit) {
   // Before the checkpoint loads: a negative count generated nothing, and a negative or nan
   // temperature, or a negative top-k, silently fell back to greedy or the whole vocabulary.
   MT_CHECK(o.max_tokens >= 0, "--tokens " << o.max_tokens << " must not be negative (tokens to generate)");
@@ -55,6 +74,16 @@ std::string sample_text(const SampleOptions& o) {
                                                               "tokenizer's; pass the one it was trained with (--tokenizer)"));
   const size_t n_prompt = ids.size();
   const int T = cfg.model.seq_len, V = cfg.model.vocab_size;
+  if (emit) emit(o.prompt);
+  std::string shown;  // the generated text emitted so far
+  const auto show = [&](bool last) {
+    if (!emit) return;
+    const std::string text = tok->decode(std::vector<int32_t>(ids.begin() + n_prompt, ids.end()));
+    const size_t upto = last ? text.size() : settled(text);
+    if (upto <= shown.size() || text.compare(0, shown.size(), shown) != 0) return;  // nothing new, or rewritten
+    emit(text.substr(shown.size(), upto - shown.size()));
+    shown = text.substr(0, upto);
+  };
   Philox rng{o.seed};
   std::vector<std::pair<float, int>> cand(V);
   for (int n = 0; n < o.max_tokens; ++n) {
@@ -79,7 +108,9 @@ std::string sample_text(const SampleOptions& o) {
     }
     if (next == tok->eot()) break;
     ids.push_back(next);
+    show(false);
   }
+  show(true);
   // Tokens the tokenizer does not have: the model learned another tokenizer's ids (a run
   // resumed without its data.tokenizer records the default one). Said, not printed as noise.
   int64_t outside = 0;
