@@ -226,6 +226,19 @@ TEST(CheckpointInfo, MetadataFieldsOfTheWrongKindAreNamed) {
                               "model.n_layer"),
             std::string::npos)
       << out;
+  // A model shape of the right kind that no model has (found by fuzzing: sample sized its
+  // positions by seq_len = -1 and stopped with "internal error: vector::reserve").
+  m = meta;
+  m["config"]["model"]["seq_len"] = -1;
+  std::ofstream(dir + "/meta.json") << m.dump(1);
+  const std::string sample = std::string(MESHTRAIN_BIN) + " sample --checkpoint " + d / "ck" + " --prompt ab";
+  for (const std::string& cmd : {sample, exp, resume}) {
+    EXPECT_EQ(run_command(cmd, &out), 1) << cmd << "\n" << out;
+    EXPECT_NE(out.find(dir + "/meta.json records a configuration this meshtrain does not take (model.seq_len = -1 "
+                                "must be from 1 to 16777216)"),
+              std::string::npos)
+        << cmd << "\n" << out;
+  }
   std::ofstream(dir + "/meta.json") << meta.dump(1);  // its fields as written, no CRC: an older checkpoint reads
   EXPECT_EQ(info(d / "ck", &out), 0) << out;
 }

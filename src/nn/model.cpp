@@ -17,6 +17,11 @@ namespace mt {
 
 namespace {
 
+const ModelConfig& validated(const ModelConfig& cfg) {
+  cfg.validate();
+  return cfg;
+}
+
 // The whole model as one chunk when no share is given.
 std::vector<ChunkSpec> chunks_of(const ModelConfig& cfg, const ModelShare& share) {
   if (!share.chunks.empty()) return share.chunks;
@@ -84,7 +89,7 @@ struct Model::Chunk {
 
 Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute, bool allocate_state,
              TpMappings* tp, const ModelShare& share, CpMappings* cp)
-    : cfg_(cfg),
+    : cfg_(validated(cfg)),  // before any size is read from it
       tp_(tp ? *tp : no_tp_),
       cp_(cp ? *cp : no_cp_),
       positions_(cp_positions(cfg.seq_len, cp_.shard())),

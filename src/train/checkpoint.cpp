@@ -492,6 +492,7 @@ Config checkpoint_saved_config(const std::string& dir, const nlohmann::json& met
   Config c;
   try {
     c = config_from_json(meta.at("config"));
+    c.model.validate();  // an edited model.seq_len = -1 reached the model's buffers
   } catch (const Error& e) {
     MT_FAIL("checkpoint file " << dir << "/meta.json records a configuration this meshtrain does not take (" << e.what()
                                << "); delete " << dir << " to resume from an earlier checkpoint");
