@@ -75,11 +75,9 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
   const size_t n_prompt = ids.size();
   const int T = cfg.model.seq_len, V = cfg.model.vocab_size;
   if (emit) emit(o.prompt);
+  const auto generated = [&] { return tok->decode(std::vector<int32_t>(ids.begin() + n_prompt, ids.end())); };
   std::string shown;  // the generated text emitted so far
-  const auto show = [&](bool last) {
-    if (!emit) return;
-    const std::string text = tok->decode(std::vector<int32_t>(ids.begin() + n_prompt, ids.end()));
-    const size_t upto = last ? text.size() : settled(text);
+  const auto show = [&](const std::string& text, size_t upto) {  // text up to upto, where it extends shown
     if (upto <= shown.size() || text.compare(0, shown.size(), shown) != 0) return;  // nothing new, or rewritten
     emit(text.substr(shown.size(), upto - shown.size()));
     shown = text.substr(0, upto);
@@ -108,9 +106,13 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
     }
     if (next == tok->eot()) break;
     ids.push_back(next);
-    show(false);
+    if (emit) {
+      const std::string text = generated();
+      show(text, settled(text));
+    }
   }
-  show(true);
+  const std::string text = generated();
+  if (emit) show(text, text.size());
   // Tokens the tokenizer does not have: the model learned another tokenizer's ids (a run
   // resumed without its data.tokenizer records the default one). Said, not printed as noise.
   int64_t outside = 0;
@@ -120,7 +122,7 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
                  "model has %d): it was trained with another one; pass --tokenizer FILE.model\n",
                  static_cast<long long>(outside), ids.size() - n_prompt,
                  (o.tokenizer.empty() ? cfg.data.tokenizer : o.tokenizer).c_str(), tok->vocab_size(), V);
-  return o.prompt + tok->decode(std::vector<int32_t>(ids.begin() + n_prompt, ids.end()));
+  return o.prompt + text;
 }
 
 }  // namespace mt
