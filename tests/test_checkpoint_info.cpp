@@ -9,6 +9,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 
+#include "train/checkpoint.h"
 #include "train_runs.h"
 
 using namespace mt;
@@ -241,6 +242,31 @@ TEST(CheckpointInfo, MetadataFieldsOfTheWrongKindAreNamed) {
   }
   std::ofstream(dir + "/meta.json") << meta.dump(1);  // its fields as written, no CRC: an older checkpoint reads
   EXPECT_EQ(info(d / "ck", &out), 0) << out;
+}
+
+// The files' checksum: zlib's CRC-32 (the check value of "123456789"), computed 8 bytes at
+// a time, against the bit-by-bit definition at every alignment and tail length, and
+// continued across pieces.
+TEST(CheckpointInfo, Crc32IsZlibs) {
+  EXPECT_EQ(crc32_update(0, "123456789", 9), 0xCBF43926u);
+  EXPECT_EQ(crc32_update(0, "", 0), 0u);
+  const auto bitwise = [](const uint8_t* p, size_t n) {
+    uint32_t c = ~0u;
+    for (size_t i = 0; i < n; ++i) {
+      c ^= p[i];
+      for (int k = 0; k < 8; ++k) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    }
+    return ~c;
+  };
+  std::vector<uint8_t> buf(1000);
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+  for (size_t off = 0; off < 8; ++off)
+    for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{15}, size_t{64}, size_t{991}}) {
+      EXPECT_EQ(crc32_update(0, buf.data() + off, n), bitwise(buf.data() + off, n)) << off << " " << n;
+      const size_t cut = n / 3;
+      EXPECT_EQ(crc32_update(crc32_update(0, buf.data() + off, cut), buf.data() + off + cut, n - cut),
+                bitwise(buf.data() + off, n));
+    }
 }
 
 TEST(CheckpointInfo, MissingDirectoryIsAClearError) {

@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <cstdio>
@@ -24,21 +25,38 @@ constexpr const char* kFormat = "meshtrain-checkpoint";
 //    and a shard's tensors are named by unit, tensor and first element.
 constexpr int kVersion = 3;
 
-// CRC-32 (IEEE 802.3, zlib's) of n bytes, continuing from crc (0 to start).
-uint32_t crc32_update(uint32_t crc, const char* data, size_t n) {
+}  // namespace
+
+// Slicing by 8: table[k][b] is the CRC of byte b followed by k zero bytes, so 8 bytes are
+// folded in with 8 lookups at once instead of one after another (several GB/s instead of
+// about 0.4: a 500 MB checkpoint checked in a fraction of a second instead of over one).
+uint32_t crc32_update(uint32_t crc, const void* bytes, size_t n) {
   static const auto table = [] {
-    std::vector<uint32_t> t(256);
+    std::vector<std::array<uint32_t, 256>> t(8);
     for (uint32_t i = 0; i < 256; ++i) {
       uint32_t c = i;
       for (int k = 0; k < 8; ++k) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      t[i] = c;
+      t[0][i] = c;
     }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (int k = 1; k < 8; ++k) t[k][i] = (t[k - 1][i] >> 8) ^ t[0][t[k - 1][i] & 0xFF];
     return t;
   }();
+  const auto* p = static_cast<const uint8_t*>(bytes);
   crc = ~crc;
-  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ static_cast<uint8_t>(data[i])) & 0xFF] ^ (crc >> 8);
+  for (; n >= 8; n -= 8, p += 8) {
+    uint32_t lo, hi;  // the next 8 bytes, little-endian words (x86-64)
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + 4, 4);
+    lo ^= crc;
+    crc = table[7][lo & 0xFF] ^ table[6][(lo >> 8) & 0xFF] ^ table[5][(lo >> 16) & 0xFF] ^ table[4][lo >> 24] ^
+          table[3][hi & 0xFF] ^ table[2][(hi >> 8) & 0xFF] ^ table[1][(hi >> 16) & 0xFF] ^ table[0][hi >> 24];
+  }
+  for (; n > 0; --n, ++p) crc = table[0][(crc ^ *p) & 0xFF] ^ (crc >> 8);
   return ~crc;
 }
+
+namespace {
 
 uint32_t crc32_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

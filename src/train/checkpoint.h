@@ -41,6 +41,10 @@
 
 namespace mt {
 
+// CRC-32 (IEEE 802.3, zlib's) of n bytes, continuing from crc (0 to start): the checksum
+// meta.json records for each file and for itself.
+uint32_t crc32_update(uint32_t crc, const void* bytes, size_t n);
+
 // A range [begin, end) of one unit: named flat tensors ("params", "adam_m", …), each
 // pointer at element `begin`, to save from or load into.
 struct CheckpointSlice {
