@@ -564,7 +564,7 @@ TEST(Command, SampleSaysWhenTokensAreNotInTheTokenizer) {
 // sample shows its text as it is made: the pieces it emits concatenate to the text it
 // returns, the prompt first, and none ends inside a character (a byte-level model writes
 // multi-byte UTF-8 one token at a time; a cut character would print as garbage, then be
-// rewritten). The command prints the same text.
+// rewritten). The command prints the same text, and a summary after it (on stderr).
 TEST(Sample, ShowsTheTextAsItIsMade) {
   test::TempDir d;
   std::string text;
@@ -614,10 +614,70 @@ TEST(Sample, ShowsTheTextAsItIsMade) {
     for (unsigned char c : whole.substr(o.prompt.size())) multibyte += c >= 0xC0;
     if (seed == 1) {
       ASSERT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " --prompt héllo --tokens 80", &out), 0);
-      EXPECT_EQ(out, whole + "\n");
+      // the text on stdout, then the summary on stderr
+      EXPECT_EQ(out.substr(0, whole.size() + 1), whole + "\n");
+      EXPECT_EQ(out.substr(whole.size() + 1).rfind("sample: ", 0), 0u) << out;
+      EXPECT_NE(out.find(" tokens/s; the window of model.seq_len tokens filled ", whole.size()), std::string::npos)
+          << out;  // 80 tokens past seq_len 32
     }
   }
   EXPECT_GT(multibyte, 0) << "no multi-byte character was generated: the test shows nothing";
+}
+
+// sample's window (CachedWindow): it grows with the sequence to model.seq_len tokens, then
+// starts again from the last seq_len / 2 (a prompt longer than seq_len: its last seq_len),
+// and each call's logits are the whole forward's over the window, at its last position
+// (within 2e-5 of the largest logit: other summation orders, as in KvCache's test).
+TEST(Sample, WindowKeepsTheLastHalfWhenFull) {
+  for (const char* family : {"gpt2", "llama"}) {
+    SCOPED_TRACE(family);
+    ModelConfig cfg;
+    cfg.family = family;
+    cfg.n_layer = 2, cfg.n_head = 4, cfg.d_model = 16, cfg.vocab_size = 19, cfg.seq_len = 8;
+    if (cfg.is_llama()) cfg.n_kv_head = 2, cfg.d_ff = 24;
+    CpuAllocator alloc;
+    Model whole(cfg, alloc, 1), cached(cfg, alloc, 1);
+    whole.init(3);
+    for (Unit& u : whole.units())
+      for (int64_t i = 0; i < u.numel; ++i) u.w.f32()[i] *= 8.0f;  // sharp attention: positions matter
+    for (size_t u = 0; u < whole.units().size(); ++u) cached.units()[u].w.copy_from(whole.units()[u].w);
+    Philox rng{5};
+    std::vector<int32_t> all(24);
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int32_t>(rng.uniform(0, i) * cfg.vocab_size);
+    // (prompt length, then the window's first token after each further token)
+    const std::vector<std::pair<size_t, std::vector<size_t>>> cases = {
+        {3, {0, 0, 0, 0, 0, 0, 5, 5, 5, 5, 5, 10, 10, 10, 10, 10, 15, 15}},  // sizes 3 .. 20
+        {11, {3, 8, 8, 8, 8, 8, 13}},                                         // sizes 11 .. 17
+    };
+    for (const auto& [prompt, begins] : cases) {
+      CachedWindow window(cached, alloc);
+      std::vector<int32_t> ids(all.begin(), all.begin() + prompt);
+      for (size_t k = 0; k < begins.size(); ++k, ids.push_back(all[ids.size()])) {
+        SCOPED_TRACE("prompt " + std::to_string(prompt) + ", " + std::to_string(ids.size()) + " tokens");
+        const float* got = window.next(ids);
+        ASSERT_EQ(window.begin(), begins[k]);
+        const int len = static_cast<int>(ids.size() - window.begin());
+        whole.forward(ids.data() + window.begin(), nullptr, 1, len);
+        const float* want = whole.logits().f32() + int64_t{len - 1} * cfg.vocab_size;
+        float top = 0, worst = 0;
+        for (int v = 0; v < cfg.vocab_size; ++v) top = std::max(top, std::fabs(want[v]));
+        for (int v = 0; v < cfg.vocab_size; ++v) worst = std::max(worst, std::fabs(got[v] - want[v]));
+        EXPECT_LE(worst, 2e-5f * top);
+      }
+    }
+  }
+}
+
+// sample's summary line: what it read, how fast, the prompt's cut and the window's restarts.
+TEST(Sample, SummarySaysWhatItDid) {
+  SampleStats st;
+  EXPECT_EQ(sample_summary(st), "sample: 0 tokens");
+  st.prompt_tokens = st.prompt_read = 64, st.prompt_s = 0.114, st.generated = 257, st.decoded = 256, st.decode_s = 8;
+  EXPECT_EQ(sample_summary(st), "sample: 257 tokens; the prompt's 64 read in 0.11 s, then 32.0 tokens/s");
+  st.prompt_tokens = 1500, st.prompt_read = 1024, st.restarts = 2;
+  EXPECT_EQ(sample_summary(st), "sample: 257 tokens; the prompt's 1024 read in 0.11 s (its last: it has 1500, "
+                                "model.seq_len is 1024), then 32.0 tokens/s; the window of model.seq_len tokens "
+                                "filled 2 times and kept its last half");
 }
 
 // prepare -> train -> export -> sample, through the command.

@@ -364,11 +364,17 @@ int main(int argc, char** argv) {
       mt::hf_export(cfg.model, layout, fetch, exp_out);
       std::printf("exported %s to %s\n", dir.c_str(), exp_out.c_str());
     } else if (smp->parsed()) {
-      mt::sample_text(so, [](const std::string& piece) {  // shown as it is generated
-        std::fwrite(piece.data(), 1, piece.size(), stdout);
-        std::fflush(stdout);
-      });
+      mt::SampleStats st;
+      mt::sample_text(
+          so,
+          [](const std::string& piece) {  // shown as it is generated
+            std::fwrite(piece.data(), 1, piece.size(), stdout);
+            std::fflush(stdout);
+          },
+          &st);
       std::printf("\n");
+      std::fflush(stdout);
+      std::fprintf(stderr, "%s\n", mt::sample_summary(st).c_str());  // after the text, apart from it
     } else if (sched->parsed()) {
       return mt::cmd_schedule(sched_opts);
     } else if (ckpt_cmd->parsed()) {

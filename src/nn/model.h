@@ -162,6 +162,7 @@ struct BlockEnv;      // what a block computes with (block.h)
 struct BlockActs;     // activations one block keeps for its backward (block.h)
 struct BlockScratch;  // workspace of the blocks, the embedding and the final norm (block.h)
 struct BlockWeightInputs;  // a block's linear output gradients kept from BI to BW (block.h)
+class KvCache;            // keys and values of the tokens read so far, for generation (kv_cache.h)
 
 class Model {
  public:
@@ -229,6 +230,12 @@ class Model {
   // The most likely next token at each of that forward's B x T positions (the first of
   // equal logits), over the whole vocabulary whatever the tp layout. Collective over tp.
   void predictions(int32_t* out, int slot = 0);
+
+  // Generation (meshtrain sample): the logits [V] of the token after tokens[0, n), which
+  // follow the cache's tokens (positions cache.length() .. + n - 1, within model.seq_len);
+  // their keys and values join the cache (nn/kv_cache.h). The whole model on one rank with
+  // fused attention (training.attention); the view is valid until the next forward.
+  Tensor forward_cached(const int32_t* tokens, int n, KvCache& cache);
 
  private:
   struct Slot;

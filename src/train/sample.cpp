@@ -1,15 +1,19 @@
 #include "train/sample.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <iomanip>
 #include <memory>
+#include <sstream>
 #include <vector>
 
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/tokenizer.h"
+#include "nn/kv_cache.h"
 #include "nn/model.h"
 #include "train/checkpoint.h"
 
@@ -34,7 +38,37 @@ size_t settled(const std::string& text) {
 
 }  // namespace
 
-std::string sample_text(const SampleOptions& o, const std::function<void(const std::string&)>& emit) {
+CachedWindow::CachedWindow(Model& model, Allocator& alloc) : model_(model), cache_(model.config(), alloc) {}
+
+const float* CachedWindow::next(const std::vector<int32_t>& ids) {
+  const size_t T = static_cast<size_t>(cache_.capacity());
+  MT_CHECK(ids.size() > begin_ + cache_.length(), "internal: no new token since the last call");
+  if (ids.size() - begin_ > T) {  // the window overflows: restart it with the last tokens
+    restarts_ += cache_.length() > 0;
+    begin_ = ids.size() - (cache_.length() == 0 ? T : std::max<size_t>(1, T / 2));
+    cache_.clear();
+  }
+  const size_t fed = begin_ + cache_.length();
+  return model_.forward_cached(ids.data() + fed, static_cast<int>(ids.size() - fed), cache_).f32();
+}
+
+std::string sample_summary(const SampleStats& st) {
+  std::ostringstream s;
+  s << "sample: " << st.generated << " tokens";
+  if (st.prompt_read > 0) {
+    s << "; the prompt's " << st.prompt_read << " read in " << std::fixed << std::setprecision(2) << st.prompt_s << " s";
+    if (st.prompt_read < st.prompt_tokens)
+      s << " (its last: it has " << st.prompt_tokens << ", model.seq_len is " << st.prompt_read << ")";
+  }
+  if (st.decoded > 0) s << ", then " << std::setprecision(1) << st.decoded / st.decode_s << " tokens/s";
+  if (st.restarts > 0)
+    s << "; the window of model.seq_len tokens filled " << st.restarts << (st.restarts == 1 ? " time" : " times")
+      << " and kept its last half";
+  return s.str();
+}
+
+std::string sample_text(const SampleOptions& o, const std::function<void(const std::string&)>& emit,
+                        SampleStats* stats) {
   // Before the checkpoint loads: a negative count generated nothing, and a negative or nan
   // temperature, or a negative top-k, silently fell back to greedy or the whole vocabulary.
   MT_CHECK(o.max_tokens >= 0, "--tokens " << o.max_tokens << " must not be negative (tokens to generate)");
@@ -46,6 +80,7 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
   Config cfg = checkpoint_config(dir);
   CpuAllocator alloc;
   cfg.model.precision = "fp32";  // a checkpoint holds fp32 parameters (the masters of a mixed-precision run)
+  cfg.model.attention = "fused";  // the cached forward's (the same function either way)
   Model model(cfg.model, alloc, 1);
   checkpoint_load(dir, cfg.model, checkpoint_param_slices(model.units()));
   // The checkpoint's tokenizer, as the run recorded it: a relative path (checkpoints written
@@ -73,7 +108,7 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
                  << (o.prompt.empty() ? ": give a --prompt" : ": the model was trained on other ids than this "
                                                               "tokenizer's; pass the one it was trained with (--tokenizer)"));
   const size_t n_prompt = ids.size();
-  const int T = cfg.model.seq_len, V = cfg.model.vocab_size;
+  const int V = cfg.model.vocab_size;
   if (emit) emit(o.prompt);
   const auto generated = [&] { return tok->decode(std::vector<int32_t>(ids.begin() + n_prompt, ids.end())); };
   std::string shown;  // the generated text emitted so far
@@ -84,11 +119,23 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
   };
   Philox rng{o.seed};
   std::vector<std::pair<float, int>> cand(V);
+  CachedWindow window(model, alloc);
+  SampleStats st;
+  st.prompt_tokens = static_cast<int64_t>(n_prompt);
+  using clock = std::chrono::steady_clock;
+  const auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  clock::time_point first;  // when the prompt's forward ended
   for (int n = 0; n < o.max_tokens; ++n) {
-    // No KV cache: each token reruns the window of the last seq_len tokens.
-    const int len = static_cast<int>(std::min<size_t>(ids.size(), T));
-    model.forward(ids.data() + ids.size() - len, nullptr, 1, len);
-    const float* row = model.logits().f32() + int64_t(len - 1) * V;
+    const auto start = clock::now();
+    const float* row = window.next(ids);
+    if (n == 0) {
+      first = clock::now();
+      st.prompt_s = seconds(start, first);
+      st.prompt_read = static_cast<int64_t>(ids.size() - window.begin());
+    } else {
+      st.decode_s = seconds(first, clock::now());
+      st.decoded = n;
+    }
     int next;
     if (o.temperature <= 0) {
       next = static_cast<int>(std::max_element(row, row + V) - row);
@@ -113,6 +160,9 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
   }
   const std::string text = generated();
   if (emit) show(text, text.size());
+  st.generated = static_cast<int64_t>(ids.size() - n_prompt);
+  st.restarts = window.restarts();
+  if (stats) *stats = st;
   // Tokens the tokenizer does not have: the model learned another tokenizer's ids (a run
   // resumed without its data.tokenizer records the default one). Said, not printed as noise.
   int64_t outside = 0;

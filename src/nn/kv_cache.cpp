@@ -1,0 +1,42 @@
+#include "nn/kv_cache.h"
+
+#include "core/error.h"
+#include "ops/attention.h"
+
+namespace mt {
+
+KvCache::KvCache(const ModelConfig& cfg, Allocator& alloc) : capacity_(cfg.seq_len) {
+  for (int l = 0; l < cfg.n_layer; ++l)
+    rows_.push_back(Tensor::empty({1, cfg.seq_len, cfg.qkv_dim()}, DType::f32, alloc, MemTag::activations));
+}
+
+void KvCache::begin(int n) {  // a forward that threw part way left length_ as it was
+  MT_CHECK(n >= 1 && n <= capacity_ - length_, "internal: " << n << " new tokens after the cache's " << length_
+                                                             << " do not fit in model.seq_len = " << capacity_);
+  adding_ = n;
+  layer_ = 0;
+}
+
+void KvCache::end() {
+  MT_CHECK(adding_ > 0 && layer_ == static_cast<int>(rows_.size()),
+           "internal: a cached forward ended after " << layer_ << " of " << rows_.size() << " layers");
+  length_ += adding_;
+  adding_ = 0;
+}
+
+void KvCache::attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, int n_head, int n_kv_head) {
+  MT_CHECK(adding_ > 0 && layer_ < static_cast<int>(rows_.size()), "internal: attention outside a cached forward");
+  const Tensor& held = rows_[layer_++];
+  MT_CHECK(qkv.ndim() == 3 && qkv.dim(0) == 1 && qkv.dim(1) == adding_ && qkv.dim(2) == held.dim(2),
+           "internal: cached attention takes [1, " << adding_ << ", " << held.dim(2) << "] rows, not "
+                                                   << shape_str(qkv.shape()));
+  held.view(int64_t{length_} * held.dim(2), qkv.shape()).copy_from(qkv);
+  attention_part_forward(out, lse, qkv, {0, adding_, length_}, held, {0, length_ + adding_, 0}, n_head, n_kv_head,
+                         false);
+}
+
+void KvCache::attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int, int) {
+  MT_FAIL("internal: a key/value cache is for inference; nothing trains through it");
+}
+
+}  // namespace mt
