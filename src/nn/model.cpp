@@ -525,8 +525,9 @@ void Model::final_forward(Slot& sl) {
 Tensor Model::forward_cached(const int32_t* tokens, int n, KvCache& cache) {
   MT_CHECK(tp_.shard().size == 1 && cp_.shard().size == 1 && chunks_.size() == 1 && chunks_[0].spec.embed &&
                chunks_[0].spec.head && cfg_.n_layer == chunks_[0].spec.end_layer && !recompute_ &&
-               cfg_.fused_attention(),
-           "internal: a cached forward runs the whole model on one rank, with fused attention and no recomputation");
+               cfg_.fused_attention() && !cfg_.mixed_precision() && !hooks_,
+           "internal: a cached forward runs the whole model on one rank in fp32, with fused attention and no "
+           "recomputation or hooks");
   MT_CHECK(cache.capacity() == cfg_.seq_len, "internal: a key/value cache of another model");
   MT_CHECK(n >= 1 && n <= cfg_.seq_len - cache.length(), "internal: " << n << " new tokens after the cache's "
                                                                       << cache.length() << " exceed model.seq_len = "
@@ -538,33 +539,19 @@ Tensor Model::forward_cached(const int32_t* tokens, int n, KvCache& cache) {
   sl.has_targets = false;
   std::vector<int32_t> pos(n);  // the new tokens' positions
   for (int t = 0; t < n; ++t) pos[t] = cache.length() + t;
-  UnitHooks& h = hooks_ ? *hooks_ : no_hooks_;
-  Autocast autocast(working_dtype(cfg_));
   const int64_t C = cfg_.d_model;
-  h.before_forward(0);
-  widen(0);
   const Unit& e = units_[0];
   const Tensor x0 = resid(sl.resid.front());  // [1, n, C]
   embedding_forward(x0, sl.tokens.view(0, {1, n}), e.param(cfg_.is_llama() ? "embed_tokens.weight" : "wte.weight"),
                     nullptr);
   if (!cfg_.is_llama()) position_forward(x0, e.param("wpe.weight"), pos.data());
-  narrow(0);
-  h.after_forward(0);
   // the blocks as forward runs them, their attention over the cache at the new positions
   const BlockEnv env{cfg_, dims_, tp_, *scratch_, cache, pos.data()};
-  for (int l = 0; l < cfg_.n_layer; ++l) {
-    h.before_forward(l + 1);
-    widen(l + 1);
+  for (int l = 0; l < cfg_.n_layer; ++l)
     block_forward(env, units_[l + 1], *sl.acts[l], resid(sl.resid[l]), resid(sl.resid[l + 1]), 1, n);
-    narrow(l + 1);
-    h.after_forward(l + 1);
-  }
   cache.end();
   // the final norm and the head on the last token only
-  const int L1 = cfg_.n_layer + 1;
-  h.before_forward(L1);
-  widen(L1);
-  const Unit& f = units_[L1];
+  const Unit& f = units_[cfg_.n_layer + 1];
   const Tensor x = sl.resid.back().view(int64_t{n - 1} * C, {1, 1, C}), lnf = sl.lnf.view(0, {1, 1, C});
   const Tensor mean = sl.lnf_mean.view(0, {1, 1}), rstd = sl.lnf_rstd.view(0, {1, 1});
   if (!cfg_.is_llama()) norm_forward(env, lnf, mean, rstd, x, f.param("ln_f.weight"), f.param("ln_f.bias"), Tensor());
@@ -573,8 +560,6 @@ Tensor Model::forward_cached(const int32_t* tokens, int n, KvCache& cache) {
   const ParamSpec& hp = head_spec(*this, &hu);
   const Tensor row = sl.logits.view(0, {1, dims_.V});
   linear_forward(row, lnf.reshape({1, C}), units_[hu].matrix_view(hp.offset, hp.shape), nullptr);
-  narrow(L1);
-  h.after_forward(L1);
   sl.T = 1;  // logits() is this row
   return row.reshape({dims_.V});
 }

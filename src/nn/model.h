@@ -233,8 +233,8 @@ class Model {
 
   // Generation (meshtrain sample): the logits [V] of the token after tokens[0, n), which
   // follow the cache's tokens (positions cache.length() .. + n - 1, within model.seq_len);
-  // their keys and values join the cache (nn/kv_cache.h). The whole model on one rank with
-  // fused attention (training.attention); the view is valid until the next forward.
+  // their keys and values join the cache (nn/kv_cache.h). The whole model on one rank, in
+  // fp32 with fused attention and no hooks; the view is valid until the next forward.
   Tensor forward_cached(const int32_t* tokens, int n, KvCache& cache);
 
  private:
