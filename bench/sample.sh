@@ -11,9 +11,10 @@
 # read bandwidth (measured by the PyTorch side: sums of a 1 GiB tensor) over 4 bytes per
 # parameter bounds any fp32 implementation's tokens/s. Target: meshtrain at least as fast
 # as PyTorch. Measured on 2 cores (AMD EPYC, AVX-512, Cooperlake kernels): 40.8 tokens/s
-# against PyTorch's 23.1 (1.77x), 39% of a 105.6 tokens/s ceiling (52.6 GB/s): the
-# products of one row run OpenBLAS's matrix-vector kernels, which read about 20-25 GB/s
-# here.
+# against PyTorch's 23.1 (1.77x). The ceiling is noisy on a shared machine: the same sum
+# read 52.6 GB/s in that run and 33 GB/s half an hour later. A product of one row reads its
+# weights at about 26 GB/s here with 2 threads (OpenBLAS's matrix-vector kernels and a
+# hand-written AVX-512 one alike), so 40 tokens/s (20 GB/s) is near what such kernels give.
 #
 #   bash bench/sample.sh [--threads N] [--prompt-tokens P] [--tokens K]
 set -euo pipefail
