@@ -81,7 +81,8 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
   CpuAllocator alloc;
   cfg.model.precision = "fp32";  // a checkpoint holds fp32 parameters (the masters of a mixed-precision run)
   cfg.model.attention = "fused";  // the cached forward's (the same function either way)
-  Model model(cfg.model, alloc, 1);
+  Model model(cfg.model, alloc, 1, /*recompute=*/false, /*allocate_state=*/false);  // parameters only: no gradients
+  for (Unit& u : model.units()) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
   checkpoint_load(dir, cfg.model, checkpoint_param_slices(model.units()));
   // The checkpoint's tokenizer, as the run recorded it: a relative path (checkpoints written
   // before runs recorded absolute ones) is read from this directory.
