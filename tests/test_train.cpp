@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -668,6 +669,47 @@ TEST(Sample, WindowKeepsTheLastHalfWhenFull) {
   }
 }
 
+// The sampler (pick_token) on a row of 4 logits whose softmax is 0.15, 0.5, 0.05, 0.3: u
+// over a grid of N points draws each id as often as its probability says, to 1/N: the whole
+// distribution; the top k; the nucleus within them (renormalised over the top k, then cut
+// where the likeliest first reach top_p); a temperature. Temperature 0 takes the likeliest,
+// the lowest id of equal logits.
+TEST(Sample, PickTokenDrawsFromTheTopKAndTheNucleus) {
+  const std::vector<double> prob = {0.15, 0.5, 0.05, 0.3};
+  std::vector<float> logits;
+  for (double q : prob) logits.push_back(static_cast<float>(std::log(q)));
+  std::vector<std::pair<float, int>> cand;
+  const int N = 20000;
+  const auto expect_draws = [&](const SampleOptions& o, std::vector<double> want) {
+    SCOPED_TRACE(testing::Message() << "temperature " << o.temperature << " top_k " << o.top_k << " top_p " << o.top_p);
+    const double total = std::accumulate(want.begin(), want.end(), 0.0);
+    std::vector<int> n(4, 0);
+    for (int i = 0; i < N; ++i) ++n[pick_token(logits.data(), 4, o, (i + 0.5) / N, cand)];
+    for (int v = 0; v < 4; ++v) EXPECT_NEAR(double(n[v]) / N, want[v] / total, 1.5 / N) << "id " << v;
+  };
+  SampleOptions o;
+  o.temperature = 1, o.top_k = 0, o.top_p = 1;
+  expect_draws(o, prob);
+  o.top_k = 2;
+  expect_draws(o, {0, 0.5, 0, 0.3});
+  o.top_k = 0, o.top_p = 0.7;  // 0.5 < 0.7 <= 0.5 + 0.3
+  expect_draws(o, {0, 0.5, 0, 0.3});
+  o.top_p = 0.45;
+  expect_draws(o, {0, 1, 0, 0});
+  o.top_k = 3, o.top_p = 0.9;  // of the top 3's 0.95: 0.5 and 0.3 are 84% of it, all three 100%
+  expect_draws(o, {0.15, 0.5, 0, 0.3});
+  o.top_k = 3, o.top_p = 0.8;  // 84% >= 80%
+  expect_draws(o, {0, 0.5, 0, 0.3});
+  o.top_k = 0, o.top_p = 1, o.temperature = 2;  // softmax(logits / 2): sqrt of the probabilities
+  expect_draws(o, {std::sqrt(0.15), std::sqrt(0.5), std::sqrt(0.05), std::sqrt(0.3)});
+  o.temperature = 0;
+  EXPECT_EQ(pick_token(logits.data(), 4, o, 0.99, cand), 1);
+  const float ties[] = {1, 3, 3, 2};
+  EXPECT_EQ(pick_token(ties, 4, o, 0.5, cand), 1);
+  o.temperature = 1e-3, o.top_k = 1;  // top-k 1 among equal logits: the lower id
+  EXPECT_EQ(pick_token(ties, 4, o, 0.99, cand), 1);
+}
+
 // sample's summary line: what it read, how fast, the prompt's cut and the window's restarts.
 TEST(Sample, SummarySaysWhatItDid) {
   SampleStats st;
@@ -710,7 +752,9 @@ TEST(Command, PrepareTrainExportSample) {
            {"--tokens -5", "--tokens -5 must not be negative"},
            {"--temperature -2", "--temperature -2 must be a finite number of at least 0"},
            {"--temperature nan", "--temperature nan must be a finite number"},
-           {"--top-k -3", "--top-k -3 must not be negative"}}) {
+           {"--top-k -3", "--top-k -3 must not be negative"},
+           {"--top-p 0", "--top-p 0 must be above 0 and at most 1"},
+           {"--top-p 1.5", "--top-p 1.5 must be above 0 and at most 1"}}) {
     EXPECT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " " + opt, &out), 1) << opt;
     EXPECT_NE(out.find(want), std::string::npos) << opt << "\n" << out;
   }

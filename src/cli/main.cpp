@@ -297,6 +297,9 @@ int main(int argc, char** argv) {
     smp->add_option("--tokens", so.max_tokens, "tokens to generate")->capture_default_str();
     smp->add_option("--temperature", so.temperature, "0 for greedy")->capture_default_str();
     smp->add_option("--top-k", so.top_k, "sample among the k likeliest (0: all)")->capture_default_str();
+    smp->add_option("--top-p", so.top_p,
+                    "then among the fewest of those whose probabilities sum to at least p (1: all of them)")
+        ->capture_default_str();
     // CLI11 takes -5 for an unsigned option as 2^64 - 5, and more than 2^64 - 1 without a word
     const CLI::Validator seed_range(
         [](std::string& v) -> std::string {

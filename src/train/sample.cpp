@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <memory>
+#include <numeric>
 #include <sstream>
 #include <vector>
 
@@ -52,6 +53,26 @@ const float* CachedWindow::next(const std::vector<int32_t>& ids) {
   return model_.forward_cached(ids.data() + fed, static_cast<int>(ids.size() - fed), cache_).f32();
 }
 
+int pick_token(const float* logits, int V, const SampleOptions& o, double u, std::vector<std::pair<float, int>>& cand) {
+  if (o.temperature <= 0) return static_cast<int>(std::max_element(logits, logits + V) - logits);
+  cand.resize(V);
+  for (int v = 0; v < V; ++v) cand[v] = {logits[v], v};
+  const int k = o.top_k > 0 ? std::min(o.top_k, V) : V;
+  // the k likeliest, likeliest first (equal logits: the lower id first, so the order is the
+  // same whatever the sort does)
+  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(),
+                    [](auto& a, auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+  std::vector<double> p(k);  // unnormalised probabilities, then their running sums
+  double total = 0;
+  for (int i = 0; i < k; ++i) total += p[i] = std::exp((cand[i].first - cand[0].first) / o.temperature);
+  int m = 1;  // the nucleus: the fewest likeliest whose probabilities sum to at least top_p
+  for (double sum = p[0]; m < k && sum < o.top_p * total; ++m) sum += p[m];
+  double draw = u * std::accumulate(p.begin(), p.begin() + m, 0.0);
+  int i = 0;
+  while (i + 1 < m && (draw -= p[i]) > 0) ++i;
+  return cand[i].second;
+}
+
 std::string sample_summary(const SampleStats& st) {
   std::ostringstream s;
   s << "sample: " << st.generated << " tokens";
@@ -75,6 +96,8 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
   MT_CHECK(std::isfinite(o.temperature) && o.temperature >= 0,
            "--temperature " << o.temperature << " must be a finite number of at least 0 (0: greedy; e.g. 0.8)");
   MT_CHECK(o.top_k >= 0, "--top-k " << o.top_k << " must not be negative (0: the whole vocabulary)");
+  MT_CHECK(o.top_p > 0 && o.top_p <= 1, "--top-p " << o.top_p << " must be above 0 and at most 1 (1: no nucleus cut; "
+                                                   "e.g. 0.9)");
   const std::string dir = checkpoint_latest(o.checkpoint);
   MT_CHECK(!dir.empty(), "no checkpoint in " << o.checkpoint << "; train with --checkpoint.dir=" << o.checkpoint << " first");
   Config cfg = checkpoint_config(dir);
@@ -119,7 +142,7 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
     shown = text.substr(0, upto);
   };
   Philox rng{o.seed};
-  std::vector<std::pair<float, int>> cand(V);
+  std::vector<std::pair<float, int>> cand;
   CachedWindow window(model, alloc);
   SampleStats st;
   st.prompt_tokens = static_cast<int64_t>(n_prompt);
@@ -137,21 +160,7 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
       st.decode_s = seconds(first, clock::now());
       st.decoded = n;
     }
-    int next;
-    if (o.temperature <= 0) {
-      next = static_cast<int>(std::max_element(row, row + V) - row);
-    } else {
-      for (int v = 0; v < V; ++v) cand[v] = {row[v], v};
-      int k = o.top_k > 0 ? std::min(o.top_k, V) : V;
-      std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), [](auto& a, auto& b) { return a.first > b.first; });
-      double total = 0;
-      std::vector<double> p(k);
-      for (int i = 0; i < k; ++i) total += p[i] = std::exp((cand[i].first - cand[0].first) / o.temperature);
-      double u = rng.uniform(0, n) * total;
-      int i = 0;
-      while (i + 1 < k && (u -= p[i]) > 0) ++i;
-      next = cand[i].second;
-    }
+    const int next = pick_token(row, V, o, rng.uniform(0, n), cand);
     if (next == tok->eot()) break;
     ids.push_back(next);
     if (emit) {

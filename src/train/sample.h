@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/allocator.h"
@@ -17,6 +18,7 @@ struct SampleOptions {
   int max_tokens = 200;
   double temperature = 0.8; // 0: greedy
   int top_k = 40;           // 0: whole vocabulary
+  double top_p = 1.0;       // the nucleus: the fewest likeliest of the top k whose probabilities sum to at least top_p (1: all k)
   uint64_t seed = 1;
   std::string tokenizer;    // empty: the checkpoint's data.tokenizer
 };
@@ -61,6 +63,12 @@ struct SampleStats {
 // token adds to the decoded text, held back while the text ends in a character still
 // incomplete (a byte-level or byte-fallback character needs several tokens), so a long
 // generation shows as it goes.
+// The next token from its logits [V]: at temperature 0 the likeliest (the lowest id of
+// equal logits); else drawn with u (uniform in [0, 1)) from softmax(logits / temperature)
+// over the top_k likeliest (0: all), cut to the nucleus (top_p) and renormalised. cand is
+// workspace.
+int pick_token(const float* logits, int V, const SampleOptions& o, double u, std::vector<std::pair<float, int>>& cand);
+
 // stats, when given, receives what the call did.
 std::string sample_text(const SampleOptions& o, const std::function<void(const std::string&)>& emit = {},
                         SampleStats* stats = nullptr);
