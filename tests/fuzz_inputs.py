@@ -464,7 +464,8 @@ class Fuzzer:
         prompt = r.choice(["", "the", "\xff\xfe", "\u00e9\u4e2d", "a" * 5000, "\x00x"])
         args = ["sample", "--checkpoint", "ck", "--prompt", prompt.replace("\x00", ""), "--tokens",
                 r.choice(["0", "1", "3", "20", "1000", "-1", "x"])]
-        for flag, v in (("--temperature", f), ("--top-k", n), ("--top-p", f), ("--seed", n)):
+        for flag, v in (("--temperature", f), ("--top-k", n), ("--top-p", f), ("--seed", n),
+                        ("--samples", lambda: r.choice(["1", "2", "5", "0", "1025", "-1", "x"]))):
             if r.random() < 0.5:
                 args += [flag, v()]
         if r.random() < 0.2:

@@ -217,54 +217,63 @@ TEST(Model, FusedAttentionHoldsNoTimeSquaredTensor) {
 // Generation with a key/value cache (nn/kv_cache.h): the logits of the token after each
 // piece fed to the cache (a prompt of several tokens, then one or a few at a time, to a
 // full model.seq_len) equal those of the whole forward over every token so far, at its
-// last position. Both families; llama's 4 query heads share 2 key/value heads (the cache
-// holds each once) and rope turns the keys by their positions, GPT-2 adds learned ones.
-// Weights x8 (std 0.16) so attention is sharp and a key at the wrong position or a row
-// missing from the cache moves the logits by far more than the tolerance. The two sum in
-// other orders (one query row against the cached keys, products over fewer rows):
-// within 2e-5 of the largest logit (float rounding through 2 layers; measured: the same
-// bits with OpenBLAS's AVX-512 kernels, up to 1.4e-6 with its Haswell ones).
+// last position, for each of 2 sequences side by side. Both families; llama's 4 query heads
+// share 2 key/value heads (the cache holds each once) and rope turns the keys by their
+// positions, GPT-2 adds learned ones. Weights x8 (std 0.16) so attention is sharp and a key
+// at the wrong position or a row missing from the cache (or another sequence's) moves the
+// logits by far more than the tolerance. The two sum in other orders (one query row
+// against the cached keys, products over fewer rows): within 2e-5 of the largest logit
+// (float rounding through 2 layers; measured: the same bits with OpenBLAS's AVX-512
+// kernels, up to 1.4e-6 with its Haswell ones).
 TEST(KvCache, LogitsMatchTheWholeForward) {
   for (const char* family : {"gpt2", "llama"}) {
     SCOPED_TRACE(family);
     ModelConfig cfg = tiny(family);
     cfg.seq_len = 12;
+    const int B = 2, T = cfg.seq_len, V = cfg.vocab_size;
     CpuAllocator alloc;
-    Model whole(cfg, alloc, 1), cached(cfg, alloc, 1);
+    Model whole(cfg, alloc, 1), cached(cfg, alloc, B);
     whole.init(7);
     for (Unit& u : whole.units())
       for (int64_t i = 0; i < u.numel; ++i) u.w.f32()[i] *= 8.0f;
     for (size_t u = 0; u < whole.units().size(); ++u) cached.units()[u].w.copy_from(whole.units()[u].w);
-    const std::vector<int32_t> ids = random_ids(cfg.seq_len, cfg.vocab_size, 11);
+    const std::vector<int32_t> ids = random_ids(B * T, V, 11);  // [B, T]
     const auto expect_logits = [&](const float* got, const float* want) {
       float top = 0, worst = 0;
-      for (int v = 0; v < cfg.vocab_size; ++v) top = std::max(top, std::fabs(want[v]));
-      for (int v = 0; v < cfg.vocab_size; ++v) worst = std::max(worst, std::fabs(got[v] - want[v]));
+      for (int v = 0; v < V; ++v) top = std::max(top, std::fabs(want[v]));
+      for (int v = 0; v < V; ++v) worst = std::max(worst, std::fabs(got[v] - want[v]));
       EXPECT_LE(worst, 2e-5f * top);
     };
-    KvCache cache(cfg, alloc);
+    KvCache cache(cfg, alloc, B);
     float moved = 0;  // how far the logits move from one piece to the next (the signal)
     std::vector<float> before;
     int fed = 0;
     for (int n : {4, 1, 1, 3, 1, 2}) {
       SCOPED_TRACE("tokens " + std::to_string(fed) + " + " + std::to_string(n));
-      const Tensor row = cached.forward_cached(ids.data() + fed, n, cache);
+      std::vector<int32_t> piece;  // [B, n]
+      for (int b = 0; b < B; ++b) piece.insert(piece.end(), ids.begin() + b * T + fed, ids.begin() + b * T + fed + n);
+      const Tensor rows = cached.forward_cached(piece.data(), n, cache);
       fed += n;
       ASSERT_EQ(cache.length(), fed);
-      whole.forward(ids.data(), nullptr, 1, fed);
-      const float* want = whole.logits().f32() + int64_t{fed - 1} * cfg.vocab_size;
-      expect_logits(row.f32(), want);
-      for (int v = 0; v < cfg.vocab_size && !before.empty(); ++v) moved = std::max(moved, std::fabs(want[v] - before[v]));
-      before.assign(want, want + cfg.vocab_size);
+      for (int b = 0; b < B; ++b) {
+        whole.forward(ids.data() + b * T, nullptr, 1, fed);
+        const float* want = whole.logits().f32() + int64_t{fed - 1} * V;
+        expect_logits(rows.f32() + b * V, want);
+        for (int v = 0; v < V && b == 0 && !before.empty(); ++v) moved = std::max(moved, std::fabs(want[v] - before[v]));
+        if (b == 0) before.assign(want, want + V);
+      }
     }
     EXPECT_GT(moved, 0.1f) << "the logits hardly depend on the tokens: the test would not see a wrong cache";
-    // Full: one more token has no position (learned positions end at seq_len); a new
-    // sequence starts over at position 0.
+    // Full: one more token has no position (learned positions end at seq_len); new
+    // sequences start over at position 0.
     EXPECT_THROW(cached.forward_cached(ids.data(), 1, cache), Error);
     cache.clear();
-    const Tensor row = cached.forward_cached(ids.data(), 2, cache);
-    whole.forward(ids.data(), nullptr, 1, 2);
-    expect_logits(row.f32(), whole.logits().f32() + cfg.vocab_size);
+    const std::vector<int32_t> two = {ids[0], ids[1], ids[T], ids[T + 1]};
+    const Tensor rows = cached.forward_cached(two.data(), 2, cache);
+    for (int b = 0; b < B; ++b) {
+      whole.forward(ids.data() + b * T, nullptr, 1, 2);
+      expect_logits(rows.f32() + b * V, whole.logits().f32() + V);
+    }
   }
 }
 

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "data/tasks.h"
+#include "data/token_file.h"
 #include "data/tokenizer.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
@@ -603,7 +604,7 @@ TEST(Sample, ShowsTheTextAsItIsMade) {
     o.max_tokens = 80;
     o.seed = seed;
     std::vector<std::string> pieces;
-    const std::string whole = sample_text(o, [&](const std::string& p) { pieces.push_back(p); });
+    const std::string whole = sample_text(o, [&](const std::string& p) { pieces.push_back(p); }).at(0);
     ASSERT_GE(pieces.size(), 3u) << "seed " << seed;
     EXPECT_EQ(pieces[0], "héllo");
     std::string shown;
@@ -625,10 +626,11 @@ TEST(Sample, ShowsTheTextAsItIsMade) {
   EXPECT_GT(multibyte, 0) << "no multi-byte character was generated: the test shows nothing";
 }
 
-// sample's window (CachedWindow): it grows with the sequence to model.seq_len tokens, then
+// sample's window (CachedWindow): it grows with the sequences to model.seq_len tokens, then
 // starts again from the last seq_len / 2 (a prompt longer than seq_len: its last seq_len),
-// and each call's logits are the whole forward's over the window, at its last position
-// (within 2e-5 of the largest logit: other summation orders, as in KvCache's test).
+// and each call's logits are the whole forward's over the window, at its last position,
+// for each of 2 sequences side by side (within 2e-5 of the largest logit: other summation
+// orders, as in KvCache's test).
 TEST(Sample, WindowKeepsTheLastHalfWhenFull) {
   for (const char* family : {"gpt2", "llama"}) {
     SCOPED_TRACE(family);
@@ -637,36 +639,102 @@ TEST(Sample, WindowKeepsTheLastHalfWhenFull) {
     cfg.n_layer = 2, cfg.n_head = 4, cfg.d_model = 16, cfg.vocab_size = 19, cfg.seq_len = 8;
     if (cfg.is_llama()) cfg.n_kv_head = 2, cfg.d_ff = 24;
     CpuAllocator alloc;
-    Model whole(cfg, alloc, 1), cached(cfg, alloc, 1);
+    Model whole(cfg, alloc, 1), cached(cfg, alloc, 2);
     whole.init(3);
     for (Unit& u : whole.units())
       for (int64_t i = 0; i < u.numel; ++i) u.w.f32()[i] *= 8.0f;  // sharp attention: positions matter
     for (size_t u = 0; u < whole.units().size(); ++u) cached.units()[u].w.copy_from(whole.units()[u].w);
     Philox rng{5};
-    std::vector<int32_t> all(24);
-    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int32_t>(rng.uniform(0, i) * cfg.vocab_size);
+    std::vector<std::vector<int32_t>> all(2, std::vector<int32_t>(24));
+    for (size_t b = 0; b < 2; ++b)
+      for (size_t i = 0; i < 24; ++i) all[b][i] = static_cast<int32_t>(rng.uniform(b, i) * cfg.vocab_size);
     // (prompt length, then the window's first token after each further token)
     const std::vector<std::pair<size_t, std::vector<size_t>>> cases = {
         {3, {0, 0, 0, 0, 0, 0, 5, 5, 5, 5, 5, 10, 10, 10, 10, 10, 15, 15}},  // sizes 3 .. 20
         {11, {3, 8, 8, 8, 8, 8, 13}},                                         // sizes 11 .. 17
     };
     for (const auto& [prompt, begins] : cases) {
-      CachedWindow window(cached, alloc);
-      std::vector<int32_t> ids(all.begin(), all.begin() + prompt);
-      for (size_t k = 0; k < begins.size(); ++k, ids.push_back(all[ids.size()])) {
-        SCOPED_TRACE("prompt " + std::to_string(prompt) + ", " + std::to_string(ids.size()) + " tokens");
-        const float* got = window.next(ids);
+      CachedWindow window(cached, alloc, 2);
+      std::vector<std::vector<int32_t>> seqs;
+      for (const auto& a : all) seqs.emplace_back(a.begin(), a.begin() + prompt);
+      for (size_t k = 0; k < begins.size(); ++k) {
+        const size_t size = seqs[0].size();
+        SCOPED_TRACE("prompt " + std::to_string(prompt) + ", " + std::to_string(size) + " tokens");
+        const Tensor got = window.next(seqs);  // [2, V]
         ASSERT_EQ(window.begin(), begins[k]);
-        const int len = static_cast<int>(ids.size() - window.begin());
-        whole.forward(ids.data() + window.begin(), nullptr, 1, len);
-        const float* want = whole.logits().f32() + int64_t{len - 1} * cfg.vocab_size;
-        float top = 0, worst = 0;
-        for (int v = 0; v < cfg.vocab_size; ++v) top = std::max(top, std::fabs(want[v]));
-        for (int v = 0; v < cfg.vocab_size; ++v) worst = std::max(worst, std::fabs(got[v] - want[v]));
-        EXPECT_LE(worst, 2e-5f * top);
+        const int len = static_cast<int>(size - window.begin());
+        for (int b = 0; b < 2; ++b) {
+          whole.forward(seqs[b].data() + window.begin(), nullptr, 1, len);
+          const float* want = whole.logits().f32() + int64_t{len - 1} * cfg.vocab_size;
+          float top = 0, worst = 0;
+          for (int v = 0; v < cfg.vocab_size; ++v) top = std::max(top, std::fabs(want[v]));
+          for (int v = 0; v < cfg.vocab_size; ++v)
+            worst = std::max(worst, std::fabs(got.f32()[b * cfg.vocab_size + v] - want[v]));
+          EXPECT_LE(worst, 2e-5f * top) << "sequence " << b;
+          seqs[b].push_back(all[b][size]);
+        }
       }
     }
   }
+}
+
+// --samples N: N continuations drawn side by side in one batch. Trained on words of 1 to 6
+// letters each followed by end-of-text, the samples end at different steps (the ones done
+// are fed filler until all are); sample i draws from the sampler's stream i, so the first
+// is the single sample's text with that seed; 40 tokens pass the window of 16 (restarts).
+// The command prints each under a header and says how many it drew.
+TEST(Sample, SeveralSamplesDrawSideBySide) {
+  test::TempDir d;
+  Philox rng{9};
+  std::vector<int32_t> tokens;
+  for (int w = 0; tokens.size() < 6000; ++w) {
+    const int len = 1 + static_cast<int>(rng.uniform(0, w) * 6);
+    for (int i = 0; i < len; ++i) tokens.push_back('a' + static_cast<int>(rng.uniform(1, w * 8 + i) * 3));
+    tokens.push_back(256);  // the byte-level tokenizer's end-of-text
+  }
+  token_file_write(d / "t.bin", tokens);
+  std::string out, bin = MESHTRAIN_BIN;
+  ASSERT_EQ(test::run_command(bin + " train --data.path=" + d / "t.bin" +
+                                  " --model.vocab_size=257 --model.n_layer=1 --model.d_model=32 --model.n_head=2"
+                                  " --model.seq_len=16 --training.steps=60 --optim.lr=0.01 --training.global_batch=8"
+                                  " --logging.progress=off --checkpoint.dir=" + d / "ck",
+                              &out),
+            0)
+      << out;
+  SampleOptions o;
+  o.checkpoint = d / "ck";
+  o.prompt = "ab";
+  o.max_tokens = 40;
+  int ended = 0, distinct = 0;
+  for (uint64_t seed = 1; seed <= 3; ++seed) {
+    o.seed = seed;
+    o.samples = 1;
+    const std::string one = sample_text(o).at(0);
+    o.samples = 5;
+    SampleStats st;
+    const std::vector<std::string> five = sample_text(o, {}, &st);
+    ASSERT_EQ(five.size(), 5u);
+    EXPECT_EQ(five[0], one) << "seed " << seed;
+    int64_t chars = 0;
+    for (const std::string& t : five) {
+      EXPECT_EQ(t.rfind("ab", 0), 0u) << t;
+      chars += static_cast<int64_t>(t.size()) - 2;  // one byte per generated token
+      ended += t.size() < 2 + 40;
+      distinct += t != five[0];
+    }
+    EXPECT_EQ(st.generated, chars);
+    EXPECT_EQ(st.samples, 5);
+  }
+  EXPECT_GT(ended, 0) << "no sample reached end-of-text: the filler path ran nowhere";
+  EXPECT_GT(distinct, 0) << "the samples are all alike";
+  o.seed = 1, o.samples = 3;
+  const std::vector<std::string> three = sample_text(o);
+  ASSERT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " --prompt ab --tokens 40 --samples 3", &out),
+            0);
+  EXPECT_EQ(out.substr(0, out.find("sample: ")), "--- sample 1 of 3 ---\n" + three[0] + "\n--- sample 2 of 3 ---\n" +
+                                                     three[1] + "\n--- sample 3 of 3 ---\n" + three[2] + "\n")
+      << out;
+  EXPECT_NE(out.find("sample: 3 samples, "), std::string::npos) << out;
 }
 
 // The sampler (pick_token) on a row of 4 logits whose softmax is 0.15, 0.5, 0.05, 0.3: u
@@ -754,7 +822,8 @@ TEST(Command, PrepareTrainExportSample) {
            {"--temperature nan", "--temperature nan must be a finite number"},
            {"--top-k -3", "--top-k -3 must not be negative"},
            {"--top-p 0", "--top-p 0 must be above 0 and at most 1"},
-           {"--top-p 1.5", "--top-p 1.5 must be above 0 and at most 1"}}) {
+           {"--top-p 1.5", "--top-p 1.5 must be above 0 and at most 1"},
+           {"--samples 0", "--samples 0 must be from 1 to 1024"}}) {
     EXPECT_EQ(test::run_command(bin + " sample --checkpoint " + d / "ck" + " " + opt, &out), 1) << opt;
     EXPECT_NE(out.find(want), std::string::npos) << opt << "\n" << out;
   }

@@ -314,6 +314,8 @@ int main(int argc, char** argv) {
         ->check(seed_range)
         ->capture_default_str();
     smp->add_option("--tokenizer", so.tokenizer, "byte or a .model file (default: the checkpoint's)");
+    smp->add_option("--samples", so.samples, "continuations drawn side by side, printed when all are done")
+        ->capture_default_str();
 
     auto* sched = app.add_subcommand("schedule", "simulate a pipeline schedule: timeline, bubble, activations held");
     mt::ScheduleOptions sched_opts;
@@ -368,13 +370,17 @@ int main(int argc, char** argv) {
       std::printf("exported %s to %s\n", dir.c_str(), exp_out.c_str());
     } else if (smp->parsed()) {
       mt::SampleStats st;
-      mt::sample_text(
+      const std::vector<std::string> texts = mt::sample_text(
           so,
-          [](const std::string& piece) {  // shown as it is generated
+          [](const std::string& piece) {  // one sample: shown as it is generated
             std::fwrite(piece.data(), 1, piece.size(), stdout);
             std::fflush(stdout);
           },
           &st);
+      for (size_t i = 0; i < texts.size() && texts.size() > 1; ++i) {
+        std::printf("%s--- sample %zu of %zu ---\n", i ? "\n" : "", i + 1, texts.size());
+        std::fwrite(texts[i].data(), 1, texts[i].size(), stdout);
+      }
       std::printf("\n");
       std::fflush(stdout);
       std::fprintf(stderr, "%s\n", mt::sample_summary(st).c_str());  // after the text, apart from it

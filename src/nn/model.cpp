@@ -528,40 +528,44 @@ Tensor Model::forward_cached(const int32_t* tokens, int n, KvCache& cache) {
                cfg_.fused_attention() && !cfg_.mixed_precision() && !hooks_,
            "internal: a cached forward runs the whole model on one rank in fp32, with fused attention and no "
            "recomputation or hooks");
-  MT_CHECK(cache.capacity() == cfg_.seq_len, "internal: a key/value cache of another model");
+  const int B = cache.batch();
+  MT_CHECK(cache.capacity() == cfg_.seq_len && B <= micro_batch_, "internal: a key/value cache of another model");
   MT_CHECK(n >= 1 && n <= cfg_.seq_len - cache.length(), "internal: " << n << " new tokens after the cache's "
                                                                       << cache.length() << " exceed model.seq_len = "
                                                                       << cfg_.seq_len);
   Slot& sl = slot(0, 0);
-  copy_ids(sl.tokens, tokens, n, 0, cfg_.vocab_size, "token");
+  copy_ids(sl.tokens, tokens, int64_t{B} * n, 0, cfg_.vocab_size, "token");
   cache.begin(n);
-  B_ = sl.B = 1, T_ = sl.T = n;
+  B_ = sl.B = B, T_ = sl.T = n;
   sl.has_targets = false;
   std::vector<int32_t> pos(n);  // the new tokens' positions
   for (int t = 0; t < n; ++t) pos[t] = cache.length() + t;
   const int64_t C = cfg_.d_model;
   const Unit& e = units_[0];
-  const Tensor x0 = resid(sl.resid.front());  // [1, n, C]
-  embedding_forward(x0, sl.tokens.view(0, {1, n}), e.param(cfg_.is_llama() ? "embed_tokens.weight" : "wte.weight"),
+  const Tensor x0 = resid(sl.resid.front());  // [B, n, C]
+  embedding_forward(x0, sl.tokens.view(0, {B, n}), e.param(cfg_.is_llama() ? "embed_tokens.weight" : "wte.weight"),
                     nullptr);
   if (!cfg_.is_llama()) position_forward(x0, e.param("wpe.weight"), pos.data());
   // the blocks as forward runs them, their attention over the cache at the new positions
   const BlockEnv env{cfg_, dims_, tp_, *scratch_, cache, pos.data()};
   for (int l = 0; l < cfg_.n_layer; ++l)
-    block_forward(env, units_[l + 1], *sl.acts[l], resid(sl.resid[l]), resid(sl.resid[l + 1]), 1, n);
+    block_forward(env, units_[l + 1], *sl.acts[l], resid(sl.resid[l]), resid(sl.resid[l + 1]), B, n);
   cache.end();
-  // the final norm and the head on the last token only
+  // the final norm and the head on each sequence's last token only, gathered into x [B, 1, C]
+  // (dresid's room: no backward follows)
   const Unit& f = units_[cfg_.n_layer + 1];
-  const Tensor x = sl.resid.back().view(int64_t{n - 1} * C, {1, 1, C}), lnf = sl.lnf.view(0, {1, 1, C});
-  const Tensor mean = sl.lnf_mean.view(0, {1, 1}), rstd = sl.lnf_rstd.view(0, {1, 1});
+  const Tensor x = sl.dresid.view(0, {B, 1, C}), lnf = sl.lnf.view(0, {B, 1, C});
+  for (int64_t b = 0; b < B; ++b)
+    x.view(b * C, {1, 1, C}).copy_from(sl.resid.back().view((b * n + n - 1) * C, {1, 1, C}));
+  const Tensor mean = sl.lnf_mean.view(0, {B, 1}), rstd = sl.lnf_rstd.view(0, {B, 1});
   if (!cfg_.is_llama()) norm_forward(env, lnf, mean, rstd, x, f.param("ln_f.weight"), f.param("ln_f.bias"), Tensor());
   else norm_forward(env, lnf, mean, rstd, x, f.param("model.norm.weight"), Tensor(), Tensor());
   int hu = 0;
   const ParamSpec& hp = head_spec(*this, &hu);
-  const Tensor row = sl.logits.view(0, {1, dims_.V});
-  linear_forward(row, lnf.reshape({1, C}), units_[hu].matrix_view(hp.offset, hp.shape), nullptr);
-  sl.T = 1;  // logits() is this row
-  return row.reshape({dims_.V});
+  const Tensor rows = sl.logits.view(0, {B, dims_.V});
+  linear_forward(rows, lnf.reshape({B, C}), units_[hu].matrix_view(hp.offset, hp.shape), nullptr);
+  sl.T = 1;  // logits() is these rows
+  return rows;
 }
 
 // The head's weight gradient from the loss gradient (the logits' buffer) and the head's input.

@@ -231,10 +231,12 @@ class Model {
   // equal logits), over the whole vocabulary whatever the tp layout. Collective over tp.
   void predictions(int32_t* out, int slot = 0);
 
-  // Generation (meshtrain sample): the logits [V] of the token after tokens[0, n), which
-  // follow the cache's tokens (positions cache.length() .. + n - 1, within model.seq_len);
-  // their keys and values join the cache (nn/kv_cache.h). The whole model on one rank, in
-  // fp32 with fused attention and no hooks; the view is valid until the next forward.
+  // Generation (meshtrain sample): for B = cache.batch() sequences side by side (B <=
+  // micro_batch), the logits [B, V] of the token after each one's tokens[b, 0 .. n) (tokens:
+  // [B, n]), which follow the cache's tokens (positions cache.length() .. + n - 1, within
+  // model.seq_len); their keys and values join the cache (nn/kv_cache.h). The whole model
+  // on one rank, in fp32 with fused attention and no hooks; the view is valid until the
+  // next forward.
   Tensor forward_cached(const int32_t* tokens, int n, KvCache& cache);
 
  private:

@@ -39,18 +39,24 @@ size_t settled(const std::string& text) {
 
 }  // namespace
 
-CachedWindow::CachedWindow(Model& model, Allocator& alloc) : model_(model), cache_(model.config(), alloc) {}
+CachedWindow::CachedWindow(Model& model, Allocator& alloc, int rows)
+    : model_(model), cache_(model.config(), alloc, rows) {}
 
-const float* CachedWindow::next(const std::vector<int32_t>& ids) {
-  const size_t T = static_cast<size_t>(cache_.capacity());
-  MT_CHECK(ids.size() > begin_ + cache_.length(), "internal: no new token since the last call");
-  if (ids.size() - begin_ > T) {  // the window overflows: restart it with the last tokens
+Tensor CachedWindow::next(const std::vector<std::vector<int32_t>>& seqs) {
+  const size_t T = static_cast<size_t>(cache_.capacity()), len = seqs.at(0).size();
+  MT_CHECK(static_cast<int>(seqs.size()) == cache_.batch(), "internal: " << seqs.size() << " sequences for a window of "
+                                                                        << cache_.batch());
+  for (const auto& s : seqs) MT_CHECK(s.size() == len, "internal: sequences of different lengths");
+  MT_CHECK(len > begin_ + cache_.length(), "internal: no new token since the last call");
+  if (len - begin_ > T) {  // the window overflows: restart it with the last tokens
     restarts_ += cache_.length() > 0;
-    begin_ = ids.size() - (cache_.length() == 0 ? T : std::max<size_t>(1, T / 2));
+    begin_ = len - (cache_.length() == 0 ? T : std::max<size_t>(1, T / 2));
     cache_.clear();
   }
   const size_t fed = begin_ + cache_.length();
-  return model_.forward_cached(ids.data() + fed, static_cast<int>(ids.size() - fed), cache_).f32();
+  fresh_.clear();
+  for (const auto& s : seqs) fresh_.insert(fresh_.end(), s.begin() + fed, s.end());
+  return model_.forward_cached(fresh_.data(), static_cast<int>(len - fed), cache_);
 }
 
 int pick_token(const float* logits, int V, const SampleOptions& o, double u, std::vector<std::pair<float, int>>& cand) {
@@ -75,7 +81,9 @@ int pick_token(const float* logits, int V, const SampleOptions& o, double u, std
 
 std::string sample_summary(const SampleStats& st) {
   std::ostringstream s;
-  s << "sample: " << st.generated << " tokens";
+  s << "sample: ";
+  if (st.samples > 1) s << st.samples << " samples, ";
+  s << st.generated << " tokens";
   if (st.prompt_read > 0) {
     s << "; the prompt's " << st.prompt_read << " read in " << std::fixed << std::setprecision(2) << st.prompt_s << " s";
     if (st.prompt_read < st.prompt_tokens)
@@ -88,14 +96,15 @@ std::string sample_summary(const SampleStats& st) {
   return s.str();
 }
 
-std::string sample_text(const SampleOptions& o, const std::function<void(const std::string&)>& emit,
-                        SampleStats* stats) {
+std::vector<std::string> sample_text(const SampleOptions& o, const std::function<void(const std::string&)>& emit,
+                                     SampleStats* stats) {
   // Before the checkpoint loads: a negative count generated nothing, and a negative or nan
   // temperature, or a negative top-k, silently fell back to greedy or the whole vocabulary.
   MT_CHECK(o.max_tokens >= 0, "--tokens " << o.max_tokens << " must not be negative (tokens to generate)");
   MT_CHECK(std::isfinite(o.temperature) && o.temperature >= 0,
            "--temperature " << o.temperature << " must be a finite number of at least 0 (0: greedy; e.g. 0.8)");
   MT_CHECK(o.top_k >= 0, "--top-k " << o.top_k << " must not be negative (0: the whole vocabulary)");
+  MT_CHECK(o.samples >= 1 && o.samples <= 1024, "--samples " << o.samples << " must be from 1 to 1024");
   MT_CHECK(o.top_p > 0 && o.top_p <= 1, "--top-p " << o.top_p << " must be above 0 and at most 1 (1: no nucleus cut; "
                                                    "e.g. 0.9)");
   const std::string dir = checkpoint_latest(o.checkpoint);
@@ -104,7 +113,14 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
   CpuAllocator alloc;
   cfg.model.precision = "fp32";  // a checkpoint holds fp32 parameters (the masters of a mixed-precision run)
   cfg.model.attention = "fused";  // the cached forward's (the same function either way)
-  Model model(cfg.model, alloc, 1, /*recompute=*/false, /*allocate_state=*/false);  // parameters only: no gradients
+  std::unique_ptr<Model> made;
+  try {  // parameters only (no gradients), activations for the samples side by side
+    made = std::make_unique<Model>(cfg.model, alloc, o.samples, /*recompute=*/false, /*allocate_state=*/false);
+  } catch (const Error& e) {
+    if (o.samples == 1) throw;
+    MT_FAIL("--samples " << o.samples << " side by side do not fit: " << e.what() << ". Draw fewer samples at once");
+  }
+  Model& model = *made;
   for (Unit& u : model.units()) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
   checkpoint_load(dir, cfg.model, checkpoint_param_slices(model.units()));
   // The checkpoint's tokenizer, as the run recorded it: a relative path (checkpoints written
@@ -132,9 +148,16 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
                  << (o.prompt.empty() ? ": give a --prompt" : ": the model was trained on other ids than this "
                                                               "tokenizer's; pass the one it was trained with (--tokenizer)"));
   const size_t n_prompt = ids.size();
-  const int V = cfg.model.vocab_size;
-  if (emit) emit(o.prompt);
-  const auto generated = [&] { return tok->decode(std::vector<int32_t>(ids.begin() + n_prompt, ids.end())); };
+  const int V = cfg.model.vocab_size, N = o.samples;
+  if (emit && N == 1) emit(o.prompt);
+  // N sequences side by side; one that reached end-of-text is fed filler (id 0, unread)
+  // until every one has, so that they keep one length. end[b]: sequence b's generated end.
+  std::vector<std::vector<int32_t>> seqs(N, ids);
+  std::vector<size_t> end(N, 0);
+  const auto generated = [&](int b) {
+    const auto& q = seqs[b];
+    return tok->decode(std::vector<int32_t>(q.begin() + n_prompt, end[b] ? q.begin() + end[b] : q.end()));
+  };
   std::string shown;  // the generated text emitted so far
   const auto show = [&](const std::string& text, size_t upto) {  // text up to upto, where it extends shown
     if (upto <= shown.size() || text.compare(0, shown.size(), shown) != 0) return;  // nothing new, or rewritten
@@ -143,46 +166,63 @@ std::string sample_text(const SampleOptions& o, const std::function<void(const s
   };
   Philox rng{o.seed};
   std::vector<std::pair<float, int>> cand;
-  CachedWindow window(model, alloc);
+  CachedWindow window(model, alloc, N);
   SampleStats st;
+  st.samples = N;
   st.prompt_tokens = static_cast<int64_t>(n_prompt);
   using clock = std::chrono::steady_clock;
   const auto seconds = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
   clock::time_point first;  // when the prompt's forward ended
-  for (int n = 0; n < o.max_tokens; ++n) {
+  int live = N;             // sequences still generating
+  for (int n = 0; n < o.max_tokens && live > 0; ++n) {
     const auto start = clock::now();
-    const float* row = window.next(ids);
+    const Tensor rows = window.next(seqs);  // [N, V]
     if (n == 0) {
       first = clock::now();
       st.prompt_s = seconds(start, first);
-      st.prompt_read = static_cast<int64_t>(ids.size() - window.begin());
+      st.prompt_read = static_cast<int64_t>(seqs[0].size() - window.begin());
     } else {
       st.decode_s = seconds(first, clock::now());
-      st.decoded = n;
+      st.decoded += live;
     }
-    const int next = pick_token(row, V, o, rng.uniform(0, n), cand);
-    if (next == tok->eot()) break;
-    ids.push_back(next);
-    if (emit) {
-      const std::string text = generated();
+    for (int b = 0; b < N; ++b) {
+      if (end[b]) {
+        seqs[b].push_back(0);
+        continue;
+      }
+      const int next = pick_token(rows.f32() + int64_t{b} * V, V, o, rng.uniform(b, n), cand);
+      if (next == tok->eot()) {
+        end[b] = seqs[b].size();
+        seqs[b].push_back(0);
+        --live;
+        continue;
+      }
+      seqs[b].push_back(next);
+      ++st.generated;
+    }
+    if (emit && N == 1 && !end[0]) {
+      const std::string text = generated(0);
       show(text, settled(text));
     }
   }
-  const std::string text = generated();
-  if (emit) show(text, text.size());
-  st.generated = static_cast<int64_t>(ids.size() - n_prompt);
+  std::vector<std::string> texts;
+  int64_t outside = 0;  // tokens the tokenizer does not have
+  for (int b = 0; b < N; ++b) {
+    texts.push_back(o.prompt + generated(b));
+    const size_t stop = end[b] ? end[b] : seqs[b].size();
+    for (size_t i = n_prompt; i < stop; ++i) outside += seqs[b][i] >= tok->vocab_size();
+  }
+  if (emit && N == 1) show(texts[0].substr(o.prompt.size()), texts[0].size() - o.prompt.size());
   st.restarts = window.restarts();
   if (stats) *stats = st;
-  // Tokens the tokenizer does not have: the model learned another tokenizer's ids (a run
-  // resumed without its data.tokenizer records the default one). Said, not printed as noise.
-  int64_t outside = 0;
-  for (size_t i = n_prompt; i < ids.size(); ++i) outside += ids[i] >= tok->vocab_size();
+  // The model learned another tokenizer's ids (a run resumed without its data.tokenizer
+  // records the default one). Said, not printed as noise.
   if (outside > 0)
-    std::fprintf(stderr, "meshtrain: warning: %lld of %zu generated tokens are not in the tokenizer %s (%d tokens; the "
+    std::fprintf(stderr, "meshtrain: warning: %lld of %lld generated tokens are not in the tokenizer %s (%d tokens; the "
                  "model has %d): it was trained with another one; pass --tokenizer FILE.model\n",
-                 static_cast<long long>(outside), ids.size() - n_prompt,
+                 static_cast<long long>(outside), static_cast<long long>(st.generated),
                  (o.tokenizer.empty() ? cfg.data.tokenizer : o.tokenizer).c_str(), tok->vocab_size(), V);
-  return o.prompt + text;
+  return texts;
 }
 
 }  // namespace mt
