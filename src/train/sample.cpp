@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <iomanip>
 #include <memory>
-#include <numeric>
 #include <sstream>
 #include <vector>
 
@@ -63,19 +62,37 @@ int pick_token(const float* logits, int V, const SampleOptions& o, double u, std
   if (o.temperature <= 0) return static_cast<int>(std::max_element(logits, logits + V) - logits);
   cand.resize(V);
   for (int v = 0; v < V; ++v) cand[v] = {logits[v], v};
+  // likelier first, equal logits by id: one order whatever the sorting does
+  const auto likelier = [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
   const int k = o.top_k > 0 ? std::min(o.top_k, V) : V;
-  // the k likeliest, likeliest first (equal logits: the lower id first, so the order is the
-  // same whatever the sort does)
-  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(),
-                    [](auto& a, auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
-  std::vector<double> p(k);  // unnormalised probabilities, then their running sums
+  if (k < V) std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), likelier);  // the top k first
+  const float top = std::min_element(cand.begin(), cand.begin() + k, likelier)->first;
+  const auto weight = [&](int i) { return std::exp((cand[i].first - top) / o.temperature); };  // unnormalised
   double total = 0;
-  for (int i = 0; i < k; ++i) total += p[i] = std::exp((cand[i].first - cand[0].first) / o.temperature);
-  int m = 1;  // the nucleus: the fewest likeliest whose probabilities sum to at least top_p
-  for (double sum = p[0]; m < k && sum < o.top_p * total; ++m) sum += p[m];
-  double draw = u * std::accumulate(p.begin(), p.begin() + m, 0.0);
+  for (int i = 0; i < k; ++i) total += weight(i);
+  // The walks below read the top k likeliest first; they are sorted a chunk at a time, as
+  // far as a walk goes (a trained model's draws rarely go past the first few dozen).
+  int sorted = 0;
+  const auto reach = [&](int i) {
+    if (i < sorted) return;
+    const int upto = std::min(k, std::max(i + 1, 2 * sorted + 64));
+    std::partial_sort(cand.begin() + sorted, cand.begin() + upto, cand.begin() + k, likelier);
+    sorted = upto;
+  };
+  int m = k;  // the nucleus: the fewest likeliest whose probabilities sum to at least top_p
+  double mass = total;
+  if (o.top_p < 1) {
+    mass = 0, m = 0;
+    for (; m < k && (m == 0 || mass < o.top_p * total); ++m) reach(m), mass += weight(m);
+  }
+  double draw = u * mass;
   int i = 0;
-  while (i + 1 < m && (draw -= p[i]) > 0) ++i;
+  for (;; ++i) {
+    reach(i);
+    if (i + 1 >= m || (draw -= weight(i)) <= 0) break;
+  }
   return cand[i].second;
 }
 
