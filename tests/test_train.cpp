@@ -776,6 +776,31 @@ TEST(Sample, PickTokenDrawsFromTheTopKAndTheNucleus) {
   EXPECT_EQ(pick_token(ties, 4, o, 0.5, cand), 1);
   o.temperature = 1e-3, o.top_k = 1;  // top-k 1 among equal logits: the lower id
   EXPECT_EQ(pick_token(ties, 4, o, 0.99, cand), 1);
+
+  // 3000 logits, nearly flat, with ties: the walks go deep into the likeliest, sorted a
+  // chunk at a time; each draw is the one the whole sorted list gives.
+  std::vector<float> wide(3000);
+  for (size_t v = 0; v < wide.size(); ++v) wide[v] = static_cast<float>((v * 7919) % 1000) * 1e-3f;
+  std::vector<int> order(wide.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return wide[a] > wide[b] || (wide[a] == wide[b] && a < b); });
+  for (const auto& [k, p] : std::vector<std::pair<int, double>>{{0, 1.0}, {0, 0.9}, {2000, 1.0}, {2000, 0.5}}) {
+    o.temperature = 0.7, o.top_k = k, o.top_p = p;
+    const int n = k ? k : static_cast<int>(wide.size());
+    std::vector<double> w(n);
+    double total = 0, mass = 0;
+    for (int i = 0; i < n; ++i) total += w[i] = std::exp((wide[order[i]] - wide[order[0]]) / 0.7);
+    int m = 0;
+    while (m < n && (m == 0 || mass < p * total)) mass += w[m++];
+    for (int j = 0; j < 500; ++j) {
+      const double u = (j + 0.37) / 500;
+      double draw = u * mass;
+      int i = 0;
+      while (i + 1 < m && (draw -= w[i]) > 0) ++i;
+      ASSERT_EQ(pick_token(wide.data(), static_cast<int>(wide.size()), o, u, cand), order[i])
+          << "top_k " << k << " top_p " << p << " u " << u;
+    }
+  }
 }
 
 // sample's summary line: what it read, how fast, the prompt's cut and the window's restarts.
