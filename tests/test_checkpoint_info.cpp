@@ -205,7 +205,15 @@ TEST(CheckpointInfo, MetadataFieldsOfTheWrongKindAreNamed) {
            {[](nlohmann::json& m) { m["config"]["parallel"].erase("dp"); },  // info divided by it
             "is corrupt (it records parallel.dp = 0 and training.micro_batch = 2, not the layout a run resolved)"},
            {[](nlohmann::json& m) { m["shards"][0]["file"] = "../t.bin"; },
-            "is corrupt (it has shards[0].file = \"../t.bin\", not a file name)"}}) {
+            "is corrupt (it has shards[0].file = \"../t.bin\", not a file name)"},
+           // found by fuzzing: longer than a file name can be ("internal error: filesystem
+           // error: File name too long"), and a NUL (the file system would read a shorter name)
+           {[](nlohmann::json& m) { m["shards"][0]["file"] = std::string(300, 'a'); },
+            "is corrupt (it has shards[0].file = \"" + std::string(36, 'a') + "..., not a file name)"},
+           {[](nlohmann::json& m) { m["shards"][0]["file"] = std::string("shard_00000.safetensors\0x", 25); },
+            "is corrupt (it has shards[0].file = \"shard_00000.safetensors\\u0000x\", not a file name)"},
+           {[](nlohmann::json& m) { m["shards"][0]["file"] = ".."; },
+            "is corrupt (it has shards[0].file = \"..\", not a file name)"}}) {
     nlohmann::json m = meta;
     edit(m);
     std::ofstream(dir + "/meta.json") << m.dump(1);

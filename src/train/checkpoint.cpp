@@ -169,8 +169,11 @@ struct MetaFields {
   static bool text(const J& v) { return v.is_string(); }
   static bool object(const J& v) { return v.is_object(); }
   static bool list(const J& v) { return v.is_array(); }
-  static bool file_name(const J& v) {  // a file of the checkpoint's own directory
-    return v.is_string() && !v.get<std::string>().empty() && v.get<std::string>().find('/') == std::string::npos;
+  static bool file_name(const J& v) {  // a file of the checkpoint's own directory: a name a file system takes
+    if (!v.is_string()) return false;
+    const std::string& n = v.get_ref<const std::string&>();
+    return !n.empty() && n.size() <= 255 && n != "." && n != ".." &&
+           n.find_first_of(std::string("/\0", 2)) == std::string::npos;
   }
   template <Kind element>
   static bool list_of(const J& v) {
