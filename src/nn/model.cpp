@@ -356,7 +356,7 @@ double Model::forward(int chunk, int s, const int32_t* tokens, const int32_t* ta
   if (!spec.head) return 0.0;
   h.before_forward(cfg_.n_layer + 1);
   widen(cfg_.n_layer + 1);
-  final_forward(sl);
+  final_forward(sl, resid(sl.resid.back()));
   narrow(cfg_.n_layer + 1);
   h.after_forward(cfg_.n_layer + 1);
   return targets ? loss_forward(sl) : 0.0;
@@ -509,9 +509,8 @@ static const ParamSpec& head_spec(const Model& m, int* unit) {
   return *p;
 }
 
-void Model::final_forward(Slot& sl) {
+void Model::final_forward(Slot& sl, const Tensor& x) {
   const Unit& u = units_.back();
-  const Tensor x = resid(sl.resid.back());
   const Tensor lnf = sl.lnf.view(0, {B_, T_, cfg_.d_model});
   const Tensor mean = sl.lnf_mean.view(0, {B_, x.dim(1)}), rstd = sl.lnf_rstd.view(0, {B_, x.dim(1)});
   const Tensor local = dims_.seq_split > 1 ? scratch_->local.view(0, x.shape()) : Tensor();
@@ -552,20 +551,13 @@ Tensor Model::forward_cached(const int32_t* tokens, int n, KvCache& cache) {
     block_forward(env, units_[l + 1], *sl.acts[l], resid(sl.resid[l]), resid(sl.resid[l + 1]), B, n);
   cache.end();
   // the final norm and the head on each sequence's last token only, gathered into x [B, 1, C]
-  // (dresid's room: no backward follows)
-  const Unit& f = units_[cfg_.n_layer + 1];
-  const Tensor x = sl.dresid.view(0, {B, 1, C}), lnf = sl.lnf.view(0, {B, 1, C});
+  // (dresid's room: no backward follows); logits() is then these rows
+  const Tensor x = sl.dresid.view(0, {B, 1, C});
   for (int64_t b = 0; b < B; ++b)
     x.view(b * C, {1, 1, C}).copy_from(sl.resid.back().view((b * n + n - 1) * C, {1, 1, C}));
-  const Tensor mean = sl.lnf_mean.view(0, {B, 1}), rstd = sl.lnf_rstd.view(0, {B, 1});
-  if (!cfg_.is_llama()) norm_forward(env, lnf, mean, rstd, x, f.param("ln_f.weight"), f.param("ln_f.bias"), Tensor());
-  else norm_forward(env, lnf, mean, rstd, x, f.param("model.norm.weight"), Tensor(), Tensor());
-  int hu = 0;
-  const ParamSpec& hp = head_spec(*this, &hu);
-  const Tensor rows = sl.logits.view(0, {B, dims_.V});
-  linear_forward(rows, lnf.reshape({B, C}), units_[hu].matrix_view(hp.offset, hp.shape), nullptr);
-  sl.T = 1;  // logits() is these rows
-  return rows;
+  T_ = sl.T = 1;
+  final_forward(sl, x);
+  return sl.logits.view(0, {B, dims_.V});
 }
 
 // The head's weight gradient from the loss gradient (the logits' buffer) and the head's input.

@@ -253,7 +253,9 @@ class Model {
   int64_t first_row() const;  // the residual stream's first local row on this tp rank
   void embed_forward(Slot& s);
   void embed_backward(Slot& s);
-  void final_forward(Slot& s);
+  // The final norm of x [B_, Tl, C] (the residual stream's last rows) and the head, into the
+  // slot's lnf [B_, T_, C] and logits [B_, T_, V].
+  void final_forward(Slot& s, const Tensor& x);
   void final_backward(Slot& s, float scale, bool with_weight);
   void head_backward_weight(Slot& s);
   // Mixed precision: swaps fp32 copies of the 16-bit w of the units unit `unit` reads into
