@@ -591,6 +591,43 @@ TEST(Ops, AttentionPartWholeSequenceIsFused) {
   }
 }
 
+// A key/value cache's attention (attention_kv_forward) is the part of the new query rows
+// against the rows held, with the keys and values apart from the queries: the same bits as
+// attention_part_forward over fused rows, for grouped-query heads, head dims that are not
+// whole vectors, one or several new rows. The held buffer's rows past the part are NaN, so
+// reading one shows. A kv of the fused width is refused, naming the shape it wants.
+TEST(Ops, AttentionKvIsThePartWithKeysAndValuesApart) {
+  std::mt19937 g(41);
+  struct Case { int B, T, n, NH, NKV, D; };
+  for (Case cs : {Case{1, 1, 1, 2, 2, 4}, {2, 9, 1, 4, 1, 5}, {2, 13, 4, 4, 2, 16}, {1, 70, 3, 4, 4, 3}}) {
+    const int B = cs.B, T = cs.T, n = cs.n, NH = cs.NH, W = (NH + 2 * cs.NKV) * cs.D, KW = 2 * cs.NKV * cs.D;
+    const int OW = NH * cs.D, Tcap = T + 5, held = T - n;  // new rows at positions held .. T - 1
+    SCOPED_TRACE(testing::Message() << "B=" << B << " T=" << T << " n=" << n << " NKV=" << cs.NKV << " D=" << cs.D);
+    const VecF qkv = randv(B * T * W, g, -2, 2);  // [B, T, W]: every row, fused
+    VecF out_p(B * n * OW), lse_p(B * NH * n), qnew(B * n * W), kv(B * Tcap * KW, std::nanf(""));
+    for (int b = 0; b < B; ++b) {
+      std::copy_n(&qkv[(b * T + held) * W], n * W, &qnew[b * n * W]);
+      for (int t = 0; t < T; ++t) std::copy_n(&qkv[(b * T + t) * W + NH * cs.D], KW, &kv[(b * Tcap + t) * KW]);
+    }
+    VecF q_in = qnew, all = qkv;
+    attention_part_forward(tf(out_p, {B, n, OW}), tf(lse_p, {B, NH, n}), tf(q_in, {B, n, W}), {0, n, held},
+                           tf(all, {B, T, W}), {0, T, 0}, NH, cs.NKV, false);
+    VecF out(B * n * OW), lse(B * NH * n);
+    attention_kv_forward(tf(out, {B, n, OW}), tf(lse, {B, NH, n}), tf(q_in, {B, n, W}), {0, n, held},
+                         tf(kv, {B, Tcap, KW}), {0, T, 0}, NH, cs.NKV);
+    EXPECT_TRUE(same_bits(out, out_p)) << "out";
+    EXPECT_TRUE(same_bits(lse, lse_p)) << "lse";
+    const std::string m = error_message([&] {
+      attention_kv_forward(tf(out, {B, n, OW}), tf(lse, {B, NH, n}), tf(q_in, {B, n, W}), {0, n, held},
+                           tf(all, {B, T, W}), {0, T, 0}, NH, cs.NKV);
+    });
+    const std::string says = "attention_kv_forward: qkv_kv has shape [" + std::to_string(B) + ", " +
+                             std::to_string(T) + ", " + std::to_string(W) + "], expected [B, Tk, 2 NKV D] = [" +
+                             std::to_string(B) + ", Tk, " + std::to_string(KW) + "]";
+    EXPECT_NE(m.find(says), std::string::npos) << m;
+  }
+}
+
 // A part call's errors say which argument is wrong and what it should be.
 TEST(Ops, AttentionPartShapeErrorsNameTheProblem) {
   VecF a(128, 0.0f), b(128, 0.0f), c(128, 0.0f), d(128, 0.0f), e(128, 0.0f), f(128, 0.0f);

@@ -82,6 +82,11 @@ struct AttentionRows {
 // on where the rows lie in their buffers (or on the thread count).
 void attention_part_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
                             const Tensor& qkv_kv, AttentionRows k, int n_head, int n_kv_head, bool merge);
+// attention_part_forward (merge = false, the same bits) with the keys and values held apart
+// from the queries: kv [B, Tk, 2 NKV D], per row the NKV key heads, then the NKV value heads
+// (the k|v columns of a fused row). For a key/value cache (nn/kv_cache.h); CPU only.
+void attention_kv_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
+                          const Tensor& kv, AttentionRows k, int n_head, int n_kv_head);
 // Backward of one part, given dout [B, Tq, NH D] and the FINAL (all parts merged) out
 // [B, Tq, NH D] and lse [B, NH, Tq] of the query rows: adds (+=) the part's gradient into
 // the query columns of rows q of dqkv_q [B, Tq, W] and into the key and value columns of

@@ -415,6 +415,7 @@ struct PartArgs {
   AttentionShape s;  // qkv_q's (T: its rows)
   int64_t Tk;        // qkv_kv's rows
   AttentionRows q, k;
+  int64_t kv_w = s.W, kv_col = s.NH * s.D;  // qkv_kv's row width, its first key column
   Dims dims() const {
     const int64_t off = q.position - k.position;
     return make_dims(s, q.count, std::clamp<int64_t>(q.count + off, 0, k.count), off);
@@ -428,7 +429,7 @@ void part_forward(const PartArgs& a, float* out, float* lse, const float* qkv_q,
   const Dims z = a.dims();
   if (z.Tq == 0 || (z.Tk == 0 && merge)) return;  // no query, or none sees a key: nothing to merge
   const AttentionShape& s = a.s;
-  const int64_t D = s.D, W = s.W, NH = s.NH, OW = s.NH * s.D;
+  const int64_t D = s.D, W = s.W, NH = s.NH, OW = s.NH * s.D, KW = a.kv_w;
   const float scale = 1.0f / std::sqrt((float)D);
 #pragma omp parallel
   {
@@ -437,9 +438,9 @@ void part_forward(const PartArgs& a, float* out, float* lse, const float* qkv_q,
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < s.B * NH; ++bh) {
       const int64_t b = bh / NH, h = bh % NH, kh = h / s.G;
-      const float* kv = qkv_kv + a.k_at(b, W);
-      pack_transposed(w.Kt.data(), kv + (NH + kh) * D, z.Tk, z.Tp, D, W, scale);
-      const In V = z.rows_in(kv + (NH + s.NKV + kh) * D, W, z.Tk, w.V);
+      const float* kv = qkv_kv + a.k_at(b, KW) + a.kv_col;  // key head 0 of the part's first row
+      pack_transposed(w.Kt.data(), kv + kh * D, z.Tk, z.Tp, D, KW, scale);
+      const In V = z.rows_in(kv + (s.NKV + kh) * D, KW, z.Tk, w.V);
       forward_head(z, qkv_q + a.q_at(b, W) + h * D, V, w, out + a.q_at(b, OW) + h * D, OW,
                    lse + bh * s.T + a.q.first, merge);
     }
@@ -485,14 +486,16 @@ void part_backward(const PartArgs& a, float* dqkv_q, float* dqkv_kv, const float
   }
 }
 
-// A part call's arguments, checked: rows inside their buffers, qkv_kv [B, Tk, W] like qkv_q.
+// A part call's arguments, checked: rows inside their buffers, qkv_kv [B, Tk, W] like qkv_q
+// (kv_only: [B, Tk, 2 NKV D], the key and value columns of such rows).
 PartArgs part_args(const Tensor& qkv_q, AttentionRows q, const Tensor& qkv_kv, AttentionRows k, int n_head,
-                   int n_kv_head, const char* op) {
+                   int n_kv_head, const char* op, bool kv_only = false) {
   PartArgs a{attention_shape(qkv_q, n_head, n_kv_head, op), 0, q, k};
+  if (kv_only) a.kv_w = 2 * a.s.NKV * a.s.D, a.kv_col = 0;
   check_f32(qkv_kv, op);
-  MT_CHECK(qkv_kv.ndim() == 3 && qkv_kv.dim(0) == a.s.B && qkv_kv.dim(2) == a.s.W,
-           op << ": qkv_kv has shape " << shape_str(qkv_kv.shape()) << ", expected [B, Tk, W] = [" << a.s.B
-              << ", Tk, " << a.s.W << "] like qkv_q " << shape_str(qkv_q.shape()));
+  MT_CHECK(qkv_kv.ndim() == 3 && qkv_kv.dim(0) == a.s.B && qkv_kv.dim(2) == a.kv_w,
+           op << ": qkv_kv has shape " << shape_str(qkv_kv.shape()) << ", expected [B, Tk, " << (kv_only ? "2 NKV D" : "W")
+              << "] = [" << a.s.B << ", Tk, " << a.kv_w << "] like qkv_q " << shape_str(qkv_q.shape()));
   a.Tk = qkv_kv.dim(1);
   for (auto [r, T, name] : {std::tuple{q, a.s.T, "q"}, {k, a.Tk, "k"}}) {
     MT_CHECK(r.first >= 0 && r.count >= 0 && r.first <= T - r.count,
@@ -552,6 +555,18 @@ void attention_part_forward(const Tensor& out, const Tensor& lse, const Tensor& 
   check_numel(out, s.B * s.T * s.NH * s.D, "attention_part_forward: out ([B, Tq, NH * D], Tq = qkv_q's rows)");
   check_numel(lse, s.B * s.NH * s.T, "attention_part_forward: lse ([B, NH, Tq])");
   part_forward(a, out.f32(), lse.f32(), qkv_q.f32(), qkv_kv.f32(), merge);
+}
+
+void attention_kv_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
+                          const Tensor& kv, AttentionRows k, int n_head, int n_kv_head) {
+  ProfileScope profile_scope("attention");
+  const PartArgs a = part_args(qkv_q, q, kv, k, n_head, n_kv_head, "attention_kv_forward", /*kv_only=*/true);
+  const AttentionShape& s = a.s;
+  check_f32(out, "attention_kv_forward: out");
+  check_f32(lse, "attention_kv_forward: lse");
+  check_numel(out, s.B * s.T * s.NH * s.D, "attention_kv_forward: out ([B, Tq, NH * D], Tq = qkv_q's rows)");
+  check_numel(lse, s.B * s.NH * s.T, "attention_kv_forward: lse ([B, NH, Tq])");
+  part_forward(a, out.f32(), lse.f32(), qkv_q.f32(), kv.f32(), false);
 }
 
 void attention_part_backward(const Tensor& dqkv_q, const Tensor& dqkv_kv, const Tensor& dout, const Tensor& qkv_q,
