@@ -37,8 +37,8 @@ void linear_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, const
 // gelu_forward's by up to 0.5 |pre tanh| 2^-11 before rounding); act and pre hold the
 // scope's dtype or fp32 (whole
 // allocations or 256-byte aligned views: cuBLASLt's choice of algorithm reads alignments).
-// The bias is added in fp32, or where cuBLASLt takes no fp32 bias with a 16-bit output, in
-// the scope's dtype: exact when b holds its values, as the model's working copies do.
+// The bias is rounded to the scope's dtype (cuBLASLt's bias type for a 16-bit output): exact
+// when b holds its values, as the model's working copies do.
 // Returns false, doing nothing, everywhere else (the host, fp32, a shape without an
 // algorithm, MESHTRAIN_FUSED_GELU=off): the caller then runs linear_forward and
 // gelu_forward on the fp32 result.

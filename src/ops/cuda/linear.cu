@@ -190,15 +190,14 @@ struct Plan {
 };
 
 // What a product's epilogue does, as CUBLASLT_EPILOGUE_*: adds the bias (bias[m] over the
-// columns, in D's dtype unless bias_dt says otherwise); with an aux matrix (ld ldaux, D's
-// dtype unless aux_dt says otherwise), GELU writing its input there (forward), or
+// columns, in D's dtype); with an aux matrix (ld ldaux, D's dtype unless aux_dt says
+// otherwise), GELU writing its input there (forward), or
 // (dgelu) multiplying the product by GELU's derivative at the input read from there.
 struct Epilogue {
   const void* bias = nullptr;
   void* aux = nullptr;  // GELU's input; nullptr: no GELU
   int64_t ldaux = 0;
-  int32_t bias_dt = -1;  // a cudaDataType_t; -1: D's
-  int32_t aux_dt = -1;   // likewise
+  int32_t aux_dt = -1;  // a cudaDataType_t; -1: D's
   bool dgelu = false;
   uint32_t kind() const {
     if (aux && dgelu) return CUBLASLT_EPILOGUE_DGELU;
@@ -207,12 +206,12 @@ struct Epilogue {
   }
   // GELU or a dtype of cuBLASLt's choosing: where it refuses the configuration, the caller
   // has another way.
-  bool optional() const { return aux || bias_dt >= 0 || aux_dt >= 0; }
+  bool optional() const { return aux || aux_dt >= 0; }
 };
 
 // opA, opB, m, n, k, lda, ldb, ldc, ldaux, ab dtype, D dtype, bias dtype, aux dtype,
 // epilogue, align A, B, D, bias, aux
-using PlanKey = std::array<int64_t, 19>;
+using PlanKey = std::array<int64_t, 18>;
 
 // The process's cuBLASLt handle, workspace and plans. Created on first use (thread-safe
 // static initialisation) and kept until exit, as the compute stream is. `mu` guards the
@@ -258,9 +257,6 @@ Plan make_plan(Lt& l, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t
   const uint32_t epi = e.kind();
   if (epi != CUBLASLT_EPILOGUE_DEFAULT)
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-  if (e.bias_dt >= 0)
-    MT_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &e.bias_dt, sizeof(e.bias_dt)));
   if (e.aux_dt >= 0)
     MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &e.aux_dt,
                                                    sizeof(e.aux_dt)));
@@ -324,7 +320,6 @@ bool lt_matmul(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* A,
                     e.ldaux,
                     static_cast<int64_t>(ab),
                     static_cast<int64_t>(dt),
-                    e.bias_dt,
                     e.aux_dt,
                     static_cast<int64_t>(e.kind()),
                     al_a,
@@ -610,24 +605,17 @@ bool linear_gelu_forward(const Tensor& act, const Tensor& pre, const Tensor& x, 
   void* act16 = home16(act);
   void* pre16 = home16(pre);
   // Column-major (top of the file): act^T[O, N] = w[O, I] x^T, ld O; pre^T likewise. The
-  // bias in fp32, copied into 256-byte aligned scratch (so that the plan does not depend on
-  // where the parameter lies), where cuBLASLt adds an fp32 bias to a 16-bit output; else
-  // converted to the scope's dtype (exact for the model's working copies; see linear.h).
+  // bias in the output's dtype, as cuBLASLt documents it for 16-bit outputs (exact for the
+  // model's working copies; see linear.h), converted into 256-byte aligned scratch so that
+  // the plan does not depend on where the parameter lies.
   const cudaDataType_t dt = cuda_dtype(d);
-  auto run = [&](const void* bias, int32_t bias_dt) {
-    return lt_matmul(true, false, O, N, I, pw, I, px, I, dt, 0.0f, act16, dt, O, Epilogue{bias, pre16, O, bias_dt});
-  };
   Scratch bias_copy;
   if (b) {
-    bias_copy = Scratch(sizeof(float) * O);
-    cuda_convert(DType::f32, bias_copy.get(), DType::f32, b->raw(), O);
+    bias_copy = Scratch(dtype_size(d) * O);
+    cuda_convert(d, bias_copy.get(), DType::f32, b->raw(), O);
   }
-  bool done = run(bias_copy.get(), b ? CUDA_R_32F : -1);
-  if (!done && b) {
-    cuda_convert(d, bias_copy.get(), DType::f32, b->raw(), O);  // in place of the fp32 copy
-    done = run(bias_copy.get(), -1);
-  }
-  if (!done) return false;
+  if (!lt_matmul(true, false, O, N, I, pw, I, px, I, dt, 0.0f, act16, dt, O, Epilogue{bias_copy.get(), pre16, O}))
+    return false;
   if (act16 != act.raw()) cuda_convert(DType::f32, act.raw(), d, act16, N * O);
   if (pre16 != pre.raw()) cuda_convert(DType::f32, pre.raw(), d, pre16, N * O);
   return true;
@@ -671,7 +659,7 @@ bool linear_io_dgelu_backward_input(const Tensor& dx, const Tensor& dy, const Te
       copy = Scratch(dtype_size(aux_dtype) * N * I);
       aux = in_dtype(operand(pre), aux_dtype, copy.get());
     }
-    const Epilogue e{nullptr, const_cast<void*>(aux), I, -1, aux_dtype == d ? static_cast<int32_t>(dt) : -1, true};
+    const Epilogue e{nullptr, const_cast<void*>(aux), I, aux_dtype == d ? static_cast<int32_t>(dt) : -1, true};
     return lt_matmul(true, false, I, N, O, pw, O, pdy, O, dt, 0.0f, dx.raw(), CUDA_R_32F, I, e);
   };
   return run(d) || run(DType::f32);
