@@ -10,6 +10,7 @@
 
 #include "block_split.h"
 #include "core/cuda.h"
+#include "ops/attention.h"
 
 using namespace mt;
 using namespace mt::test;
@@ -39,6 +40,32 @@ TEST_P(CudaBlock, KeptIn16BitsGivesTheFp32KeptBits) {
     SplitRig half(cfg, {}, false, no_tp, 3, dt, Device::cuda);
     check_kept_16bit(full, half, 3, cfg.seq_len);
     check_kept_16bit(full, half, 2, cfg.seq_len - 3);
+  }
+}
+
+// Head dim 64, the tensor-core attention's: the 16-bit rig hands attention its kept q|k|v
+// and output as they are (attention_fused_reads_16bit, asserted so that a fallback cannot
+// pass unseen), the fp32 rig the rounded fp32 copies, which the same kernels read through
+// 16-bit scratch: the same bits. T = 70 crosses a 64-row tile; llama's 2 query heads share
+// one key/value head. (The other cases' head dim, 4, takes the fp32 kernels.)
+TEST(CudaBlockHeadDim64, KeptIn16BitsTakesTheTensorCoreAttention) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  for (const std::string family : {"gpt2", "llama"}) {
+    SCOPED_TRACE(family);
+    ModelConfig cfg = split_config(family, "fused", family == "llama" ? 1 : 0);
+    cfg.d_model = 128, cfg.n_head = 2, cfg.seq_len = 70;
+    if (family == "llama") cfg.d_ff = 96;
+    TpMappings no_tp;
+    SplitRig full(cfg, {}, false, no_tp, 2, DType::f32, Device::cuda);
+    for (DType dt : {DType::bf16, DType::f16}) {
+      SplitRig half(cfg, {}, false, no_tp, 2, dt, Device::cuda);
+      {
+        Autocast scope(dt);
+        ASSERT_TRUE(attention_fused_reads_16bit(half.acts(0).qkv, cfg.n_head, cfg.kv_heads()));
+      }
+      check_kept_16bit(full, half, 2, cfg.seq_len);
+      check_kept_16bit(full, half, 1, cfg.seq_len - 5);
+    }
   }
 }
 
