@@ -383,6 +383,41 @@ TEST(Precision, Fp16OverflowMessagePrintsAnyScale) {
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
 }
 
+// At loss scale 1, its least, an overflow is in the gradients themselves: the message says
+// so (it said "halved to 1"), and training.max_skips of them in a row stop the run with an
+// error event naming what to change. A clean step between resets the count. Started at 2:
+// step 1 overflows at 2 (halved to 1), 2 at 1; 3 is clean; 4, 5 and 6 overflow at 1, the
+// third in a row stops the run (max_skips 3) before step 7.
+TEST(Precision, Fp16OverflowsAtScaleOneStopTheRun) {
+  PrecisionRuns& rs = precision_runs();
+  const std::string metrics = rs.dir / "fp16_floor.jsonl";
+  std::string out;
+  const int rc = run_command(std::string(MESHTRAIN_BIN) + " train " + rs.base("fp16") +
+                                 " --training.steps=10 --optim.loss_scale=2 --training.max_skips=3"
+                                 " --parallel.test_fault=overflow:0:1,2,4,5,6,7 --logging.progress=off"
+                                 " --logging.metrics=" + metrics,
+                             &out);
+  EXPECT_EQ(rc, 1) << out;
+  for (const char* line :
+       {"step 1: fp16 gradients overflowed at loss scale 2; step skipped, loss scale halved to 1",
+        "step 2: fp16 gradients overflowed at loss scale 1, its least: they are not finite unscaled; step skipped",
+        "step 6: fp16 gradients overflowed at loss scale 1, its least",
+        "3 steps in a row had fp16 gradients that are not finite at loss scale 1, the last at step 6; training stopped "
+        "(training.max_skips = 3). Resume from the last checkpoint with a lower optim.lr"})
+    EXPECT_NE(out.find(line), std::string::npos) << line << "\n" << out;
+  EXPECT_EQ(out.find("step 5: fp16 gradients overflowed at loss scale 1, its least: they are not finite unscaled; "
+                     "step skipped\n3 steps"), std::string::npos) << "stopped a step early";
+  std::vector<nlohmann::json> lines;
+  for (const std::string& l : read_lines(metrics)) lines.push_back(nlohmann::json::parse(l));
+  ASSERT_FALSE(lines.empty());
+  EXPECT_EQ(lines.back()["event"], "error");
+  EXPECT_EQ(lines.back()["step"], 6);
+  std::vector<bool> skipped;
+  for (const nlohmann::json& j : lines)
+    if (!j.contains("event")) skipped.push_back(j["skipped"].get<bool>());
+  EXPECT_EQ(skipped, (std::vector<bool>{false, true, true, false, true, true})) << "steps 0-5, then step 6's error";
+}
+
 // ---- training.grad_dtype: gradients kept in the working precision --------------------------
 
 // training.grad_dtype takes fp32 or the working precision, and what cannot carry 16-bit

@@ -224,12 +224,23 @@ nlohmann::json step_run(Run& run, int64_t s) {
     j["skipped"] = !run.scaler.update(std::isfinite(sumsq));
     if (j["skipped"]) {
       j["grad_norm"] = nullptr;  // inf or NaN
-      // %g: a scale may pass 2^63 or fall below 1. The step as the metrics and the other
-      // messages (spikes, test faults) number it, from 0.
-      char buf[160];
-      std::snprintf(buf, sizeof buf, "step %lld: fp16 gradients overflowed at loss scale %g; step skipped, loss scale "
-                    "halved to %g", static_cast<long long>(s), j["loss_scale"].get<double>(), run.scaler.scale());
+      // %g: a scale may pass 2^63. The step as the metrics and the other messages (spikes,
+      // test faults) number it, from 0.
+      char buf[200];
+      const int floor = run.scaler.floor_overflows();
+      if (floor == 0)
+        std::snprintf(buf, sizeof buf, "step %lld: fp16 gradients overflowed at loss scale %g; step skipped, loss "
+                      "scale halved to %g", static_cast<long long>(s), j["loss_scale"].get<double>(), run.scaler.scale());
+      else
+        std::snprintf(buf, sizeof buf, "step %lld: fp16 gradients overflowed at loss scale 1, its least: they are not "
+                      "finite unscaled; step skipped", static_cast<long long>(s));
       run.log.message(buf);
+      if (floor >= c.training.max_skips)
+        stop_training(run, s, std::to_string(floor) + " steps in a row had fp16 gradients that are not finite at loss "
+                                  "scale 1, the last at step " + std::to_string(s) + "; training stopped "
+                                  "(training.max_skips = " + std::to_string(c.training.max_skips) + "). Resume from "
+                                  "the last checkpoint with a lower optim.lr or more optim.warmup_steps, or train in "
+                                  "bf16 (training.precision = bf16: fp32's range)");
       return j;
     }
   }
