@@ -48,6 +48,29 @@ TEST(Config, TomlThenOverrides) {
   EXPECT_EQ(c.optim.schedule, "linear");
 }
 
+// The list-valued keys take TOML arrays as well as "a,b" strings; other arrays are refused,
+// naming the key and the forms it takes.
+TEST(Config, ListKeysTakeTomlArrays) {
+  test::TempDir d;
+  std::ofstream(d / "c.toml") << "[parallel]\npp = 2\npp_layers = [3, 1]\n"
+                                 "[checkpoint]\nallow_change = [\"optim.lr\", \"data.path\"]\n";
+  Config c = config_load(d / "c.toml", {});
+  EXPECT_EQ(c.parallel.pp_layers, "3,1");
+  EXPECT_EQ(c.checkpoint.allow_change, "optim.lr,data.path");
+  const auto refused = [&](const std::string& toml) {
+    std::ofstream(d / "bad.toml") << toml;
+    return error_of([&] { config_load(d / "bad.toml", {}); });
+  };
+  EXPECT_NE(refused("[parallel]\npp_layers = [1.5, 2]\n")
+                .find("bad value for parallel.pp_layers in the config file: a list of strings or integers, e.g. [2, 1]"),
+            std::string::npos);
+  EXPECT_NE(refused("[parallel]\npp_layers = [[1], [2]]\n").find("a list of strings or integers"), std::string::npos);
+  EXPECT_NE(refused("[model]\nn_layer = [1, 2]\n")
+                .find("bad value for model.n_layer in the config file: expected a string, number or boolean"),
+            std::string::npos);
+  EXPECT_NE(refused("[parallel]\npp_layers = {a = 1}\n").find("or a list of strings or integers"), std::string::npos);
+}
+
 TEST(Config, ErrorsNameTheKeyAndTheFix) {
   EXPECT_NE(error_of([] { config_load("", {"training.stpes=3"}); }).find("did you mean training.steps"),
             std::string::npos);

@@ -250,7 +250,21 @@ const Key& find_key(const std::string& name) {
                                       << "; sections are model, data, training, optim, parallel, checkpoint, logging");
 }
 
+// The keys whose values are lists, written "a,b,c" on the command line; in a TOML file
+// also as arrays of strings or integers ([2, 1], ["optim.lr", "data.path"]).
+bool list_key(const std::string& key) { return key == "parallel.pp_layers" || key == "checkpoint.allow_change"; }
+
 std::string toml_value_text(const std::string& key, const toml::node& n) {
+  if (auto a = n.as_array(); a && list_key(key)) {
+    std::string joined;
+    for (const toml::node& e : *a) {
+      MT_CHECK(e.is_string() || e.is_integer(), "bad value for " << key << " in the config file: a list of strings or "
+                                                                    "integers, e.g. [2, 1] (or \"2,1\")");
+      if (!joined.empty()) joined += ',';
+      joined += toml_value_text(key, e);
+    }
+    return joined;
+  }
   if (auto s = n.as_string()) return s->get();
   if (auto i = n.as_integer()) return std::to_string(i->get());
   if (auto f = n.as_floating_point()) {
@@ -259,7 +273,8 @@ std::string toml_value_text(const std::string& key, const toml::node& n) {
     return buf;
   }
   if (auto b = n.as_boolean()) return b->get() ? "true" : "false";
-  MT_FAIL("bad value for " << key << " in the config file: expected a string, number or boolean");
+  MT_FAIL("bad value for " << key << " in the config file: expected a string, number or boolean"
+                            << (list_key(key) ? ", or a list of strings or integers" : ""));
 }
 
 }  // namespace
