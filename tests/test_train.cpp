@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/machine.h"
 #include "core/safetensors.h"
 #include "data/tasks.h"
 #include "data/token_file.h"
@@ -504,6 +505,44 @@ TEST(Command, LaunchTakesAnOptionsValueAfterEquals) {
                           d / "m.jsonl";
   ASSERT_EQ(test::run_command(cmd, &out), 0) << cmd << "\n" << out;
   EXPECT_NE(out.find("2 ranks"), std::string::npos) << out;
+}
+
+// Threads per rank: where OMP_NUM_THREADS does not say, each rank takes its machine's CPUs
+// over the job's ranks on it: under launch with a host file too (it gave every rank one
+// thread, whatever the machines), and under launch on one machine. OMP_NUM_THREADS passes
+// through and training.threads overrides it; ranks whose threads outnumber the CPUs get a
+// note saying what to set.
+TEST(Command, ThreadsPerRankFollowTheRanksOnTheMachine) {
+  test::TempDir d;
+  const std::string hosts = d / "hosts";
+  std::ofstream(hosts) << "localhost slots=4\n";
+  const int cpus = affinity_cpus();
+  const auto header = [&](const std::string& env, const std::string& launch, const std::string& opts) {
+    std::string out;
+    const std::string cmd = env + " " + MESHTRAIN_BIN + " launch " + launch + " train --training.steps=1 "
+                            "--logging.progress=off --logging.metrics=" + d / "m.jsonl " + opts;
+    EXPECT_EQ(test::run_command(cmd, &out), 0) << cmd << "\n" << out;
+    return out;
+  };
+  const auto each = [](int t) { return ", " + std::to_string(t) + (t > 1 ? " threads each" : " thread each"); };
+  const std::string unset = "env -u OMP_NUM_THREADS";
+  std::string out = header(unset, "-n 1 --hostfile " + hosts, "");
+  EXPECT_NE(out.find("1 rank (dp 1, cp 1, tp 1, pp 1)" + each(cpus)), std::string::npos) << out;
+  out = header(unset, "-n 2", "");
+  EXPECT_NE(out.find(each(std::max(1, cpus / 2))), std::string::npos) << out;
+  EXPECT_EQ(out.find("which then take turns"), std::string::npos) << out;
+  out = header("env OMP_NUM_THREADS=" + std::to_string(cpus), "-n 2", "");
+  EXPECT_NE(out.find(each(cpus)), std::string::npos) << out;
+  if (cpus > 1)
+    EXPECT_NE(out.find("note: 2 ranks on this machine with " + std::to_string(cpus) + " threads each run " +
+                       std::to_string(2 * cpus) + " threads on its " + std::to_string(cpus) +
+                       " CPUs, which then take turns: set training.threads (or OMP_NUM_THREADS) to " +
+                       std::to_string(std::max(1, cpus / 2))),
+              std::string::npos)
+        << out;
+  out = header("env OMP_NUM_THREADS=" + std::to_string(cpus), "-n 2", "--training.threads=1");
+  EXPECT_NE(out.find(each(1)), std::string::npos) << out;
+  EXPECT_EQ(out.find("which then take turns"), std::string::npos) << out;
 }
 
 // What cannot run is refused before any work, naming the key: a test fault of no known form

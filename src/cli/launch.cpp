@@ -179,7 +179,8 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
     }
     if (a == "--help" || a == "-h") {
       std::printf("usage: meshtrain launch -n N [--hostfile FILE] [other mpirun options] train [--section.key=value ...]\n"
-                  "starts N ranks with mpirun; each gets OMP_NUM_THREADS = cores / ranks on the machine (at least 1)\n"
+                  "starts N ranks with mpirun; each takes its machine's cores / the ranks on it as threads (at least\n"
+                  "1), unless OMP_NUM_THREADS or training.threads says\n"
                   "SIGTERM or SIGUSR1 to launch: every rank stops after its current step and saves a checkpoint\n"
                   "(exit status 75); SIGINT (Ctrl-C): the job ends at once\n");
       return 0;
@@ -207,17 +208,17 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
                                                      << " train");
 
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  const int threads = hostfile ? 1 : std::max(1, static_cast<int>(cores) / n);
   std::vector<std::string> argv = {"mpirun", "-n", std::to_string(n), "--bind-to", "none"};
   if (!hostfile && static_cast<unsigned>(n) > cores) argv.push_back("--oversubscribe");
   if (geteuid() == 0) {
     std::fprintf(stderr, "meshtrain launch: warning: running MPI ranks as root\n");
     argv.push_back("--allow-run-as-root");
   }
-  const std::string omp = std::getenv("OMP_NUM_THREADS") ? std::getenv("OMP_NUM_THREADS") : std::to_string(threads);
-  setenv("OMP_NUM_THREADS", omp.c_str(), 1);
-  for (const char* v : {"OMP_NUM_THREADS", "OMP_WAIT_POLICY"}) argv.insert(argv.end(), {"-x", v});
+  // Each rank takes its threads from the ranks on its machine (cli/main.cpp) unless the user
+  // set OMP_NUM_THREADS, which goes to every machine.
+  if (std::getenv("OMP_NUM_THREADS")) argv.insert(argv.end(), {"-x", "OMP_NUM_THREADS"});
   if (!std::getenv("OMP_WAIT_POLICY")) setenv("OMP_WAIT_POLICY", "passive", 1);  // ranks share cores with comm threads
+  argv.insert(argv.end(), {"-x", "OMP_WAIT_POLICY"});
   const bool train = rest[0] == "train";  // the one command that installs stop handlers
   std::optional<ReadyFile> ready;
   if (train) ready.emplace();

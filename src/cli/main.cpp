@@ -17,6 +17,7 @@
 // Exit status: 0 done; 1 an error (the message names it); 75 (kExitStopped) train stopped
 // early by SIGTERM or SIGUSR1 after writing a checkpoint: rerun with checkpoint.resume=true.
 #include <CLI/CLI.hpp>
+#include <omp.h>
 #include <cctype>
 #include <cerrno>
 #include <cstdio>
@@ -32,6 +33,7 @@
 #include "cli/commands.h"                     // cmd_launch, cmd_bench_comm, cmd_bench_profile, cmd_schedule, cmd_checkpoint
 #include "comm/mpi_comm.h"                    // MpiRuntime, mpi_launched
 #include "core/error.h"                       // mt::Error: every user-facing failure
+#include "core/machine.h"                     // threads_per_rank
 #include "data/token_file.h"                  // token_file_write
 #include "data/tokenizer.h"                   // tokenizer_make, sentencepiece_train
 #include "nn/hf.h"                            // hf_export
@@ -110,6 +112,9 @@ int run_as_rank(const std::string& cmd, const std::vector<std::string>& args, in
     std::fprintf(stderr, "meshtrain: error: %s\n", e.what());
     return 1;
   }
+  // Threads where OMP_NUM_THREADS does not say (mpirun or srun started the ranks, or launch
+  // across machines): this machine's CPUs shared among the job's ranks on it.
+  if (!std::getenv("OMP_NUM_THREADS")) omp_set_num_threads(mt::threads_per_rank(world->ranks_on_node()));
   if (cmd == "train") mt::launch_ready_announce(*world);  // launch may pass stop requests on now
   const bool lead = world->rank() == 0;
   mt::Config cfg;

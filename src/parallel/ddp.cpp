@@ -1,23 +1,13 @@
 #include "parallel/ddp.h"
 
 #include <omp.h>
-#include <sched.h>
 
 #include <cstdio>
 
 #include "core/error.h"
+#include "core/machine.h"
 
 namespace mt {
-
-namespace {
-
-int affinity_cpus() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;  // unknown: assume the least
-  return CPU_COUNT(&set);
-}
-
-}  // namespace
 
 bool overlap_pays(int cpus, int ranks_on_node, int threads_per_rank, bool across_machines) {
   return across_machines || cpus >= ranks_on_node * (threads_per_rank + 1);

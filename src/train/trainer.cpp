@@ -11,6 +11,7 @@
 #include "comm/nccl_comm.h"
 #include "core/cuda.h"
 #include "core/error.h"
+#include "core/machine.h"
 #include "nn/hf.h"
 #include "parallel/context.h"
 #include "parallel/ddp.h"
@@ -361,6 +362,11 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   c.data.tokenizer = tokenizer_absolute(c.data.tokenizer);  // as checkpoints record it
   for (const std::string& n : settings_without_effect(c)) notes.push_back("note: " + n);
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
+  if (const int t = omp_get_max_threads(), here = world.ranks_on_node(), cpus = affinity_cpus(); t > 1 && here * t > cpus)
+    notes.push_back("note: " + std::to_string(here) + (here > 1 ? " ranks" : " rank") + " on this machine with " +
+                    std::to_string(t) + " threads each run " + std::to_string(here * t) + " threads on its " +
+                    std::to_string(cpus) + " CPUs, which then take turns: set training.threads (or OMP_NUM_THREADS) "
+                    "to " + std::to_string(threads_per_rank(here)) + ", its CPUs over the ranks on it");
   const auto t_start = Clock::now();
   outputs_prepare(c, world);  // output paths, hardware profile, tokenizer: before any work
   MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every, world.rank() == 0);  // rank 0 prints
