@@ -161,6 +161,30 @@ TEST_P(PipelineFamily, SchedulesMatchSingleRank) {
     expect_bit_identical(got[b], got[a], fam + " " + a + " vs " + b);
 }
 
+// Stages of other sizes than auto's: a listed uneven split (4 + 2 blocks of 6) under 1f1b,
+// and interleaved with 3 chunks a rank (6 stages of one block on 2 ranks), each against one
+// rank (bit for bit where untied, as above).
+TEST_P(PipelineFamily, UnevenStagesAndThreeChunksMatchSingleRank) {
+  TempDir d;
+  const std::string fam = GetParam(), opts = pp_options(fam, 4, 1, " --data.path=" + write_tokens(d, "t.bin", 3000, 37)) +
+                                              " --model.n_layer=6";
+  const RunResult one = train_run(d, "one", 1, opts);
+  for (const auto& [name, layout] : std::vector<std::pair<std::string, std::string>>{
+           {"pp2_layers42", " --parallel.pp=2 --parallel.pp_layers=4,2"},
+           {"pp2_interleaved_v3", " --parallel.pp=2 --parallel.pp_schedule=interleaved --parallel.pp_chunks=3"}}) {
+    const RunResult r = train_run(d, name, 2, opts + layout);
+    ASSERT_EQ(r.config.model.n_layer, 6) << name;
+    EXPECT_NE(r.output.find(name == "pp2_layers42" ? "1f1b, 2 ranks x 1 chunk, 4 micro-batches per step; this rank's "
+                                                     "blocks 0-3;"
+                                                   : "interleaved, 2 ranks x 3 chunks"),
+              std::string::npos)
+        << r.output;
+    expect_equivalent(one, r, fam + " " + name);
+    expect_memory_as_predicted(r, name);
+    if (fam == "llama") expect_bit_identical(one, r, fam + " " + name);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, PipelineFamily, ::testing::Values("gpt2", "llama"));
 
 // A head tied to the embedding on two ranks, and untied on one: GPT-2 untied and Llama tied.
