@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -216,6 +217,27 @@ TEST(Collectives, DebugModeNamesMismatchedRanks) {
   Tensor ok = filled(a, 4, 1.0f);
   dbg->allreduce(ok);  // the group still works afterwards
   EXPECT_EQ(ok.f32()[0], static_cast<float>(w.size()));
+  // Another dtype, another collective, another root: each named as the count was.
+  const auto mismatch = [&](const std::function<void()>& issue, const std::string& one, const std::string& others) {
+    try {
+      issue();
+      ADD_FAILURE() << "expected a mismatch error: " << one;
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("rank 1: #"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(one), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank 0: #"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(others), std::string::npos) << msg;
+    }
+  };
+  Tensor half = Tensor::empty({4}, DType::bf16, a, MemTag::comm);
+  half.convert_from(filled(a, 4, 1.0f));
+  mismatch([&] { dbg->allreduce(w.rank() == 1 ? half : ok); }, "allreduce bf16 x 4", "allreduce f32 x 4");
+  mismatch([&] { w.rank() == 1 ? dbg->broadcast(ok, 0) : dbg->allreduce(ok); }, "broadcast f32 x 4 root 0",
+           "allreduce f32 x 4");
+  mismatch([&] { dbg->broadcast(ok, w.rank() == 1 ? 1 : 0); }, "broadcast f32 x 4 root 1", "broadcast f32 x 4 root 0");
+  dbg->allreduce(ok);
+  EXPECT_EQ(ok.f32()[0], static_cast<float>(w.size() * w.size())) << "the group works after each";
 }
 
 // The test job runs on one machine: every rank is on this node, in every group.
