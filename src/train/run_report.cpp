@@ -92,7 +92,8 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
                   100 * *sum.answer_accuracy, 100 * sum.baseline_accuracy.value_or(NAN));
     run.log.message(buf);
   }
-  run.log.message(std::string("peak memory") + (run.world.size() > 1 ? " (busiest rank): " : ": ") + memory_summary(mem));
+  run.log.message(std::string("peak memory") + (run.world.size() > 1 ? " (per tag and total, the most any rank held): " : ": ") +
+                  memory_summary(mem));
   std::string formula = c.parallel.zero == 0 ? "no sharding"
                                                : "ZeRO stage " + std::to_string(c.parallel.zero) + ", N = " +
                                                      std::to_string(c.parallel.shard_group);
