@@ -104,6 +104,8 @@ declare -A how=(
   ["./build/meshtrain train --config configs/gpt2_bench.toml --data.path=train.bin --data.val_path=val.bin --data.tokenizer=spm.model"]='run "$cmd $small --training.steps=2"'
   ["./build/meshtrain train --config configs/gpt2_bench.toml --data.path=train.bin --checkpoint.resume=true --data.tokenizer=spm.model"]='run "$cmd $small --training.steps=3"'
   ["./build/meshtrain export --checkpoint runs/gpt2_bench --out model.safetensors"]='run "$cmd"'
+  ["./build/meshtrain export --checkpoint runs/gpt2_bench --out gpt2_hf/"]='run "$cmd"
+    [ -s gpt2_hf/config.json ] && [ -s gpt2_hf/model.safetensors ] || fail "no config.json and model.safetensors from: $cmd"'
   ["./build/meshtrain checkpoint info runs/gpt2_bench"]='run "$cmd"'
   ['./build/meshtrain sample --checkpoint runs/gpt2_bench --prompt "Once upon" --tokens 100']='run "$cmd"'
   ["./build/meshtrain train --help"]='run "$cmd"'

@@ -620,9 +620,11 @@ TEST(Command, PrepareTrainExportSample) {
             0)
       << out;
   EXPECT_NE(out.find("peak memory"), std::string::npos) << out;
-  fs::create_directories(d / "taken");  // refused before any work, leaving nothing
+  fs::create_directories(d / "taken/model.safetensors");  // refused before any work, leaving nothing
   EXPECT_EQ(test::run_command(bin + " export --checkpoint " + d / "ck" + " --out " + d / "taken", &out), 1) << out;
-  EXPECT_NE(out.find("--out " + d / "taken" + " is a directory"), std::string::npos) << out;
+  EXPECT_NE(out.find("--out " + d / "taken" + ": " + d / "taken/model.safetensors" + " is a directory"),
+            std::string::npos)
+      << out;
   for (const auto& e : fs::directory_iterator(d.path))
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
   ASSERT_EQ(test::run_command(bin + " export --checkpoint " + d / "ck" + " --out " + d / "hf/m.safetensors", &out), 0)
@@ -663,6 +665,90 @@ TEST(Command, PrepareTrainExportSample) {
   for (const char* k : {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_ms", "mem_params", "mem_grads",
                         "mem_optim", "mem_activations", "mem_comm", "mem_peak"})
     EXPECT_TRUE(lines[0].contains(k)) << k;
+}
+
+// export into a directory (one there, or a path with a final /) writes model.safetensors and
+// the config.json transformers' from_pretrained reads: its architecture and shapes are the
+// model's (llama with 4 query heads on 2 key/value heads and its own RoPE theta and epsilon,
+// gpt2 with a tied head and its 4 C MLP), floats as written; the directory loads back
+// (model.init_from) into the same parameters.
+TEST(Command, ExportToADirectoryWritesConfigJson) {
+  test::TempDir d;
+  const std::string bin = MESHTRAIN_BIN, tokens = test::write_tokens(d, "t.bin", 2000, 50);
+  for (const std::string family : {"llama", "gpt2"}) {
+    SCOPED_TRACE(family);
+    const std::string model = " --model.family=" + family + " --model.vocab_size=50 --model.n_layer=2"
+                              " --model.d_model=32 --model.n_head=4 --model.seq_len=16" +
+                              (family == "llama" ? " --model.n_kv_head=2 --model.rope_theta=500000 "
+                                                   "--model.norm_eps=1e-6"
+                                                 : "");
+    std::string out;
+    ASSERT_EQ(test::run_command(bin + " train --data.path=" + tokens + model + " --training.steps=2"
+                                    " --training.global_batch=2 --logging.progress=off --checkpoint.dir=" +
+                                    d / (family + "_ck"),
+                                &out),
+              0)
+        << out;
+    const std::string hf = d / (family + "_hf/");
+    ASSERT_EQ(test::run_command(bin + " export --checkpoint " + d / (family + "_ck") + " --out " + hf, &out), 0)
+        << out;
+    EXPECT_NE(out.find("model.safetensors and config.json"), std::string::npos) << out;
+    std::ifstream in(hf + "config.json");
+    const nlohmann::json j = nlohmann::json::parse(in);
+    EXPECT_EQ(j["vocab_size"], 50);
+    EXPECT_EQ(j["torch_dtype"], "float32");
+    if (family == "llama") {
+      EXPECT_EQ(j["architectures"], nlohmann::json::array({"LlamaForCausalLM"}));
+      EXPECT_EQ(j["model_type"], "llama");
+      EXPECT_EQ(j["hidden_size"], 32);
+      EXPECT_EQ(j["intermediate_size"], 96);  // 32 ceil(8 d / 3 / 32)
+      EXPECT_EQ(j["num_hidden_layers"], 2);
+      EXPECT_EQ(j["num_attention_heads"], 4);
+      EXPECT_EQ(j["num_key_value_heads"], 2);
+      EXPECT_EQ(j["head_dim"], 8);
+      EXPECT_EQ(j["max_position_embeddings"], 16);
+      EXPECT_EQ(j["hidden_act"], "silu");
+      EXPECT_EQ(j["rope_theta"].get<double>(), 500000.0);
+      EXPECT_EQ(j["rms_norm_eps"].get<double>(), 1e-6);  // the float's shortest decimal, not 9.99999997e-07
+      EXPECT_EQ(j["tie_word_embeddings"], false);
+      EXPECT_EQ(j["attention_bias"], false);
+    } else {
+      EXPECT_EQ(j["architectures"], nlohmann::json::array({"GPT2LMHeadModel"}));
+      EXPECT_EQ(j["model_type"], "gpt2");
+      EXPECT_EQ(j["n_embd"], 32);
+      EXPECT_EQ(j["n_inner"], 128);
+      EXPECT_EQ(j["n_layer"], 2);
+      EXPECT_EQ(j["n_head"], 4);
+      EXPECT_EQ(j["n_positions"], 16);
+      EXPECT_EQ(j["activation_function"], "gelu_new");
+      EXPECT_EQ(j["layer_norm_epsilon"].get<double>(), 1e-5);
+      EXPECT_EQ(j["tie_word_embeddings"], true);
+      EXPECT_EQ(j["resid_pdrop"], 0.0);
+    }
+    // The directory is a model.init_from: one step at lr 0 keeps its parameters, which
+    // re-export to the same tensors.
+    ASSERT_EQ(test::run_command(bin + " train --data.path=" + tokens + model + " --model.init_from=" + hf +
+                                    " --training.steps=1 --optim.lr=0 --training.global_batch=2"
+                                    " --logging.progress=off --checkpoint.dir=" + d / (family + "_again"),
+                                &out),
+              0)
+        << out;
+    ASSERT_EQ(test::run_command(bin + " export --checkpoint " + d / (family + "_again") + " --out " +
+                                    d / (family + "_again.safetensors"),
+                                &out),
+              0)
+        << out;
+    SafetensorsReader a(hf + "model.safetensors"), b(d / (family + "_again.safetensors"));
+    ASSERT_EQ(a.entries().size(), b.entries().size());
+    for (const auto& [name, e] : a.entries()) {
+      ASSERT_TRUE(b.has(name)) << name;
+      const int64_t n = shape_numel(e.shape);
+      std::vector<float> x(n), y(n);
+      a.read_f32(name, x.data(), n);
+      b.read_f32(name, y.data(), n);
+      EXPECT_EQ(x, y) << name;
+    }
+  }
 }
 
 // train --help shows a default that follows model.family as such: model.tie_embeddings was

@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <regex>
@@ -293,7 +294,10 @@ int main(int argc, char** argv) {
     auto* exp = app.add_subcommand("export", "write a checkpoint's parameters as a Hugging Face safetensors file");
     std::string ckpt, exp_out;
     exp->add_option("--checkpoint", ckpt, "checkpoint directory (or checkpoint.dir: the latest)")->required();
-    exp->add_option("--out", exp_out, "safetensors file to write")->required();
+    exp->add_option("--out", exp_out,
+                    "safetensors file to write, or a directory (existing, or written with a final /) to get "
+                    "model.safetensors and config.json for transformers' from_pretrained")
+        ->required();
 
     auto* smp = app.add_subcommand("sample", "generate text from a checkpoint");
     mt::SampleOptions so;
@@ -356,9 +360,14 @@ int main(int argc, char** argv) {
     if (prep->parsed()) {
       run_prepare(input, out, val_out, tokenizer, prep->count("--tokenizer") > 0, sp_prefix, val_fraction, sp_vocab);
     } else if (exp->parsed()) {
-      std::error_code ec;  // before the parameters are read: the rename at the end would fail
-      MT_CHECK(!std::filesystem::is_directory(exp_out, ec),
-               "--out " << exp_out << " is a directory; give the path of the safetensors file to write");
+      // A directory (there, or asked for with a final /) gets model.safetensors and config.json.
+      std::error_code ec;
+      const bool to_dir = std::filesystem::is_directory(exp_out, ec) || exp_out.back() == '/';
+      const std::filesystem::path file =
+          to_dir ? std::filesystem::path(exp_out) / "model.safetensors" : std::filesystem::path(exp_out);
+      MT_CHECK(!std::filesystem::is_directory(file, ec),  // before the parameters are read: the rename would fail
+               "--out " << exp_out << ": " << file.string() << " is a directory; give the path of the safetensors "
+                        << "file to write, or a directory to write it into");
       const std::string dir = mt::checkpoint_latest(ckpt);
       MT_CHECK(!dir.empty(), "no checkpoint in " << ckpt << "; pass a checkpoint directory or checkpoint.dir");
       mt::Config cfg = mt::checkpoint_config(dir);
@@ -370,9 +379,15 @@ int main(int argc, char** argv) {
         mt::checkpoint_load(dir, cfg.model, {{layout[u].name, 0, layout[u].numel, {{"params", buf.data()}}}});
         return buf.data();
       };
-      mt::output_parent_create(exp_out, "--out");
-      mt::hf_export(cfg.model, layout, fetch, exp_out);
-      std::printf("exported %s to %s\n", dir.c_str(), exp_out.c_str());
+      mt::output_parent_create(file.string(), "--out");
+      mt::hf_export(cfg.model, layout, fetch, file.string());
+      if (to_dir) {  // written beside, then renamed into place, as the safetensors file is
+        const std::filesystem::path json = file.parent_path() / "config.json", tmp = json.string() + ".tmp";
+        std::ofstream(tmp) << mt::hf_config_json(cfg.model);
+        std::filesystem::rename(tmp, json, ec);
+        MT_CHECK(!ec, "--out " << exp_out << ": cannot write " << json.string() << ": " << ec.message());
+      }
+      std::printf("exported %s to %s%s\n", dir.c_str(), file.string().c_str(), to_dir ? " and config.json" : "");
     } else if (smp->parsed()) {
       mt::SampleStats st;
       const std::vector<std::string> texts = mt::sample_text(

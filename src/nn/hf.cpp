@@ -1,9 +1,13 @@
 #include "nn/hf.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -164,6 +168,52 @@ void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::stri
   check_whole(units);
   HfImporter imp(cfg, units, path);
   for (size_t u = 0; u < units.size(); ++u) imp.unit(static_cast<int>(u), units[u].w.f32());
+}
+
+std::string hf_config_json(const ModelConfig& cfg) {
+  // A float as its shortest decimal (1e-05, not the double 9.99999974737875e-06): the same
+  // float where transformers reads it back into fp32.
+  const auto written = [](float f) {
+    char buf[32];
+    const auto end = std::to_chars(buf, buf + sizeof buf, f).ptr;
+    return std::strtod(std::string(buf, end).c_str(), nullptr);
+  };
+  nlohmann::ordered_json j;
+  if (cfg.is_llama()) {
+    j = {{"architectures", {"LlamaForCausalLM"}},
+         {"model_type", "llama"},
+         {"vocab_size", cfg.vocab_size},
+         {"hidden_size", cfg.d_model},
+         {"intermediate_size", cfg.ff_dim()},
+         {"num_hidden_layers", cfg.n_layer},
+         {"num_attention_heads", cfg.n_head},
+         {"num_key_value_heads", cfg.kv_heads()},
+         {"head_dim", cfg.head_dim()},
+         {"hidden_act", "silu"},
+         {"max_position_embeddings", cfg.seq_len},
+         {"rms_norm_eps", written(cfg.norm_eps)},
+         {"rope_theta", written(cfg.rope_theta)},
+         {"attention_bias", false},
+         {"mlp_bias", false},
+         {"attention_dropout", 0.0}};
+  } else {
+    j = {{"architectures", {"GPT2LMHeadModel"}},
+         {"model_type", "gpt2"},
+         {"vocab_size", cfg.vocab_size},
+         {"n_positions", cfg.seq_len},
+         {"n_embd", cfg.d_model},
+         {"n_layer", cfg.n_layer},
+         {"n_head", cfg.n_head},
+         {"n_inner", cfg.ff_dim()},
+         {"activation_function", "gelu_new"},  // the tanh form, as meshtrain's GELU
+         {"layer_norm_epsilon", written(cfg.norm_eps)},
+         {"resid_pdrop", 0.0},
+         {"embd_pdrop", 0.0},
+         {"attn_pdrop", 0.0}};
+  }
+  j["tie_word_embeddings"] = cfg.tied();
+  j["torch_dtype"] = "float32";
+  return j.dump(2) + "\n";
 }
 
 void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path) {

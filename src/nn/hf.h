@@ -36,6 +36,10 @@ class HfImporter {
   std::unique_ptr<Impl> impl_;
   std::vector<std::string> notes_;
 };
+// The model's Hugging Face config.json (GPT2LMHeadModel or LlamaForCausalLM, fp32), which
+// transformers' from_pretrained reads beside the safetensors file: the shapes, GPT-2's tanh
+// GELU, the norms' epsilon, RoPE's theta, whether the head is tied, no dropout.
+std::string hf_config_json(const ModelConfig& cfg);
 // Writes units' parameters as a Hugging Face safetensors file (atomically).
 void hf_export(const ModelConfig& cfg, const std::vector<Unit>& units, const std::string& path);
 // The same, streaming: fetch(u) returns unit u's whole flat parameters, asked for one unit

@@ -202,6 +202,19 @@ def fp32_match(case, init, tokens, device, attn):
             ra.rl2(gh, gr, tm.normalize_config(cfg)))
 
 
+def from_pretrained_match(case, path, params, tokens, attn):
+    """transformers' from_pretrained of an export directory (config.json and model.safetensors)
+    against the HF model built from meshtrain's config and loaded with params, on the CPU in
+    fp32, first micro-batch: logits max diff / max."""
+    M, T = case["train"]["micro_batch"], case["model"]["seq_len"]
+    x, _ = tm.sequences(tokens, 0, M, T)
+    loaded = import_transformers().AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).float().eval()
+    built = build("hf", case["model"], params, "cpu", attn).eval()
+    with torch.no_grad():
+        a, b = (logits_fn(model, "hf")(x).double() for model in (loaded, built))
+    return float((a - b).abs().max() / b.abs().max())
+
+
 def train_torch(case, init, tokens, impl, device, bf16, attn):
     """AdamW training as meshtrain does it; returns dict(log=[(loss, grad_norm)], params)."""
     cfg, t = case["model"], case["train"]
@@ -241,6 +254,9 @@ def meshtrain_run(case, binary, d, device, env):
     ok, msg = rp.run_command([binary] + args, log_path, env)
     if ok:
         ok, msg = rp.run_command([binary, "export", "--checkpoint", p["ckpt"], "--out", p["final.safetensors"]],
+                                 log_path, env)
+    if ok:  # the same as a directory with config.json, for from_pretrained
+        ok, msg = rp.run_command([binary, "export", "--checkpoint", p["ckpt"], "--out", os.path.join(d, "mt_hf") + "/"],
                                  log_path, env)
     if not ok:
         return None, [f"meshtrain: {msg}"]
@@ -325,6 +341,12 @@ def run_case(case, binary, workdir, device, impls, attn):
     if not r["param"] >= ROUNDS_MIN_RL2:
         errors.append(f"mt bf16 vs torch fp32: parameters differ by only {r['param']:.1e} (min "
                       f"{ROUNDS_MIN_RL2:g}): does meshtrain round at all?")
+    if "hf" in impls:
+        m["from_pretrained"] = from_pretrained_match(case, os.path.join(d, "mt_hf"), mt["params"], tokens, attn)
+        print(f"  transformers' from_pretrained of meshtrain's export directory against the HF model built here "
+              f"with its parameters, fp32 logits: {m['from_pretrained']:.1e} (tol {FP32_MATCH_TOL:g})")
+        if not m["from_pretrained"] <= FP32_MATCH_TOL:
+            errors.append("from_pretrained of meshtrain's export (config.json) computes another function")
     m["learn"] = ra.learned(mt["log"])
     print(f"  meshtrain last/first loss {m['learn']:.2f} (max {LEARN_FRACTION})")
     if not m["learn"] <= LEARN_FRACTION:
