@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "parallel/optim_segment.h"
 
 namespace mt {
 
@@ -41,24 +42,6 @@ struct OptimConfig {
   int step_size = 1000;        // step schedule: multiply by step_gamma every step_size steps
   double step_gamma = 0.1;
   void validate() const;
-};
-
-// One flat buffer the optimizer updates: parameters w (fp32) and gradients g (fp32, or 16-bit:
-// training.grad_dtype, read through an fp32 scratch) of the same length,
-// with the element ranges [begin, end) that take weight decay, and those that another
-// tensor-parallel rank also holds and counts in the gradient norm (replicas: not counted here).
-// `tensors` lists the segment's model tensors in order (LAMB and LARS need them): the
-// nonempty ranges tile the segment.
-struct OptimTensor {
-  int64_t begin = 0, end = 0;  // local elements of the segment; empty when this rank holds none of it
-  bool decay = false;          // two or more dims: weight decay (and LARS's adaptation) apply
-  bool counted = true;         // this rank adds its elements to the tensor's norm (false: a tp replica)
-};
-struct OptimSegment {
-  Tensor w, g;
-  std::vector<std::pair<int64_t, int64_t>> decay_ranges;
-  std::vector<std::pair<int64_t, int64_t>> replica_ranges;  // sorted, disjoint
-  std::vector<OptimTensor> tensors = {};
 };
 
 // Adds per-tensor partial sums (in place) over the ranks that hold the tensors' other
@@ -105,10 +88,6 @@ int optim_moments(const std::string& name);
 // The learning rate at optimizer step `step` (0-based) of `total` steps.
 double lr_at(const OptimConfig& cfg, int64_t step, int64_t total);
 
-// Sum of squares of each segment's gradients (double accumulation, fixed order), and of
-// all of them (the segments' sums added in order).
-std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments);
-double grad_sumsq(const std::vector<OptimSegment>& segments);
 // Scales every gradient by max_norm / (norm + 1e-6) when that is below 1 (clip_grad_norm_;
 // max_norm 0: no clipping), and by `unscale` (1 / the loss scale: norm is the unscaled one).
 // fp32 gradients are scaled in place (returns 1); 16-bit ones are left unrounded and the

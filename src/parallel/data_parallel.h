@@ -8,7 +8,7 @@
 
 #include "comm/communicator.h"
 #include "nn/model.h"
-#include "optim/optimizer.h"
+#include "parallel/optim_segment.h"
 
 namespace mt {
 
