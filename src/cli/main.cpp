@@ -362,6 +362,7 @@ int main(int argc, char** argv) {
     } else if (exp->parsed()) {
       // A directory (there, or asked for with a final /) gets model.safetensors and config.json.
       std::error_code ec;
+      MT_CHECK(!exp_out.empty(), "--out is empty; give the path of the safetensors file to write, or a directory");
       const bool to_dir = std::filesystem::is_directory(exp_out, ec) || exp_out.back() == '/';
       const std::filesystem::path file =
           to_dir ? std::filesystem::path(exp_out) / "model.safetensors" : std::filesystem::path(exp_out);

@@ -11,7 +11,8 @@ std::vector<double> grad_sumsq_each(const std::vector<OptimSegment>& segments) {
   constexpr int64_t kChunk = 1 << 14;
   std::vector<double> each;
 #if MESHTRAIN_CUDA
-  if (!segments.empty() && segments[0].g.device() == Device::cuda) {  // every piece at once, one wait; each segment's pieces added in order
+  // On the GPU every piece at once, one wait; each segment's pieces added in order.
+  if (!segments.empty() && segments[0].g.device() == Device::cuda) {
     std::vector<cuda::SumsqTerm> pieces;
     std::vector<size_t> segment_of;
     for (size_t si = 0; si < segments.size(); ++si) {

@@ -209,7 +209,7 @@ struct Epilogue {
   bool optional() const { return aux || aux_dt >= 0; }
 };
 
-// opA, opB, m, n, k, lda, ldb, ldc, ldaux, ab dtype, D dtype, bias dtype, aux dtype,
+// opA, opB, m, n, k, lda, ldb, ldc, ldaux, ab dtype, D dtype, aux dtype,
 // epilogue, align A, B, D, bias, aux
 using PlanKey = std::array<int64_t, 18>;
 
