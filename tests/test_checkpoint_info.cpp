@@ -325,6 +325,16 @@ TEST(CheckpointDir, OneStepDirectoryIsRefusedForTraining) {
   fs::create_directories(d / "other/step_00000009");
   expect_refused(cmd, {{" --checkpoint.resume=true --checkpoint.dir=" + d / "other/step_00000009",
                         "Set checkpoint.dir = " + d / "other" + " ("}});
+  // A checkpoint under another name (a copy kept aside): its parent holds no step_
+  // directory to resume, so the advice is to move it into one, which then resumes.
+  fs::copy(step, d / "snap", fs::copy_options::recursive);
+  expect_refused(cmd, {{" --checkpoint.resume=true --checkpoint.dir=" + d / "snap",
+                        "move it to " + d / "snap_run/step_00000002" + " and set checkpoint.dir = " + d / "snap_run"}});
+  fs::create_directories(d / "snap_run");
+  fs::rename(d / "snap", d / "snap_run/step_00000002");
+  const RunResult moved = train_run(d, "snap_run", 1, o + " --training.steps=3 --checkpoint.resume=true");
+  EXPECT_NE(moved.output.find("resumed from " + d / "snap_run/step_00000002" + " at step 2"), std::string::npos)
+      << moved.output;
   const RunResult r = train_run(d, "run", 1, o + " --training.steps=3 --checkpoint.resume=true");
   EXPECT_NE(r.output.find("resumed from " + step + " at step 2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("checkpoint: " + d / "run/step_00000003"), std::string::npos) << r.output;

@@ -80,12 +80,6 @@ uint32_t meta_crc(nlohmann::json meta) {
   return crc32_update(0, text.data(), text.size());
 }
 
-std::string step_name(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
-  return buf;
-}
-
 std::string shard_name(int rank) {
   char buf[40];
   std::snprintf(buf, sizeof buf, "shard_%05d", rank);
@@ -303,8 +297,8 @@ void remove_as_incomplete(const std::string& root, const std::string& dir) {
 std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& layout,
                             const std::vector<CheckpointSlice>& slices, const OptimizerProgress& optimizer,
                             Communicator& world, int keep, const RankState& rank_state) {
-  const std::string final_dir = root + "/" + step_name(step);
-  const std::string tmp = root + "/.tmp-" + step_name(step);
+  const std::string final_dir = root + "/" + checkpoint_step_dir(step);
+  const std::string tmp = root + "/.tmp-" + checkpoint_step_dir(step);
   const bool lead = world.rank() == 0;
   const std::string nonce = std::to_string(std::hash<std::string>{}(final_dir) ^ static_cast<size_t>(now_seconds() * 1e6));
   if (lead) {
@@ -452,6 +446,12 @@ std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin
     r.push_back(std::move(slice));
   }
   return r;
+}
+
+std::string checkpoint_step_dir(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
 }
 
 bool checkpoint_step_name(const std::string& name, bool old) {

@@ -89,6 +89,8 @@ std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin
                                                     const std::vector<std::pair<std::string, float*>>& tensors,
                                                     bool primary_only);
 
+// The name a save gives step's checkpoint directory: step_ and the step in 8 digits.
+std::string checkpoint_step_dir(int64_t step);
 // Whether a directory's name is one a save gives a checkpoint: step_ and digits (step_N),
 // with ".old" for the previous copy of step N while it is being replaced (old = true).
 bool checkpoint_step_name(const std::string& name, bool old = false);

@@ -24,11 +24,24 @@ void checkpoint_dir_check(const CheckpointConfig& c) {
   const fs::path real = exists && !ec ? fs::canonical(c.dir, ec) : fs::path();
   MT_CHECK(!ec, "checkpoint.dir = " << c.dir << ": " << ec.message() << "; choose another checkpoint.dir");
   if (!exists) return;
-  if (fs::exists(real / "meta.json", ec) || checkpoint_step_name(real.filename().string()))
+  const std::string name = real.filename().string();
+  if (checkpoint_step_name(name))
     MT_FAIL("checkpoint.dir = " << c.dir << " is itself one checkpoint (" << real.string() << "), not a run's "
                                 << "directory of checkpoints: the run would write its checkpoints inside it and every "
                                 << "resume would go back to it. Set checkpoint.dir = " << real.parent_path().string()
                                 << " (checkpoint.resume=true continues from its newest checkpoint)");
+  if (fs::exists(real / "meta.json", ec)) {  // a checkpoint under another name: a resume reads step_ directories only
+    std::string step_dir = "step_NNNNNNNN (its step in 8 digits)";
+    try {
+      step_dir = checkpoint_step_dir(checkpoint_meta(real.string())["step"].get<int64_t>());
+    } catch (const std::exception&) {  // a damaged meta.json: the form, without the step
+    }
+    const fs::path run = real.parent_path() / (name + "_run");
+    MT_FAIL("checkpoint.dir = " << c.dir << " is itself one checkpoint (" << real.string() << "), not a run's "
+                                << "directory of checkpoints, and a resume reads only the step_NNNNNNNN directories of "
+                                << "one: move it to " << (run / step_dir).string() << " and set checkpoint.dir = "
+                                << run.string() << " (checkpoint.resume=true continues from it)");
+  }
   // Damaged ones newer than the newest complete checkpoint: a resume would go back past them
   // and later overwrite them. Older ones are no such loss (checkpoint info names them all).
   std::string newest, list;
