@@ -168,6 +168,10 @@ TEST(Elastic, ResumeRefusesChangedRunKeysByName) {
       {" --data.path=" + write_tokens(d, "u.bin", 3000, 37, 8), {"data.path = \"" + d / "t.bin" + "\""}},
       {" --optim.name=sgd", {"optim.name = \"adamw\""}},
       {" --model.n_layer=3", {"model.n_layer = 2 (this run: 3)", "the model's shape cannot change"}},
+      // numerics that shape no tensor may change on purpose (floats as written, not as doubles)
+      {" --model.norm_eps=1e-6", {"model.norm_eps = 1e-05 (this run: 1e-06)", "set checkpoint.allow_change"}},
+      {" --model.tie_embeddings=0 --checkpoint.allow_change=model.tie_embeddings",
+       {"checkpoint.allow_change cannot take model.tie_embeddings"}},
       {" --training.global_batch=16 --checkpoint.allow_change=training.global_batch",
        {"checkpoint.allow_change cannot take training.global_batch"}},
       {" --checkpoint.allow_change=optim.lrr", {"checkpoint.allow_change names optim.lrr, which is not a configuration key"}},
@@ -217,6 +221,15 @@ TEST(Elastic, ResumeRefusesChangedRunKeysByName) {
             1)
       << out;  // the schedule is an optimizer key
   EXPECT_NE(out.find("optim.schedule = \"constant\" (this run: \"cosine\")"), std::string::npos) << out;
+  ASSERT_EQ(run_command(bin + " train " + o + " --optim.lr=0.001 --model.norm_eps=1e-6 --model.rope_theta=500000" +
+                            " --checkpoint.allow_change=optim.lr,model.norm_eps,model.rope_theta --training.steps=4" +
+                            " --checkpoint.resume=true",
+                        &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("model.norm_eps = 1e-06 instead of the checkpoint's 1e-05 (checkpoint.allow_change)"),
+            std::string::npos)
+      << out;
 }
 
 }  // namespace

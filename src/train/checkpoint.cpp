@@ -448,6 +448,11 @@ std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin
   return r;
 }
 
+bool checkpoint_model_key_fixed(const std::string& key) {
+  return key.rfind("model.", 0) == 0 && key != "model.norm_eps" && key != "model.rope_theta" &&
+         key != "model.init_from";
+}
+
 std::string checkpoint_step_dir(int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
@@ -536,10 +541,8 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
   Config now;
   now.model = model;
   nlohmann::json a = config_to_json(saved)["model"], b = config_to_json(now)["model"];
-  a.erase("init_from");
-  b.erase("init_from");
   for (auto it = a.begin(); it != a.end(); ++it)
-    MT_CHECK(b[it.key()] == *it, "checkpoint " << dir << " was saved with model." << it.key() << " = " << it->dump()
+    MT_CHECK(!checkpoint_model_key_fixed("model." + it.key()) || b[it.key()] == *it, "checkpoint " << dir << " was saved with model." << it.key() << " = " << it->dump()
                                                << " but this run has " << b[it.key()].dump()
                                                << "; use the checkpoint's model settings or a new checkpoint.dir");
 

@@ -89,6 +89,10 @@ std::vector<CheckpointSlice> checkpoint_unit_slices(const Unit& u, int64_t begin
                                                     const std::vector<std::pair<std::string, float*>>& tensors,
                                                     bool primary_only);
 
+// Whether a model key (model.*) shapes what a checkpoint holds, so that loading it needs the
+// saved value: all but the norms' epsilon and RoPE's theta (numerics a resumed run may change
+// on purpose, checkpoint.allow_change) and model.init_from (read at step 0 only).
+bool checkpoint_model_key_fixed(const std::string& key);
 // The name a save gives step's checkpoint directory: step_ and the step in 8 digits.
 std::string checkpoint_step_dir(int64_t step);
 // Whether a directory's name is one a save gives a checkpoint: step_ and digits (step_N),

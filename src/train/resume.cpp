@@ -15,11 +15,12 @@ namespace {
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
 
-// Keys checkpoint.allow_change may name: a new data file, learning rate or seed still
-// continues the saved model and optimizer state. The model's shape, the optimizer's kind
-// (its state tensors) and the global batch (the data position is step x global_batch) may not.
+// Keys checkpoint.allow_change may name: a new data file, learning rate, seed, norm epsilon
+// or RoPE theta still continues the saved model and optimizer state. The model's shape, the
+// optimizer's kind (its state tensors) and the global batch (the data position is step x
+// global_batch) may not.
 bool may_change(const std::string& key) {
-  return resume_key_must_match(key) && !starts_with(key, "model.") && key != "optim.name" &&
+  return resume_key_must_match(key) && !checkpoint_model_key_fixed(key) && key != "optim.name" &&
          key != "training.global_batch";
 }
 
@@ -173,7 +174,7 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
     bool model = false;
     for (const std::string& d : differ) {
       list += (list.empty() ? "" : ", ") + d;
-      model = model || starts_with(d, "model.");
+      model = model || checkpoint_model_key_fixed(d.substr(0, d.find(' ')));
     }
     if (model)
       MT_FAIL("checkpoint " << dir << " was saved with " << list << "; the model's shape cannot change when resuming: "
