@@ -29,13 +29,13 @@ nlohmann::json summary_of(const std::string& metrics) {
 }
 
 // Every key of the summary is there; those in `absent` are null, all others are numbers >= 0.
-// The planner's step time is null in every run here: none sets logging.hardware.
+// The planner's step time is null in every run here: none sets logging.hardware; nor does
+// any trace its pipeline (pp_*).
 void expect_summary(const nlohmann::json& j, std::vector<std::string> absent, const std::string& what) {
-  absent.push_back("plan_step_s");
-  absent.push_back("loss_scale");  // fp32 runs
+  absent.insert(absent.end(), {"plan_step_s", "loss_scale", "pp_step_ms", "pp_bubble", "pp_simulated_ms"});
   for (const char* k : {"steps", "loss", "val_loss", "baseline_loss", "answer_accuracy", "baseline_accuracy",
                         "tokens_per_s", "seconds", "ranks", "mem_peak", "mem_model_state", "plan_step_s", "skipped",
-                        "loss_scale"})
+                        "loss_scale", "pp_step_ms", "pp_bubble", "pp_simulated_ms"})
     EXPECT_TRUE(j.contains(k)) << what << ": no " << k << " in " << j;
   for (const auto& [k, v] : j.items()) {
     if (k == "event") continue;
@@ -57,6 +57,13 @@ TEST(Summary, ValuesThatDoNotExistAreNull) {
   expect_summary(summary_of(c.logging.metrics), {"answer_accuracy", "baseline_accuracy"}, "validation tail");
   EXPECT_TRUE(s.val_loss && s.baseline_loss && s.loss && s.tokens_per_s);
   EXPECT_FALSE(s.answer_accuracy);
+  // The validation at the end is a val event too, as the periodic ones are, at the last step.
+  std::vector<nlohmann::json> vals;
+  for (const std::string& l : test::read_lines(c.logging.metrics))
+    if (nlohmann::json j = nlohmann::json::parse(l); j.value("event", "") == "val") vals.push_back(j);
+  ASSERT_EQ(vals.size(), 1u);
+  EXPECT_EQ(vals[0]["step"], 1);
+  EXPECT_EQ(vals[0]["val_loss"], summary_of(c.logging.metrics)["val_loss"]);
 
   c.data.val_fraction = 0;
   c.logging.metrics = d / "no_val.jsonl";
@@ -175,7 +182,7 @@ TEST(Outputs, DirectoriesAreCreated) {
   c.logging.metrics = d / "runs/a/m.jsonl";
   c.logging.plot = d / "plots/b/loss.svg";
   train(c);
-  EXPECT_EQ(test::read_lines(c.logging.metrics).size(), 2u);  // the step and the summary
+  EXPECT_EQ(test::read_lines(c.logging.metrics).size(), 3u);  // the step, the validation and the summary
   EXPECT_TRUE(fs::is_regular_file(c.logging.plot));
   c.logging.plot = "auto";  // beside the metrics file
   c.logging.metrics = d / "runs/c/m.jsonl";

@@ -259,6 +259,7 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
     sum.answer_accuracy = v.accuracy;
     sum.baseline_accuracy = v.baseline_accuracy;
     p.val_curve.emplace_back(sum.steps, v.loss);
+    run.log.write({{"event", "val"}, {"step", sum.steps - 1}, {"val_loss", v.loss}});  // as the periodic ones
   }
   const MemStats mem = agree_step(run.world, run.alloc.stats(), 0).peaks;
   nlohmann::json js = {{"event", "summary"}, {"steps", sum.steps}, {"loss", or_null(sum.loss)},
@@ -268,7 +269,8 @@ TrainSummary report_end(const Run& run, Progress& p, const std::optional<double>
                        {"tokens_per_s", or_null(sum.tokens_per_s)}, {"seconds", sum.seconds},
                        {"ranks", run.world.size()},
                        {"skipped", p.steps_done - run.opt.steps_taken()},  // fp16 overflows and spikes, resumed ones too
-                       {"loss_scale", run.scaler.enabled() ? nlohmann::json(run.scaler.scale()) : nlohmann::json(nullptr)}};
+                       {"loss_scale", run.scaler.enabled() ? nlohmann::json(run.scaler.scale()) : nlohmann::json(nullptr)},
+                       {"pp_step_ms", nullptr}, {"pp_bubble", nullptr}, {"pp_simulated_ms", nullptr}};  // logging.trace's
   if (run.profiler) report_profile(run);
   if (run.trace) report_trace(run, js);
   js.update(memory_json(mem));
