@@ -185,13 +185,16 @@ TEST(Sample, SeveralSamplesDrawSideBySide) {
     ASSERT_EQ(five.size(), 5u);
     EXPECT_EQ(five[0], one) << "seed " << seed;
     int64_t chars = 0;
+    int ended_here = 0;
     for (const std::string& t : five) {
       EXPECT_EQ(t.rfind("ab", 0), 0u) << t;
       chars += static_cast<int64_t>(t.size()) - 2;  // one byte per generated token
-      ended += t.size() < 2 + 40;
+      ended_here += t.size() < 2 + 40;
       distinct += t != five[0];
     }
+    ended += ended_here;
     EXPECT_EQ(st.generated, chars);
+    EXPECT_EQ(st.ended, ended_here) << "the summary's count of samples ended at end-of-text";
     EXPECT_EQ(st.samples, 5);
   }
   EXPECT_GT(ended, 0) << "no sample reached end-of-text: the filler path ran nowhere";
@@ -282,6 +285,12 @@ TEST(Sample, SummarySaysWhatItDid) {
   EXPECT_EQ(sample_summary(st), "sample: 257 tokens; the prompt's 1024 read in 0.11 s (its last: it has 1500, "
                                 "model.seq_len is 1024), then 32.0 tokens/s; the window of model.seq_len tokens "
                                 "filled 2 times and kept its last half");
+  // fewer tokens than asked: the sample drew end-of-text (one of several, or the one)
+  st.samples = 3, st.ended = 2, st.restarts = 0, st.prompt_read = 0;
+  EXPECT_EQ(sample_summary(st), "sample: 3 samples, 257 tokens, then 32.0 tokens/s; 2 of 3 ended at the end-of-text "
+                                "token");
+  st.samples = 1, st.ended = 1;
+  EXPECT_EQ(sample_summary(st), "sample: 257 tokens, then 32.0 tokens/s; it ended at the end-of-text token");
 }
 
 }  // namespace

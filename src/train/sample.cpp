@@ -106,10 +106,13 @@ std::string sample_summary(const SampleStats& st) {
     if (st.prompt_read < st.prompt_tokens)
       s << " (its last: it has " << st.prompt_tokens << ", model.seq_len is " << st.prompt_read << ")";
   }
-  if (st.decoded > 0) s << ", then " << std::setprecision(1) << st.decoded / st.decode_s << " tokens/s";
+  if (st.decoded > 0) s << ", then " << std::fixed << std::setprecision(1) << st.decoded / st.decode_s << " tokens/s";
   if (st.restarts > 0)
     s << "; the window of model.seq_len tokens filled " << st.restarts << (st.restarts == 1 ? " time" : " times")
       << " and kept its last half";
+  if (st.ended > 0)
+    s << "; " << (st.samples == 1 ? std::string("it") : std::to_string(st.ended) + " of " + std::to_string(st.samples))
+      << " ended at the end-of-text token";
   return s.str();
 }
 
@@ -231,6 +234,7 @@ std::vector<std::string> sample_text(const SampleOptions& o, const std::function
   }
   if (emit && N == 1) show(texts[0].substr(o.prompt.size()), texts[0].size() - o.prompt.size());
   st.restarts = window.restarts();
+  for (int b = 0; b < N; ++b) st.ended += end[b] != 0;
   if (stats) *stats = st;
   // The model learned another tokenizer's ids (a run resumed without its data.tokenizer
   // records the default one). Said, not printed as noise.

@@ -61,6 +61,7 @@ struct SampleStats {
   double decode_s = 0;        // from the prompt's forward to the last one's end (sampling, showing the
                               // text and window restarts included), seconds
   int restarts = 0;           // CachedWindow::restarts
+  int ended = 0;              // samples that drew the end-of-text token (and stopped there)
 };
 
 // The next token from its logits [V]: at temperature 0 the likeliest (the lowest id of
