@@ -38,7 +38,7 @@ INTS = [0, -1, 1, 2, 3, 7, 255, 256, 257, 65535, 65536, 2**31 - 1, 2**31, -2**31
 FLOATS = [0.0, -0.0, -1.0, 1e-45, 1e-300, 1e300, 1e308, float("inf"), float("-inf"), float("nan"), 0.5]
 CONFIG_VALUES = ["0", "-1", "1", "2", "3", "7", "257", "65536", "100000", "2147483647", "2147483648",
                  "9223372036854775807", "-9223372036854775808", "1e308", "1e-45", "0.5", "nan", "inf", "-inf", '""',
-                 '"x"', "true", "[]", "[1, 2]", "{}"]
+                 '"x"', "true", "[]", "[1, 2]", "{}", "[[1]]", "[1.5]", '["a", 1]', "[-1, 3]", '["optim.lr"]']
 FAILURES = [(r"AddressSanitizer|LeakSanitizer|runtime error:", "sanitizer"),
             (r"terminate called", "uncaught exception"),
             (r"internal error", "internal error"),
@@ -91,6 +91,10 @@ loss_scale_window = 1000
 [parallel]
 bucket_mb = 25.0
 powersgd_rank = 4
+pp_layers = "auto"
+
+[checkpoint]
+allow_change = ""
 
 [logging]
 progress = "off"
