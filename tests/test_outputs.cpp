@@ -90,6 +90,29 @@ TEST(Summary, ValuesThatDoNotExistAreNull) {
   EXPECT_FALSE(s.loss || s.tokens_per_s);
 }
 
+// The live line says what the set-up is doing (a large model's takes minutes before the
+// header): reading the data, allocating, then initialising or loading the parameters; the
+// header's line clears it. Without a live line, none of it is printed.
+TEST(Outputs, LiveLineSaysWhatTheSetUpDoes) {
+  test::TempDir d;
+  const std::string run = std::string(MESHTRAIN_BIN) + " train --training.steps=1 --model.n_layer=1 --model.d_model=32"
+                                                       " --model.n_head=2 --checkpoint.dir=" + d / "ck";
+  std::string out;
+  ASSERT_EQ(test::run_command(run + " --logging.progress=on", &out), 0) << out;
+  size_t at = 0;
+  for (const char* what : {"\r\033[Ksetting up: reading the data", "\r\033[Ksetting up: allocating the model (0.",
+                           "M parameters)\r\033[Ksetting up: initialising 0.", "\r\033[Kmeshtrain: gpt2, 1 layer"}) {
+    const size_t found = out.find(what, at);
+    EXPECT_NE(found, std::string::npos) << "no " << what << " after position " << at << " in\n" << out;
+    if (found != std::string::npos) at = found;
+  }
+  ASSERT_EQ(test::run_command(run + " --logging.progress=on --training.steps=2 --checkpoint.resume=true", &out), 0);
+  EXPECT_NE(out.find("setting up: loading 0."), std::string::npos) << out;
+  EXPECT_NE(out.find(" parameters from " + d / "ck/step_00000001"), std::string::npos) << out;
+  ASSERT_EQ(test::run_command(run + " --logging.progress=off --training.steps=3 --checkpoint.resume=true", &out), 0);
+  EXPECT_EQ(out.find("setting up"), std::string::npos) << out;
+}
+
 // A run of 2^63 - 1 steps (stopped by SIGTERM after 3 seconds): its progress line's
 // estimate is said as more than 100000 hours (the hours, cast to int, printed
 // "eta -2147483648h-8m").

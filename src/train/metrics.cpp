@@ -71,6 +71,13 @@ void MetricsLog::progress(int64_t step, int64_t total, double loss, double lr, d
   }
 }
 
+void MetricsLog::status(const std::string& what) {
+  if (!enabled_ || !live_) return;
+  std::fprintf(stderr, "\r\033[K%s", what.c_str());
+  std::fflush(stderr);
+  line_open_ = true;
+}
+
 void MetricsLog::message(const std::string& line) {
   if (!enabled_) return;
   if (line_open_) {

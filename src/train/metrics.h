@@ -23,6 +23,9 @@ class MetricsLog {
   // The progress line (terminal) or a log line every `every` steps.
   void progress(int64_t step, int64_t total, double loss, double lr, double tokens_per_s, double eta_s);
   void message(const std::string& line);  // a line of its own, clearing the progress line first
+  // What the set-up is doing, on the live line only (a terminal, or logging.progress = on):
+  // the next line printed replaces it.
+  void status(const std::string& what);
 
  private:
   std::string path_;

@@ -399,6 +399,13 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   Communicator& dp = mesh.dp();
   set_nodes(c.parallel, mesh.data());
 
+  // Set-up can take minutes for a large model (allocating and initialising or loading its
+  // state): the live line says what it is doing until the header replaces it.
+  int64_t n_params = 0;
+  for (const Unit& u : model_layout(c.model)) n_params += u.global_numel;
+  char millions[32];
+  std::snprintf(millions, sizeof millions, "%.2fM", n_params / 1e6);
+  log.status("setting up: reading the data");
   Data data;
   agreed(world, [&] { data = data_load(c); });  // a missing or short file: said once
   TokenLoader train_data(std::move(data.train), c.model.seq_len, c.data.shuffle, c.training.seed);
@@ -418,6 +425,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   const Schedule schedule = pipeline_schedule(c.parallel, c.model, static_cast<int>(c.training.global_batch / (int64_t{dp.size()} * M)),
                                               c.training.recompute);
   const std::vector<int> layers = pipeline_layers(c.model, schedule.layout, c.parallel.pp_layers);
+  log.status(std::string("setting up: allocating the model (") + millions + " parameters)");
   TensorParallel tp(mesh.tp(), alloc, c.parallel.sequence_parallel);
   ContextParallel cp(mesh.cp(), alloc, c.parallel.timeout_s);
   Model model(c.model, alloc, M, c.training.recompute, /*allocate_state=*/c.parallel.zero == 0, &tp,
@@ -440,6 +448,8 @@ TrainSummary train(const Config& cfg, Communicator& world) {
     agreed(world, [&] { hf.emplace(c.model, model_layout(c.model), c.model.init_from); });
   else if (!c.model.init_from.empty())
     notes.push_back("note: model.init_from = " + c.model.init_from + " is not read: the run resumes from its checkpoint");
+  log.status(std::string("setting up: ") + (resumed_from.empty() ? "initialising " : "loading ") + millions +
+             " parameters" + (resumed_from.empty() ? "" : " from " + resumed_from));
   Progress p;
   std::unique_ptr<DataParallel> strategy =
       strategy_make(c, model, mesh.data(), alloc, resumed_from, hf ? &*hf : nullptr, &p.steps_done);
