@@ -1,11 +1,21 @@
 // Pieces of the messages that tell a user what to change.
 #pragma once
+#include <charconv>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
 
 namespace mt {
+
+// A float as the double of its shortest decimal (1e-05, not 9.999999747378752e-06): the number
+// a person wrote, for JSON and messages; read back into a float, the same float.
+inline double float_as_written(float f) {
+  char buf[32];
+  char* end = std::to_chars(buf, buf + sizeof buf, f).ptr;
+  return std::strtod(std::string(buf, end).c_str(), nullptr);
+}
 
 // The values as "2, 3 or 6" ("" if none); with shown > 0, the first `shown` of them,
 // followed by ", ..." where there are more.

@@ -1,15 +1,14 @@
 #include "nn/hf.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
 #include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/message.h"
 #include "core/safetensors.h"
 
 namespace mt {
@@ -171,13 +170,7 @@ void hf_import(const ModelConfig& cfg, std::vector<Unit>& units, const std::stri
 }
 
 std::string hf_config_json(const ModelConfig& cfg) {
-  // A float as its shortest decimal (1e-05, not the double 9.99999974737875e-06): the same
-  // float where transformers reads it back into fp32.
-  const auto written = [](float f) {
-    char buf[32];
-    const auto end = std::to_chars(buf, buf + sizeof buf, f).ptr;
-    return std::strtod(std::string(buf, end).c_str(), nullptr);
-  };
+  // Floats as written (1e-05): the same floats where transformers reads them back into fp32.
   nlohmann::ordered_json j;
   if (cfg.is_llama()) {
     j = {{"architectures", {"LlamaForCausalLM"}},
@@ -191,8 +184,8 @@ std::string hf_config_json(const ModelConfig& cfg) {
          {"head_dim", cfg.head_dim()},
          {"hidden_act", "silu"},
          {"max_position_embeddings", cfg.seq_len},
-         {"rms_norm_eps", written(cfg.norm_eps)},
-         {"rope_theta", written(cfg.rope_theta)},
+         {"rms_norm_eps", float_as_written(cfg.norm_eps)},
+         {"rope_theta", float_as_written(cfg.rope_theta)},
          {"attention_bias", false},
          {"mlp_bias", false},
          {"attention_dropout", 0.0}};
@@ -206,7 +199,7 @@ std::string hf_config_json(const ModelConfig& cfg) {
          {"n_head", cfg.n_head},
          {"n_inner", cfg.ff_dim()},
          {"activation_function", "gelu_new"},  // the tanh form, as meshtrain's GELU
-         {"layer_norm_epsilon", written(cfg.norm_eps)},
+         {"layer_norm_epsilon", float_as_written(cfg.norm_eps)},
          {"resid_pdrop", 0.0},
          {"embd_pdrop", 0.0},
          {"attn_pdrop", 0.0}};

@@ -544,29 +544,35 @@ void attention_fused_backward(const Tensor& dqkv, const Tensor& dout, const Tens
                 false);
 }
 
+namespace {
+
+// A part forward's arguments checked (op names the caller), then the part: qkv_kv holds fused
+// rows, or (kv_only) their key and value columns.
+void checked_part_forward(const char* op, const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
+                          const Tensor& qkv_kv, AttentionRows k, int n_head, int n_kv_head, bool merge, bool kv_only) {
+  const PartArgs a = part_args(qkv_q, q, qkv_kv, k, n_head, n_kv_head, op, kv_only);
+  const AttentionShape& s = a.s;
+  const std::string name = op;
+  check_f32(out, (name + ": out").c_str());
+  check_f32(lse, (name + ": lse").c_str());
+  check_numel(out, s.B * s.T * s.NH * s.D, (name + ": out ([B, Tq, NH * D], Tq = qkv_q's rows)").c_str());
+  check_numel(lse, s.B * s.NH * s.T, (name + ": lse ([B, NH, Tq])").c_str());
+  part_forward(a, out.f32(), lse.f32(), qkv_q.f32(), qkv_kv.f32(), merge);
+}
+
+}  // namespace
+
 void attention_part_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
                             const Tensor& qkv_kv, AttentionRows k, int n_head, int n_kv_head, bool merge) {
   ProfileScope profile_scope("attention");
   MT_ON_CUDA(out, attention_part_forward(out, lse, qkv_q, q, qkv_kv, k, n_head, n_kv_head, merge));
-  const PartArgs a = part_args(qkv_q, q, qkv_kv, k, n_head, n_kv_head, "attention_part_forward");
-  const AttentionShape& s = a.s;
-  check_f32(out, "attention_part_forward: out");
-  check_f32(lse, "attention_part_forward: lse");
-  check_numel(out, s.B * s.T * s.NH * s.D, "attention_part_forward: out ([B, Tq, NH * D], Tq = qkv_q's rows)");
-  check_numel(lse, s.B * s.NH * s.T, "attention_part_forward: lse ([B, NH, Tq])");
-  part_forward(a, out.f32(), lse.f32(), qkv_q.f32(), qkv_kv.f32(), merge);
+  checked_part_forward("attention_part_forward", out, lse, qkv_q, q, qkv_kv, k, n_head, n_kv_head, merge, false);
 }
 
 void attention_kv_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv_q, AttentionRows q,
                           const Tensor& kv, AttentionRows k, int n_head, int n_kv_head) {
   ProfileScope profile_scope("attention");
-  const PartArgs a = part_args(qkv_q, q, kv, k, n_head, n_kv_head, "attention_kv_forward", /*kv_only=*/true);
-  const AttentionShape& s = a.s;
-  check_f32(out, "attention_kv_forward: out");
-  check_f32(lse, "attention_kv_forward: lse");
-  check_numel(out, s.B * s.T * s.NH * s.D, "attention_kv_forward: out ([B, Tq, NH * D], Tq = qkv_q's rows)");
-  check_numel(lse, s.B * s.NH * s.T, "attention_kv_forward: lse ([B, NH, Tq])");
-  part_forward(a, out.f32(), lse.f32(), qkv_q.f32(), kv.f32(), false);
+  checked_part_forward("attention_kv_forward", out, lse, qkv_q, q, kv, k, n_head, n_kv_head, false, true);
 }
 
 void attention_part_backward(const Tensor& dqkv_q, const Tensor& dqkv_kv, const Tensor& dout, const Tensor& qkv_q,

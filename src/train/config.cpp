@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -83,14 +82,9 @@ Key int_key(const std::string& name, Sec Config::*sec, T Sec::*field) {
           [=](Config& c, const std::string& v) { (c.*sec).*field = parse_int<T>(name, v); },
           [=](const Config& c) { return nlohmann::json((c.*sec).*field); }};
 }
-// A float key's value as the double of its shortest decimal (1e-05, not 9.999999747378752e-06):
-// the same float read back, and the number a person wrote, in the JSON and in messages.
+// A key's value for the JSON and messages: a float key's as written (float_as_written).
 double as_written(double v) { return v; }
-double as_written(float v) {
-  char buf[32];
-  const auto end = std::to_chars(buf, buf + sizeof buf, v).ptr;
-  return std::strtod(std::string(buf, end).c_str(), nullptr);
-}
+double as_written(float v) { return float_as_written(v); }
 
 template <class T, class Sec>
 Key num_key(const std::string& name, Sec Config::*sec, T Sec::*field) {
