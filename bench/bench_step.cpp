@@ -1,7 +1,7 @@
 // One training step of the benchmark GPT-2 (forward, backward, clip, AdamW), timed.
 // Prints one JSON line; bench/core.sh runs it beside PyTorch and reports the ratio.
 //
-//   bench_step [--family gpt2|llama] [--steps K] [--threads N] [--recompute]
+//   bench_step [--family gpt2|llama] [--steps K] [--threads N] [--recompute] [--recompute-blocks N]
 //              [--seq-len T] [--batch B] [--attention fused|materialized]
 // (defaults T = 256, B = 8: configs/gpt2_bench.toml's micro-batch; bench/attention.sh runs
 // T = 1024 with B = 2, the same tokens per step)
@@ -45,14 +45,15 @@ static double sgemm_gflops(bool meshtrain_grid) {
 int main(int argc, char** argv) {
   std::string family = "gpt2";
   int steps = 5, threads = 0, seq_len = 256, B = 8;
-  bool recompute = false;
+  Recompute recompute;  // --recompute: every block; --recompute-blocks N: the first N
   std::string attention = "fused";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--family" && i + 1 < argc) family = argv[++i];
     else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
     else if (a == "--threads" && i + 1 < argc) threads = std::atoi(argv[++i]);
-    else if (a == "--recompute") recompute = true;
+    else if (a == "--recompute") recompute = {Recompute::kAll};
+    else if (a == "--recompute-blocks" && i + 1 < argc) recompute = {std::atoi(argv[++i])};
     else if (a == "--seq-len" && i + 1 < argc) seq_len = std::atoi(argv[++i]);
     else if (a == "--batch" && i + 1 < argc) B = std::atoi(argv[++i]);
     else if (a == "--attention" && i + 1 < argc) attention = argv[++i];
@@ -114,9 +115,10 @@ int main(int argc, char** argv) {
   std::printf("{\"impl\":\"meshtrain\",\"family\":\"%s\",\"threads\":%d,\"step_ms_median\":%.2f,\"step_ms_min\":%.2f,"
               "\"params\":%lld,\"flops_per_step\":%.4g,\"gflops\":%.2f,\"sgemm_gflops\":%.2f,\"grid_gflops\":%.2f,"
               "\"loss\":%.4f,\"peak_bytes\":%zu,\"seq_len\":%d,\"batch\":%d,\"attention\":\"%s\",\"blas\":\"%s\","
-              "\"blas_warning\":\"%s\",\"step_ms_all\":[%s]}\n",
+              "\"blas_warning\":\"%s\",\"recompute_blocks\":%d,\"activation_bytes\":%zu,\"step_ms_all\":[%s]}\n",
               family.c_str(), omp_get_max_threads(), med, times.front(), static_cast<long long>(model.num_params()),
               flops, flops / (med / 1000) / 1e9, sgemm_gflops(false), sgemm_gflops(true), loss, alloc.stats().peak_total,
-              T, B, attention.c_str(), blas_description().c_str(), blas_kernel_warning().c_str(), all.c_str());
+              T, B, attention.c_str(), blas_description().c_str(), blas_kernel_warning().c_str(),
+              recompute.of(cfg.n_layer), alloc.stats().peak[int(MemTag::activations)], all.c_str());
   return 0;
 }

@@ -70,6 +70,8 @@ seed = 1
 val_every = 1
 val_batches = 1
 threads = 1
+recompute = false
+recompute_blocks = 0
 
 [optim]
 lr = 0.003

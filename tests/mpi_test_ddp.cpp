@@ -222,7 +222,7 @@ void expect_int8_zero_sums(int stage, int micro, int steps, const std::string& d
   Communicator& w = *g_world;
   CpuAllocator alloc;
   const int P = w.size();
-  Model model(tiny(), alloc, 1, false, /*allocate_state=*/false);
+  Model model(tiny(), alloc, 1, Recompute{}, /*allocate_state=*/false);
   ParallelConfig pc;
   pc.zero = stage, pc.shard_group = P, pc.grad_compression = "int8";
   ZeRO zero(model, w, alloc, pc, [](const std::vector<ParamSlice>& ranges) {

@@ -24,7 +24,7 @@ Communicator* g_world = nullptr;
 struct Case {
   const char* name;
   ModelConfig model;
-  bool recompute = false;
+  Recompute recompute;
 };
 
 ModelConfig base(const char* family) {
@@ -47,7 +47,8 @@ std::vector<Case> cases() {
   l.n_kv_head = 1, l.tie_embeddings = 1;
   c.push_back({"llama_mqa_tied", l});
   ModelConfig r = base("llama");
-  c.push_back({"llama_recompute", r, true});
+  c.push_back({"llama_recompute", r, {Recompute::kAll}});
+  c.push_back({"llama_recompute_first", r, {1}});  // the first of the 2 blocks
   ModelConfig m = base("gpt2");
   m.attention = "materialized";
   c.push_back({"gpt2_materialized_attention", m});
@@ -187,7 +188,7 @@ TEST(TensorParallel, CollectivesStayInTheTpGroup) {
   CpuAllocator alloc;
   Mesh mesh(w, 2, 1, 2);
   TensorParallel mappings(mesh.tp(), alloc);
-  Model part(base("llama"), alloc, 2, false, true, &mappings);
+  Model part(base("llama"), alloc, 2, Recompute{}, true, &mappings);
   part.init(3);
   run(part, 2, 8);
   EXPECT_FALSE(mesh.tp().flight_record().empty());

@@ -1,7 +1,8 @@
 // Every parallel axis composed: whole training runs (meshtrain launch) named by their layout,
 // tp x pp with every schedule (interleaved and zbv chunks, zb-h1's split backward under tp
 // and sequence parallelism), tp x pp x dp with DDP and ZeRO 1, 2 and 3, HYBRID_SHARD with
-// tp, recomputation and accumulation inside composed layouts, tied and untied heads across
+// tp, recomputation (of every block, or of each chunk's first) and accumulation inside
+// composed layouts, tied and untied heads across
 // tp x pp, and 8-rank layouts with all three of tp, pp and dp for each family. Each trains
 // what one process trains (losses, gradient norms and final parameters, expect_equivalent),
 // with the busiest rank's memory by tag as the formulas say and every tp byte predicted.
@@ -55,6 +56,7 @@ std::string tp_pp(int tp, int pp, const std::string& schedule) {
 }
 std::string zero(int stage) { return " --parallel.zero=" + std::to_string(stage); }
 const std::string kRecompute = " --training.recompute=true";
+const std::string kRecomputeFirst = kRecompute + " --training.recompute_blocks=1";  // of each chunk's blocks
 const std::string kHybrid = " --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2";
 
 // Global batch 8; micro-batch 1 unless said (then m = 8 / (dp x micro)).
@@ -67,6 +69,8 @@ const std::vector<Layout> kLayouts = {
     {"gpt2_tp2_pp2_zbv", 4, 1, tp_pp(2, 2, "zbv"), ""},  // embedding and head on rank 0: no copy
     {"gpt2_tp2_pp2_sp_1f1b_recompute", 4, 1, tp_pp(2, 2, "1f1b") + kSp + kRecompute, ""},
     {"gpt2_tp2_pp2_sp_zbh1", 4, 1, tp_pp(2, 2, "zb-h1") + kSp, "gpt2_tp2_pp2_sp_1f1b_recompute"},
+    {"gpt2_tp2_pp2_sp_1f1b_recompute_first", 4, 1, tp_pp(2, 2, "1f1b") + kSp + kRecomputeFirst,
+     "gpt2_tp2_pp2_sp_1f1b_recompute"},
     {"gpt2_tp2_pp2_sp_zbv_m2", 4, 2, tp_pp(2, 2, "zbv") + kSp, ""},
     {"gpt2_tp2_pp2_sp_interleaved_recompute_m2", 4, 2, tp_pp(2, 2, "interleaved") + kSp + kRecompute, ""},
     {"gpt2_untied_tp2_pp2_zbh1", 4, 1, tp_pp(2, 2, "zb-h1"), ""},
@@ -98,6 +102,7 @@ const std::vector<Layout> kLayouts = {
     {"llama_tied_tp2_pp2_sp_zbv", 4, 1, tp_pp(2, 2, "zbv") + kSp, ""},
     // pp alone with recomputation and accumulation: one process's bits
     {"llama_pp2_v2_recompute_m2", 2, 2, tp_pp(1, 2, "interleaved") + kRecompute, "one"},
+    {"llama_pp2_recompute_first_m2", 2, 2, tp_pp(1, 2, "1f1b") + kRecomputeFirst, "one"},
     // pp x dp and tp x pp x dp
     {"llama_dp2_zero3", 2, 1, zero(3), ""},
     {"llama_pp2_v2_dp2_zero3", 4, 1, tp_pp(1, 2, "interleaved") + zero(3), "llama_dp2_zero3"},

@@ -102,23 +102,36 @@ TEST_P(ModelCompute, GradientsMatchFiniteDifferences) {
   EXPECT_GT(checked, 30);
 }
 
-// Recomputing blocks in backward reruns the same float operations: bit-identical grads.
+// Recomputing blocks in backward reruns the same float operations: the losses and gradients
+// are bit-identical whether no block, the first 1 or 3 of 4, or every block recomputes. The
+// activations allocated are activation_bytes' to the byte: the blocks that recompute share
+// one set, so recomputing k of n keeps n - k + 1 sets (the same n at k = 1), every block 1.
 TEST_P(ModelCompute, RecomputeIsBitExact) {
   ModelConfig cfg = config();
-  CpuAllocator alloc_a, alloc_b;
-  Model a(cfg, alloc_a, 3), b(cfg, alloc_b, 3, /*recompute=*/true);
-  a.init(5);
-  b.init(5);
-  auto tok = random_ids(21, cfg.vocab_size, 4), tgt = random_ids(21, cfg.vocab_size, 5);
-  a.zero_grad();
-  b.zero_grad();
-  double la = a.forward(tok.data(), tgt.data(), 3, 7), lb = b.forward(tok.data(), tgt.data(), 3, 7);
-  a.backward(0.1f);
-  b.backward(0.1f);
-  EXPECT_EQ(la, lb);
-  EXPECT_EQ(all_grads(a), all_grads(b));
-  // and keeps one block's activations instead of n_layer
-  EXPECT_LT(alloc_b.stats().peak[int(MemTag::activations)], alloc_a.stats().peak[int(MemTag::activations)]);
+  cfg.n_layer = 4;
+  const auto tok = random_ids(21, cfg.vocab_size, 4), tgt = random_ids(21, cfg.vocab_size, 5);
+  double first_loss = 0;
+  std::vector<float> first_grads;
+  int64_t last_peak = 0;
+  for (int blocks : {0, 1, 3, Recompute::kAll}) {
+    CpuAllocator alloc;
+    Model m(cfg, alloc, 3, Recompute{blocks});
+    m.init(5);
+    m.zero_grad();
+    const double loss = m.forward(tok.data(), tgt.data(), 3, 7);
+    m.backward(0.1f);
+    const int64_t peak = static_cast<int64_t>(alloc.stats().peak[int(MemTag::activations)]);
+    EXPECT_EQ(peak, activation_bytes(cfg, m.dims(), 3, Recompute{blocks})) << blocks << " blocks recompute";
+    if (blocks == 0) {
+      first_loss = loss, first_grads = all_grads(m);
+    } else {
+      EXPECT_EQ(loss, first_loss) << blocks;
+      EXPECT_EQ(all_grads(m), first_grads) << blocks;
+      if (blocks == 1) EXPECT_EQ(peak, last_peak);
+      else EXPECT_LT(peak, last_peak) << blocks;
+    }
+    last_peak = peak;
+  }
 }
 
 // Two micro-batches of 2 accumulate the gradient of one batch of 4. Row sums in the

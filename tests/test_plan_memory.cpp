@@ -184,6 +184,9 @@ TEST(PlanMemory, ActivationsAreTheModelsOwn) {
       {"gpt2", "fused", "pp=2,schedule=1f1b,mb=1,gb=8"},
       {"llama", "fused", "pp=2,schedule=zb-h1,mb=2,gb=8"},
       {"llama", "fused", "pp=2,schedule=interleaved,v=2,mb=1,gb=4,recompute=full"},
+      {"llama", "fused", "pp=2,schedule=interleaved,v=2,mb=1,gb=4,recompute=1"},  // a chunk's one block: all
+      {"gpt2", "materialized", "pp=2,schedule=1f1b,mb=1,gb=8,recompute=1"},       // one of each stage's two
+      {"gpt2", "fused", "tp=2,sp=1,mb=2,gb=2,recompute=3"},
       {"gpt2", "fused", "pp=4,schedule=zb-h1,tp=2,sp=1,mb=1,gb=8"},
       {"llama", "materialized", "pp=2,schedule=zbv,mb=1,gb=6,dp=2,zero=3"},
   };
@@ -195,8 +198,8 @@ TEST(PlanMemory, ActivationsAreTheModelsOwn) {
     ParallelConfig par;
     par.tp = lay.tp, par.pp = lay.pp, par.cp = lay.cp, par.dp = lay.dp, par.pp_schedule = lay.schedule;
     par.pp_chunks = lay.named.count("v") ? lay.chunks : 0;
-    const bool recompute = lay.recompute == "full";
-    const Schedule s = pipeline_schedule(par, m, static_cast<int>(lay.micro_batches()), recompute);
+    const Recompute recompute = lay.recomputed();
+    const Schedule s = pipeline_schedule(par, m, static_cast<int>(lay.micro_batches()), recompute.any());
     const std::vector<int> layers = pipeline_layers(m, s.layout, "auto");
     LocalDims d = local_dims(m, TpShard{lay.tp, 0});
     d.T = m.seq_len / lay.cp;
@@ -379,7 +382,8 @@ std::string run_keys(const Layout& l) {
                   " --training.global_batch=" + std::to_string(l.global_batch);
   if (l.named.count("v")) k += " --parallel.pp_chunks=" + std::to_string(l.chunks);
   if (l.sequence_parallel) k += " --parallel.sequence_parallel=true";
-  if (l.recompute == "full") k += " --training.recompute=true";
+  if (l.recomputed().any()) k += " --training.recompute=true";
+  if (l.recomputed().any() && l.recompute != "full") k += " --training.recompute_blocks=" + l.recompute;
   if (l.shard_group > 0) k += " --parallel.shard_group=" + std::to_string(l.shard_group);
   return k;
 }
@@ -470,6 +474,7 @@ TEST(PlanMemory, PredictedBesideMeasured) {
       {"tp2 sp", "gpt2", 2, "tp=2,sp=1,mb=2,gb=2"},
       {"cp2", "gpt2", 2, "cp=2,mb=1,gb=2"},
       {"pp2 1f1b", "llama", 2, "pp=2,schedule=1f1b,mb=1,gb=4"},
+      {"pp2 1f1b recompute 1", "llama", 2, "pp=2,schedule=1f1b,recompute=1,mb=1,gb=4", 4},
       {"pp2 zb-h1 tied", "gpt2", 2, "pp=2,schedule=zb-h1,mb=1,gb=4"},
       {"pp2 gpipe", "llama", 2, "pp=2,schedule=gpipe,mb=1,gb=4"},
   });

@@ -179,7 +179,13 @@ TEST(PlanLayout, ErrorsNameTheKeyAndValue) {
     EXPECT_TRUE(has(e, b.says)) << e;
   }
   EXPECT_TRUE(has(error_of([] { layout_parse("zero=4"); }), "ZeRO stages are 0 (DDP), 1, 2 and 3"));
-  EXPECT_TRUE(has(error_of([] { layout_parse("recompute=some"); }), "none, selective or full"));
+  EXPECT_TRUE(has(error_of([] { layout_parse("recompute=some"); }), "none, selective, full or a count of blocks"));
+  // A count of blocks per chunk: 0 is none, and a count reads back as written.
+  EXPECT_EQ(layout_parse("recompute=0").recompute, "none");
+  EXPECT_EQ(layout_parse("recompute=3").recomputed(), Recompute{3});
+  EXPECT_EQ(layout_parse("recompute=3").text(), layout_parse(layout_parse("recompute=3").text()).text());
+  EXPECT_EQ(layout_parse("recompute=full").recomputed(), Recompute{Recompute::kAll});
+  EXPECT_FALSE(layout_parse("recompute=selective").recomputed().any());
 }
 
 // ---- The search ---------------------------------------------------------------------------
@@ -317,8 +323,37 @@ TEST(PlanSearch, NamedFieldsAreRespected) {
     mbs.insert(p.layout.micro_batch);
   }
   EXPECT_EQ(schedules, (std::set<std::string>{"1f1b", "interleaved", "zb-h1", "zbv"}));
-  EXPECT_EQ(recomputes, (std::set<std::string>{"none", "full"}));
+  EXPECT_TRUE(recomputes.count("none") && recomputes.count("full"));
+  for (const std::string& rc : recomputes)
+    EXPECT_TRUE(rc == "none" || rc == "full" || Layout{.recompute = rc}.recomputed().any()) << rc;
   EXPECT_TRUE(mbs.count(1) && mbs.count(8)) << "micro-batches 1 .. 8 divide 32 / 4";
+}
+
+// Where keeping every block's activations does not fit, the search also weighs the fewest
+// blocks of each chunk recomputing that fit: with memory for a 6-block model that recomputes
+// 2 blocks (recomputing 1 keeps as much as none: the recomputed blocks share one set), it
+// ranks recompute=2 first, ahead of recompute=full (2 block forwards again, not 6), and no
+// layout keeping every block's activations.
+TEST(PlanSearch, FewestRecomputedBlocksThatFit) {
+  Question q = bench_question(1, cpu_like());
+  ASSERT_EQ(q.config.model.n_layer, 6);
+  Layout base;
+  base.global_batch = q.global_batch;
+  base = layout_parse("mb=8", base);
+  const auto peak = [&](const char* rc) {
+    return predict(q, layout_parse(std::string("recompute=") + rc, base)).memory.peak;
+  };
+  EXPECT_EQ(peak("1"), peak("none"));
+  EXPECT_LT(peak("2"), peak("1"));
+  EXPECT_LT(peak("full"), peak("2"));
+  q.cluster.hw.mem_bytes = peak("2");
+  const SearchResult r = search(q, base);
+  expect_well_formed(q, base, r, "recompute=2 fits");
+  ASSERT_GE(r.ranked.size(), 2u);
+  EXPECT_EQ(r.ranked[0].layout.recompute, "2");
+  EXPECT_EQ(r.ranked[1].layout.recompute, "full");
+  EXPECT_LT(r.ranked[0].time.step_s, r.ranked[1].time.step_s);
+  for (const Prediction& p : r.ranked) EXPECT_NE(p.layout.recompute, "none") << p.layout.text();
 }
 
 // A smaller device: every layout ranked still fits it, and fewer do.

@@ -258,7 +258,7 @@ TEST(PlanTime, TensorParallelBytesAreTheEngines) {
             Layout l;
             l.tp = tp, l.pp = schedule == "1f1b" ? 1 : 2, l.cp = cp, l.schedule = schedule;
             l.sequence_parallel = sp, l.micro_batch = 2, l.global_batch = 8;
-            l.recompute = schedule == "1f1b" || schedule == "interleaved" ? "full" : "none";
+            l.recompute = schedule == "1f1b" ? "3" : schedule == "interleaved" ? "full" : "none";  // 3 of 8 blocks
             const PipelineShape shape = pipeline_shape(m, l);
             const Schedule s = schedule_make(schedule, l.pp, shape.chunks, shape.micro);
             const std::vector<int> layers = pipeline_layers(m, s.layout, "auto");
@@ -267,7 +267,7 @@ TEST(PlanTime, TensorParallelBytesAreTheEngines) {
             for (int r = 0; r < l.pp; ++r) {
               Flow mine;
               for (const ChunkShare& ch : shape.ranks[r]) mine += tp_flows(m, l, fp32, ch).total();
-              const double engine = tp_bytes_per_micro_batch(m, d, tp, l.micro_batch, d.T, l.recompute == "full", sp,
+              const double engine = tp_bytes_per_micro_batch(m, d, tp, l.micro_batch, d.T, l.recomputed(), sp,
                                                              pipeline_share(m, s, layers, r));
               EXPECT_DOUBLE_EQ(mine.bytes, engine) << family << " tp " << tp << " sp " << sp << " " << schedule
                                                    << " cp " << cp << " rank " << r;
@@ -286,25 +286,29 @@ TEST(PlanTime, BytesAreMeasured) {
     Layout layout;
     std::string grad_comm = "fp32";
   };
-  auto lay = [](int dp, int tp, int pp, int cp, int zero, int shard, bool sp, const char* schedule, bool rec) {
+  auto lay = [](int dp, int tp, int pp, int cp, int zero, int shard, bool sp, const char* schedule, const char* rec) {
     Layout l;
     l.dp = dp, l.tp = tp, l.pp = pp, l.cp = cp, l.zero = zero, l.shard_group = shard, l.sequence_parallel = sp;
-    l.schedule = schedule, l.recompute = rec ? "full" : "none";
+    l.schedule = schedule, l.recompute = rec;
     return l;
   };
   const std::vector<Run> runs = {
       {"ddp_tp_sp", "gpt2", 4, 2, 1, 4, " --parallel.tp=2 --parallel.sequence_parallel=true",
-       lay(2, 2, 1, 1, 0, 0, true, "1f1b", false)},
-      {"ddp_bf16", "llama", 2, 2, 1, 4, " --parallel.grad_comm_dtype=bf16", lay(2, 1, 1, 1, 0, 0, false, "1f1b", false),
-       "bf16"},
-      {"zero2_pp", "llama", 4, 2, 1, 4, " --parallel.pp=2 --parallel.zero=2", lay(2, 1, 2, 1, 2, 0, false, "1f1b", false)},
-      {"zero3_tied", "gpt2", 4, 2, 1, 8, " --parallel.zero=3", lay(4, 1, 1, 1, 3, 0, false, "1f1b", false)},
+       lay(2, 2, 1, 1, 0, 0, true, "1f1b", "none")},
+      {"ddp_bf16", "llama", 2, 2, 1, 4, " --parallel.grad_comm_dtype=bf16",
+       lay(2, 1, 1, 1, 0, 0, false, "1f1b", "none"), "bf16"},
+      {"zero2_pp", "llama", 4, 2, 1, 4, " --parallel.pp=2 --parallel.zero=2",
+       lay(2, 1, 2, 1, 2, 0, false, "1f1b", "none")},
+      {"zero3_tied", "gpt2", 4, 2, 1, 8, " --parallel.zero=3", lay(4, 1, 1, 1, 3, 0, false, "1f1b", "none")},
       {"zero3_hybrid", "gpt2", 4, 2, 1, 8, " --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2",
-       lay(4, 1, 1, 1, 3, 2, false, "1f1b", false)},
+       lay(4, 1, 1, 1, 3, 2, false, "1f1b", "none")},
       {"zero1_cp_recompute", "llama", 4, 2, 1, 4, " --parallel.cp=2 --parallel.zero=1 --training.recompute=true",
-       lay(2, 1, 1, 2, 1, 0, false, "1f1b", true)},
+       lay(2, 1, 1, 2, 1, 0, false, "1f1b", "full")},
+      {"cp_tp_recompute_1", "gpt2", 4, 2, 1, 2,
+       " --parallel.cp=2 --parallel.tp=2 --training.recompute=true --training.recompute_blocks=1",
+       lay(1, 2, 1, 2, 0, 0, false, "1f1b", "1")},
       {"tp_pp_interleaved", "gpt2", 4, 4, 1, 4, " --parallel.tp=2 --parallel.pp=2 --parallel.pp_schedule=interleaved",
-       lay(1, 2, 2, 1, 0, 0, false, "interleaved", false)},
+       lay(1, 2, 2, 1, 0, 0, false, "interleaved", "none")},
   };
   const TempDir d;
   const std::string data = " --data.path=" + write_tokens(d, "t.bin", 3000, 37);

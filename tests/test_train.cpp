@@ -40,6 +40,7 @@ TEST(Config, TomlThenOverrides) {
   EXPECT_FLOAT_EQ(c.model.norm_eps, 1e-6f);
   EXPECT_EQ(c.training.steps, 9);
   EXPECT_TRUE(c.training.recompute);
+  EXPECT_EQ(c.training.recomputed(), Recompute{Recompute::kAll});
   EXPECT_DOUBLE_EQ(c.optim.lr, 0.5);
   EXPECT_EQ(c.optim.schedule, "linear");
 }
@@ -65,6 +66,26 @@ TEST(Config, ListKeysTakeTomlArrays) {
                 .find("bad value for model.n_layer in the config file: expected a string, number or boolean"),
             std::string::npos);
   EXPECT_NE(refused("[parallel]\npp_layers = {a = 1}\n").find("or a list of strings or integers"), std::string::npos);
+}
+
+// training.recompute_blocks picks the first blocks of each chunk; alone, or negative, or with
+// a split backward, it is refused by name.
+TEST(Config, RecomputeBlocks) {
+  EXPECT_EQ(config_load("", {}).training.recomputed(), Recompute{});
+  EXPECT_EQ(config_load("", {"training.recompute=true", "training.recompute_blocks=2"}).training.recomputed(),
+            Recompute{2});
+  EXPECT_NE(error_of([] { config_load("", {"training.recompute_blocks=2"}); })
+                .find("training.recompute_blocks = 2 names the blocks that recompute, but training.recompute is "
+                      "false; set recompute = true too, or recompute_blocks = 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { config_load("", {"training.recompute=true", "training.recompute_blocks=-1"}); })
+                .find("training.recompute_blocks = -1 must not be negative (0: every block)"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              config_load("", {"training.recompute=true", "training.recompute_blocks=1", "parallel.pp=2",
+                               "parallel.pp_schedule=zbv"});
+            }).find("use 1f1b or interleaved, or recompute=false"),
+            std::string::npos);
 }
 
 TEST(Config, ErrorsNameTheKeyAndTheFix) {

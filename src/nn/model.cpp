@@ -31,8 +31,8 @@ std::vector<ChunkSpec> chunks_of(const ModelConfig& cfg, const ModelShare& share
 
 }  // namespace
 
-int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute, const ModelShare& share,
-                         int64_t kept_bytes) {
+int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, Recompute recompute,
+                         const ModelShare& share, int64_t kept_bytes) {
   const int64_t T = d.T, Tl = T / d.seq_split, C = d.C, F = d.F, NH = d.NH;
   const int64_t up = cfg.is_llama() ? 2 * F : F;  // the up projection's outputs (llama: gate and up)
   const bool fused = cfg.fused_attention();
@@ -52,19 +52,23 @@ int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, 
   if (d.kv_sharers > 1) scratch += d.qkv() * C;
   if (d.seq_split > 1) scratch += B * T * C + B * Tl * C + 6 * C;
   if (kept_bytes < 4) scratch += B * T * (d.qkv() + d.attn());  // the kept qkv and atty in fp32
-  // Each slot of a chunk of n layers: its layers' activations, the residual stream (n + 1
-  // tensors) and its gradient, the token and target ids; the head's chunk also the final
-  // norm (gathered output, statistics), logits over this rank's vocabulary rows and the
-  // loss's rows (losses, lse, row max, target logit).
-  int64_t slots = 0, layers_kept = recompute ? 1 : 0;
+  // Each slot of a chunk of n layers: the activations of the n - r layers that keep theirs
+  // (r recompute), the residual stream (n + 1 tensors) and its gradient, the token and
+  // target ids; the head's chunk also the final norm (gathered output, statistics), logits
+  // over this rank's vocabulary rows and the loss's rows (losses, lse, row max, target
+  // logit). Recomputing blocks share one set of activations, rebuilt in backward.
+  int64_t slots = 0, layers_kept = 0;
+  bool shared = false;
   for (const ChunkSpec& ch : chunks_of(cfg, share)) {
-    const int64_t n = ch.end_layer - ch.first_layer;
-    int64_t one = (recompute ? 0 : n * layer) + n * pending + (n + 2) * B * Tl * C + 2 * B * T;
+    const int64_t n = ch.end_layer - ch.first_layer, kept = n - recompute.of(static_cast<int>(n));
+    int64_t one = kept * layer + n * pending + (n + 2) * B * Tl * C + 2 * B * T;
     if (ch.head) one += B * T * C + 2 * B * Tl + B * T * d.V + 4 * B * T;
     slots += ch.slots * one;
-    if (!recompute) layers_kept += ch.slots * n;
+    layers_kept += ch.slots * kept;
+    shared = shared || kept < n;
   }
-  return 4 * ((recompute ? layer : 0) + scratch + slots) - layers_kept * saved;
+  if (shared) layers_kept += 1;
+  return 4 * ((shared ? layer : 0) + scratch + slots) - layers_kept * saved;
 }
 
 // What one slot of a chunk keeps for a micro-batch in flight.
@@ -74,7 +78,7 @@ struct Model::Slot {
   Tensor tokens, targets;  // [B, T] i32
   // The residual stream holds Tl = T / tp positions with sequence parallelism, else T.
   std::vector<Tensor> resid;  // [n + 1] x [B, Tl, C]: input of the chunk's block i; [n] its output
-  std::vector<std::unique_ptr<BlockActs>> acts;             // [n] (none when recomputing)
+  std::vector<std::unique_ptr<BlockActs>> acts;             // [n] (null for a block that recomputes)
   std::vector<std::unique_ptr<BlockWeightInputs>> pending;  // [n] split backward only
   Tensor dresid;  // [B, Tl, C] gradient of the residual stream
   // the head's chunk only:
@@ -88,7 +92,7 @@ struct Model::Chunk {
   std::vector<Slot> slots;
 };
 
-Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute, bool allocate_state,
+Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, Recompute recompute, bool allocate_state,
              TpMappings* tp, const ModelShare& share, CpMappings* cp)
     : cfg_(validated(cfg)),  // before any size is read from it
       tp_(tp ? *tp : no_tp_),
@@ -109,7 +113,7 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
                                                  << dims_.seq_split << " ranks for parallel.sequence_parallel; "
                                                  << "use a seq_len that tp x cp divides, or sequence_parallel=false");
   }
-  MT_CHECK(!(recompute && share.split_backward),
+  MT_CHECK(!(recompute.any() && share.split_backward),
            "training.recompute cannot run with a split backward (parallel.pp_schedule zb-h1 or zbv): the weight half "
            "would need the activations again; use parallel.pp_schedule=1f1b or interleaved, or recompute=false");
   share_.chunks = chunks_of(cfg, share);
@@ -147,7 +151,10 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
   // The activations a block keeps, in 16 bits under the 16-bit precisions (BlockActs:
   // rounded where they are produced, or rounded by the products that read them).
   const DType kept = working_dtype(cfg);
-  if (recompute) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept);
+  for (const ChunkSpec& spec : share_.chunks) {
+    const int n = spec.end_layer - spec.first_layer;
+    if (recompute.of(n) > 0 && !shared_acts_) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept);
+  }
   for (const ChunkSpec& spec : share_.chunks) {
     Chunk& ch = chunks_.emplace_back();
     ch.spec = spec;
@@ -156,8 +163,8 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool rec
     for (Slot& sl : ch.slots) {
       sl.tokens = make({B, T}, DType::i32);
       sl.targets = make({B, T}, DType::i32);
-      for (int i = 0; i < n && !recompute; ++i)
-        sl.acts.push_back(std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept));
+      sl.acts.resize(n);  // the first recompute.of(n) blocks recompute theirs
+      for (int i = recompute.of(n); i < n; ++i) sl.acts[i] = std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept);
       for (int i = 0; i < n && share.split_backward; ++i)
         sl.pending.push_back(std::make_unique<BlockWeightInputs>(cfg, dims_, B, alloc));
       for (int i = 0; i <= n; ++i) sl.resid.push_back(make({B, Tl, C}));
@@ -348,7 +355,7 @@ double Model::forward(int chunk, int s, const int32_t* tokens, const int32_t* ta
     const int i = l - spec.first_layer;
     h.before_forward(l + 1);
     widen(l + 1);
-    block_forward(env(), units_[l + 1], recompute_ ? *shared_acts_ : *sl.acts[i], resid(sl.resid[i]),
+    block_forward(env(), units_[l + 1], sl.acts[i] ? *sl.acts[i] : *shared_acts_, resid(sl.resid[i]),
                   resid(sl.resid[i + 1]), B, T);
     narrow(l + 1);
     h.after_forward(l + 1);
@@ -409,11 +416,12 @@ void Model::backward_unit(int unit, Slot& sl, int i, float scale, Backward part)
     if (weight) embed_backward(sl);
   } else {
     const Tensor x = resid(sl.resid[i]);
-    BlockActs& a = recompute_ ? *shared_acts_ : *sl.acts[i];
+    const bool recomputes = !sl.acts[i];
+    BlockActs& a = recomputes ? *shared_acts_ : *sl.acts[i];
     if (input) {
       // Recomputation rewrites the block's output into resid[i + 1], bit-identical to what
       // the forward wrote, and no longer needed: the block above is done.
-      if (recompute_) block_forward(env(), units_[unit], a, x, resid(sl.resid[i + 1]), B_, T_);
+      if (recomputes) block_forward(env(), units_[unit], a, x, resid(sl.resid[i + 1]), B_, T_);
       block_backward(env(), units_[unit], a, x, resid(sl.dresid), B_, T_, split ? sl.pending[i].get() : nullptr);
     }
     if (weight && split) block_backward_weight(env(), units_[unit], a, *sl.pending[i], B_, T_);
@@ -523,7 +531,7 @@ void Model::final_forward(Slot& sl, const Tensor& x) {
 
 Tensor Model::forward_cached(const int32_t* tokens, int n, KvCache& cache) {
   MT_CHECK(tp_.shard().size == 1 && cp_.shard().size == 1 && chunks_.size() == 1 && chunks_[0].spec.embed &&
-               chunks_[0].spec.head && cfg_.n_layer == chunks_[0].spec.end_layer && !recompute_ &&
+               chunks_[0].spec.head && cfg_.n_layer == chunks_[0].spec.end_layer && !recompute_.any() &&
                cfg_.fused_attention() && !cfg_.mixed_precision() && !hooks_,
            "internal: a cached forward runs the whole model on one rank in fp32, with fused attention and no "
            "recomputation or hooks");

@@ -155,7 +155,7 @@ std::vector<Unit> model_layout(const ModelConfig& cfg, TpShard tp = {});
 // with the measured peak (tagged activations). kept_bytes: per element of the activations
 // a block keeps in its `kept` dtype (BlockActs' ln1, ln2, qkv, atty, fc, act: 2 on the CPU
 // at 16-bit precisions, with one fp32 copy of qkv and atty in the workspace), every other 4.
-int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, bool recompute,
+int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, Recompute recompute,
                          const ModelShare& share = {}, int64_t kept_bytes = 4);
 
 struct BlockEnv;      // what a block computes with (block.h)
@@ -173,7 +173,7 @@ class Model {
   // share: this pipeline rank's chunks (default: the whole model).
   // cp: the context-parallel attention this rank's part of each sequence runs with (null:
   // whole sequences); forward then takes this rank's dims().T = seq_len / cp tokens of each.
-  Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, bool recompute = false, bool allocate_state = true,
+  Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, Recompute recompute = {}, bool allocate_state = true,
         TpMappings* tp = nullptr, const ModelShare& share = {}, CpMappings* cp = nullptr);
   ~Model();
   Model(const Model&) = delete;
@@ -278,7 +278,7 @@ class Model {
   LocalDims dims_;
   Allocator& alloc_;
   int micro_batch_;
-  bool recompute_;
+  Recompute recompute_;
   std::vector<Unit> units_;
   UnitHooks* hooks_ = nullptr;
   UnitHooks no_hooks_;
@@ -286,7 +286,7 @@ class Model {
   ModelShare share_;
   int B_ = 0, T_ = 0;  // the batch of the slot being computed
   std::vector<Chunk> chunks_;
-  std::unique_ptr<BlockActs> shared_acts_;  // recomputation: one set for every block
+  std::unique_ptr<BlockActs> shared_acts_;  // recomputation: one set for every block that recomputes
   std::unique_ptr<BlockScratch> scratch_;   // workspace shared by the blocks (forward and backward), embedding, final norm
   Tensor wide_;                    // mixed precision: [largest widened set] fp32 staging (MemTag::other)
   std::vector<Tensor> narrow_w_;   // per unit: its working w while widened

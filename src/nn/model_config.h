@@ -1,10 +1,23 @@
 // The model's shape and numerics (the [model] section of the configuration), and how its
 // attention is computed (training.attention).
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 namespace mt {
+
+// Which blocks recompute their forward in backward instead of keeping their activations
+// (training.recompute, training.recompute_blocks): the first `blocks` of each model chunk
+// (the whole model, a pipeline stage, or one of an interleaved rank's chunks).
+struct Recompute {
+  static constexpr int kAll = std::numeric_limits<int>::max();
+  int blocks = 0;  // 0: none; kAll: every block
+  bool any() const { return blocks > 0; }
+  int of(int n) const { return std::min(blocks, n); }  // recomputed blocks of a chunk of n
+  bool operator==(const Recompute&) const = default;
+};
 
 struct ModelConfig {
   std::string family = "gpt2";  // gpt2 | llama

@@ -113,16 +113,20 @@ void TensorParallel::sum_over_kv_sharers(const Tensor& g, int sharers) {
 }
 
 double tp_bytes_per_micro_batch(const ModelConfig& cfg, const LocalDims& d, int tp, int64_t B, int64_t T,
-                                bool recompute, bool sequence_parallel, const ModelShare& share) {
+                                Recompute recompute, bool sequence_parallel, const ModelShare& share) {
   if (tp == 1) return 0;
   const double N = tp;
   auto allreduce = [&](double floats) { return 2 * (N - 1) / N * 4 * floats; };
   auto allgather = [&](double floats) { return (N - 1) * 4 * floats; };  // floats: each rank's piece
   const double act = double(B) * T * d.C, rows = double(B) * T;
-  int L = share.chunks.empty() ? cfg.n_layer : 0;  // this rank's blocks
+  int L = share.chunks.empty() ? cfg.n_layer : 0;  // this rank's blocks, Lr of them recomputed
+  int Lr = share.chunks.empty() ? recompute.of(cfg.n_layer) : 0;
   bool embed = share.chunks.empty(), head = share.chunks.empty();
-  for (const ChunkSpec& ch : share.chunks) L += ch.end_layer - ch.first_layer, embed |= ch.embed, head |= ch.head;
-  double bytes = allreduce(act) * (embed + 2 * L * (recompute ? 2 : 1));  // embedding, row-parallel outputs
+  for (const ChunkSpec& ch : share.chunks) {
+    L += ch.end_layer - ch.first_layer, embed |= ch.embed, head |= ch.head;
+    Lr += recompute.of(ch.end_layer - ch.first_layer);
+  }
+  double bytes = allreduce(act) * (embed + 2 * (L + Lr));                // embedding, row-parallel outputs
   bytes += allreduce(act) * (head + 2 * L);                              // head and column-parallel inputs (backward)
   if (head) bytes += allgather(rows) + 2 * allreduce(rows);              // loss: max, sum of exponentials, target
   if (d.kv_sharers > 1) bytes += L * allgather(2.0 * d.NKV * d.D * d.C);

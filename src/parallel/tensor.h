@@ -68,8 +68,8 @@ void reorder_sequence(const Tensor& full, const Tensor& ranked, int size, bool t
 // Bytes one tp rank sends in the forward and backward of one micro-batch of B x T tokens,
 // counted as Communicator::bytes_sent counts them (an all-reduce of n bytes 2 (N - 1) / N n,
 // a reduce-scatter of n bytes (N - 1) / N n, an all-gather of n bytes per rank (N - 1) n):
-// per block two reductions of [B, T, C] forward (and again when recomputing) and two
-// backward; the embedding's reduction and the head's input gradient; the loss's row
+// per block two reductions of [B, T, C] forward (again in each block that recomputes) and
+// two backward; the embedding's reduction and the head's input gradient; the loss's row
 // statistics; key/value weight gradients summed over the ranks sharing a head. With
 // sequence parallelism the same bytes move as all-gathers and reduce-scatters (each half an
 // all-reduce: a block's two column-parallel inputs are gathered and its two row-parallel
@@ -81,6 +81,6 @@ void reorder_sequence(const Tensor& full, const Tensor& ranked, int size, bool t
 // holds the first stage and the head's, the loss's and the final norm's where it holds the
 // last (default: the whole model).
 double tp_bytes_per_micro_batch(const ModelConfig& cfg, const LocalDims& d, int tp, int64_t B, int64_t T,
-                                bool recompute, bool sequence_parallel, const ModelShare& share = {});
+                                Recompute recompute, bool sequence_parallel, const ModelShare& share = {});
 
 }  // namespace mt

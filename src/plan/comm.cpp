@@ -228,15 +228,16 @@ ActionFlows tp_flows(const ModelConfig& model, const Layout& layout, const Preci
   const double act = double(layout.micro_batch) * T * C * prec.activation;  // one [b, T, C] tensor
   const double rows = double(layout.micro_batch) * T * 4;                  // the loss's float statistics per row
   const double L = chunk.blocks(), g = prec.grad;
-  const bool sp = layout.sequence_parallel, recompute = layout.recompute == "full";
+  const bool sp = layout.sequence_parallel;
+  const double again = layout.recomputed().of(chunk.blocks());  // blocks whose forward runs again in backward
   const Flow ar = allreduce(N, act);
   const Flow half{ar.bytes / 2, 1};  // an all-gather or reduce-scatter of [b, T, C]: half an all-reduce
   // Each block: two reductions forward (column-parallel inputs copied, row-parallel outputs
   // reduced; under sp two gathers and two reduce-scatters, the same bytes in four messages),
-  // two backward, two more when the backward recomputes the forward.
+  // two backward, two more for each block whose forward the backward recomputes.
   const Flow block = sp ? Flow{2 * ar.bytes, 4} : 2 * ar;
   out.f += L * block;
-  out.bi += (recompute ? 2 : 1) * L * block;
+  out.bi += (L + again) * block;
   if (!sp) {
     if (chunk.embed) out.f += ar;   // the vocabulary-parallel embedding's partial sums
     if (chunk.head) out.bi += ar;   // the head's input gradient
@@ -268,10 +269,11 @@ ActionFlows cp_flows(const ModelConfig& model, const Layout& layout, const Preci
   const double T = static_cast<double>(local_positions(model, layout));
   const double kv = double(layout.micro_batch) * T * 2 * kv_local(model, layout.tp) * model.head_dim() * prec.activation;
   const double L = chunk.blocks();
-  const bool again = layout.recompute == "full";  // recomputing the blocks runs the ring forward again
+  const double again = layout.recomputed().of(chunk.blocks());  // recomputed blocks run the ring forward again
   out.f = {L * (cp - 1) * kv, L * (cp - 1)};
-  const double back = (again ? cp - 1 : 0) + (cp - 1) + cp;  // keys/values round again, and the accumulators home
-  out.bi = {L * back * kv, L * back};
+  // keys/values round again, and the accumulators home; the recomputed blocks' forward rounds
+  const double back = L * ((cp - 1) + cp) + again * (cp - 1);
+  out.bi = {back * kv, back};
   return out;
 }
 

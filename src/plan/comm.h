@@ -11,14 +11,15 @@
 //
 //   axis  what travels per step (m micro-batches per data-parallel rank)
 //   tp    per micro-batch and block two all-reduces of the [b, T, C] activations forward
-//         (again when recomputing: recompute = full) and two backward, the embedding's forward reduction and
-//         the head's input gradient, the vocabulary-parallel loss's row statistics, the
-//         key/value weight gradients of heads several ranks share; with sequence
+//         (again in each block that recomputes: recompute = full or N) and two backward,
+//         the embedding's forward reduction and the head's input gradient, the
+//         vocabulary-parallel loss's row statistics, the key/value weight gradients of
+//         heads several ranks share; with sequence
 //         parallelism the same bytes as all-gathers and reduce-scatters plus the norms'
 //         and biases' gradient sums and the norm outputs gathered again in backward
 //         (parallel/tensor.h); per step the gradient norm's per-unit sums
 //   cp    per micro-batch and block the ring's keys and values, cp - 1 sends forward (again
-//         when recomputing: recompute = full) and backward, and their gradient accumulators cp times
+//         in each block that recomputes) and backward, and their gradient accumulators cp times
 //         (parallel/context.h)
 //   pp    per micro-batch the activation to the next stage and the input gradient to the
 //         previous one, at each stage boundary between ranks ([b, T / cp, C], T / (cp tp)

@@ -67,7 +67,7 @@ struct Setup {
   double moments = 2;        // optimizer moments per element (adamw m and v; sgd momentum)
   LocalDims d;               // this tp rank's dimensions; d.T = seq_len / cp, d.seq_split
   int64_t B = 1;             // micro-batch
-  bool full = false;         // training.recompute
+  Recompute rc;              // the blocks that recompute (training.recompute, recompute_blocks)
   bool selective = false;    // attention scores recomputed: no T x T tensor kept
   int N = 1, R = 1;          // ZeRO's shard group and its replicas (dp x cp = N R)
   std::shared_ptr<const std::vector<Unit>> units;  // tp rank 0's units, all held
@@ -87,10 +87,10 @@ Setup setup(const ModelConfig& model, const Layout& lay, const Precisions& prec,
   MT_CHECK(lay.global_batch % (int64_t{lay.dp} * lay.micro_batch) == 0,
            "training.global_batch = " << lay.global_batch << " is not a multiple of dp x micro_batch = "
                                       << int64_t{lay.dp} * lay.micro_batch);
-  MT_CHECK(lay.recompute == "none" || lay.recompute == "selective" || lay.recompute == "full",
-           "recompute = " << lay.recompute << ": use none, selective or full");
+  MT_CHECK(lay.recompute == "none" || lay.recompute == "selective" || lay.recompute == "full" || lay.recomputed().any(),
+           "recompute = " << lay.recompute << ": use none, selective, full or a count of blocks per chunk");
   s.B = lay.micro_batch;
-  s.full = lay.recompute == "full";
+  s.rc = lay.recomputed();
   s.selective = lay.recompute == "selective";
   s.units = planned_units(model, lay.tp);  // validates the model and the tp split
   s.d = local_dims(model, TpShard{lay.tp, 0});
@@ -113,7 +113,7 @@ Setup setup(const ModelConfig& model, const Layout& lay, const Precisions& prec,
   }
   const int v = lay.chunks <= 1 && !lay.named.count("v") ? schedule_default_chunks(lay.schedule) : lay.chunks;
   s.pipe = pipe_facts(lay.schedule, lay.pp, v, static_cast<int>(lay.micro_batches()));
-  MT_CHECK(!(s.full && s.pipe->split_backward),
+  MT_CHECK(!(s.rc.any() && s.pipe->split_backward),
            "training.recompute=true cannot run with parallel.pp_schedule = "
                << lay.schedule << ": its split backward runs the weight half after the activations are gone; use "
                << "1f1b or interleaved, or recompute=false");
@@ -197,13 +197,14 @@ double activations(const Setup& s, const ModelShare& share) {
   if (d.seq_split > 1) scratch += B * T * C + B * Tl * C + 6 * C;
   // kept in fewer bytes than the other activations: qkv and atty widened for attention's backward
   if (s.prec.kept < s.prec.activation) scratch += B * T * (d.qkv() + d.attn());
-  double floats = (s.full ? layer : 0) + scratch;  // with recomputation, one block's set rebuilt in backward
-  double ids = 0;
+  double floats = scratch, ids = 0;
+  bool shared = false;  // blocks that recompute share one set, rebuilt in backward
   for (const ChunkSpec& ch : share.chunks) {
-    const double n = ch.end_layer - ch.first_layer;
-    // Per slot: its blocks' kept tensors (none with recomputation), their pending
+    const int n = ch.end_layer - ch.first_layer, kept = n - s.rc.of(n);
+    shared = shared || kept < n;
+    // Per slot: the kept tensors of its blocks that do not recompute, their pending
     // gradients, the residual stream (n + 1 tensors [B, Tl, C]) and its gradient.
-    double one = (s.full ? 0 : n * layer) + n * pending + (n + 2) * B * Tl * C;
+    double one = kept * layer + n * pending + (n + 2) * B * Tl * C;
     // The head's slot: the final norm's output [B, T, C] and statistics [B, Tl] x 2, the
     // logits [B, T, V / tp] (V padded) and the loss's rows (losses, lse, row max, target
     // logit [B, T] each).
@@ -211,6 +212,7 @@ double activations(const Setup& s, const ModelShare& share) {
     floats += ch.slots * one;
     ids += ch.slots * 2 * B * T;  // tokens and targets [B, T] int32
   }
+  if (shared) floats += layer;
   return floats * s.prec.activation + ids * 4;
 }
 

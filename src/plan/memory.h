@@ -44,7 +44,9 @@
 //     send_copies_in_flight caps the prediction instead (for comparison).
 //
 // Recomputation (Layout::recompute): "full" is training.recompute=true: each block keeps its
-// input only, and one block's activations are rebuilt in backward. "selective" (Korthikanti
+// input only, and one block's activations are rebuilt in backward; a count N
+// (training.recompute_blocks) does that for the first N blocks of each chunk, whose
+// activations share that one set, and the rest keep theirs. "selective" (Korthikanti
 // et al.: drop the attention scores and softmax, recompute them in backward) is what
 // meshtrain's fused attention already does: it keeps a log-sum-exp per score row
 // ([B, NH, T]) and no T x T tensor, so selective equals "none" with fused attention, and

@@ -38,6 +38,16 @@ std::string Layout::text() const {
   return s.str();
 }
 
+Recompute Layout::recomputed() const {
+  if (recompute == "full") return {Recompute::kAll};
+  if (recompute.empty() || recompute.find_first_not_of("0123456789") != std::string::npos) return {};
+  return {static_cast<int>(std::min<int64_t>(std::stoll(recompute.substr(0, 10)), Recompute::kAll))};
+}
+
+std::string recompute_text(Recompute r) {
+  return !r.any() ? "none" : r.blocks == Recompute::kAll ? "full" : std::to_string(r.blocks);
+}
+
 namespace {
 
 int64_t parse_int(const std::string& key, const std::string& value, int64_t least,
@@ -85,9 +95,13 @@ Layout layout_parse(const std::string& text, Layout base) {
                "--layout sp=" << value << ": use 1 or 0");
       base.sequence_parallel = value == "1" || value == "true";
     } else if (key == "recompute") {
-      MT_CHECK(value == "none" || value == "selective" || value == "full",
-               "--layout recompute=" << value << ": use none, selective or full");
-      base.recompute = value;
+      if (value == "none" || value == "selective" || value == "full") {
+        base.recompute = value;
+      } else {
+        MT_CHECK(!value.empty() && value.find_first_not_of("0123456789") == std::string::npos,
+                 "--layout recompute=" << value << ": use none, selective, full or a count of blocks per chunk");
+        base.recompute = recompute_text({static_cast<int>(parse_int(key, value, 0))});  // 0: none
+      }
     } else if (key == "schedule") {
       base.schedule = value;
     } else {

@@ -52,7 +52,9 @@ struct Layout {
   int zero = 0;                     // 0 (DDP) .. 3
   int shard_group = 0;              // ranks sharing one copy of the sharded states; 0: all of dp
   bool sequence_parallel = false;   // parallel.sequence_parallel
-  std::string recompute = "none";   // none | selective | full (meshtrain trains none and full)
+  // none | selective | full | N (the first N blocks of each model chunk; meshtrain trains
+  // none, full and N: training.recompute and training.recompute_blocks)
+  std::string recompute = "none";
   int64_t micro_batch = 1;          // sequences per micro-batch on each rank
   int64_t global_batch = 1;         // sequences per optimizer step, whole mesh
   std::set<std::string> named;      // fields a --layout text set (the others may be searched)
@@ -61,7 +63,13 @@ struct Layout {
   int64_t micro_batches() const { return global_batch / (dp * micro_batch); }  // m per step
   int shard() const { return zero == 0 ? 1 : (shard_group > 0 ? shard_group : dp * cp); }
   std::string text() const;  // "dp=8,tp=8,pp=16,cp=1,v=1,schedule=1f1b,zero=1,sp=0,recompute=full,mb=1,gb=1024"
+  // The blocks that recompute their forward in backward (none and selective: none, since
+  // selective recomputes no block; full: every block; N: the first N of each chunk).
+  Recompute recomputed() const;
 };
+
+// A layout's recompute field for the engine's choice: none, full, or the count of blocks.
+std::string recompute_text(Recompute r);
 
 // Parses "tp=8,pp=16,dp=8,zero=1,..." (keys as text() writes them; also micro_batch,
 // global_batch, chunks, sequence_parallel) onto base, recording the keys named. Throws

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 
 #include "comm/communicator.h"
 #include "core/error.h"
@@ -26,7 +27,9 @@ Config layout_config(const Question& q, const Layout& l) {
   c.parallel.sharding.clear();
   c.parallel.shard_group = l.shard_group;
   c.parallel.sequence_parallel = l.sequence_parallel;
-  c.training.recompute = l.recompute == "full";
+  const Recompute r = l.recomputed();
+  c.training.recompute = r.any();
+  c.training.recompute_blocks = r.any() && r.blocks != Recompute::kAll ? r.blocks : 0;
   c.training.micro_batch = l.micro_batch;
   c.training.global_batch = l.global_batch;
   return c;
@@ -158,9 +161,9 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
         for (const auto& [schedule, v] : schedules)
           for (int zero : values("zero", base.zero, dp * cp > 1 ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0}))
             for (int sp : values("sp", base.sequence_parallel, tp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0}))
-              for (const std::string rc : {"none", "full"}) {
-                if (named("recompute") ? base.recompute != rc : (rc == "full" && schedule.rfind("zb", 0) == 0))
-                  continue;
+              for (const std::string& rc : named("recompute") ? std::vector<std::string>{base.recompute}
+                                                              : std::vector<std::string>{"none", "full"}) {
+                if (!named("recompute") && rc == "full" && schedule.rfind("zb", 0) == 0) continue;
                 for (int64_t mb : named("mb") ? std::vector<int64_t>{base.micro_batch}
                                               : std::vector<int64_t>(mbs.begin(), mbs.end())) {
                   Layout l = base;
@@ -172,6 +175,28 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
               }
       }
   return out;
+}
+
+// For a layout l that keeps every block's activations and does not fit: l with the fewest
+// blocks of each chunk recomputing (recompute=N) that fits, the fastest of those that fit
+// (each block more recomputes its forward again); none when only recomputing every block
+// fits (full, a candidate of its own) or nothing does. Memory falls as N grows (each count
+// more drops a block's activations from every slot of a chunk that has more blocks, and
+// one shared set of them is held from N = 1), so the count is bisected.
+std::optional<std::pair<Layout, Memory>> fewest_recomputed(const Question& q, const Layout& l) {
+  int most = 0;  // blocks of the largest chunk
+  for (const auto& rank : pipeline_shape(q.config.model, l).ranks)
+    for (const ChunkShare& ch : rank) most = std::max(most, ch.blocks());
+  std::optional<std::pair<Layout, Memory>> best;
+  for (int lo = 1, hi = most - 1; lo <= hi;) {
+    const int k = lo + (hi - lo) / 2;
+    Layout t = l;
+    t.recompute = std::to_string(k);
+    const Memory m = memory_of(q, t);
+    if (m.peak <= q.cluster.hw.mem_bytes) best.emplace(t, m), hi = k - 1;
+    else lo = k + 1;
+  }
+  return best;
 }
 
 }  // namespace
@@ -198,6 +223,11 @@ SearchResult search(const Question& q, const Layout& base) {
     const Memory mem = memory_of(q, l);
     if (mem.peak > q.cluster.hw.mem_bytes) {
       if (f.least_peak < 0 || mem.peak < f.least_peak) f.least_peak = mem.peak, f.least_layout = l.text();
+      if (base.named.count("recompute") || l.recompute != "none" || l.schedule.rfind("zb", 0) == 0) continue;
+      if (auto partial = fewest_recomputed(q, l)) {
+        f.any = true;
+        r.ranked.push_back(predict_accepted(q, partial->first, partial->second));
+      }
       continue;
     }
     Prediction p = predict_accepted(q, l, mem);

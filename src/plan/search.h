@@ -53,8 +53,9 @@ struct SearchResult {
 // Every layout that matches the fields `base` names (base.named), ranked. The open fields
 // range over: tp (divisors of the GPU count up to a node), pp, cp (1, 2, 4, 8), dp (the
 // rest), schedule (1f1b, interleaved, zb-h1, zbv; gpipe is never faster than 1f1b and
-// holds more), zero 0-3, sequence parallelism with tp, recompute none | full (what the
-// engine trains), micro-batches dividing the per-rank batch (up to 16 sequences).
+// holds more), zero 0-3, sequence parallelism with tp, recompute none | full, and, where
+// none does not fit, the fewest blocks of each chunk recomputing that fit (recompute=N),
+// micro-batches dividing the per-rank batch (up to 16 sequences).
 SearchResult search(const Question& q, const Layout& base);
 
 // Among the layouts matching base's named fields, the one the engine accepts that needs the

@@ -50,12 +50,13 @@ ChunkWork chunk_work(const ModelConfig& m, const Layout& l, const Precisions& pr
   w.f = L * (2 * W * tokens + attn_f) + head;
   w.bi = L * (2 * W * tokens + attn_b) + head;
   w.bw = L * 2 * W * tokens + head;
-  if (l.recompute == "full") w.bi += L * (2 * W * tokens + attn_f);
+  w.bi += l.recomputed().of(ch.blocks()) * (2 * W * tokens + attn_f);  // the recomputed blocks' forward
   if (l.recompute == "selective" && !fused) w.bi += L * attn_f;
   if (!fused) {  // the T x T tensors, per head and sequence (time.h)
-    const double square = L * double(l.micro_batch) * NH * T * T * prec.activation;
-    w.mem_f = 4 * square;
-    w.mem_bi = 4.5 * square + (l.recompute != "none" ? 4 * square : 0);
+    const double square = double(l.micro_batch) * NH * T * T * prec.activation;  // one block's
+    const double again = l.recompute == "selective" ? L : l.recomputed().of(ch.blocks());
+    w.mem_f = 4 * L * square;
+    w.mem_bi = 4.5 * L * square + 4 * again * square;
   }
   return w;
 }
@@ -87,8 +88,9 @@ double ring_exposed(const Flow& ring, const Link& link, const Hardware& hw, doub
 
 StageCosts stage_costs(const ModelConfig& model, const Layout& layout, const Cluster& cluster,
                        const Precisions& prec, const TrafficOptions& opt, bool with_comm) {
-  MT_CHECK(!(layout.recompute == "full" && splits_backward(layout.schedule)),
-           "layout " << layout.text() << ": recompute=full cannot run with schedule " << layout.schedule
+  MT_CHECK(!(layout.recomputed().any() && splits_backward(layout.schedule)),
+           "layout " << layout.text() << ": recompute=" << layout.recompute << " cannot run with schedule "
+                     << layout.schedule
                      << " (its split backward needs the activations in the weight half); use 1f1b or interleaved");
   const PipelineShape shape = pipeline_shape(model, layout);
   const Hardware& hw = cluster.hw;
@@ -109,7 +111,8 @@ StageCosts stage_costs(const ModelConfig& model, const Layout& layout, const Clu
         const ActionFlows tp = tp_flows(model, layout, prec, ch), cp = cp_flows(model, layout, prec, ch);
         // the blocks' attention, which the ring's transfers overlap
         const double attn_f = attention_flops(model, layout, ch.blocks()) / rate;
-        const double attn_b = 2.5 * attn_f + (layout.recompute == "full" ? attn_f : 0);
+        const double again = attention_flops(model, layout, layout.recomputed().of(ch.blocks())) / rate;
+        const double attn_b = 2.5 * attn_f + again;
         f += flow_time(tp.f, links.tp, hw) + ring_exposed(cp.f, links.cp, hw, attn_f, layout.cp);
         bi += flow_time(tp.bi, links.tp, hw) + ring_exposed(cp.bi, links.cp, hw, attn_b, layout.cp);
         bw += flow_time(tp.bw, links.tp, hw);

@@ -11,7 +11,8 @@
 //   block backward  input half 2 W t + attention backward (fused: 5 t T NH_l D, the
 //                   probabilities recomputed block by block; materialized: 4 t T NH_l D);
 //                   weight half 2 W t
-//   recompute       full: one more block forward inside the input half; selective: the
+//   recompute       full: one more block forward inside the input half (N: in the first N
+//                   blocks of each chunk); selective: the
 //                   attention forward again (nothing with fused attention, which keeps no
 //                   probabilities to drop)
 //   head            2 V_l C t forward, as much for the input gradient and the weight

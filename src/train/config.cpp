@@ -143,6 +143,7 @@ const std::vector<Key>& keys() {
     v.push_back(int_key("training.micro_batch", &C::training, &TrainingConfig::micro_batch));
     v.push_back(int_key("training.seed", &C::training, &TrainingConfig::seed));
     v.push_back(bool_key("training.recompute", &C::training, &TrainingConfig::recompute));
+    v.push_back(int_key("training.recompute_blocks", &C::training, &TrainingConfig::recompute_blocks));
     // Kept in the model's configuration, which is what builds the activations.
     v.push_back(str_key("training.attention", &C::model, &ModelConfig::attention, {"fused", "materialized"}));
     v.push_back(str_key("training.precision", &C::model, &ModelConfig::precision, {"fp32", "bf16", "fp16"}));
@@ -336,6 +337,12 @@ void Config::validate() const {
            "training.global_batch = " << training.global_batch << " is not a multiple of training.micro_batch = "
                                       << training.micro_batch << "; set global_batch to micro_batch times the number "
                                       << "of accumulation steps");
+  MT_CHECK(training.recompute_blocks >= 0, "training.recompute_blocks = " << training.recompute_blocks
+                                                                        << " must not be negative (0: every block)");
+  MT_CHECK(training.recompute_blocks == 0 || training.recompute,
+           "training.recompute_blocks = " << training.recompute_blocks << " names the blocks that recompute, but "
+                                          << "training.recompute is false; set recompute = true too, or "
+                                          << "recompute_blocks = 0");
   MT_CHECK(training.val_every >= 0, "training.val_every must not be negative");
   MT_CHECK(training.val_batches >= 1, "training.val_batches must be at least 1");
   MT_CHECK(training.threads >= 0 && training.threads <= 4096,  // OpenMP's start-up took the stack at 100000

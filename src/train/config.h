@@ -30,7 +30,9 @@ struct TrainingConfig {
   int64_t micro_batch = 0;    // sequences per forward/backward per rank; 0: global_batch / dp (with pp > 1 the
                               // largest giving at least 2 pp micro-batches per step, a multiple of pp, else 1)
   uint64_t seed = 1337;
-  bool recompute = false;     // recompute each block's activations in backward
+  bool recompute = false;     // recompute blocks' activations in backward (every block, or recompute_blocks)
+  int recompute_blocks = 0;   // with recompute: only the first N blocks of each model chunk; 0: every block
+  Recompute recomputed() const { return {!recompute ? 0 : recompute_blocks > 0 ? recompute_blocks : Recompute::kAll}; }
   // training.attention (fused | materialized) lives in ModelConfig::attention
   int64_t val_every = 100;    // validation every N steps and at the end; 0: at the end only
   int64_t val_batches = 4;    // global batches of validation sequences per validation

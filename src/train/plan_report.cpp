@@ -18,7 +18,7 @@ plan::Layout run_layout(const Config& c) {
   l.zero = c.parallel.zero;
   l.shard_group = c.parallel.shard_group;
   l.sequence_parallel = c.parallel.sequence_parallel && c.parallel.tp > 1;
-  l.recompute = c.training.recompute ? "full" : "none";
+  l.recompute = plan::recompute_text(c.training.recomputed());
   l.micro_batch = c.training.micro_batch;
   l.global_batch = c.training.global_batch;
   return l;

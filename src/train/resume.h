@@ -11,7 +11,8 @@
 //                  checkpoint.allow_change=KEY,KEY accepts chosen data.*, optim.* (not
 //                  optim.name) and training.seed changes on purpose.
 //   new layout     parallel.* (dp 0 takes every rank left), training.micro_batch,
-//                  training.recompute, training.attention, training.threads.
+//                  training.recompute, training.recompute_blocks, training.attention,
+//                  training.threads.
 //   new run keys   training.steps (a schedule that decays over it changes: noted),
 //                  validation (training.val_*, data.val_path), data.tokenizer (for sample),
 //                  checkpoint.*, logging.*.

@@ -106,11 +106,15 @@ void print_summary(const Run& run, const TrainSummary& sum, const MemStats& mem,
                 format_bytes(model_state_bytes(mem)).c_str(), format_bytes(static_cast<size_t>(run.predicted)).c_str(),
                 formula.c_str());
   run.log.message(buf);
+  const Recompute rc = c.training.recomputed();
+  const std::string recompute = !rc.any() ? ""
+                                : rc.blocks == Recompute::kAll
+                                    ? ", recompute"
+                                    : ", recompute the first " + std::to_string(rc.blocks) + " blocks of each chunk";
   std::snprintf(buf, sizeof buf, "activations: %s measured, %s by the formula (activation_bytes: tp %d%s%s)",
                 format_bytes(mem.peak[int(MemTag::activations)]).c_str(),
                 format_bytes(static_cast<size_t>(run.predicted_activations)).c_str(), run.tp.size(),
-                c.parallel.sequence_parallel && run.tp.size() > 1 ? ", sequence parallel" : "",
-                c.training.recompute ? ", recompute" : "");
+                c.parallel.sequence_parallel && run.tp.size() > 1 ? ", sequence parallel" : "", recompute.c_str());
   run.log.message(buf);
   // The checkpoint this run wrote last (none when it resumed with no step left to run: the
   // one it resumed from), not whichever the directory's newest happens to be.
@@ -132,21 +136,24 @@ double tp_bytes_per_step(const Run& run) {
   // trust ratios) with the count of non-finite losses, gathered from every tp rank
   const double norm = 8.0 * (run.model.units().size() + run.opt.norm_sums() + 1) * (run.tp.size() - 1);
   return norm + n_micro * tp_bytes_per_micro_batch(c.model, run.model.dims(), run.tp.size(), M, run.model.dims().T,
-                                                   c.training.recompute, c.parallel.sequence_parallel, run.model.share());
+                                                   c.training.recomputed(), c.parallel.sequence_parallel,
+                                                   run.model.share());
 }
 
 // The bytes a cp rank sends per optimizer step: per block and micro-batch the ring passes
-// this rank's keys/values on cp - 1 times forward (twice with recomputation) and again
+// this rank's keys/values on cp - 1 times forward (twice in a block that recomputes) and again
 // backward, and their gradient accumulators cp times (parallel/context.h).
 double cp_bytes_per_step(const Run& run) {
   const Config& c = run.c;
   const int64_t M = c.training.micro_batch, n_micro = c.training.global_batch / (int64_t{run.dp.size()} * M);
   const int cp = c.parallel.cp;
   const LocalDims& d = run.model.dims();
-  int64_t blocks = 0;
-  for (const ChunkSpec& ch : run.model.share().chunks) blocks += ch.end_layer - ch.first_layer;
-  const int sends = (cp - 1) * (c.training.recompute ? 3 : 2) + cp;
-  return double(sends) * M * d.T * 2 * d.NKV * d.D * sizeof(float) * blocks * n_micro;
+  int64_t sends = 0;  // per micro-batch: each block's, and the recomputed blocks' forward again
+  for (const ChunkSpec& ch : run.model.share().chunks) {
+    const int n = ch.end_layer - ch.first_layer;
+    sends += int64_t{n} * ((cp - 1) * 2 + cp) + int64_t{c.training.recomputed().of(n)} * (cp - 1);
+  }
+  return double(sends) * M * d.T * 2 * d.NKV * d.D * sizeof(float) * n_micro;
 }
 
 void log_header(const Run& run, const std::string& resumed_from, int64_t start) {

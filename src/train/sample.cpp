@@ -135,7 +135,7 @@ std::vector<std::string> sample_text(const SampleOptions& o, const std::function
   cfg.model.attention = "fused";  // the cached forward's (the same function either way)
   std::unique_ptr<Model> made;
   try {  // parameters only (no gradients), activations for the samples side by side
-    made = std::make_unique<Model>(cfg.model, alloc, o.samples, /*recompute=*/false, /*allocate_state=*/false);
+    made = std::make_unique<Model>(cfg.model, alloc, o.samples, Recompute{}, /*allocate_state=*/false);
   } catch (const Error& e) {
     if (o.samples == 1) throw;
     MT_FAIL("--samples " << o.samples << " side by side do not fit: " << e.what() << ". Draw fewer samples at once");

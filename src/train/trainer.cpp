@@ -428,7 +428,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   log.status(std::string("setting up: allocating the model (") + millions + " parameters)");
   TensorParallel tp(mesh.tp(), alloc, c.parallel.sequence_parallel);
   ContextParallel cp(mesh.cp(), alloc, c.parallel.timeout_s);
-  Model model(c.model, alloc, M, c.training.recompute, /*allocate_state=*/c.parallel.zero == 0, &tp,
+  Model model(c.model, alloc, M, c.training.recomputed(), /*allocate_state=*/c.parallel.zero == 0, &tp,
               pipeline_share(c.model, schedule, layers, pp.rank()), &cp);
   Pipeline pipe(model, pp, schedule, M, static_cast<int>(model.dims().T), c.parallel.timeout_s, alloc);
   std::optional<StepTrace> trace;
@@ -482,7 +482,7 @@ TrainSummary train(const Config& cfg, Communicator& world) {
           max_over(world, predicted_model_state(model.units(), c.parallel.zero, c.parallel.shard_group, c.optim.name,
                                                 c.model)),
           max_over(world, static_cast<double>(activation_bytes(
-                              c.model, model.dims(), M, c.training.recompute, model.share(),
+                              c.model, model.dims(), M, c.training.recomputed(), model.share(),
                               dtype_size(working_dtype(c.model))))),
           trace ? &*trace : nullptr, now_seconds(), cp_positions(c.model.seq_len, cp.shard())};
   if (profiler) run.profiler = &*profiler;
