@@ -28,6 +28,7 @@ while (($#)); do
   esac
 done
 bash scripts/setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/same_kernels.sh"
 export OMP_NUM_THREADS=$threads
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

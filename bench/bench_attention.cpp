@@ -20,6 +20,7 @@
 #include "core/allocator.h"
 #include "core/tensor.h"
 #include "ops/attention.h"
+#include "ops/gemm.h"  // blas_use_the_cpus_kernels
 
 using namespace mt;
 
@@ -36,6 +37,7 @@ static double time_ms(const std::function<void()>& fn, int reps) {
 }
 
 int main(int argc, char** argv) {
+  blas_use_the_cpus_kernels(argv);  // before any thread starts
   int B = 8, T = 256, NH = 6, D = 64, reps = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];

@@ -54,6 +54,7 @@ static void report(const char* name, double ms, double count_per_step) {
 }
 
 int main(int argc, char** argv) {
+  blas_use_the_cpus_kernels(argv);  // before any thread starts
   for (int i = 1; i < argc; ++i)
     if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = std::atoi(argv[++i]);
   const int L = 6, B = 8, T = 256, C = 384, NH = 6, D = 64, V = 8192, N = B * T, F4 = 4 * C;

@@ -3,6 +3,8 @@
 //
 //   bench_step [--family gpt2|llama] [--steps K] [--threads N] [--recompute] [--recompute-blocks N]
 //              [--seq-len T] [--batch B] [--attention fused|materialized]
+//   bench_step --coretype: the OpenBLAS kernel set meshtrain sets for this CPU (ops/gemm.h),
+//              or nothing where it sets none (bench/same_kernels.sh)
 // (defaults T = 256, B = 8: configs/gpt2_bench.toml's micro-batch; bench/attention.sh runs
 // T = 1024 with B = 2, the same tokens per step)
 #include <omp.h>
@@ -11,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -43,12 +46,18 @@ static double sgemm_gflops(bool meshtrain_grid) {
 }
 
 int main(int argc, char** argv) {
+  blas_use_the_cpus_kernels(argv);  // before any thread starts
   std::string family = "gpt2";
   int steps = 5, threads = 0, seq_len = 256, B = 8;
   Recompute recompute;  // --recompute: every block; --recompute-blocks N: the first N
   std::string attention = "fused";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
+    if (a == "--coretype") {
+      const char* set = std::getenv("MESHTRAIN_SET_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : nullptr;
+      std::printf("%s\n", set ? set : "");
+      return 0;
+    }
     if (a == "--family" && i + 1 < argc) family = argv[++i];
     else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
     else if (a == "--threads" && i + 1 < argc) threads = std::atoi(argv[++i]);

@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 steps=5
 [ "${1:-}" = "--steps" ] && steps=$2
 bash scripts/setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/same_kernels.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 /usr/bin/python3 - "$work/tokens.bin" <<'PY'

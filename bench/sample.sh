@@ -30,6 +30,7 @@ while (($#)); do
 done
 ((prompt >= 1 && tokens >= 2 && prompt + tokens <= 1024)) || { echo "need P >= 1, K >= 2, P + K <= 1024" >&2; exit 2; }
 bash scripts/setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/same_kernels.sh"
 export OMP_NUM_THREADS=$threads
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

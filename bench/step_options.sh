@@ -12,4 +12,5 @@ while (($#)); do
   esac
 done
 bash scripts/setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/same_kernels.sh"
 export OMP_NUM_THREADS=$threads

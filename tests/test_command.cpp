@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/machine.h"
 #include "core/safetensors.h"
+#include "ops/gemm.h"
 #include "data/tasks.h"
 #include "data/token_file.h"
 #include "data/tokenizer.h"
@@ -148,6 +149,38 @@ TEST(Command, ThreadsPerRankFollowTheRanksOnTheMachine) {
   out = header("env OMP_NUM_THREADS=" + std::to_string(cpus), "-n 2", "--training.threads=1");
   EXPECT_NE(out.find(each(1)), std::string::npos) << out;
   EXPECT_EQ(out.find("which then take turns"), std::string::npos) << out;
+}
+
+// The matrix products run kernels for the CPU's instruction set, under launch's ranks too
+// (no warning): where this OpenBLAS does not recognise the CPU, meshtrain sets
+// OPENBLAS_CORETYPE to the set for the CPU and runs again, and the header says so (an Intel
+// Xeon of family 6 model 207 with OpenBLAS 0.3.21); where OpenBLAS knows it, nothing
+// changes. An OPENBLAS_CORETYPE the user sets is kept, even an older one (with the warning).
+TEST(Command, MatrixProductsRunTheCpusKernels) {
+  test::TempDir d;
+  const auto header = [&](const std::string& env, const std::string& launch) {
+    std::string out;
+    const std::string cmd = env + " " + MESHTRAIN_BIN + launch + " train --training.steps=1 --model.n_layer=1 "
+                            "--logging.progress=off --logging.metrics=" + d / "m.jsonl";
+    EXPECT_EQ(test::run_command(cmd, &out), 0) << cmd << "\n" << out;
+    return out;
+  };
+  const std::string unset = "env -u OPENBLAS_CORETYPE -u MESHTRAIN_SET_CORETYPE";
+  const char* for_cpu = blas_kernels_to_set("Prescott", blas_cpu_isa(), nullptr);  // null on an SSE-only CPU
+  for (const std::string launch : {"", " launch -n 2"}) {
+    const std::string out = header(unset, launch);
+    EXPECT_EQ(out.find("warning: OpenBLAS runs its"), std::string::npos) << out;
+    if (for_cpu && out.find("set by meshtrain") != std::string::npos)
+      EXPECT_NE(out.find(std::string(for_cpu) + " kernels (" + blas_cpu_isa() + "; OPENBLAS_CORETYPE=" + for_cpu +
+                         ", set by meshtrain: this OpenBLAS does not recognise the CPU)"),
+                std::string::npos)
+          << out;
+  }
+  if (std::string(blas_cpu_isa()) != "SSE") {
+    const std::string out = header("env -u MESHTRAIN_SET_CORETYPE OPENBLAS_CORETYPE=Prescott", "");
+    EXPECT_NE(out.find("Prescott kernels (SSE; OPENBLAS_CORETYPE=Prescott)"), std::string::npos) << out;
+    EXPECT_NE(out.find("warning: OpenBLAS runs its Prescott kernels"), std::string::npos) << out;
+  }
 }
 
 // What cannot run is refused before any work, naming the key: a test fault of no known form

@@ -102,4 +102,12 @@ TEST(Gemm, KernelReport) {
   EXPECT_EQ(blas_kernel_warning("Cooperlake", "AVX-512", "Cooperlake"), "");
   EXPECT_EQ(blas_kernel_warning("Haswell", "AVX2", "Haswell"), "");
   EXPECT_EQ(blas_kernel_warning("Zen", "AVX2", nullptr), "");
+  // The kernel set meshtrain sets where OpenBLAS does not know the CPU, and only then.
+  EXPECT_STREQ(blas_kernels_to_set("Prescott", "AVX-512", nullptr), "SkylakeX");
+  EXPECT_STREQ(blas_kernels_to_set("Prescott", "AVX2", ""), "Haswell");
+  EXPECT_STREQ(blas_kernels_to_set("Nehalem", "AVX", nullptr), "Sandybridge");
+  EXPECT_EQ(blas_kernels_to_set("Prescott", "AVX-512", "Prescott"), nullptr);  // the user's choice is kept
+  EXPECT_EQ(blas_kernels_to_set("Cooperlake", "AVX-512", nullptr), nullptr);
+  EXPECT_EQ(blas_kernels_to_set("Haswell", "AVX2", nullptr), nullptr);
+  EXPECT_EQ(blas_kernels_to_set("Prescott", "SSE", nullptr), nullptr);
 }

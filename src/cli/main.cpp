@@ -38,6 +38,7 @@
 #include "data/token_file.h"                  // token_file_write
 #include "data/tokenizer.h"                   // tokenizer_make, sentencepiece_train
 #include "nn/hf.h"                            // hf_export
+#include "ops/gemm.h"                         // blas_use_the_cpus_kernels
 #include "train/checkpoint.h"                 // checkpoint_latest, checkpoint_load
 #include "train/config.h"                     // config_load, config_keys
 #include "train/metrics.h"                    // output_parent_create
@@ -267,6 +268,7 @@ std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  mt::blas_use_the_cpus_kernels(argv);  // before any thread or MPI starts
   try {
     const std::string cmd = argc >= 2 ? argv[1] : "";
     if (cmd == "train" || cmd == "bench") return run_as_rank(cmd, std::vector<std::string>(argv + 2, argv + argc), &argc, &argv);

@@ -17,7 +17,10 @@
 #include <omp.h>
 #include <strings.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -121,14 +124,10 @@ int kernel_isa(const std::string& core) {
   return sse;
 }
 
-const char* cpu_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    return kIsaNames[avx512];
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaNames[avx2];
-  if (__builtin_cpu_supports("avx")) return kIsaNames[avx];
-  return kIsaNames[sse];
+int isa_of(const std::string& cpu) {  // a blas_cpu_isa name's
+  for (int i = avx512; i > sse; --i)
+    if (cpu == kIsaNames[i]) return i;
+  return sse;
 }
 
 // The kernel set OpenBLAS picks for a CPU of that instruction set.
@@ -143,29 +142,53 @@ std::string openblas_version() {
 
 }  // namespace
 
+const char* blas_cpu_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return kIsaNames[avx512];
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kIsaNames[avx2];
+  if (__builtin_cpu_supports("avx")) return kIsaNames[avx];
+  return kIsaNames[sse];
+}
+
 std::string blas_description() {
   const std::string core = openblas_get_corename();
   const char* forced = std::getenv("OPENBLAS_CORETYPE");
   std::string s = openblas_version() + ", " + core + " kernels (" + kIsaNames[kernel_isa(core)];
   if (forced && *forced) s += std::string("; OPENBLAS_CORETYPE=") + forced;
+  if (forced && *forced && std::getenv("MESHTRAIN_SET_CORETYPE"))
+    s += ", set by meshtrain: this OpenBLAS does not recognise the CPU";
   return s + ")";
 }
 
 std::string blas_kernel_warning(const std::string& core, const std::string& cpu, const char* forced) {
-  int can = sse;
-  for (int i = sse; i <= avx512; ++i)
-    if (cpu == kIsaNames[i]) can = i;
-  const int have = kernel_isa(core);
+  const int can = isa_of(cpu), have = kernel_isa(core);
   if (have >= can) return "";
   std::string s = "OpenBLAS runs its " + core + " kernels (" + kIsaNames[have] + ") on a CPU with " + cpu +
-                  ": matrix products may take up to twice as long as with its " + cpu + " kernels. ";
+                  ": matrix products may take several times as long as with its " + cpu + " kernels. ";
   if (forced && *forced)
     return s + "OPENBLAS_CORETYPE=" + forced + " forces them: unset OPENBLAS_CORETYPE to let OpenBLAS choose.";
   return s + "This OpenBLAS does not recognise the CPU: set OPENBLAS_CORETYPE=" + core_for(can) + " to use them.";
 }
 
 std::string blas_kernel_warning() {
-  return blas_kernel_warning(openblas_get_corename(), cpu_isa(), std::getenv("OPENBLAS_CORETYPE"));
+  return blas_kernel_warning(openblas_get_corename(), blas_cpu_isa(), std::getenv("OPENBLAS_CORETYPE"));
+}
+
+const char* blas_kernels_to_set(const std::string& core, const std::string& cpu, const char* forced) {
+  const int can = isa_of(cpu);
+  return (forced && *forced) || kernel_isa(core) >= can ? nullptr : core_for(can);
+}
+
+void blas_use_the_cpus_kernels(char** argv) {
+  const char* kernels = blas_kernels_to_set(openblas_get_corename(), blas_cpu_isa(), std::getenv("OPENBLAS_CORETYPE"));
+  if (!kernels) return;  // executed again, OPENBLAS_CORETYPE is set: no second try
+  setenv("OPENBLAS_CORETYPE", kernels, 1);
+  setenv("MESHTRAIN_SET_CORETYPE", "1", 1);
+  execv("/proc/self/exe", argv);
+  unsetenv("OPENBLAS_CORETYPE");  // not executed again: the kernels stay OpenBLAS's, and the header warns
+  unsetenv("MESHTRAIN_SET_CORETYPE");
 }
 
 }  // namespace mt

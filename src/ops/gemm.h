@@ -30,6 +30,9 @@ struct GemmGrid {
 };
 GemmGrid gemm_grid(int64_t M, int64_t N, int64_t K);
 
+// The best instruction set this CPU offers OpenBLAS's kernels: "AVX-512", "AVX2" (with
+// FMA), "AVX" or "SSE".
+const char* blas_cpu_isa();
 // Which BLAS runs the tiles: "OpenBLAS 0.3.21, Haswell kernels (AVX2; OPENBLAS_CORETYPE=Haswell)".
 std::string blas_description();
 // Non-empty when the kernel set in use is for an older instruction set than this CPU
@@ -37,7 +40,21 @@ std::string blas_description();
 // message says so and how to change it.
 std::string blas_kernel_warning();
 // The same check for a given OpenBLAS kernel set name, the CPU's best instruction set
-// ("AVX-512", "AVX2", "AVX" or "SSE") and OPENBLAS_CORETYPE (null when unset).
+// (blas_cpu_isa) and OPENBLAS_CORETYPE (null when unset).
 std::string blas_kernel_warning(const std::string& core, const std::string& cpu_isa, const char* forced);
+
+// Where this OpenBLAS does not recognise the CPU (it picked a kernel set for an older
+// instruction set than the CPU has: an Intel Xeon of family 6 model 207 got SSE3's
+// Prescott kernels from OpenBLAS 0.3.21) and OPENBLAS_CORETYPE is unset, the kernel set
+// for the CPU's instruction set ("SkylakeX", "Haswell" or "Sandybridge"); else null.
+// (Arguments as blas_kernel_warning's.)
+const char* blas_kernels_to_set(const std::string& core, const std::string& cpu_isa, const char* forced);
+// Programs that compute with OpenBLAS call this first in main, before any thread or MPI
+// starts: where blas_kernels_to_set names a kernel set, it sets OPENBLAS_CORETYPE to it
+// (and MESHTRAIN_SET_CORETYPE=1, which blas_description reports) and executes the program
+// again, since OpenBLAS reads the variable only as it loads. It returns where nothing
+// needs doing, or where the program could not be executed again (blas_kernel_warning then
+// says what to set). An OPENBLAS_CORETYPE the user sets is always kept.
+void blas_use_the_cpus_kernels(char** argv);
 
 }  // namespace mt
