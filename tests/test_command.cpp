@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/tensor.h"
 #include "core/machine.h"
 #include "core/safetensors.h"
 #include "ops/gemm.h"
@@ -149,6 +150,30 @@ TEST(Command, ThreadsPerRankFollowTheRanksOnTheMachine) {
   out = header("env OMP_NUM_THREADS=" + std::to_string(cpus), "-n 2", "--training.threads=1");
   EXPECT_NE(out.find(each(1)), std::string::npos) << out;
   EXPECT_EQ(out.find("which then take turns"), std::string::npos) << out;
+}
+
+// A failed allocation names what to change: the training keys, or what the command that
+// allocates says instead (sample: fewer samples side by side, not training's micro_batch).
+TEST(Allocator, AFailureSaysWhatToChange) {
+  struct Refusing final : Allocator {
+    Device device() const override { return Device::cpu; }
+
+   protected:
+    void* raw_allocate(size_t) override { return nullptr; }
+    void raw_deallocate(void*) override {}
+  } refusing;
+  const auto failure = [&] {
+    return error_of([&] { Tensor::empty({1 << 20}, DType::f32, refusing, MemTag::activations); });
+  };
+  EXPECT_NE(failure().find("out of cpu memory allocating 4.0 MiB for activations; use a smaller model, micro_batch or "
+                           "seq_len, or training.recompute=true"),
+            std::string::npos)
+      << failure();
+  refusing.set_advice("--samples 8 side by side do not fit: draw fewer samples at once");
+  EXPECT_NE(failure().find("for activations; --samples 8 side by side do not fit: draw fewer samples at once"),
+            std::string::npos)
+      << failure();
+  EXPECT_EQ(failure().find("micro_batch"), std::string::npos) << failure();
 }
 
 // The matrix products run kernels for the CPU's instruction set, under launch's ranks too

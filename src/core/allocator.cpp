@@ -18,8 +18,7 @@ const char* memtag_name(MemTag t) {
 void* Allocator::allocate(size_t bytes, MemTag tag) {
   void* p = bytes ? raw_allocate(bytes) : nullptr;
   MT_CHECK(p || !bytes, "out of " << device_name(device()) << " memory allocating " << format_bytes(bytes)
-                                   << " for " << memtag_name(tag)
-                                   << "; use a smaller model, micro_batch or seq_len, or training.recompute=true");
+                                   << " for " << memtag_name(tag) << "; " << advice_);
   std::lock_guard<std::mutex> lock(mu_);
   int i = static_cast<int>(tag);
   stats_.live[i] += bytes;

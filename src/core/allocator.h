@@ -7,6 +7,7 @@
 #include <array>
 #include <cstddef>
 #include <mutex>
+#include <utility>
 #include <string>
 
 namespace mt {
@@ -33,6 +34,9 @@ class Allocator {
   void deallocate(void* p, size_t bytes, MemTag tag);
   MemStats stats() const;  // a snapshot
   void reset_peaks();      // peaks := live
+  // What a failed allocation's message tells the user to change (default: the training
+  // keys that shrink memory); a command that allocates for something else says its own.
+  void set_advice(std::string advice) { advice_ = std::move(advice); }
 
  protected:
   virtual void* raw_allocate(size_t bytes) = 0;
@@ -41,6 +45,7 @@ class Allocator {
  private:
   mutable std::mutex mu_;
   MemStats stats_;
+  std::string advice_ = "use a smaller model, micro_batch or seq_len, or training.recompute=true";
 };
 
 // Host memory, 64-byte aligned (AVX-512 lines).

@@ -133,14 +133,11 @@ std::vector<std::string> sample_text(const SampleOptions& o, const std::function
   CpuAllocator alloc;
   cfg.model.precision = "fp32";  // a checkpoint holds fp32 parameters (the masters of a mixed-precision run)
   cfg.model.attention = "fused";  // the cached forward's (the same function either way)
-  std::unique_ptr<Model> made;
-  try {  // parameters only (no gradients), activations for the samples side by side
-    made = std::make_unique<Model>(cfg.model, alloc, o.samples, Recompute{}, /*allocate_state=*/false);
-  } catch (const Error& e) {
-    if (o.samples == 1) throw;
-    MT_FAIL("--samples " << o.samples << " side by side do not fit: " << e.what() << ". Draw fewer samples at once");
-  }
-  Model& model = *made;
+  alloc.set_advice(o.samples > 1 ? "--samples " + std::to_string(o.samples) +
+                                       " side by side do not fit: draw fewer samples at once"
+                                 : std::string("the checkpoint's model does not fit this machine's memory"));
+  // parameters only (no gradients), activations for the samples side by side
+  Model model(cfg.model, alloc, o.samples, Recompute{}, /*allocate_state=*/false);
   for (Unit& u : model.units()) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
   checkpoint_load(dir, cfg.model, checkpoint_param_slices(model.units()));
   // The checkpoint's tokenizer, as the run recorded it: a relative path (checkpoints written
