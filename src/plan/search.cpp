@@ -8,6 +8,7 @@
 #include "comm/communicator.h"
 #include "core/error.h"
 #include "core/message.h"  // divisors
+#include "parallel/pipeline.h"  // pipeline_layers
 #include "parallel/schedule.h"  // schedule_default_chunks
 #include "plan/comm.h"
 #include "plan/memory.h"
@@ -184,9 +185,10 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
 // more drops a block's activations from every slot of a chunk that has more blocks, and
 // one shared set of them is held from N = 1), so the count is bisected.
 std::optional<std::pair<Layout, Memory>> fewest_recomputed(const Question& q, const Layout& l) {
-  int most = 0;  // blocks of the largest chunk
-  for (const auto& rank : pipeline_shape(q.config.model, l).ranks)
-    for (const ChunkShare& ch : rank) most = std::max(most, ch.blocks());
+  const PipelineShape shape = pipeline_shape(q.config.model, l);
+  const PipeLayout lay{shape.pp, shape.chunks, shape.micro, shape.vee ? Placement::vee : Placement::loop};
+  const std::vector<int> layers = pipeline_layers(q.config.model, lay, q.config.parallel.pp_layers);
+  const int most = *std::max_element(layers.begin(), layers.end());  // blocks of the largest chunk
   std::optional<std::pair<Layout, Memory>> best;
   for (int lo = 1, hi = most - 1; lo <= hi;) {
     const int k = lo + (hi - lo) / 2;

@@ -176,7 +176,7 @@ void log_header(const Run& run, const std::string& resumed_from, int64_t start) 
                     "fused attention and loss, " + c.optim.name + " on the GPU; deterministic kernels");
   else
     run.log.message("matrix products: " + blas_description() + ", " + std::to_string(omp_get_max_threads()) +
-                    " threads, fixed tile grid" +
+                    (omp_get_max_threads() == 1 ? " thread" : " threads") + ", fixed tile grid" +
                     (c.model.precision == "bf16" ? "; bf16 products: " + bf16_gemm_description() : std::string()));
   if (const std::string w = blas_kernel_warning(); !w.empty()) run.log.message("warning: " + w);
   std::snprintf(head, sizeof head, "data: %s, %lld tokens | global batch %lld x %d tokens = %lld micro-batch%s of %d per rank",
