@@ -227,7 +227,7 @@ SearchResult search(const Question& q, const Layout& base) {
       if (f.least_peak < 0 || mem.peak < f.least_peak) f.least_peak = mem.peak, f.least_layout = l.text();
       if (base.named.count("recompute") || l.recompute != "none" || l.schedule.rfind("zb", 0) == 0) continue;
       if (auto partial = fewest_recomputed(q, l)) {
-        f.any = true;
+        ++r.tried, ++f.tried, f.any = true;
         r.ranked.push_back(predict_accepted(q, partial->first, partial->second));
       }
       continue;
