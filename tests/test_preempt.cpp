@@ -319,8 +319,8 @@ TEST(Preempt, HardKillDuringASaveLeavesEarlierCheckpointsAndTheNextStartCopes) {
     resumed.loss.push_back(j["loss"]);
     resumed.grad_norm.push_back(j["grad_norm"]);
   }
+  CpuAllocator alloc;  // outlives the units' tensors
   std::vector<Unit> units = model_layout(straight.model);
-  CpuAllocator alloc;
   for (Unit& u : units) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
   checkpoint_load(checkpoint_latest(d / "run"), straight.model, checkpoint_param_slices(units));
   for (Unit& u : units) resumed.units.emplace_back(u.w.f32(), u.w.f32() + u.numel);

@@ -324,8 +324,8 @@ std::vector<nlohmann::json> step_metrics(const std::string& path) {
 }
 
 std::vector<float> checkpoint_params(const std::string& dir, const ModelConfig& m) {
+  CpuAllocator alloc;  // outlives the units' tensors
   std::vector<Unit> units = model_layout(m);
-  CpuAllocator alloc;
   for (Unit& u : units) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
   checkpoint_load(checkpoint_latest(dir), m, checkpoint_param_slices(units));
   std::vector<float> all;
