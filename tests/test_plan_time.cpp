@@ -285,6 +285,7 @@ TEST(PlanTime, BytesAreMeasured) {
     std::string keys;
     Layout layout;
     std::string grad_comm = "fp32";
+    std::string pp_layers = "auto";
   };
   auto lay = [](int dp, int tp, int pp, int cp, int zero, int shard, bool sp, const char* schedule, const char* rec) {
     Layout l;
@@ -299,6 +300,9 @@ TEST(PlanTime, BytesAreMeasured) {
        lay(2, 1, 1, 1, 0, 0, false, "1f1b", "none"), "bf16"},
       {"zero2_pp", "llama", 4, 2, 1, 4, " --parallel.pp=2 --parallel.zero=2",
        lay(2, 1, 2, 1, 2, 0, false, "1f1b", "none")},
+      // pipeline rank 0 holds the embedding and 1 block (auto would give it 2 of the 4)
+      {"zero2_pp_layers_1_3", "llama", 4, 4, 1, 4, " --parallel.pp=2 --parallel.zero=2 --parallel.pp_layers=1,3",
+       lay(2, 1, 2, 1, 2, 0, false, "1f1b", "none"), "fp32", "1,3"},
       {"zero3_tied", "gpt2", 4, 2, 1, 8, " --parallel.zero=3", lay(4, 1, 1, 1, 3, 0, false, "1f1b", "none")},
       {"zero3_hybrid", "gpt2", 4, 2, 1, 8, " --parallel.sharding=HYBRID_SHARD --parallel.shard_group=2",
        lay(4, 1, 1, 1, 3, 2, false, "1f1b", "none")},
@@ -324,6 +328,7 @@ TEST(PlanTime, BytesAreMeasured) {
     l.micro_batch = r.micro, l.global_batch = r.global;
     TrafficOptions o;
     o.grad_comm_dtype = r.grad_comm;
+    o.pp_layers = r.pp_layers;
     const RankTraffic t = comm_traffic(m, l, Precisions::of("fp32"), 0, o);
     int steps = 0;
     for (const std::string& line : read_lines(d / (r.name + ".jsonl"))) {
@@ -424,6 +429,39 @@ TEST(PlanTime, StepByHand) {
   EXPECT_EQ(model_flops_per_token(m), 652800);
   EXPECT_NEAR(t.tokens_per_s, 192 / step, 1e-6);
   EXPECT_NEAR(t.mfu, 652800.0 * 192 / (step * 1e12), 1e-12);
+}
+
+// A configured split (parallel.pp_layers) is the pipeline the time model runs, as it is the
+// one memory and the engine use: with embedding and head next to free (2 vocabulary rows),
+// each stage's forward is its blocks' (exact up to those rows: 1e-3), and the uneven split
+// idles more than the even one; a list that does not fit is refused by the key's name.
+TEST(PlanTime, PipelineIsTheConfiguredSplit) {
+  const ModelConfig m = gpt(8, 8, 512, 2, 256);
+  Layout l;
+  l.pp = 2, l.micro_batch = 1, l.global_batch = 4;
+  const Cluster c{2, 8, a100()};
+  const Precisions bf16 = Precisions::of("bf16");
+  TrafficOptions even, uneven;
+  uneven.pp_layers = "2,6";
+  const PipelineShape shape = pipeline_shape(m, l, uneven.pp_layers);
+  EXPECT_EQ(shape.ranks[0][0].blocks(), 2);
+  EXPECT_EQ(shape.ranks[1][0].blocks(), 6);
+  const StageCosts a = stage_costs(m, l, c, bf16, even, false), b = stage_costs(m, l, c, bf16, uneven, false);
+  EXPECT_NEAR(a.f[1] / a.f[0], 1.0, 1e-3);
+  EXPECT_NEAR(b.f[1] / b.f[0], 3.0, 1e-3);
+  EXPECT_NEAR(b.f[0] + b.f[1], a.f[0] + a.f[1], 1e-3 * (a.f[0] + a.f[1]));
+  const Timing te = step_time(m, l, c, bf16, even), tu = step_time(m, l, c, bf16, uneven);
+  EXPECT_NEAR(te.bubble, 1.0 / 5, 1e-3);  // (P - 1) / (m + P - 1)
+  EXPECT_GT(tu.bubble, te.bubble + 0.1);
+  EXPECT_GT(tu.step_s, 1.2 * te.step_s);  // the 6-block stage sets the pace: 4 x 6 + 2 against 4 x 4 + 4
+  TrafficOptions bad;
+  bad.pp_layers = "3,3";
+  try {
+    step_time(m, l, c, bf16, bad);
+    ADD_FAILURE() << "a split of 6 blocks for an 8-block model was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.pp_layers = \"3,3\""), std::string::npos) << e.what();
+  }
 }
 
 // The overlap rule on one pipeline stage with DDP: the gradients' all-reduce starts with the

@@ -48,7 +48,7 @@ TEST(Schedule, CheckerAcceptsEveryGeneratedSchedule) {
           size_t compute = 0;
           for (const auto& list : s.ranks)
             compute += std::count_if(list.begin(), list.end(), [](const Action& a) { return a.is_compute(); });
-          const bool split = name == "zb-h1" || name == "zbv";
+          const bool split = schedule_splits_backward(name);  // F, BI and BW: three per micro-batch and stage
           ASSERT_EQ(compute, static_cast<size_t>(P * v * m * (split ? 3 : 2))) << name << " P " << P << " m " << m;
           ++checked;
         }

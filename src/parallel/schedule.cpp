@@ -201,6 +201,8 @@ const std::vector<std::string>& schedule_names() {
 
 int schedule_default_chunks(const std::string& name) { return name == "interleaved" || name == "zbv" ? 2 : 1; }
 
+bool schedule_splits_backward(const std::string& name) { return name == "zb-h1" || name == "zbv"; }
+
 std::optional<LayoutIssue> schedule_layout_issue(const std::string& name, int pp, int chunks, int micro) {
   MT_CHECK(std::find(schedule_names().begin(), schedule_names().end(), name) != schedule_names().end(),
            "unknown pipeline schedule \"" << name << "\"; the schedules are gpipe, 1f1b, interleaved, zb-h1, zbv");

@@ -107,6 +107,9 @@ struct LayoutIssue {
 std::optional<LayoutIssue> schedule_layout_issue(const std::string& name, int pp, int chunks, int micro);
 
 int schedule_default_chunks(const std::string& name);  // 2 for interleaved and zbv, else 1
+// Whether the named schedule splits each backward into input and weight halves (zb-h1 and
+// zbv, the zero-bubble ones): their weight half needs the activations, so no block recomputes.
+bool schedule_splits_backward(const std::string& name);
 
 // The lists of every rank for a named schedule (throws mt::Error on an unknown name or a
 // layout schedule_layout_issue rejects). Pure: the same arguments give the same lists, so

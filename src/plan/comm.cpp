@@ -55,16 +55,15 @@ int64_t kv_sharers(const ModelConfig& m, int tp) { return m.kv_heads() % tp == 0
 
 // ---- Shares --------------------------------------------------------------------------
 
-PipelineShape pipeline_shape(const ModelConfig& model, const Layout& layout) {
+PipelineShape pipeline_shape(const ModelConfig& model, const Layout& layout, const std::string& pp_layers) {
   PipelineShape p;
   p.pp = layout.pp;
   p.micro = static_cast<int>(micro_batches_checked(layout));
   p.chunks = layout.chunks;
-  if (p.chunks == 1 && (layout.schedule == "interleaved" || layout.schedule == "zbv"))
-    p.chunks = schedule_default_chunks(layout.schedule);
+  if (p.chunks == 1) p.chunks = schedule_default_chunks(layout.schedule);
   p.vee = layout.schedule == "zbv";
   const PipeLayout lay{p.pp, p.chunks, p.micro, p.vee ? Placement::vee : Placement::loop};
-  const std::vector<int> layers = pipeline_layers(model, lay, "auto");
+  const std::vector<int> layers = pipeline_layers(model, lay, pp_layers);
   std::vector<int> begin(lay.stages() + 1, 0);
   for (int st = 0; st < lay.stages(); ++st) begin[st + 1] = begin[st] + layers[st];
   p.ranks.resize(p.pp);
@@ -374,7 +373,7 @@ void data_traffic(const ModelConfig& model, const Layout& layout, const Precisio
 
 RankTraffic comm_traffic(const ModelConfig& model, const Layout& layout, const Precisions& prec, int pp_rank,
                          const TrafficOptions& opt) {
-  const PipelineShape shape = pipeline_shape(model, layout);
+  const PipelineShape shape = pipeline_shape(model, layout, opt.pp_layers);
   MT_CHECK(pp_rank >= 0 && pp_rank < layout.pp, "pipeline rank " << pp_rank << " of pp = " << layout.pp);
   const std::vector<ChunkShare>& chunks = shape.ranks[pp_rank];
   const double m = shape.micro, units = model.n_layer + 2;

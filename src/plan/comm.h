@@ -59,6 +59,7 @@ struct TrafficOptions {
   int ranks_per_node = 0;                // its nodes' data-parallel ranks; 0: all of them on one node
   std::string grad_compression = "none";  // parallel.grad_compression: none | int8 | powersgd
   int powersgd_rank = 4;                 // parallel.powersgd_rank
+  std::string pp_layers = "auto";        // parallel.pp_layers: blocks per stage (which units a rank reduces)
 };
 
 // DDP's reduction of one bucket of n elements (the units `units` as tp rank 0 holds them)
@@ -128,14 +129,15 @@ struct ChunkShare {
 
 // The pipeline as meshtrain cuts it: `chunks` (v; the schedule's default when the layout
 // leaves 1 for interleaved or zbv), the placement (zbv: V, else loop) and the blocks of each
-// stage (parallel.pp_layers = auto: pipeline_layers).
+// stage (pipeline_layers of parallel.pp_layers: auto or a list). Throws mt::Error naming
+// parallel.pp_layers when a list does not fit the layout's stages.
 struct PipelineShape {
   int pp = 1, chunks = 1, micro = 1;
   bool vee = false;
   std::vector<std::vector<ChunkShare>> ranks;  // [pp][chunks]
   int stages() const { return pp * chunks; }
 };
-PipelineShape pipeline_shape(const ModelConfig& model, const Layout& layout);
+PipelineShape pipeline_shape(const ModelConfig& model, const Layout& layout, const std::string& pp_layers = "auto");
 
 // model_layout(model, TpShard{tp, 0}), kept: a search asks for the same few many times
 // (the parameters' names make it the costliest part of weighing a layout). Throws as

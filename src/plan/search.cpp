@@ -9,7 +9,7 @@
 #include "core/error.h"
 #include "core/message.h"  // divisors
 #include "parallel/pipeline.h"  // pipeline_layers
-#include "parallel/schedule.h"  // schedule_default_chunks
+#include "parallel/schedule.h"  // schedule_default_chunks, schedule_splits_backward
 #include "plan/comm.h"
 #include "plan/memory.h"
 #include "plan/time.h"
@@ -58,6 +58,7 @@ TrafficOptions traffic(const Config& c) {
   t.ranks_per_node = c.parallel.ranks_per_node;
   t.grad_compression = c.parallel.grad_compression;
   t.powersgd_rank = c.parallel.powersgd_rank;
+  t.pp_layers = c.parallel.pp_layers;
   return t;
 }
 
@@ -164,7 +165,7 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
             for (int sp : values("sp", base.sequence_parallel, tp > 1 ? std::vector<int>{0, 1} : std::vector<int>{0}))
               for (const std::string& rc : named("recompute") ? std::vector<std::string>{base.recompute}
                                                               : std::vector<std::string>{"none", "full"}) {
-                if (!named("recompute") && rc == "full" && schedule.rfind("zb", 0) == 0) continue;
+                if (!named("recompute") && rc == "full" && schedule_splits_backward(schedule)) continue;
                 for (int64_t mb : named("mb") ? std::vector<int64_t>{base.micro_batch}
                                               : std::vector<int64_t>(mbs.begin(), mbs.end())) {
                   Layout l = base;
@@ -185,10 +186,9 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
 // more drops a block's activations from every slot of a chunk that has more blocks, and
 // one shared set of them is held from N = 1), so the count is bisected.
 std::optional<std::pair<Layout, Memory>> fewest_recomputed(const Question& q, const Layout& l) {
-  const PipelineShape shape = pipeline_shape(q.config.model, l);
-  const PipeLayout lay{shape.pp, shape.chunks, shape.micro, shape.vee ? Placement::vee : Placement::loop};
-  const std::vector<int> layers = pipeline_layers(q.config.model, lay, q.config.parallel.pp_layers);
-  const int most = *std::max_element(layers.begin(), layers.end());  // blocks of the largest chunk
+  int most = 0;  // blocks of the largest chunk
+  for (const auto& chunks : pipeline_shape(q.config.model, l, q.config.parallel.pp_layers).ranks)
+    for (const ChunkShare& ch : chunks) most = std::max(most, ch.blocks());
   std::optional<std::pair<Layout, Memory>> best;
   for (int lo = 1, hi = most - 1; lo <= hi;) {
     const int k = lo + (hi - lo) / 2;
@@ -225,7 +225,7 @@ SearchResult search(const Question& q, const Layout& base) {
     const Memory mem = memory_of(q, l);
     if (mem.peak > q.cluster.hw.mem_bytes) {
       if (f.least_peak < 0 || mem.peak < f.least_peak) f.least_peak = mem.peak, f.least_layout = l.text();
-      if (base.named.count("recompute") || l.recompute != "none" || l.schedule.rfind("zb", 0) == 0) continue;
+      if (base.named.count("recompute") || l.recompute != "none" || schedule_splits_backward(l.schedule)) continue;
       if (auto partial = fewest_recomputed(q, l)) {
         ++r.tried, ++f.tried, f.any = true;
         r.ranked.push_back(predict_accepted(q, partial->first, partial->second));

@@ -73,8 +73,6 @@ double compute_rate(const Cluster& c, const Precisions& prec) {
   return peak * c.hw.efficiency;
 }
 
-bool splits_backward(const std::string& schedule) { return schedule == "zb-h1" || schedule == "zbv"; }
-
 // The context-parallel ring's time beyond what the attention parts computed meanwhile hide:
 // a pass of k transfers alongside attention work a, all but the last part of which
 // overlaps a transfer.
@@ -88,11 +86,11 @@ double ring_exposed(const Flow& ring, const Link& link, const Hardware& hw, doub
 
 StageCosts stage_costs(const ModelConfig& model, const Layout& layout, const Cluster& cluster,
                        const Precisions& prec, const TrafficOptions& opt, bool with_comm) {
-  MT_CHECK(!(layout.recomputed().any() && splits_backward(layout.schedule)),
+  MT_CHECK(!(layout.recomputed().any() && schedule_splits_backward(layout.schedule)),
            "layout " << layout.text() << ": recompute=" << layout.recompute << " cannot run with schedule "
                      << layout.schedule
                      << " (its split backward needs the activations in the weight half); use 1f1b or interleaved");
-  const PipelineShape shape = pipeline_shape(model, layout);
+  const PipelineShape shape = pipeline_shape(model, layout, opt.pp_layers);
   const Hardware& hw = cluster.hw;
   const double rate = compute_rate(cluster, prec);
   const AxisLinks links = axis_links(layout, cluster);
@@ -237,7 +235,7 @@ PipelineRun pipeline_run(const std::string& schedule, int pp, int chunks, int mi
 
 Simulation pipeline_simulation(const ModelConfig& model, const Layout& layout, const Cluster& cluster,
                                const Precisions& prec, const TrafficOptions& opt) {
-  const PipelineShape shape = pipeline_shape(model, layout);
+  const PipelineShape shape = pipeline_shape(model, layout, opt.pp_layers);
   const StageCosts costs = stage_costs(model, layout, cluster, prec, opt);
   PipelineRun run = pipeline_run(layout.schedule, shape.pp, shape.chunks, shape.micro, costs);
   Simulation sim;
@@ -318,7 +316,7 @@ double after_backward(const ModelConfig& model, const Layout& layout, const Clus
 
 Timing step_time(const ModelConfig& model, const Layout& layout, const Cluster& cluster, const Precisions& prec,
                  const TrafficOptions& opt) {
-  const PipelineShape shape = pipeline_shape(model, layout);
+  const PipelineShape shape = pipeline_shape(model, layout, opt.pp_layers);
   const Hardware& hw = cluster.hw;
   const AxisLinks links = axis_links(layout, cluster);
   Timing t;

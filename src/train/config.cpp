@@ -391,7 +391,7 @@ void Config::validate() const {
     MT_CHECK(std::find(names.begin(), names.end(), sched) != names.end(),
              "parallel.pp_schedule = \"" << sched << "\" is not a schedule; use " << all << " or file:PATH");
   }
-  MT_CHECK(!(training.recompute && (sched == "zb-h1" || sched == "zbv")),
+  MT_CHECK(!(training.recompute && schedule_splits_backward(sched)),
            "training.recompute=true cannot run with parallel.pp_schedule = " << sched << ": its split backward "
            "runs the weight half after the activations are gone; use 1f1b or interleaved, or recompute=false");
   MT_CHECK(parallel.bucket_mb > 0, "parallel.bucket_mb = " << parallel.bucket_mb << " must be positive");
