@@ -356,6 +356,36 @@ TEST(PlanSearch, FewestRecomputedBlocksThatFit) {
   for (const Prediction& p : r.ranked) EXPECT_NE(p.layout.recompute, "none") << p.layout.text();
 }
 
+// A configured split (parallel.pp_layers = 1,5) fixes the pipeline's stages: every layout
+// ranked has pp x v = 2, and its time is the step of that split, not auto's (4,2 here: the
+// head weighs about 1.6 blocks); the families whose stages it does not fit are refused by
+// the key's name (the search once stopped at the first of them with that error).
+TEST(PlanSearch, ConfiguredSplitFixesTheStages) {
+  Question q = bench_question(4, cpu_like());
+  q.config.parallel.pp = 2;
+  q.config.parallel.pp_layers = "1,5";
+  Layout base;
+  base.global_batch = q.global_batch;
+  const SearchResult r = search(q, base);
+  expect_well_formed(q, base, r, "pp_layers = 1,5");
+  EXPECT_EQ(pipeline_shape(q.config.model, r.ranked[0].layout).ranks[0][0].blocks(), 4);  // auto: 4,2
+  for (const Prediction& p : r.ranked) {
+    SCOPED_TRACE(p.layout.text());
+    EXPECT_EQ(p.layout.pp * p.layout.chunks, 2);
+    TrafficOptions o = traffic(q.config), even = o;
+    even.pp_layers = "auto";
+    EXPECT_EQ(p.time.step_s, step_time(q.config.model, p.layout, q.cluster, q.precision, o).step_s);
+    EXPECT_NE(p.time.step_s, step_time(q.config.model, p.layout, q.cluster, q.precision, even).step_s);
+  }
+  bool one_stage = false;
+  for (const Rejected& x : r.rejected)
+    if (x.family == "tp=1,pp=1,cp=1") {
+      one_stage = true;
+      EXPECT_NE(x.reason.find("parallel.pp_layers = \"1,5\" lists 2 stages"), std::string::npos) << x.reason;
+    }
+  EXPECT_TRUE(one_stage);
+}
+
 // A smaller device: every layout ranked still fits it, and fewer do.
 TEST(PlanSearch, LessMemoryFewerLayouts) {
   Question q = bench_question(2, cpu_like());

@@ -87,6 +87,7 @@ std::optional<std::string> layout_problem(const Question& q, const Layout& l, bo
     Config c = layout_config(q, l);
     c.validate();
     c.resolve_layout(q.cluster.gpus, full);
+    pipeline_shape(c.model, l, c.parallel.pp_layers);  // a parallel.pp_layers list fits the stages
     const int64_t m = l.micro_batches(), stages = int64_t{l.pp} * l.chunks;
     MT_CHECK(l.pp == 1 || 2 * m * stages <= Communicator::kMaxPostTag,
              m << " micro-batches over " << stages << " pipeline stages are more than the engine's transfers can "
