@@ -242,6 +242,40 @@ void run_prepare(const std::string& input, const std::string& out, const std::st
               ids.size() == 1 ? "" : "s", out.c_str(), tok->vocab_size(), tok->vocab_size());
 }
 
+// meshtrain export: checkpoint (a directory, or checkpoint.dir: its latest) to a safetensors
+// file, or to model.safetensors and config.json in a directory (one there, or asked for
+// with a final /).
+void run_export(const std::string& ckpt, const std::string& exp_out) {
+  std::error_code ec;
+  MT_CHECK(!exp_out.empty(), "--out is empty; give the path of the safetensors file to write, or a directory");
+  const bool to_dir = std::filesystem::is_directory(exp_out, ec) || exp_out.back() == '/';
+  const std::filesystem::path file =
+      to_dir ? std::filesystem::path(exp_out) / "model.safetensors" : std::filesystem::path(exp_out);
+  MT_CHECK(!std::filesystem::is_directory(file, ec),  // before the parameters are read: the rename would fail
+           "--out " << exp_out << ": " << file.string() << " is a directory; give the path of the safetensors "
+                    << "file to write, or a directory to write it into");
+  const std::string dir = mt::checkpoint_latest(ckpt);
+  MT_CHECK(!dir.empty(), "no checkpoint in " << ckpt << "; pass a checkpoint directory or checkpoint.dir");
+  mt::Config cfg = mt::checkpoint_config(dir);
+  const std::vector<mt::Unit> layout = mt::model_layout(cfg.model);
+  // Streams unit by unit: only one unit's parameters are in memory at a time.
+  std::vector<float> buf;
+  auto fetch = [&](int u) -> const float* {
+    buf.assign(layout[u].numel, 0.0f);
+    mt::checkpoint_load(dir, cfg.model, {{layout[u].name, 0, layout[u].numel, {{"params", buf.data()}}}});
+    return buf.data();
+  };
+  mt::output_parent_create(file.string(), "--out");
+  mt::hf_export(cfg.model, layout, fetch, file.string());
+  if (to_dir) {  // written beside, then renamed into place, as the safetensors file is
+    const std::filesystem::path json = file.parent_path() / "config.json", tmp = json.string() + ".tmp";
+    std::ofstream(tmp) << mt::hf_config_json(cfg.model);
+    std::filesystem::rename(tmp, json, ec);
+    MT_CHECK(!ec, "--out " << exp_out << ": cannot write " << json.string() << ": " << ec.message());
+  }
+  std::printf("exported %s to %s%s\n", dir.c_str(), file.string().c_str(), to_dir ? " and config.json" : "");
+}
+
 // CLI11's words for a command line it cannot take, in meshtrain's: "Could not convert:
 // --top = x" says what --top takes; "--input: 1 required TEXT missing" that it needs a value.
 std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e) {
@@ -362,35 +396,7 @@ int main(int argc, char** argv) {
     if (prep->parsed()) {
       run_prepare(input, out, val_out, tokenizer, prep->count("--tokenizer") > 0, sp_prefix, val_fraction, sp_vocab);
     } else if (exp->parsed()) {
-      // A directory (there, or asked for with a final /) gets model.safetensors and config.json.
-      std::error_code ec;
-      MT_CHECK(!exp_out.empty(), "--out is empty; give the path of the safetensors file to write, or a directory");
-      const bool to_dir = std::filesystem::is_directory(exp_out, ec) || exp_out.back() == '/';
-      const std::filesystem::path file =
-          to_dir ? std::filesystem::path(exp_out) / "model.safetensors" : std::filesystem::path(exp_out);
-      MT_CHECK(!std::filesystem::is_directory(file, ec),  // before the parameters are read: the rename would fail
-               "--out " << exp_out << ": " << file.string() << " is a directory; give the path of the safetensors "
-                        << "file to write, or a directory to write it into");
-      const std::string dir = mt::checkpoint_latest(ckpt);
-      MT_CHECK(!dir.empty(), "no checkpoint in " << ckpt << "; pass a checkpoint directory or checkpoint.dir");
-      mt::Config cfg = mt::checkpoint_config(dir);
-      const std::vector<mt::Unit> layout = mt::model_layout(cfg.model);
-      // Streams unit by unit: only one unit's parameters are in memory at a time.
-      std::vector<float> buf;
-      auto fetch = [&](int u) -> const float* {
-        buf.assign(layout[u].numel, 0.0f);
-        mt::checkpoint_load(dir, cfg.model, {{layout[u].name, 0, layout[u].numel, {{"params", buf.data()}}}});
-        return buf.data();
-      };
-      mt::output_parent_create(file.string(), "--out");
-      mt::hf_export(cfg.model, layout, fetch, file.string());
-      if (to_dir) {  // written beside, then renamed into place, as the safetensors file is
-        const std::filesystem::path json = file.parent_path() / "config.json", tmp = json.string() + ".tmp";
-        std::ofstream(tmp) << mt::hf_config_json(cfg.model);
-        std::filesystem::rename(tmp, json, ec);
-        MT_CHECK(!ec, "--out " << exp_out << ": cannot write " << json.string() << ": " << ec.message());
-      }
-      std::printf("exported %s to %s%s\n", dir.c_str(), file.string().c_str(), to_dir ? " and config.json" : "");
+      run_export(ckpt, exp_out);
     } else if (smp->parsed()) {
       mt::SampleStats st;
       const std::vector<std::string> texts = mt::sample_text(

@@ -351,6 +351,30 @@ void run_steps(Run& run, Progress& p) {
 
 }  // namespace
 
+// A resumed run's state from checkpoint `from`: parameters, optimizer state and progress,
+// the loss scaler's and the spike guard's state, and this rank's gradient compression
+// state. Returns what to say where the compression state did not map onto this layout
+// (it then restarts), else "".
+std::string load_resumed(const std::string& from, const Config& c, Communicator& world, Model& model,
+                         DataParallel& strategy, Optimizer& opt, LossScaler& scaler, SpikeGuard& spikes,
+                         Allocator& alloc) {
+  OptimizerProgress saved;
+  HostCopies copies(alloc.device() == Device::cuda);
+  checkpoint_load(from, c.model, state_slices(strategy.owned(), opt, model.units(), false, copies), &saved);
+  copies.write_back();
+  opt.set_steps_taken(saved.steps_taken);
+  if (saved.loss_scale > 0) scaler.restore(saved.loss_scale, saved.loss_scale_clean);  // an fp16 run goes on as it was
+  if (saved.spike_guard && spikes.enabled()) spikes.restore(*saved.spike_guard);  // judges on as it would have
+  const RankState state = compression_state(c, world, strategy);
+  const std::string was = checkpoint_load_rank_state(from, world.rank(), state);
+  if (was == state.layout) return "";
+  return "gradient compression state: the checkpoint holds " + (was.empty() ? "none" : "that of " + was) +
+         ", which does not map onto this run (" + (state.layout.empty() ? "no compression state" : state.layout) +
+         "): " + (state.layout.empty()                       ? "left unused"
+                 : c.parallel.grad_compression == "powersgd" ? "residuals restart at 0, Q at its seed"
+                                                             : "residuals restart at 0");
+}
+
 TrainSummary train(const Config& cfg, Communicator& world) {
   Config c = cfg;
   // The layout for this world size, reconciled with the checkpoint it resumes (train/resume.h).
@@ -459,23 +483,8 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   Optimizer opt(c.optim, std::move(segments), alloc);
   LossScaler scaler(c.model.precision == "fp16", c.optim.loss_scale, c.optim.loss_scale_window);
   SpikeGuard spikes(c.training.skip_spikes, static_cast<int>(c.training.max_skips));
-  std::string compress_note;  // resumed at another layout: the compression state restarts
-  if (!resumed_from.empty()) {
-    OptimizerProgress saved;
-    HostCopies copies(alloc.device() == Device::cuda);
-    checkpoint_load(resumed_from, c.model, state_slices(strategy->owned(), opt, model.units(), false, copies), &saved);
-    copies.write_back();
-    opt.set_steps_taken(saved.steps_taken);
-    if (saved.loss_scale > 0) scaler.restore(saved.loss_scale, saved.loss_scale_clean);  // an fp16 run goes on as it was
-    if (saved.spike_guard && spikes.enabled()) spikes.restore(*saved.spike_guard);  // judges on as it would have
-    const RankState state = compression_state(c, world, *strategy);
-    if (const std::string was = checkpoint_load_rank_state(resumed_from, world.rank(), state); was != state.layout)
-      compress_note = "gradient compression state: the checkpoint holds " + (was.empty() ? "none" : "that of " + was) +
-                      ", which does not map onto this run (" + (state.layout.empty() ? "no compression state" : state.layout) +
-                      "): " + (state.layout.empty()                       ? "left unused"
-                              : c.parallel.grad_compression == "powersgd" ? "residuals restart at 0, Q at its seed"
-                                                                          : "residuals restart at 0");
-  }
+  const std::string compress_note =
+      resumed_from.empty() ? "" : load_resumed(resumed_from, c, world, model, *strategy, opt, scaler, spikes, alloc);
   world.barrier_slow();  // ranks load at different speeds
   if (mesh.data().size() > 1) strategy->check_same_parameters();
   Run run{c, world, mesh, dp, mesh.data(), mesh.tp(), pp, tie.get(), model, pipe, *strategy, opt, scaler, spikes, alloc, log, train_data, val_data ? &*val_data : nullptr, data.builtin,
