@@ -176,6 +176,25 @@ TEST(Allocator, AFailureSaysWhatToChange) {
   EXPECT_EQ(failure().find("micro_batch"), std::string::npos) << failure();
 }
 
+// A host allocator destroyed while a tensor it gave lives stops the program and says so
+// (the tensor's free would otherwise call into the destroyed allocator later).
+TEST(AllocatorDeathTest, DestroyedBeforeItsTensorsSaysSo) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        Tensor kept;
+        {
+          CpuAllocator alloc;
+          kept = Tensor::empty({1024}, DType::f32, alloc, MemTag::activations);
+          Tensor freed = Tensor::empty({256}, DType::f32, alloc, MemTag::params);
+        }
+      },
+      "a host allocator is destroyed while 4.0 KiB of the tensors it gave live \\(4.0 KiB activations\\); declare "
+      "the allocator before the tensors it gives");
+  CpuAllocator alloc;  // every tensor freed first: nothing said
+  { Tensor t = Tensor::empty({1024}, DType::f32, alloc, MemTag::activations); }
+}
+
 // The matrix products run kernels for the CPU's instruction set, under launch's ranks too
 // (no warning): where this OpenBLAS does not recognise the CPU, meshtrain sets
 // OPENBLAS_CORETYPE to the set for the CPU and runs again, and the header says so (an Intel

@@ -55,6 +55,21 @@ void* CpuAllocator::raw_allocate(size_t bytes) {
 
 void CpuAllocator::raw_deallocate(void* p) { std::free(p); }
 
+CpuAllocator::~CpuAllocator() {
+  const MemStats s = stats();
+  if (s.live_total == 0) return;
+  std::string tags;
+  for (int i = 0; i < kNumMemTags; ++i)
+    if (s.live[i] > 0)
+      tags += (tags.empty() ? "" : ", ") + format_bytes(s.live[i]) + " " + memtag_name(static_cast<MemTag>(i));
+  std::fflush(stdout);
+  std::fprintf(stderr,
+               "meshtrain: internal error: a host allocator is destroyed while %s of the tensors it gave live (%s); "
+               "declare the allocator before the tensors it gives\n",
+               format_bytes(s.live_total).c_str(), tags.c_str());
+  std::abort();
+}
+
 std::string format_bytes(size_t bytes) {
   char buf[32];
   double b = static_cast<double>(bytes);

@@ -48,9 +48,16 @@ class Allocator {
   std::string advice_ = "use a smaller model, micro_batch or seq_len, or training.recompute=true";
 };
 
-// Host memory, 64-byte aligned (AVX-512 lines).
+// Host memory, 64-byte aligned (AVX-512 lines). A tensor frees itself through the allocator
+// that gave it, so the allocator must outlive its tensors: destroyed while any of them live,
+// it says how many bytes of which tags and aborts (a later free would call into a destroyed
+// object, which fails somewhere else or not at all).
 class CpuAllocator final : public Allocator {
  public:
+  CpuAllocator() = default;
+  CpuAllocator(const CpuAllocator&) = delete;
+  CpuAllocator& operator=(const CpuAllocator&) = delete;
+  ~CpuAllocator() override;
   Device device() const override { return Device::cpu; }
 
  protected:
