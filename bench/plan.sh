@@ -2,11 +2,12 @@
 # The planner against this machine: `meshtrain bench profile` measures it, then the core
 # benchmark's GPT-2 (global batch 8 x 256 tokens, one thread per rank) trains at every
 # 2-rank layout meshtrain has (dp with ZeRO 0-3, tp with and without sequence parallelism,
-# pp with each schedule, cp, recompute of every block and of each stage's first 2) and at
-# one rank. For each: the planner's memory per tag against the measured peak (goal: within
-# 5%) and its step time, with the measured profile, against the measured step (goal:
-# within 25%). Then `meshtrain plan` picks a layout for 2 ranks, and the pick is run: the
-# goal is that it is the fastest measured, or within 10% of it.
+# pp with each schedule and with the blocks split 2,4 (parallel.pp_layers; auto gives 4,2),
+# cp, recompute of every block and of each stage's first 2) and at one rank. For each: the
+# planner's memory per tag against the measured peak (goal: within 5%) and its step time,
+# with the measured profile, against the measured step (goal: within 25%). Then
+# `meshtrain plan` picks a layout for 2 ranks, and the pick is run: the goal is that it is
+# the fastest measured, or within 10% of it.
 #
 #   bash bench/plan.sh [--steps K]
 source "$(dirname "$0")/dp_common.sh"
@@ -27,6 +28,7 @@ layouts=(
   "2|--parallel.tp=2 --parallel.sequence_parallel=true"
   "2|--parallel.pp=2 --parallel.pp_schedule=1f1b"
   "2|--parallel.pp=2 --parallel.pp_schedule=1f1b --training.recompute=true --training.recompute_blocks=2"
+  "2|--parallel.pp=2 --parallel.pp_schedule=1f1b --parallel.pp_layers=2,4"
   "2|--parallel.pp=2 --parallel.pp_schedule=gpipe"
   "2|--parallel.pp=2 --parallel.pp_schedule=interleaved"
   "2|--parallel.pp=2 --parallel.pp_schedule=zb-h1"

@@ -135,6 +135,13 @@ TEST(PlanCommand, TextRanksAndExplains) {
   const Plan f = plan_cmd(d, "--config " + kBench + " --gpus 2 --hardware h100 --precision fp32 --top 1");
   ASSERT_EQ(f.rc, 0) << f.out;
   EXPECT_TRUE(has(f.printed, "fp32")) << f.printed;
+  EXPECT_FALSE(has(f.printed, "parallel.pp_layers")) << f.printed;
+  // A configured split is named, and every layout listed has its two stages.
+  const Plan s = plan_cmd(d, "--config " + kBench + " --gpus 2 --hardware h100 --top 3 --set parallel.pp=2 "
+                                                   "--set parallel.pp_layers=2,4");
+  ASSERT_EQ(s.rc, 0) << s.out;
+  EXPECT_TRUE(has(s.printed, "pipeline stages of 2,4 blocks (parallel.pp_layers)")) << s.printed;
+  EXPECT_EQ(count(s.printed, ",pp=2,cp=1,v=1,"), 4u) << s.printed;  // three ranked, the best's breakdown
 }
 
 // A --layout naming some fields: the rest completed with the best choice, one breakdown.

@@ -115,6 +115,8 @@ int cmd_plan(const PlanOptions& o) {
                 q.cluster.hw.name.c_str(), q.cluster.gpus_per_node, static_cast<long long>(q.global_batch),
                 q.config.model.seq_len, q.precision.name.c_str(),
                 q.precision.grad == 2 ? (" with " + precision + " gradients").c_str() : "");
+    if (!q.config.parallel.pp_layers.empty() && q.config.parallel.pp_layers != "auto")
+      std::printf("pipeline stages of %s blocks (parallel.pp_layers)\n", q.config.parallel.pp_layers.c_str());
     std::printf("%d layouts weighed, %zu fit\n", r.tried, r.ranked.size());
   }
   if (r.ranked.empty()) {
