@@ -8,7 +8,6 @@
 #include "comm/communicator.h"
 #include "core/error.h"
 #include "core/message.h"  // divisors
-#include "parallel/pipeline.h"  // pipeline_layers
 #include "parallel/schedule.h"  // schedule_default_chunks, schedule_splits_backward
 #include "plan/comm.h"
 #include "plan/memory.h"
