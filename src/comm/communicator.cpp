@@ -334,10 +334,8 @@ Tensor Communicator::buffer_of(Tensor& buffer, int64_t numel, DType dtype) {
     buffer = Tensor();  // free the old buffer first
     MT_CHECK(!task_opts_.alloc || task_opts_.alloc->device() == Device::cpu,
              "internal: communication buffers are host memory (CommOptions::alloc on the GPU)");
-    // only for communicators made without an allocator (tests); never destroyed, as a
-    // communicator kept until the program ends may still hold its buffer
-    static CpuAllocator* uncounted = new CpuAllocator;
-    buffer = Tensor::empty({words}, DType::f32, task_opts_.alloc ? *task_opts_.alloc : *uncounted, MemTag::comm);
+    buffer = Tensor::empty({words}, DType::f32, task_opts_.alloc ? *task_opts_.alloc : fallback_host_allocator(),
+                           MemTag::comm);
   }
   return Tensor::wrap(buffer.raw(), {numel}, dtype);
 }

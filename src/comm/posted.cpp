@@ -13,10 +13,9 @@ namespace {
 
 // A host buffer for a posted message of GPU tensor t, counted under MemTag::comm.
 Tensor posted_buffer(const Tensor& t, Allocator* alloc) {
-  static CpuAllocator* uncounted = new CpuAllocator;  // communicators made without an allocator (tests); never destroyed
   MT_CHECK(!alloc || alloc->device() == Device::cpu,
            "internal: communication buffers are host memory (CommOptions::alloc on the GPU)");
-  return Tensor::empty({t.numel()}, t.dtype(), alloc ? *alloc : *uncounted, MemTag::comm);
+  return Tensor::empty({t.numel()}, t.dtype(), alloc ? *alloc : fallback_host_allocator(), MemTag::comm);
 }
 
 // A posted message of a GPU tensor through the host buffer it keeps: a send's holds the

@@ -70,6 +70,11 @@ CpuAllocator::~CpuAllocator() {
   std::abort();
 }
 
+Allocator& fallback_host_allocator() {
+  static CpuAllocator* alloc = new CpuAllocator;
+  return *alloc;
+}
+
 std::string format_bytes(size_t bytes) {
   char buf[32];
   double b = static_cast<double>(bytes);

@@ -54,9 +54,6 @@ class Allocator {
 // object, which fails somewhere else or not at all).
 class CpuAllocator final : public Allocator {
  public:
-  CpuAllocator() = default;
-  CpuAllocator(const CpuAllocator&) = delete;
-  CpuAllocator& operator=(const CpuAllocator&) = delete;
   ~CpuAllocator() override;
   Device device() const override { return Device::cpu; }
 
@@ -64,6 +61,10 @@ class CpuAllocator final : public Allocator {
   void* raw_allocate(size_t bytes) override;
   void raw_deallocate(void* p) override;
 };
+
+// The host allocator for communicators and groups made without one (tests): never
+// destroyed, since a communicator kept until the program ends may still hold its buffers.
+Allocator& fallback_host_allocator();
 
 std::string format_bytes(size_t bytes);  // "12.3 MiB"
 

@@ -57,18 +57,15 @@ int64_t activation_bytes(const ModelConfig& cfg, const LocalDims& d, int64_t B, 
   // target ids; the head's chunk also the final norm (gathered output, statistics), logits
   // over this rank's vocabulary rows and the loss's rows (losses, lse, row max, target
   // logit). Recomputing blocks share one set of activations, rebuilt in backward.
-  int64_t slots = 0, layers_kept = 0;
-  bool shared = false;
+  int64_t slots = 0, layers_kept = recompute.any() ? 1 : 0;
   for (const ChunkSpec& ch : chunks_of(cfg, share)) {
     const int64_t n = ch.end_layer - ch.first_layer, kept = n - recompute.of(static_cast<int>(n));
     int64_t one = kept * layer + n * pending + (n + 2) * B * Tl * C + 2 * B * T;
     if (ch.head) one += B * T * C + 2 * B * Tl + B * T * d.V + 4 * B * T;
     slots += ch.slots * one;
     layers_kept += ch.slots * kept;
-    shared = shared || kept < n;
   }
-  if (shared) layers_kept += 1;
-  return 4 * ((shared ? layer : 0) + scratch + slots) - layers_kept * saved;
+  return 4 * ((recompute.any() ? layer : 0) + scratch + slots) - layers_kept * saved;
 }
 
 // What one slot of a chunk keeps for a micro-batch in flight.
@@ -151,10 +148,7 @@ Model::Model(const ModelConfig& cfg, Allocator& alloc, int micro_batch, Recomput
   // The activations a block keeps, in 16 bits under the 16-bit precisions (BlockActs:
   // rounded where they are produced, or rounded by the products that read them).
   const DType kept = working_dtype(cfg);
-  for (const ChunkSpec& spec : share_.chunks) {
-    const int n = spec.end_layer - spec.first_layer;
-    if (recompute.of(n) > 0 && !shared_acts_) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept);
-  }
+  if (recompute.any()) shared_acts_ = std::make_unique<BlockActs>(cfg, dims_, B, alloc, kept);
   for (const ChunkSpec& spec : share_.chunks) {
     Chunk& ch = chunks_.emplace_back();
     ch.spec = spec;

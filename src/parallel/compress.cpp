@@ -53,8 +53,7 @@ void quantize(float* x, int64_t count, int64_t m, Block b) {
 Allocator& compression_alloc(Communicator& group, Allocator& alloc) {
   if (alloc.device() == Device::cpu) return alloc;
   if (Allocator* host = group.options().alloc) return *host;
-  static CpuAllocator* uncounted = new CpuAllocator;  // groups made without an allocator (tests); never destroyed
-  return *uncounted;
+  return fallback_host_allocator();
 }
 
 Int8Reduction::Int8Reduction(int64_t numel, Communicator& group, Allocator& alloc, Mode mode, bool error_feedback)

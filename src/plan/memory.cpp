@@ -197,11 +197,10 @@ double activations(const Setup& s, const ModelShare& share) {
   if (d.seq_split > 1) scratch += B * T * C + B * Tl * C + 6 * C;
   // kept in fewer bytes than the other activations: qkv and atty widened for attention's backward
   if (s.prec.kept < s.prec.activation) scratch += B * T * (d.qkv() + d.attn());
-  double floats = scratch, ids = 0;
-  bool shared = false;  // blocks that recompute share one set, rebuilt in backward
+  double floats = (s.rc.any() ? layer : 0) + scratch;  // blocks that recompute share one set, rebuilt in backward
+  double ids = 0;
   for (const ChunkSpec& ch : share.chunks) {
     const int n = ch.end_layer - ch.first_layer, kept = n - s.rc.of(n);
-    shared = shared || kept < n;
     // Per slot: the kept tensors of its blocks that do not recompute, their pending
     // gradients, the residual stream (n + 1 tensors [B, Tl, C]) and its gradient.
     double one = kept * layer + n * pending + (n + 2) * B * Tl * C;
@@ -212,7 +211,6 @@ double activations(const Setup& s, const ModelShare& share) {
     floats += ch.slots * one;
     ids += ch.slots * 2 * B * T;  // tokens and targets [B, T] int32
   }
-  if (shared) floats += layer;
   return floats * s.prec.activation + ids * 4;
 }
 

@@ -29,7 +29,7 @@ Config layout_config(const Question& q, const Layout& l) {
   c.parallel.sequence_parallel = l.sequence_parallel;
   const Recompute r = l.recomputed();
   c.training.recompute = r.any();
-  c.training.recompute_blocks = r.any() && r.blocks != Recompute::kAll ? r.blocks : 0;
+  c.training.recompute_blocks = r.blocks != Recompute::kAll ? r.blocks : 0;
   c.training.micro_batch = l.micro_batch;
   c.training.global_batch = l.global_batch;
   return c;

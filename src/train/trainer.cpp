@@ -349,8 +349,6 @@ void run_steps(Run& run, Progress& p) {
   }
 }
 
-}  // namespace
-
 // A resumed run's state from checkpoint `from`: parameters, optimizer state and progress,
 // the loss scaler's and the spike guard's state, and this rank's gradient compression
 // state. Returns what to say where the compression state did not map onto this layout
@@ -374,6 +372,8 @@ std::string load_resumed(const std::string& from, const Config& c, Communicator&
                  : c.parallel.grad_compression == "powersgd" ? "residuals restart at 0, Q at its seed"
                                                              : "residuals restart at 0");
 }
+
+}  // namespace
 
 TrainSummary train(const Config& cfg, Communicator& world) {
   Config c = cfg;
