@@ -17,8 +17,11 @@ mkdir build
 ln -s "$bin" build/meshtrain
 ln -s "$src/configs" configs
 # mpirun started directly runs as root only with these (meshtrain launch passes
-# --allow-run-as-root itself), and puts 4 ranks on fewer cores only when allowed to.
+# --allow-run-as-root itself), and puts 4 ranks on fewer cores only when allowed to. Its
+# session directory is this script's own, as launch gives each of its mpiruns one: mpiruns
+# of other tests sharing /tmp/ompi.<host>.<uid> can race there (cli/launch.cpp).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMPI_MCA_orte_tmpdir_base="$work/mpirun"
 
 fail() {
   echo "readme_examples: FAILED: $*" >&2

@@ -354,7 +354,7 @@ TEST(CheckpointDir, UnresolvableOrUnsharedDirectoryIsRefusedBeforeAnyWork) {
   fs::create_directories(d / "b");
   // (expect_refused adds --logging.progress=off to the last rank's options: every rank gets it)
   const std::string rank = std::string(MESHTRAIN_BIN) + " train " + o + " --checkpoint.dir=ck --logging.progress=off";
-  expect_refused("mpirun --oversubscribe --allow-run-as-root -n 1 -wdir " + d / "a" + " " + rank + " : -n 1 -wdir " +
+  expect_refused(mpirun_in(d) + " -n 1 -wdir " + d / "a" + " " + rank + " : -n 1 -wdir " +
                      d / "b" + " " + rank,
                  {{"", "rank 1: cannot see the file rank 0 wrote in checkpoint.dir = ck: it must be one directory "
                        "shared by all ranks"}});
@@ -362,7 +362,7 @@ TEST(CheckpointDir, UnresolvableOrUnsharedDirectoryIsRefusedBeforeAnyWork) {
   // A verdict only one rank reaches (a damaged checkpoint only rank 1 sees): every rank
   // stops with that rank's message, none is left waiting in a collective.
   fs::create_directories(d / "b/ck/step_00000003");
-  expect_refused("mpirun --oversubscribe --allow-run-as-root -n 1 -wdir " + d / "a" + " " + rank + " : -n 1 -wdir " +
+  expect_refused(mpirun_in(d) + " -n 1 -wdir " + d / "a" + " " + rank + " : -n 1 -wdir " +
                      d / "b" + " " + rank,
                  {{"", "rank 1: checkpoint.dir ck holds ck/step_00000003 without meta.json"}});
 }

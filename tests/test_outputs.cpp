@@ -299,7 +299,7 @@ TEST(Outputs, CheckedBeforeTheFirstStep) {
                            " --model.n_layer=1 --model.d_model=16 --model.n_head=2 --model.vocab_size=37"
                            " --model.seq_len=8 --training.global_batch=2 --training.steps=1 --logging.progress=off";
   std::string out;
-  EXPECT_NE(test::run_command("mpirun --oversubscribe --allow-run-as-root -n 1 " + rank + " : -n 1 " + rank +
+  EXPECT_NE(test::run_command(test::mpirun_in(d) + " -n 1 " + rank + " : -n 1 " + rank +
                                   " --training.seed=7",
                               &out),
             0);
@@ -308,7 +308,7 @@ TEST(Outputs, CheckedBeforeTheFirstStep) {
       << out;
   EXPECT_EQ(out.find("error:"), out.rfind("error:")) << "said once\n" << out;
   // also a key that changes the collectives themselves (checked before it applies)
-  EXPECT_NE(test::run_command("mpirun --oversubscribe --allow-run-as-root -n 1 " + rank + " : -n 1 " + rank +
+  EXPECT_NE(test::run_command(test::mpirun_in(d) + " -n 1 " + rank + " : -n 1 " + rank +
                                   " --parallel.debug_collectives=true",
                               &out),
             0);

@@ -83,6 +83,13 @@ inline int run_command(const std::string& cmd, std::string* output) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
+// mpirun started directly (as root, more ranks than cores), its session directory under d
+// as meshtrain launch gives each of its mpiruns one (cli/launch.cpp): mpiruns started at
+// once can race on the shared /tmp/ompi.<host>.<uid>.
+inline std::string mpirun_in(const TempDir& d) {
+  return "env OMPI_MCA_orte_tmpdir_base=" + d / "mpirun" + " mpirun --oversubscribe --allow-run-as-root";
+}
+
 // The JSON lines of a metrics file that describe optimizer steps.
 inline std::vector<std::string> read_lines(const std::string& path) {
   std::ifstream f(path);

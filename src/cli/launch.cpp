@@ -15,6 +15,13 @@
 // machine creates the file MESHTRAIN_LAUNCH_READY names (in a directory of launch's own),
 // and the request goes out then, or kReadyWaitS after the start at the latest (where no rank
 // runs on launch's machine, no file comes).
+//
+// Session directory: mpirun keeps its files under TMPDIR/ompi.<host>.<uid>, one directory
+// that every mpirun of the user on the machine creates and the last to end removes; two
+// started in the same instant can race there and one fails before any rank starts ("mkdir
+// ... File exists", orte_init failed). On one machine launch points mpirun at a directory
+// of its own instead (OMPI_MCA_orte_tmpdir_base, unless the user set it) and removes it
+// whole afterwards, with whatever an mpirun killed hard left there.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -30,7 +37,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -63,20 +69,19 @@ std::string host_name() {
   return name;
 }
 
-// The ranks' ready file, in a fresh directory only launch's user can write (so no other
-// user's file or link can stand in for it); both go when launch does.
-struct ReadyFile {
-  std::string dir, path;
-  ReadyFile() {
+// A fresh directory only launch's user can write (so no other user's file or link can
+// stand in for the ranks' ready file or mpirun's session), removed whole when launch ends.
+struct LaunchDir {
+  std::string dir;
+  LaunchDir() {
     const char* tmp = std::getenv("TMPDIR");
     dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/meshtrain-launch-XXXXXX";
     MT_CHECK(mkdtemp(dir.data()), "launch: cannot create a directory " << dir << " (" << std::strerror(errno)
                                                                        << "); set TMPDIR to a writable directory");
-    path = dir + "/ready";
   }
-  ~ReadyFile() {
-    unlink(path.c_str());
-    rmdir(dir.c_str());
+  ~LaunchDir() {
+    std::error_code ec;  // a failure leaves a directory in TMPDIR behind, nothing else
+    std::filesystem::remove_all(dir, ec);
   }
 };
 
@@ -153,7 +158,7 @@ int mpirun_forwarding(std::vector<std::string>& argv, const std::string& ready_f
 
 int cmd_launch(const std::vector<std::string>& args, const char* self) {
   int n = 0;
-  bool hostfile = false;
+  bool hostfile = false, other_hosts = false;
   std::vector<std::string> mpi_opts, rest;
   for (size_t i = 0; i < args.size(); ++i) {
     if (!rest.empty() || args[i].rfind("-", 0) != 0) {  // the meshtrain command and its options
@@ -189,8 +194,9 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
     const bool flag = a == "--oversubscribe" || a == "--allow-run-as-root" || a == "--tag-output" ||
                       a == "--report-bindings";
     if (!has_value && !flag && i + 1 < args.size() && args[i + 1].rfind("-", 0) != 0) v = args[++i], has_value = true;
+    other_hosts = other_hosts || a == "--host" || a == "-host" || a == "-H";
     if (a == "--hostfile" || a == "-hostfile" || a == "--machinefile" || a == "-machinefile") {
-      hostfile = true;
+      hostfile = other_hosts = true;
       // mpirun's own refusal of a missing file ends in "an internal error ... should be reported"
       MT_CHECK(has_value && !v.empty(), "launch: " << a << " needs a file of host names");
       MT_CHECK(std::filesystem::is_regular_file(v) && access(v.c_str(), R_OK) == 0,
@@ -219,10 +225,12 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
   if (std::getenv("OMP_NUM_THREADS")) argv.insert(argv.end(), {"-x", "OMP_NUM_THREADS"});
   if (!std::getenv("OMP_WAIT_POLICY")) setenv("OMP_WAIT_POLICY", "passive", 1);  // ranks share cores with comm threads
   argv.insert(argv.end(), {"-x", "OMP_WAIT_POLICY"});
+  const LaunchDir own;
+  // Where ranks start on other machines, this directory is not there; mpirun would make one
+  // on each and leave it.
+  if (!other_hosts && !std::getenv("OMPI_MCA_orte_tmpdir_base")) setenv("OMPI_MCA_orte_tmpdir_base", own.dir.c_str(), 1);
   const bool train = rest[0] == "train";  // the one command that installs stop handlers
-  std::optional<ReadyFile> ready;
-  if (train) ready.emplace();
-  const std::string ready_file = train ? ready->path : "";
+  const std::string ready_file = train ? own.dir + "/ready" : "";
   if (train) {
     setenv(kReadyEnv, ready_file.c_str(), 1);
     setenv(kHostEnv, host_name().c_str(), 1);
