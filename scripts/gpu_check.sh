@@ -66,7 +66,9 @@ phase_tests() {
       if ((n == 1)); then
         run_program "$(basename "$t")" "$t" --gtest_brief=1 &
       else
-        run_program "$(basename "$t")_n$n" mpirun --oversubscribe -n $n "$t" &
+        # each mpirun its own session directory: mpiruns started at once race on a shared one
+        run_program "$(basename "$t")_n$n" env OMPI_MCA_orte_tmpdir_base="${TMPDIR:-/tmp}/gpu-check-mpirun/$(basename "$t")_n$n" \
+          mpirun --oversubscribe -n $n "$t" &
       fi
     done
   done
