@@ -341,30 +341,31 @@ std::string environment_value(pid_t pid, const std::string& key) {
 
 // launch gives its mpirun a session directory of its own (mpiruns sharing TMPDIR's
 // ompi.<host>.<uid> can race there when two start at once, and one fails before any rank
-// starts) and removes it afterwards; one the user chose is kept. mpirun tells each rank
+// starts) and removes it afterwards; one the user chose is kept, and so is mpirun's own
+// where ranks may start on other machines (--host, --hostfile). mpirun tells each rank
 // where its session is (OMPI_MCA_orte_top_session_dir, <base>/ompi.<host>.<uid>).
 TEST(Preempt, LaunchGivesMpirunASessionDirectoryOfItsOwn) {
   TempDir d;
   const std::string o = opts(d);
   fs::create_directories(d / "tmp");
-  for (const bool user_chose : {false, true}) {
-    const std::string name = user_chose ? "chosen" : "own";
-    const std::string env =
-        "env TMPDIR=" + d / "tmp" + (user_chose ? " OMPI_MCA_orte_tmpdir_base=" + d / "chosen_base" : "") + " ";
-    Job job(env + train_cmd(d, name, 2, o + " --training.steps=1000000"), d / (name + ".txt"),
-            "[-]-checkpoint.dir=" + d / name);
-    ASSERT_TRUE(wait_for([&] { return steps_logged(d / (name + ".jsonl")) >= 1; })) << job.output();
+  for (const std::string name : {"own", "chosen", "hosts"}) {
+    const std::string env = "env TMPDIR=" + d / "tmp" +
+                            (name == "chosen" ? " OMPI_MCA_orte_tmpdir_base=" + d / "chosen_base" : "") + " ";
+    std::string cmd = env + train_cmd(d, name, 2, o + " --training.steps=1000000");
+    if (name == "hosts") cmd.replace(cmd.find(" launch -n 2 "), 13, " launch -n 2 --host localhost:2 ");
+    Job job(cmd, d / (name + ".txt"), "[-]-checkpoint.dir=" + d / name);
+    ASSERT_TRUE(wait_for([&] { return steps_logged(d / (name + ".jsonl")) >= 1; })) << cmd << "\n" << job.output();
     const pid_t rank0 = rank_pid(job.pid, 0);
     ASSERT_GT(rank0, 0);
     const fs::path base = fs::path(environment_value(rank0, "OMPI_MCA_orte_top_session_dir")).parent_path();
-    if (user_chose) {
-      EXPECT_EQ(base, d / "chosen_base");
-    } else {
+    if (name == "own") {
       EXPECT_EQ(base.parent_path(), d / "tmp");
       EXPECT_EQ(base.filename().string().rfind("meshtrain-launch-", 0), 0u) << base;
+    } else {
+      EXPECT_EQ(base, name == "chosen" ? d / "chosen_base" : d / "tmp") << name;
     }
     kill(job.pid, SIGTERM);
     EXPECT_EQ(job.finish(60), 75) << job.output();
-    EXPECT_EQ(entries(d / "tmp"), std::vector<std::string>{}) << "launch removed its directory";
+    EXPECT_EQ(entries(d / "tmp"), std::vector<std::string>{}) << name << ": launch removed its directory";
   }
 }
