@@ -119,15 +119,19 @@ std::vector<pid_t> children(pid_t parent) {
   return r;
 }
 
+// The value of `key` in process `pid`'s environment ("" without it).
+std::string environment_value(pid_t pid, const std::string& key) {
+  std::ifstream env("/proc/" + std::to_string(pid) + "/environ");
+  for (std::string v; std::getline(env, v, '\0');)
+    if (v.rfind(key + "=", 0) == 0) return v.substr(key.size() + 1);
+  return "";
+}
+
 // The process of MPI rank `rank` under meshtrain launch (launch -> mpirun -> ranks).
 pid_t rank_pid(pid_t launch, int rank) {
-  const std::string want = "OMPI_COMM_WORLD_RANK=" + std::to_string(rank);
   for (pid_t mpirun : children(launch))
-    for (pid_t p : children(mpirun)) {
-      std::ifstream env("/proc/" + std::to_string(p) + "/environ");
-      for (std::string v; std::getline(env, v, '\0');)
-        if (v == want) return p;
-    }
+    for (pid_t p : children(mpirun))
+      if (environment_value(p, "OMPI_COMM_WORLD_RANK") == std::to_string(rank)) return p;
   return -1;
 }
 
@@ -329,16 +333,6 @@ TEST(Preempt, HardKillDuringASaveLeavesEarlierCheckpointsAndTheNextStartCopes) {
   expect_bit_identical(straight, resumed, "killed during the save of step 8, resumed from step 4");
 }
 
-}  // namespace
-
-// The value of `key` in process `pid`'s environment ("" without it).
-std::string environment_value(pid_t pid, const std::string& key) {
-  std::ifstream env("/proc/" + std::to_string(pid) + "/environ");
-  for (std::string v; std::getline(env, v, '\0');)
-    if (v.rfind(key + "=", 0) == 0) return v.substr(key.size() + 1);
-  return "";
-}
-
 // launch gives its mpirun a session directory of its own (mpiruns sharing TMPDIR's
 // ompi.<host>.<uid> can race there when two start at once, and one fails before any rank
 // starts) and removes it afterwards; one the user chose is kept, and so is mpirun's own
@@ -352,7 +346,8 @@ TEST(Preempt, LaunchGivesMpirunASessionDirectoryOfItsOwn) {
     const std::string env = "env TMPDIR=" + d / "tmp" +
                             (name == "chosen" ? " OMPI_MCA_orte_tmpdir_base=" + d / "chosen_base" : "") + " ";
     std::string cmd = env + train_cmd(d, name, 2, o + " --training.steps=1000000");
-    if (name == "hosts") cmd.replace(cmd.find(" launch -n 2 "), 13, " launch -n 2 --host localhost:2 ");
+    const std::string launch = " launch -n 2 ";
+    if (name == "hosts") cmd.replace(cmd.find(launch), launch.size(), launch + "--host localhost:2 ");
     Job job(cmd, d / (name + ".txt"), "[-]-checkpoint.dir=" + d / name);
     ASSERT_TRUE(wait_for([&] { return steps_logged(d / (name + ".jsonl")) >= 1; })) << cmd << "\n" << job.output();
     const pid_t rank0 = rank_pid(job.pid, 0);
@@ -369,3 +364,5 @@ TEST(Preempt, LaunchGivesMpirunASessionDirectoryOfItsOwn) {
     EXPECT_EQ(entries(d / "tmp"), std::vector<std::string>{}) << name << ": launch removed its directory";
   }
 }
+
+}  // namespace
