@@ -279,6 +279,27 @@ TEST(PlanHardware, BenchProfileWritesAProfile) {
   expect_plausible(hardware_read(d / "stdout.toml"));
 }
 
+// efficiency from a step's rate: below the products' rate, the fraction of it; above (the
+// products timed in a slow spell), flops_fp32 raised to the step's rate, with the
+// precisions that copy fp32's rate and not the one with a kernel of its own; either way
+// flops_fp32 x efficiency is the step's rate.
+TEST(PlanHardware, EfficiencyKeepsTheStepsRate) {
+  Hardware h;
+  h.flops_fp32 = h.flops_fp16 = 100e9, h.flops_bf16 = 300e9;
+  EXPECT_FALSE(set_efficiency(h, 80e9));
+  EXPECT_EQ(h.flops_fp32, 100e9);
+  EXPECT_DOUBLE_EQ(h.efficiency, 0.8);
+  EXPECT_TRUE(set_efficiency(h, 120e9));
+  EXPECT_EQ(h.flops_fp32, 120e9);
+  EXPECT_EQ(h.flops_fp16, 120e9);
+  EXPECT_EQ(h.flops_bf16, 300e9);
+  EXPECT_EQ(h.efficiency, 1);
+  h.flops_bf16 = h.flops_fp32;  // no bf16 kernel: fp32's rate
+  EXPECT_TRUE(set_efficiency(h, 150e9));
+  EXPECT_EQ(h.flops_bf16, 150e9);
+  EXPECT_EQ(h.flops_fp32 * h.efficiency, 150e9);
+}
+
 TEST(PlanHardware, BenchProfileUnderTwoRanks) {
   test::TempDir d;
   const std::string path = d / "profile2.toml";

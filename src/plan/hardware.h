@@ -84,6 +84,13 @@ struct Measured {
   std::vector<std::string> summary;  // one line per measurement, for the command to print
 };
 
+// Sets efficiency from a training step's measured model FLOP/s. A step faster than the
+// products measured means they were timed in a slower spell (a neighbour's, on a shared
+// machine): flops_fp32 is then raised to the step's rate (and flops_bf16 and flops_fp16
+// with it where they hold fp32's rate), efficiency is 1, and true is returned; either way
+// flops_fp32 x efficiency is the step's rate, what the planner's compute time follows.
+bool set_efficiency(Hardware& hw, double step_flops_per_s);
+
 // Measures this machine as a profile of one device per rank: every rank of `world` calls
 // it; ranks measure at once, as they train, and each rate is the slowest rank's.
 // `progress` (rank 0 only; may be empty) is called with a line before each measurement.

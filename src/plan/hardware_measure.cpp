@@ -411,6 +411,21 @@ void measure_links(Communicator& world, const Place& place, double budget, Measu
   }
 }
 
+}  // namespace
+
+bool set_efficiency(Hardware& hw, double step_flops_per_s) {
+  const bool raise = step_flops_per_s > hw.flops_fp32;
+  if (raise) {
+    for (double* x : {&hw.flops_bf16, &hw.flops_fp16})
+      if (*x == hw.flops_fp32) *x = step_flops_per_s;  // no kernel of its own: fp32's rate, copied
+    hw.flops_fp32 = step_flops_per_s;
+  }
+  hw.efficiency = step_flops_per_s / hw.flops_fp32;
+  return raise;
+}
+
+namespace {
+
 // efficiency: one forward + backward of the model at its micro-batch (halved until two
 // steps fit the budget), its model FLOPs over (time x flops_fp32). Returns the micro-batch.
 int measure_efficiency(Communicator& world, const MeasureOptions& o, double budget, Measured& m, const Say& say) {
@@ -425,9 +440,14 @@ int measure_efficiency(Communicator& world, const MeasureOptions& o, double budg
   int reps = 0;
   const double t = world_max(world, step_seconds(cfg, B, budget / 2, &reps));
   const double flops = step_flops(cfg, B);
-  hw.efficiency = flops / (t * hw.flops_fp32);
-  std::string clipped;
-  if (hw.efficiency > 1) hw.efficiency = 1, clipped = " (clipped to 1: the step outran the products measured)";
+  const double f32_products = hw.flops_fp32;
+  const std::string raised =
+      set_efficiency(hw, flops / t)
+          ? " (above flops_fp32 as measured, " + gflops(f32_products) + ": flops_fp32 raised to this rate)"
+          : "";
+  if (!raised.empty())
+    m.notes.field["flops_fp32"] += ";\nraised to a training step's model FLOP/s, which the products measured did not "
+                                   "reach (see efficiency)";
   std::ostringstream s;
   s << "measured: forward + backward of " << cfg.family << " (" << cfg.n_layer << " layers, d_model " << cfg.d_model
     << ", " << cfg.n_head << " heads, seq_len " << cfg.seq_len << ", vocab " << cfg.vocab_size << ") at micro-batch "
@@ -436,7 +456,7 @@ int measure_efficiency(Communicator& world, const MeasureOptions& o, double budg
     << (world.size() > 1 ? "; the slowest rank's" : "") << ")\nfor "
     << fmt("%.1f", flops / 1e9) << " GFLOP of model FLOPs (6 x " << fmt("%.4g", matmul_params(cfg))
     << " matmul parameters x tokens + 12 x layers x seq_len x d_model x tokens for attention) = "
-    << gflops(flops / t) << " = " << fmt("%.3f", flops / t / hw.flops_fp32) << " of flops_fp32" << clipped;
+    << gflops(flops / t) << " = " << fmt("%.3f", flops / t / hw.flops_fp32) << " of flops_fp32" << raised;
   m.notes.field["efficiency"] = s.str();
   return B;
 }
@@ -499,6 +519,7 @@ Measured hardware_measure(Communicator& world, const MeasureOptions& o, const Sa
   const Rate f32 = sgemm_rate(o, 0.2 * S);
   hw.flops_fp32 = world_min(world, f32.value);
   note["flops_fp32"] = "measured: " + f32.how + slowest;
+  const size_t f32_line = m.summary.size();
   m.summary.push_back("flops_fp32    " + gflops(hw.flops_fp32));
   say("  " + m.summary.back());
 
@@ -536,7 +557,13 @@ Measured hardware_measure(Communicator& world, const MeasureOptions& o, const Sa
 
   // whether every rank runs the bf16 kernel (the same answer on all: calibrate_bf16 is collective)
   const bool bf16_kernel = world_min(world, bf16_gemm_available() ? 1.0 : 0.0) > 0;
+  const double f32_products = hw.flops_fp32, bf16_products = hw.flops_bf16;
   const int B = measure_efficiency(world, o, (bf16_kernel ? 0.3 : 0.4) * S, m, say);
+  if (hw.flops_fp32 != f32_products) {  // raised to the step's rate
+    m.summary[f32_line] = "flops_fp32    " + gflops(hw.flops_fp32) + " (a training step's rate: the products ran slower)";
+    if (hw.flops_bf16 != bf16_products) m.summary[bf16_line] = "flops_bf16    " + gflops(hw.flops_bf16) + " (fp32's)";
+    m.summary[bf16_line + 1] = "flops_fp16    " + gflops(hw.flops_fp16) + " (fp32's)";
+  }
   if (bf16_kernel) {
     calibrate_bf16(world, o, B, 0.1 * S, m, say);
     m.summary[bf16_line] = "flops_bf16    " + gflops(hw.flops_bf16) + " (a bf16 step's rate / efficiency)";
