@@ -196,6 +196,62 @@ TEST(Preempt, SigtermToLaunchStopsEveryRankAfterOneStep) {
   expect_resume_bit_identical(d, "run", 2, o, k);
 }
 
+// SIGHUP (the terminal launch ran in is gone) stops the job like SIGTERM; and launch
+// killed outright takes the job with it: the kernel sends mpirun SIGUSR1 (its parent-death
+// signal), so the ranks stop after a step and save it rather than train on with no one
+// watching.
+TEST(Preempt, HangupOrKillOfLaunchStopsTheJobAfterOneStep) {
+  TempDir d;
+  const std::string o = opts(d) + " --training.steps=1000000";
+  for (int sig : {SIGHUP, SIGKILL}) {
+    const std::string name = sig == SIGHUP ? "hup" : "kill";
+    SCOPED_TRACE(name);
+    // launch killed leaves its directory behind (in TMPDIR): in the test's own
+    Job job("env TMPDIR=" + d.path + " " + train_cmd(d, name, 2, o), d / (name + ".txt"),
+            "[-]-checkpoint.dir=" + d / name);
+    ASSERT_TRUE(wait_for([&] { return steps_logged(d / (name + ".jsonl")) >= 3; })) << job.output();
+    kill(job.pid, sig);
+    const int rc = job.finish(60);
+    if (sig == SIGHUP) {
+      expect_stopped(job, rc, d / (name + ".jsonl"), d / name);
+    } else {
+      EXPECT_EQ(rc, 128 + SIGKILL);
+      ASSERT_TRUE(wait_for([&] { return !processes_left("[-]-checkpoint.dir=" + d / name); })) << "the job trains on";
+      const nlohmann::json last = json_lines(d / (name + ".jsonl")).back();
+      EXPECT_EQ(last.value("event", ""), "stopped") << last;
+      EXPECT_EQ(last.value("exit_status", 0), 75) << last;
+      EXPECT_EQ(checkpoint_latest(d / name), step_dir(d / name, last.value("step", -1)));
+    }
+    EXPECT_FALSE(processes_left("[-]-checkpoint.dir=" + d / name));
+  }
+}
+
+// Ctrl-C ends the job at once, and launch says so and what is on disk, with 130 (128 +
+// SIGINT) as shells report an interrupted command; a rank killed outright ends it too, and
+// launch says which signal and that the checkpoints written before are intact.
+TEST(Preempt, InterruptOrAKilledRankEndsTheJobAndLaunchSaysSo) {
+  TempDir d;
+  const std::string o = opts(d) + " --training.steps=1000000";
+  for (const std::string name : {"int", "rank"}) {
+    SCOPED_TRACE(name);
+    Job job(train_cmd(d, name, 2, o), d / (name + ".txt"), "[-]-checkpoint.dir=" + d / name);
+    ASSERT_TRUE(wait_for([&] { return steps_logged(d / (name + ".jsonl")) >= 3; })) << job.output();
+    if (name == "int") kill(job.pid, SIGINT);
+    else kill(rank_pid(job.pid, 1), SIGKILL);
+    const int rc = job.finish(60);
+    const std::string out = job.output();
+    if (name == "int") {
+      EXPECT_EQ(rc, 128 + SIGINT) << out;
+      EXPECT_TRUE(has(out, "meshtrain launch: interrupted (SIGINT): mpirun ended the job at once")) << out;
+    } else {
+      EXPECT_EQ(rc, 128 + SIGKILL) << out;
+      EXPECT_TRUE(has(out, "meshtrain launch: the job ended by signal 9 (Killed) of a rank or mpirun")) << out;
+    }
+    EXPECT_TRUE(has(out, "resume with --checkpoint.resume=true")) << out;
+    EXPECT_FALSE(processes_left("[-]-checkpoint.dir=" + d / name));
+  }
+}
+
 // A stop asked while the ranks are still starting (mpirun just spawned, before any rank has
 // its handlers) is held by launch until every rank is up, then stops them together after a
 // step; mpirun alone would pass it to no rank yet (exit 0), or kill ranks still without

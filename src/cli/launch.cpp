@@ -3,11 +3,15 @@
 // SIGINT or SIGHUP (SIGTERM to every rank, SIGKILL a second later: odls_base_sigkill_timeout)
 // and forwards SIGUSR1 and SIGUSR2 to every rank. So:
 //
-//   SIGTERM, SIGUSR1 to launch -> SIGUSR1 to mpirun -> every rank stops after its current
-//                                 step and checkpoint (train/stop.h), exit status 75
-//   SIGINT (Ctrl-C)            -> SIGINT to mpirun  -> mpirun ends the job at once
+//   SIGTERM, SIGUSR1, SIGHUP   -> SIGUSR1 to mpirun -> every rank stops after its current
+//   to launch                     step and checkpoint (train/stop.h), exit status 75
+//   SIGINT (Ctrl-C)            -> SIGINT to mpirun  -> mpirun ends the job at once; launch
+//                                 says so and exits 130
+//   launch killed (SIGKILL)    -> SIGUSR1 to mpirun from the kernel (PR_SET_PDEATHSIG): the
+//                                 job stops as above rather than train on unwatched
 //
-// launch exits with mpirun's status: 0, or the status of the lowest rank that exited non-zero.
+// launch exits with mpirun's status: 0, or the status of the lowest rank that exited
+// non-zero; where a signal ended a rank or mpirun, it says what that leaves on disk.
 //
 // Start-up: mpirun passes SIGUSR1 only to the ranks it has started, and a rank that has not
 // yet installed its handlers dies of it. So a stop asked before every rank of a `train` job
@@ -24,7 +28,7 @@
 // whole afterwards, with whatever an mpirun killed hard left there.
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -54,12 +58,15 @@ std::atomic<pid_t> g_mpirun{0};
 std::atomic<bool> g_stop_asked{false};  // SIGTERM or SIGUSR1 not yet passed on (the wait loop does)
 
 constexpr double kReadyWaitS = 30;
+constexpr int kHandled[] = {SIGTERM, SIGUSR1, SIGHUP, SIGINT};
 constexpr char kReadyEnv[] = "MESHTRAIN_LAUNCH_READY", kHostEnv[] = "MESHTRAIN_LAUNCH_HOST";
+
+std::atomic<bool> g_interrupted{false};  // SIGINT passed on
 
 void on_signal(int sig) {
   const pid_t pid = g_mpirun.load();
   if (pid <= 0) return;
-  if (sig == SIGINT) kill(pid, SIGINT);
+  if (sig == SIGINT) kill(pid, SIGINT), g_interrupted = true;
   else g_stop_asked = true;
 }
 
@@ -115,43 +122,84 @@ void wait_forwarding(pid_t pid, const std::string& ready_file) {
   }
 }
 
-// Runs mpirun with argv, forwarding signals as described above; returns its exit status
-// (128 + the signal if a signal ended it, as shells report).
-int mpirun_forwarding(std::vector<std::string>& argv, const std::string& ready_file) {
+// Starts mpirun with argv, its signal mask `mask` and default actions for the signals
+// launch handles; it gets SIGUSR1 if launch dies first (a stop, as above). Returns its pid.
+pid_t start_mpirun(std::vector<std::string>& argv, const sigset_t& mask) {
   std::vector<char*> cargv;
   for (std::string& s : argv) cargv.push_back(s.data());
   cargv.push_back(nullptr);
-  const int handled[] = {SIGTERM, SIGUSR1, SIGINT};
+  int report[2];  // the child's exec error, if any; closed on a successful exec
+  MT_CHECK(pipe2(report, O_CLOEXEC) == 0, "launch: cannot create a pipe: " << std::strerror(errno));
+  const pid_t parent = getpid(), pid = fork();
+  MT_CHECK(pid >= 0, "launch: cannot start mpirun: " << std::strerror(errno));
+  if (pid == 0) {  // the child: only async-signal-safe calls until exec
+    close(report[0]);
+    prctl(PR_SET_PDEATHSIG, SIGUSR1);
+    if (getppid() != parent) kill(getpid(), SIGUSR1);  // launch already gone
+    for (int sig : kHandled) signal(sig, SIG_DFL);
+    sigprocmask(SIG_SETMASK, &mask, nullptr);
+    execvp("mpirun", cargv.data());
+    const int err = errno;
+    (void)!write(report[1], &err, sizeof err);
+    _exit(127);
+  }
+  close(report[1]);
+  int err = 0;
+  ssize_t got;
+  while ((got = read(report[0], &err, sizeof err)) < 0 && errno == EINTR) {
+  }
+  close(report[0]);
+  if (got == static_cast<ssize_t>(sizeof err)) {
+    waitpid(pid, nullptr, 0);
+    MT_CHECK(false, "launch: cannot run mpirun (" << std::strerror(err)
+                                                  << "); install Debian's openmpi-bin (scripts/setup.sh does)");
+  }
+  return pid;
+}
+
+// What a job ended by a signal leaves: launch says it, since a rank killed hard says nothing.
+void say_how_it_ended(int status) {
+  if (g_interrupted)
+    std::fprintf(stderr, "meshtrain launch: interrupted (SIGINT): mpirun ended the job at once. Checkpoints written "
+                         "before stay intact (a save cut short leaves only a .tmp- directory, removed at the next "
+                         "start); resume with --checkpoint.resume=true\n");
+  else if (status > 128)
+    std::fprintf(stderr, "meshtrain launch: the job ended by signal %d (%s) of a rank or mpirun. Checkpoints "
+                         "written before stay intact; resume with --checkpoint.resume=true\n",
+                 status - 128, strsignal(status - 128));
+}
+
+// Runs mpirun with argv, forwarding signals as described above; returns its exit status
+// (128 + the signal if a signal ended it, as shells report; 130 after SIGINT).
+int mpirun_forwarding(std::vector<std::string>& argv, const std::string& ready_file) {
   sigset_t block, old;
   sigemptyset(&block);
-  for (int sig : handled) sigaddset(&block, sig);
+  for (int sig : kHandled) sigaddset(&block, sig);
   // Blocked until mpirun's pid is known and the handlers are in place: a signal arriving
   // meanwhile waits and is forwarded then. mpirun starts with the old mask and defaults.
   sigprocmask(SIG_BLOCK, &block, &old);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  posix_spawnattr_setsigmask(&attr, &old);
-  posix_spawnattr_setsigdefault(&attr, &block);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
   pid_t pid = 0;
-  const int err = posix_spawnp(&pid, "mpirun", nullptr, &attr, cargv.data(), environ);
-  posix_spawnattr_destroy(&attr);
-  if (err != 0) sigprocmask(SIG_SETMASK, &old, nullptr);
-  MT_CHECK(err == 0, "launch: cannot run mpirun (" << std::strerror(err)
-                                                   << "); install Debian's openmpi-bin (scripts/setup.sh does)");
+  try {
+    pid = start_mpirun(argv, old);
+  } catch (...) {
+    sigprocmask(SIG_SETMASK, &old, nullptr);
+    throw;
+  }
   g_mpirun = pid;
   struct sigaction sa;
   std::memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_signal;
   sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
-  for (int sig : handled) sigaction(sig, &sa, nullptr);
+  for (int sig : kHandled) sigaction(sig, &sa, nullptr);
   sigprocmask(SIG_SETMASK, &old, nullptr);
   wait_forwarding(pid, ready_file);
   g_mpirun = 0;  // before reaping it: until then its pid cannot be another process's
   int status = 0;
   waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  say_how_it_ended(status);
+  return g_interrupted ? 128 + SIGINT : status;
 }
 
 }  // namespace
@@ -186,8 +234,9 @@ int cmd_launch(const std::vector<std::string>& args, const char* self) {
       std::printf("usage: meshtrain launch -n N [--hostfile FILE] [other mpirun options] train [--section.key=value ...]\n"
                   "starts N ranks with mpirun; each takes its machine's cores / the ranks on it as threads (at least\n"
                   "1), unless OMP_NUM_THREADS or training.threads says\n"
-                  "SIGTERM or SIGUSR1 to launch: every rank stops after its current step and saves a checkpoint\n"
-                  "(exit status 75); SIGINT (Ctrl-C): the job ends at once\n");
+                  "SIGTERM, SIGUSR1 or SIGHUP to launch: every rank stops after its current step and saves a\n"
+                  "checkpoint (exit status 75), as when launch itself is killed; SIGINT (Ctrl-C): the job ends at\n"
+                  "once (exit status 130)\n");
       return 0;
     }
     // an mpirun option's value follows it unless it starts with '-'
