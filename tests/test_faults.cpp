@@ -62,6 +62,9 @@ TEST_F(Faults, ExceptionOnOneRankEndsTheJob) {
 TEST_F(Faults, HungRankTripsTheWatchdog) {
   Outcome o = run_job(d, "--parallel.test_fault=hang:1 --parallel.timeout_s=3");
   expect_clean_failure(o, "has not finished after 3 s");
+  // the rank whose part never came is named (its receive is the one still pending)
+  EXPECT_NE(o.out.find("nothing has come yet from rank 1 of the group: that rank is stuck, dead"), std::string::npos)
+      << o.out;
   EXPECT_NE(o.out.find("flight recorder of rank 0, group 'dp'"), std::string::npos) << o.out;
   EXPECT_NE(o.out.find("allreduce f32 x 4032 (running)"), std::string::npos) << o.out;
 }

@@ -24,6 +24,12 @@ struct Descriptor {
   int32_t peer, pad;
 };
 
+std::string g_text(double x) {  // printf's %g
+  char b[32];
+  std::snprintf(b, sizeof b, "%g", x);
+  return b;
+}
+
 // How the communication thread naps while other ranks are not ready (see the header).
 constexpr int64_t kFirstNapUs = 50, kLongestNapUs = 500;
 
@@ -248,6 +254,10 @@ void Communicator::thread_main() {
       error = e.what();
     }
     running_since_ms_ = -1;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_for_.clear();
+    }
     // The communication thread's side of a profiled operation (before the caller sees it done).
     if (task.work->profiler_) task.work->profiler_->record_async(task.work->profile_id_, task.profile_lane, started, now_seconds());
     // Release the operation's tensors before the caller can see it done: the caller may
@@ -276,12 +286,27 @@ void Communicator::watchdog_main() {
     const double waited = now_seconds() - since / 1000.0;
     if (waited < opts_.timeout_s * history_.back().slack) continue;
     const std::string running = history_.back().describe();
+    const double slack = history_.back().slack;
+    const std::vector<int> peers = waiting_for_;
     lock.unlock();
+    std::string limit = "parallel.timeout_s = " + g_text(opts_.timeout_s);
+    if (slack != 1)
+      limit += ", x " + g_text(slack) + " for a barrier around one rank's slow work: a checkpoint's save, loading";
+    std::string who = "another rank is stuck, dead, or issued a different operation";
+    if (!peers.empty()) {
+      who = "nothing has come yet from ";
+      for (size_t i = 0; i < peers.size(); ++i)
+        who += (i ? ", " : "") + std::string("rank ") + std::to_string(peers[i]) +
+               (world_rank_of(peers[i]) != peers[i] ? " (world rank " + std::to_string(world_rank_of(peers[i])) + ")"
+                                                    : "");
+      who += std::string(" of the group: ") + (peers.size() > 1 ? "those ranks are" : "that rank is") +
+             " stuck, dead, or issued a different operation";
+    }
     std::fprintf(stderr,
-                 "meshtrain: rank %d: error: operation %s on group '%s' has not finished after %.0f s "
-                 "(parallel.timeout_s = %g): another rank is stuck, dead, or issued a different operation; "
+                 "meshtrain: rank %d: error: operation %s on group '%s' has not finished after %.0f s (%s): %s; "
                  "rerun with parallel.debug_collectives=true to check.\n%s",
-                 world_rank_, running.c_str(), name_.c_str(), waited, opts_.timeout_s, flight_dump().c_str());
+                 world_rank_, running.c_str(), name_.c_str(), waited, limit.c_str(), who.c_str(),
+                 flight_dump().c_str());
     std::fflush(stderr);
     // Give the other ranks' watchdogs a moment to print their recorders too.
     std::this_thread::sleep_for(std::chrono::seconds(2));
@@ -361,16 +386,23 @@ Tensor Communicator::staging(int64_t numel, DType dtype) { return buffer_of(stag
 void Communicator::exchange(const std::vector<Message>& sends, const std::vector<Message>& recvs, int tag) {
   for (const Message& m : sends) count_between_nodes(m.peer, m.bytes);
   std::unique_ptr<Transfer> t = start(sends, recvs, tag);
-  poll([&] { return t->test(); });
+  poll([&] { return t->test(); }, t.get());
 }
 
 void Communicator::count_between_nodes(int peer, uint64_t bytes) {
   if (const int L = ranks_per_node_; L > 0 && count_nodes_ && peer / L != rank_ / L) bytes_between_nodes_ += bytes;
 }
 
-void Communicator::poll(const std::function<bool()>& done) {
+void Communicator::poll(const std::function<bool()>& done, const Transfer* t) {
   int64_t nap = kFirstNapUs;
+  double tell_at = t ? now_seconds() + 1 : 1e300;  // the watchdog waits far longer than a second
   while (!done()) {
+    if (now_seconds() > tell_at) {
+      std::vector<int> peers = t->receives_pending();
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting_for_ = std::move(peers);
+      tell_at += 0.1;
+    }
     if (waiters_->any()) {  // a caller is blocked on this group: its core is free
       std::this_thread::yield();
       nap = kFirstNapUs;

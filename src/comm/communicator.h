@@ -209,6 +209,9 @@ class Communicator {
    public:
     virtual ~Transfer() = default;
     virtual bool test() = 0;  // true once every message has completed; throws on failure
+    // The peers whose messages to this rank had not arrived at the last test() (for the
+    // watchdog's message; only the thread that calls test() may ask).
+    virtual std::vector<int> receives_pending() const { return {}; }
     // Polls test() until it is true (returns true) or timeout_s passes (false; 0: never).
     // Yields the core for the first 100 us (a neighbour's message is usually that close),
     // then sleeps in naps growing to 200 us, so that a rank waiting through a long bubble
@@ -321,8 +324,11 @@ class Communicator {
   // Adds a message's bytes to bytes_between_nodes when `peer` is on another node (and the
   // running operation's messages count: not a debug check's).
   void count_between_nodes(int peer, uint64_t bytes);
-  // Polls done() with the naps of exchange() until it is true.
-  void poll(const std::function<bool()>& done);
+  // Polls done() with the naps of exchange() until it is true. With `t`, once the operation
+  // has waited a second, the peers it still waits for are kept for the watchdog.
+  void poll(const std::function<bool()>& done, const Transfer* t = nullptr);
+  // Group rank -> world rank (for messages).
+  virtual int world_rank_of(int group_rank) const { return group_rank; }
 
   int rank_, size_, world_rank_, ranks_on_node_;
   bool spans_machines_;
@@ -338,6 +344,7 @@ class Communicator {
   CommOptions task_opts_;           // the options of the operation running on the worker
   uint64_t next_seq_ = 0;
   std::deque<CommRecord> history_;  // the last operations run, oldest first
+  std::vector<int> waiting_for_;    // the running operation's peers not heard from (poll)
   std::atomic<int64_t> running_since_ms_{-1};  // start of the running operation, -1 when idle
   std::atomic<uint64_t> bytes_sent_{0};
   std::atomic<uint64_t> bytes_between_nodes_{0};

@@ -86,12 +86,27 @@ class MpiComm final : public Communicator {
  protected:
   // Nonblocking sends and receives; MPI_Testall also moves them on (OpenMPI progresses
   // messages only inside MPI calls), so the communication thread's polling drives them.
+  // MPI_Testsome sets each finished request to MPI_REQUEST_NULL, so the ones left name the
+  // peers still awaited.
   struct MpiTransfer final : Transfer {
-    std::vector<MPI_Request> reqs;
+    std::vector<MPI_Request> reqs;  // the receives first, then the sends
+    std::vector<int> recv_peers;    // [receives]
+    std::vector<int> finished;      // MPI_Testsome's indices
+    size_t left = 0;
     bool test() override {
-      int done = 0;
-      check(MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
-      return done != 0;
+      if (left == 0) return true;
+      int n = 0;
+      finished.resize(reqs.size());
+      check(MPI_Testsome(static_cast<int>(reqs.size()), reqs.data(), &n, finished.data(), MPI_STATUSES_IGNORE),
+            "MPI_Testsome");
+      if (n != MPI_UNDEFINED) left -= static_cast<size_t>(n);
+      return left == 0;
+    }
+    std::vector<int> receives_pending() const override {
+      std::vector<int> r;
+      for (size_t i = 0; i < recv_peers.size(); ++i)
+        if (reqs[i] != MPI_REQUEST_NULL) r.push_back(recv_peers[i]);
+      return r;
     }
   };
 
@@ -100,12 +115,14 @@ class MpiComm final : public Communicator {
     auto t = std::make_unique<MpiTransfer>();
     for (const Message& m : recvs) {
       t->reqs.emplace_back();
+      t->recv_peers.push_back(m.peer);
       check(MPI_Irecv(m.buf, as_int(m.bytes), MPI_BYTE, m.peer, tag, comm_, &t->reqs.back()), "MPI_Irecv");
     }
     for (const Message& m : sends) {
       t->reqs.emplace_back();
       check(MPI_Isend(m.buf, as_int(m.bytes), MPI_BYTE, m.peer, tag, comm_, &t->reqs.back()), "MPI_Isend");
     }
+    t->left = t->reqs.size();
     return t;
   }
 
@@ -121,6 +138,15 @@ class MpiComm final : public Communicator {
     return s;
   }
   static int world_rank() { return rank_of(MPI_COMM_WORLD); }
+  int world_rank_of(int group_rank) const override {
+    MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+    int r = group_rank;
+    if (MPI_Comm_group(comm_, &mine) == MPI_SUCCESS && MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS)
+      MPI_Group_translate_ranks(mine, 1, &group_rank, world, &r);
+    for (MPI_Group* g : {&mine, &world})
+      if (*g != MPI_GROUP_NULL) MPI_Group_free(g);
+    return r;
+  }
   MPI_Comm comm_;
 };
 
