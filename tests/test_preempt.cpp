@@ -349,6 +349,21 @@ TEST(Preempt, SecondSignalDuringTheSaveIsIgnored) {
   expect_resume_bit_identical(d, "run", 2, o, k);
 }
 
+// A stop asked during a periodic save stops after that step: the save in progress is the
+// stop's checkpoint, and no further step is trained (or saved).
+TEST(Preempt, StopDuringAPeriodicSaveStopsAfterItsStep) {
+  TempDir d;
+  const std::string o = opts(d) + " --checkpoint.every=4";
+  Job job(train_cmd(d, "run", 1, o + " --training.steps=1000000 --parallel.test_fault=slow_save:0"), d / "out.txt",
+          "[-]-checkpoint.dir=" + d / "run");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(d / "run/.tmp-step_00000004/shard_00000.safetensors"); }))
+      << job.output();
+  kill(job.pid, SIGTERM);
+  const int rc = job.finish(60);
+  EXPECT_EQ(expect_stopped(job, rc, d / "run.jsonl", d / "run"), 4);
+  EXPECT_EQ(entries(d / "run"), std::vector<std::string>{"step_00000004"});
+}
+
 // SIGKILL in the middle of a periodic save: what is left is a temporary directory with
 // rank 0's nonce and shard but no meta.json, which nothing reads; the newest complete
 // checkpoint is the one before, and the next start removes the leftover and resumes from it.

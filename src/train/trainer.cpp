@@ -332,7 +332,8 @@ void run_steps(Run& run, Progress& p) {
 
     // A signal during the last step changes nothing: the run ends normally.
     const bool last = s + 1 == c.training.steps, stop = a.stop_signal != 0 && !last;
-    if (run.val_data && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0 && !last && !stop) {
+    const bool validate_now = run.val_data && c.training.val_every > 0 && (s + 1) % c.training.val_every == 0;
+    if (validate_now && !last && !stop) {
       ValResult v = validate(run.model, run.pipe, *run.val_data, c, run.builtin, run.dp, run.data, run.pp, run.positions);
       run.log.write({{"event", "val"}, {"step", s}, {"val_loss", v.loss}});
       p.val_curve.emplace_back(s + 1, v.loss);
@@ -341,10 +342,23 @@ void run_steps(Run& run, Progress& p) {
       run.log.message(buf);
     }
     const bool periodic = c.checkpoint.every > 0 && (s + 1) % c.checkpoint.every == 0;
-    if (!c.checkpoint.dir.empty() && (periodic || last || stop)) p.checkpoint = checkpoint_write(run, s + 1);
+    const bool save = !c.checkpoint.dir.empty() && (periodic || last || stop);
+    if (save) p.checkpoint = checkpoint_write(run, s + 1);
     if (stop) {
       p.stop = a;
       return;
+    }
+    // A stop asked during a validation or periodic save (seconds, minutes for a large model)
+    // stops here, after this step, not after one more; the ranks agree again (as every rank
+    // reaches this point: it follows the configuration).
+    if (!last && (save || validate_now)) {
+      StepAgreement b = agree_step(run.world, run.alloc.stats(), stop_signal());
+      if (b.stop_signal != 0) {
+        if (!save && !c.checkpoint.dir.empty()) p.checkpoint = checkpoint_write(run, s + 1);
+        b.peaks = a.peaks;  // the step's, as the metrics line has them
+        p.stop = b;
+        return;
+      }
     }
   }
 }
