@@ -1,6 +1,7 @@
 // The meshtrain command as users run it: its errors and exit status, launch (option values,
 // threads per rank), prepare, export (a file, or a directory for transformers), sample's
-// tokenizer and a resumed run's notes.
+// tokenizer, a resumed run's notes and other settings that do nothing. (Outputs that would
+// replace inputs: test_output_paths.cpp.)
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -71,6 +72,14 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
            {"checkpoint info", "error: DIR is required; see meshtrain checkpoint info --help"},
            {"plan --gpus 0", "error: --gpus 0: give the cluster's devices, at least 1"},
            {"plan --gpus 8 --gpus-per-node -1", "error: --gpus-per-node -1: give the devices of one node, at least 1"},
+           // a field or option given twice kept its last value, silently; --set without a
+           // value was told train's --section.key=value
+           {"plan --gpus 8 --layout tp=2,tp=4", "error: --layout: tp given twice (tp=2 and tp=4); give each field once"},
+           {"plan --gpus 8 --layout chunks=2,v=4", "error: --layout: v given twice (chunks=2 and v=4)"},
+           {"plan --gpus 8 --set model.n_layer", "error: --set model.n_layer has no value: write --set "
+                                                 "section.key=value, e.g. --set model.n_layer=VALUE"},
+           {"bench profile --seconds 1 --seconds 2", "error: bench profile: --seconds given twice (1 and 2); give it "
+                                                     "once"},
            // bench comm reads its own options: an unknown one was "needs a value", or the
            // usage with exit status 2; 1T was read as 1 byte, 1e400 cast to int64
            {"bench comm --bogus", "error: bench comm: unknown option --bogus; usage: meshtrain launch -n N bench comm"},
@@ -85,6 +94,8 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
            {"bench profile --out /", "error: bench profile: --out / is a directory; give a file name, e.g. --out "
                                      "/hardware_profile.toml"},
            {"bench profile --out /proc/x/y.toml", "error: cannot create the directory /proc/x of --out file"},
+           // a file its directory takes no file in: found after the measuring, with no reason
+           {"bench profile --out /proc/h.toml", "error: cannot write the --out file /proc/h.toml: "},
            // launch's -n was atoi's (99999999999 asked mpirun for 1215752191 ranks), and a
            // missing host file ended in mpirun's "internal error ... should be reported"
            {"launch -n 99999999999 train", "error: launch: -n 99999999999 is not a number of ranks; give a whole "
@@ -98,6 +109,50 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
     EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " " + args, &out), 1) << args << "\n" << out;
     EXPECT_NE(out.find(want), std::string::npos) << args << "\n" << out;
   }
+}
+
+// A second --config dropped the first file's keys; a directory as data.path was "cannot read
+// the header of token file DIR: Is a directory", no key named; settings that change nothing
+// (checkpoint keys without checkpoint.dir, more recompute_blocks than the model's blocks, a
+// cluster of partial nodes) said nothing.
+TEST(Command, RepeatsDirectoriesAndSettingsThatDoNothingAreSaid) {
+  test::TempDir d;
+  const std::string tokens = test::write_tokens(d, "t.bin", 400, 37);
+  std::ofstream(d / "a.toml") << "[model]\nn_layer = 2\n";
+  std::ofstream(d / "b.toml") << "[model]\nd_model = 64\n";
+  const std::string train = std::string(MESHTRAIN_BIN) + " train --model.n_layer=2 --model.n_head=2 --model.d_model=16 "
+                            "--model.vocab_size=37 --model.seq_len=8 --training.global_batch=2 --training.steps=1 "
+                            "--training.val_every=0 --logging.progress=off";
+  for (const auto& [opts, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--config " + d / "a.toml" + " --config " + d / "b.toml",
+            "error: --config given twice (" + d / "a.toml" + " and " + d / "b.toml" + "): train reads one "
+            "configuration file; merge them into one, or give the second's keys as --section.key=value"},
+           {"--data.path=" + d.path, "error: data.path = " + d.path + " is a directory; set data.path to a token file"},
+           {"--data.path=" + tokens + " --data.val_path=" + d.path,
+            "error: data.val_path = " + d.path + " is a directory; set data.val_path to a token file"}}) {
+    std::string out;
+    EXPECT_EQ(test::run_command(train + " " + opts, &out), 1) << opts << "\n" << out;
+    EXPECT_NE(out.find(want), std::string::npos) << opts << "\n" << out;
+  }
+  std::string out;
+  ASSERT_EQ(test::run_command(train + " --data.path=" + tokens + " --checkpoint.every=1 --checkpoint.keep=2 "
+                                  "--training.recompute=true --training.recompute_blocks=99", &out), 0) << out;
+  for (const std::string& note : {
+           "note: checkpoint.every = 1 without checkpoint.dir: nothing is saved; set checkpoint.dir=DIR",
+           "note: checkpoint.keep = 2 without checkpoint.dir: nothing is saved or kept; set checkpoint.dir=DIR",
+           "note: training.recompute_blocks = 99 is more than the 2 blocks of the model (model.n_layer): every "
+           "block recomputes, as with recompute_blocks = 0"})
+    EXPECT_NE(out.find(note), std::string::npos) << note << "\n" << out;
+  ASSERT_EQ(test::run_command(train + " --data.path=" + tokens + " --training.recompute=true "
+                                  "--training.recompute_blocks=2", &out), 0) << out;
+  EXPECT_EQ(out.find("recompute_blocks = 2"), std::string::npos) << out;
+  const std::string plan = std::string(MESHTRAIN_BIN) + " plan --top 1 --gpus 8 --gpus-per-node ";
+  ASSERT_EQ(test::run_command(plan + "3", &out), 0) << out;
+  EXPECT_NE(out.find("note: --gpus 8 is not a whole number of nodes of --gpus-per-node 3 (2 nodes and 2 devices on "
+                     "another): the planner places the groups as if every node held 3; give --gpus 6 or 9 for "
+                     "whole nodes"), std::string::npos) << out;
+  ASSERT_EQ(test::run_command(plan + "4", &out), 0) << out;
+  EXPECT_EQ(out.find("whole number of nodes"), std::string::npos) << out;
 }
 
 // launch passes mpirun an option's value after '=' as the next argument (Open MPI 4 said

@@ -2,8 +2,6 @@
 // (plan/hardware.h): matrix FLOP/s, memory size and bandwidth, collective bandwidth and
 // latency between its ranks, and the fraction of peak a training step reaches. Writes the
 // profile file (default hardware_profile.toml; --out - prints it instead).
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +16,7 @@
 #include "plan/hardware.h"
 #include "train/config.h"
 #include "train/metrics.h"
+#include "train/start_checks.h"  // output_paths_check, output_try
 
 namespace mt {
 
@@ -47,6 +46,7 @@ int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world)
          MT_CHECK(!v.empty() && !*end && o.seconds > 0 && o.seconds <= 3600,
                   "bench profile: --seconds " << v << ": expected a number of seconds, more than 0 and at most 3600");
        }}};
+  std::map<std::string, std::string> given;  // an option given twice would drop its first value
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
@@ -56,6 +56,9 @@ int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world)
     const auto option = options.find(a);
     MT_CHECK(option != options.end(), "bench profile: unknown option " << a << "\n" << kUsage);
     MT_CHECK(i + 1 < args.size(), "bench profile: option " << a << " needs a value");
+    MT_CHECK(!given.count(a), "bench profile: " << a << " given twice (" << given[a] << " and " << args[i + 1]
+                                                << "); give it once");
+    given[a] = args[i + 1];
     option->second(args[++i]);
   }
   // The file is written after minutes of measuring: a place it cannot go is named first.
@@ -67,12 +70,9 @@ int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world)
     o.model = c.model;
     o.micro_batch = static_cast<int>(c.training.micro_batch > 0 ? c.training.micro_batch : c.training.global_batch);
   }
-  if (lead && out != "-") {
-    output_parent_create(out, "--out");
-    const std::filesystem::path dir = std::filesystem::path(out).parent_path();
-    MT_CHECK(access(dir.empty() ? "." : dir.c_str(), W_OK) == 0 &&
-                 (!std::filesystem::exists(out) || access(out.c_str(), W_OK) == 0),
-             "bench profile: cannot write --out " << out << ": " << std::strerror(errno) << "; choose another --out");
+  if (lead && out != "-") {  // opened as train opens its outputs: one that cannot be made is found now
+    output_paths_check({{"--out", out, ""}}, {{"--config", config, ""}});
+    output_try(out, "--out");
   }
   // Progress goes to stdout, or to stderr when the profile itself does.
   FILE* talk = out == "-" ? stderr : stdout;
@@ -92,9 +92,11 @@ int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world)
     return 0;
   }
   FILE* f = std::fopen(out.c_str(), "w");
-  MT_CHECK(f, "bench profile: cannot write --out " << out);
+  MT_CHECK(f, "bench profile: cannot write --out " << out << ": " << std::strerror(errno));
   const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  MT_CHECK(std::fclose(f) == 0 && ok, "bench profile: cannot write --out " << out);
+  const int write_errno = errno;
+  MT_CHECK(std::fclose(f) == 0 && ok, "bench profile: cannot write --out " << out << ": "
+                                                                            << std::strerror(ok ? errno : write_errno));
   std::printf("wrote %s: meshtrain plan --hardware %s ...\n", out.c_str(), out.c_str());
   return 0;
 }

@@ -15,7 +15,7 @@
 #include "cli/commands.h"
 #include "core/error.h"              // MT_CHECK
 #include "data/token_file.h"         // kTokenFileMagic
-#include "train/checkpoint.h"        // checkpoint_inspect, _list, _latest, _damaged, _saved_config
+#include "train/checkpoint.h"        // checkpoint_inspect, _list, _damaged, _saved_config, _damage_advice
 #include "train/config.h"            // config_to_json
 
 namespace fs = std::filesystem;
@@ -208,19 +208,15 @@ void print_text(const nlohmann::json& j) {
 }
 
 // What to do about a damaged checkpoint: resuming falls back to the one before it once
-// this one is deleted.
-std::string damage_message(const CheckpointInfo& info, const std::string& root) {
+// this one is deleted (a misnamed one: its own advice).
+std::string damage_message(const CheckpointInfo& info) {
   std::string what;
   for (const CheckpointFile& f : info.files)
     if (!f.problem.empty()) what += (what.empty() ? "" : "; ") + info.dir + "/" + f.name + " is " + f.problem;
   for (const std::string& p : info.coverage_problems) what += (what.empty() ? "" : "; ") + p;
-  std::string before;
-  for (const std::string& d : checkpoint_list(root))
-    if (fs::path(d).filename() < fs::path(info.dir).filename()) before = d;
-  return "checkpoint " + info.dir + " is damaged: " + what + ". Training cannot resume from it; restore the file from " +
-         "a copy, or delete " + info.dir + " so that checkpoint.resume=true continues from " +
-         (before.empty() ? std::string("step 0 (no earlier checkpoint is left)")
-                         : before + " (check it with meshtrain checkpoint info " + before + ")");
+  if (!info.advice.empty()) return "checkpoint " + info.dir + " is refused: " + what + ": " + info.advice;
+  return "checkpoint " + info.dir + " is damaged: " + what + ". Training cannot resume from it; " +
+         checkpoint_damage_advice(info.dir, /*resuming=*/true);
 }
 
 }  // namespace
@@ -237,7 +233,11 @@ int cmd_checkpoint(const CheckpointOptions& o) {
   if (arg.size() > 1 && arg.back() == '/') arg.pop_back();
   MT_CHECK(fs::exists(arg), "checkpoint info: " << arg << " does not exist; pass a checkpoint directory (step_N) or a "
                                                 << "run's checkpoint.dir");
-  std::string dir = checkpoint_latest(arg);
+  // The newest complete checkpoint (checkpoint_latest refuses where a damaged one is newer;
+  // here that one is reported, below).
+  const std::vector<std::string> complete = fs::exists(arg + "/meta.json") ? std::vector<std::string>{arg}
+                                                                            : checkpoint_list(arg);
+  std::string dir = complete.empty() ? "" : complete.back();
   // A step directory without meta.json is a damaged checkpoint, reported as one (its
   // meta.json missing) rather than passed over for an older one: given directly, or the
   // newest under a run's checkpoint.dir. Older damaged ones are named after the report.
@@ -259,7 +259,7 @@ int cmd_checkpoint(const CheckpointOptions& o) {
   if (o.json) std::printf("%s\n", j.dump(1).c_str());
   else print_text(j);
   std::fflush(stdout);
-  MT_CHECK(info.intact(), damage_message(info, root));
+  MT_CHECK(info.intact(), damage_message(info));
   std::string others;
   for (const std::string& d : damaged) others += (others.empty() ? "" : "; ") + d + "/meta.json is missing";
   MT_CHECK(others.empty(), "checkpoint.dir " << root << " holds damaged checkpoints beside " << dir << ": " << others

@@ -43,6 +43,7 @@
 #include "train/config.h"                     // config_load, config_keys
 #include "train/metrics.h"                    // output_parent_create
 #include "train/sample.h"                     // sample_text
+#include "train/start_checks.h"               // output_paths_check
 #include "train/stop.h"                       // stop_signals_install, kExitStopped
 #include "train/trainer.h"                    // train
 
@@ -69,6 +70,10 @@ mt::Config train_config(const std::vector<std::string>& args, bool* help) {
       value = body.substr(eq + 1);
       body = body.substr(0, eq);
     }
+    // A second file would replace the first's keys silently (or half of them): one file.
+    MT_CHECK(body != "config" || config_path.empty(),
+             "--config given twice (" << config_path << " and " << value << "): train reads one configuration "
+                                      << "file; merge them into one, or give the second's keys as --section.key=value");
     if (body == "config") config_path = value;
     else overrides.push_back(body + "=" + value);
   }
@@ -197,8 +202,14 @@ void run_prepare(const std::string& input, const std::string& out, const std::st
   MT_CHECK(val_fraction == 0 || !val_out.empty(), "--val-fraction needs --val-out FILE");
   MT_CHECK(val_out.empty() || val_fraction > 0, "--val-out " << val_out << " needs --val-fraction F (the tail of "
                                                 << "the tokens to write there, e.g. 0.05); or leave out --val-out");
+  if (sp_vocab > 0 && sp_prefix.empty()) sp_prefix = out + ".spm";
+  // No output may replace the text, the tokenizer or another output (the text would be
+  // read, then replaced by its tokens).
+  std::vector<mt::NamedPath> outputs = {{"--out", out, ""}, {"--val-out", val_out, ""}};
+  if (sp_vocab > 0)
+    for (const char* ext : {".model", ".vocab"}) outputs.push_back({"--tokenizer-prefix", sp_prefix, sp_prefix + ext});
+  mt::output_paths_check(outputs, {{"--input", input, ""}, {"--tokenizer", tokenizer == "byte" ? "" : tokenizer, ""}});
   if (sp_vocab > 0) {
-    if (sp_prefix.empty()) sp_prefix = out + ".spm";
     mt::output_parent_create(sp_prefix, "--tokenizer-prefix");
     mt::sentencepiece_train(input, sp_prefix, sp_vocab);
     tokenizer = sp_prefix + ".model";
@@ -254,6 +265,10 @@ void run_export(const std::string& ckpt, const std::string& exp_out) {
   MT_CHECK(!std::filesystem::is_directory(file, ec),  // before the parameters are read: the rename would fail
            "--out " << exp_out << ": " << file.string() << " is a directory; give the path of the safetensors "
                     << "file to write, or a directory to write it into");
+  // Not into a checkpoint, the one read or another: its shards and meta.json are its state.
+  std::vector<mt::NamedPath> outputs = {{"--out", exp_out, file.string()}};
+  if (to_dir) outputs.push_back({"--out", exp_out, (file.parent_path() / "config.json").string()});
+  mt::output_paths_check(outputs, {{"--checkpoint", ckpt, ""}});
   const std::string dir = mt::checkpoint_latest(ckpt);
   MT_CHECK(!dir.empty(), "no checkpoint in " << ckpt << "; pass a checkpoint directory or checkpoint.dir");
   mt::Config cfg = mt::checkpoint_config(dir);

@@ -3,6 +3,7 @@
 // each rejected family fails (src/plan/).
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include "cli/commands.h"
@@ -12,7 +13,8 @@
 #include "plan/plan_svg.h"
 #include "plan/search.h"
 #include "plan/time.h"
-#include "train/metrics.h"  // output_parent_create
+#include "train/metrics.h"       // output_parent_create
+#include "train/start_checks.h"  // output_paths_check
 
 namespace mt {
 
@@ -79,12 +81,29 @@ void print_breakdown(const plan::Prediction& p, const plan::Question& q) {
 int cmd_plan(const PlanOptions& o) {
   MT_CHECK(o.gpus >= 1, "--gpus " << o.gpus << ": give the cluster's devices, at least 1");
   MT_CHECK(o.gpus_per_node >= 1, "--gpus-per-node " << o.gpus_per_node << ": give the devices of one node, at least 1");
+  for (const std::string& s : o.overrides)  // config_load's advice is train's --section.key=value
+    MT_CHECK(s.find('=') != std::string::npos,
+             "--set " << s << " has no value: write --set section.key=value, e.g. --set " << s << "=VALUE");
+  // A partial last node: the planner places the groups as if every node were whole, so say so.
+  const int64_t per = o.gpus_per_node, whole = o.gpus / per * per;
+  const std::string partial_node =
+      o.gpus > per && o.gpus % per != 0
+          ? "note: --gpus " + std::to_string(o.gpus) + " is not a whole number of nodes of --gpus-per-node " +
+                std::to_string(per) + " (" + std::to_string(o.gpus / per) + " nodes and " +
+                std::to_string(o.gpus % per) + " devices on another): the planner places the groups as if every " +
+                "node held " + std::to_string(per) + "; give --gpus " + std::to_string(whole) + " or " +
+                std::to_string(whole + per) + " for whole nodes"
+          : "";
+  if (!partial_node.empty() && o.json) std::fprintf(stderr, "%s\n", partial_node.c_str());  // the JSON alone on stdout
   plan::Question q;
   q.config = config_load(o.config, o.overrides);
   q.config.validate();
   q.cluster.gpus = o.gpus;
   q.cluster.gpus_per_node = std::min(o.gpus_per_node, o.gpus);
   q.cluster.hw = plan::hardware_get(o.hardware);
+  std::error_code ec;  // --svg must not replace the files the plan reads (a built-in --hardware is none)
+  const std::string hw_file = std::filesystem::is_regular_file(o.hardware, ec) ? o.hardware : "";
+  output_paths_check({{"--svg", o.svg, ""}}, {{"--config", o.config, ""}, {"--hardware", hw_file, ""}});
   const std::string precision = o.precision.empty() ? (q.cluster.hw.gpu ? "bf16" : "fp32") : o.precision;
   std::string grad = o.grad_dtype;
   if (grad.empty()) grad = q.config.model.grad_dtype == precision ? precision : "fp32";
@@ -115,6 +134,7 @@ int cmd_plan(const PlanOptions& o) {
                 q.cluster.hw.name.c_str(), q.cluster.gpus_per_node, static_cast<long long>(q.global_batch),
                 q.config.model.seq_len, q.precision.name.c_str(),
                 q.precision.grad == 2 ? (" with " + precision + " gradients").c_str() : "");
+    if (!partial_node.empty()) std::printf("%s\n", partial_node.c_str());
     if (!q.config.parallel.pp_layers.empty() && q.config.parallel.pp_layers != "auto")
       std::printf("pipeline stages of %s blocks (parallel.pp_layers)\n", q.config.parallel.pp_layers.c_str());
     std::printf("%d layouts weighed, %zu fit\n", r.tried, r.ranked.size());

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <memory>
 
@@ -41,6 +42,9 @@ void store_le32(unsigned char* p, uint32_t v) {
 }  // namespace
 
 std::vector<int32_t> token_file_read(const std::string& path, const std::string& key) {
+  std::error_code ec;  // fopen opens a directory, whose read fails with no key named
+  MT_CHECK(!std::filesystem::is_directory(path, ec), key << " = " << path << " is a directory; set " << key
+                                                          << " to a token file (" << kHowToFix << ")");
   FilePtr f(std::fopen(path.c_str(), "rb"));
   MT_CHECK(f, "cannot open token file " << path << ": " << std::strerror(errno)
                                         << "; set " << key << " to an existing file or create one with "

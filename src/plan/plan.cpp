@@ -69,6 +69,7 @@ int64_t parse_int(const std::string& key, const std::string& value, int64_t leas
 Layout layout_parse(const std::string& text, Layout base) {
   std::istringstream in(text);
   std::string item;
+  std::map<std::string, std::string> seen;  // key -> its item: a key given twice would keep only its last value
   while (std::getline(in, item, ',')) {
     if (item.empty()) continue;
     const size_t eq = item.find('=');
@@ -79,6 +80,9 @@ Layout layout_parse(const std::string& text, Layout base) {
     const std::string given(item, 0, eq), value(item, eq + 1);
     const auto a = alias.find(given);
     const std::string& key = a == alias.end() ? given : a->second;
+    MT_CHECK(!seen.count(key), "--layout: " << key << " given twice (" << seen[key] << " and " << item
+                                            << "); give each field once");
+    seen[key] = item;
     if (key == "dp") base.dp = static_cast<int>(parse_int(key, value, 1));
     else if (key == "tp") base.tp = static_cast<int>(parse_int(key, value, 1));
     else if (key == "pp") base.pp = static_cast<int>(parse_int(key, value, 1));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <cstdio>
@@ -9,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <thread>
 
 #include "core/error.h"
@@ -238,23 +240,100 @@ std::string meta_fields_problem(const nlohmann::json& meta) {
   return m.problem;
 }
 
+// "line 3, column 7" of byte `at` (0-based) of text.
+std::string text_position(const std::string& text, size_t at) {
+  const size_t line = 1 + std::count(text.begin(), text.begin() + std::min(at, text.size()), '\n');
+  const size_t start = at == 0 ? 0 : text.rfind('\n', at - 1);
+  const size_t column = start == std::string::npos || at == 0 ? at + 1 : at - start;
+  return "line " + std::to_string(line) + ", column " + std::to_string(column);
+}
+
+// meta.json's text parsed into j; what is wrong with it in meshtrain's words ("" when
+// nothing). One JSON object and whitespace after it (the writer ends it with a newline):
+// text appended after the object is refused, since the CRC-32 covers only the object.
+std::string meta_parse(const std::string& text, nlohmann::json& j) {
+  const size_t first = text.find_first_not_of(" \t\r\n");
+  if (first == std::string::npos) return text.empty() ? "empty" : "empty (whitespace only)";
+  std::istringstream in(text);
+  try {
+    in >> j;  // one value; the stream left just after it
+  } catch (const nlohmann::json::parse_error& e) {
+    if (e.byte > text.size())  // the parser ran out of text inside the value
+      return "cut short: its " + std::to_string(text.size()) + " bytes end inside its JSON object";
+    return "not valid JSON (at " + text_position(text, e.byte - 1) + ")";
+  }
+  const std::streamoff end = in.tellg();
+  const size_t after = end < 0 ? text.size() : text.find_first_not_of(" \t\r\n", static_cast<size_t>(end));
+  if (after != std::string::npos)
+    return "not what meshtrain writes: " + std::to_string(text.size() - after) + " bytes follow its JSON object (from " +
+           text_position(text, after) + ")";
+  return "";
+}
+
+// What is wrong with the model settings of a parsed meta.json against its tensor table
+// (units and their parameters' names, shapes and offsets, which checkpoint_save takes from
+// model_layout of the same settings); "" when they agree. A configuration meshtrain does not
+// take is left to checkpoint_saved_config to name.
+std::string meta_model_problem(const nlohmann::json& meta) {
+  Config c;
+  try {
+    c = config_from_json(meta.at("config"));
+    c.model.validate();
+  } catch (const Error&) {
+    return "";
+  }
+  const nlohmann::json& m = meta["config"]["model"];
+  std::string keys;
+  for (const char* k : {"family", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "vocab_size", "tie_embeddings"})
+    if (m.contains(k)) keys += std::string(keys.empty() ? "" : ", ") + k + " = " + m[k].dump();
+  const std::string settings = "its model settings (model." + keys + ")";
+  std::vector<Unit> want;
+  try {
+    want = model_layout(c.model);
+  } catch (const Error& e) {
+    return settings + " make no model (" + e.what() + ")";
+  }
+  const nlohmann::json& units = meta.at("units");
+  if (units.size() != want.size())
+    return settings + " make " + std::to_string(want.size()) + " units, its tensor table holds " +
+           std::to_string(units.size());
+  for (size_t u = 0; u < want.size(); ++u) {
+    const nlohmann::json& saved = units[u];
+    const nlohmann::json& params = saved.at("params");
+    if (saved.at("name") != want[u].name || params.size() != want[u].params.size())
+      return settings + " make unit " + want[u].name + " of " + std::to_string(want[u].params.size()) +
+             " parameters, its tensor table has " + saved.at("name").dump() + " of " + std::to_string(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const ParamSpec& p = want[u].params[i];
+      if (params[i].at("name") != p.name || params[i].at("shape") != nlohmann::json(p.shape) ||
+          params[i].at("offset") != p.offset)
+        return settings + " make " + p.name + " " + nlohmann::json(p.shape).dump() + " at offset " +
+               std::to_string(p.offset) + ", its tensor table has " + params[i].at("name").get<std::string>() + " " +
+               params[i].at("shape").dump() + " at offset " + params[i].at("offset").dump();
+    }
+    if (saved.at("numel") != want[u].numel)
+      return settings + " make unit " + want[u].name + " of " + std::to_string(want[u].numel) +
+             " elements, its tensor table has " + saved.at("numel").dump();
+  }
+  return "";
+}
+
 // meta.json of a checkpoint directory, parsed and checked. problem says what is wrong
-// ("" when nothing); damaged: the file is missing or corrupt (not merely another format).
+// ("" when nothing); damaged: the file is missing or corrupt (not merely another format);
+// advice: what to do, where it is not the damaged checkpoint's (a misnamed directory).
 struct MetaRead {
   nlohmann::json j;
   std::string problem;
   bool damaged = false;
+  std::string advice = {};
 };
 
 MetaRead meta_read(const std::string& dir) {
-  std::ifstream f(dir + "/meta.json");
+  std::ifstream f(dir + "/meta.json", std::ios::binary);
   if (!f) return {{}, "missing", true};
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   nlohmann::json j;
-  try {
-    f >> j;
-  } catch (const std::exception& e) {
-    return {{}, std::string("corrupt (") + e.what() + ")", true};
-  }
+  if (const std::string p = meta_parse(text, j); !p.empty()) return {{}, "corrupt (" + p + ")", true};
   if (!j.is_object() || !j.contains("format") || j["format"] != kFormat) return {{}, "not a meshtrain checkpoint's meta.json", false};
   if (!j.contains("version") || j["version"] != kVersion)
     return {{}, "of checkpoint version " + j.value("version", nlohmann::json()).dump() + "; this meshtrain reads version " +
@@ -264,14 +343,31 @@ MetaRead meta_read(const std::string& dir) {
   if (j.contains("meta_crc32") && j["meta_crc32"] != meta_crc(j))
     return {{}, "corrupt (its CRC-32 differs from the one it records)", true};
   if (const std::string p = meta_fields_problem(j); !p.empty()) return {{}, "corrupt (it " + p + ")", true};
+  if (const std::string p = meta_model_problem(j); !p.empty())
+    return {{}, "corrupt (" + p + ": edited, or written by another tool)", true};
+  // A copied or renamed directory: a resume takes the newest name for the newest step, went
+  // back to the step inside it, and pruned the real newer ones by checkpoint.keep.
+  const int64_t step = j["step"].get<int64_t>(), named = checkpoint_name_step(dir);
+  if (named >= 0 && named != step) {
+    const fs::path right = fs::path(dir).lexically_normal().parent_path() / checkpoint_step_dir(step);
+    return {{},
+            "misnamed: it records step " + std::to_string(step) + " but its directory's name says step " +
+                std::to_string(named),
+            false,
+            "a copied or renamed checkpoint, which training would take for step " + std::to_string(named) +
+                " (a resume would go back to step " + std::to_string(step) + " and remove newer checkpoints). " +
+                (fs::exists(right) ? "Remove it (" + right.string() + " is there already)"
+                                   : "Rename it " + right.string() + ", or remove it")};
+  }
   return {std::move(j), "", false};
 }
 
-nlohmann::json read_meta(const std::string& dir) {
+nlohmann::json read_meta(const std::string& dir, bool resuming = false) {
   MetaRead m = meta_read(dir);
   MT_CHECK(m.problem.empty(), "checkpoint file " << dir << "/meta.json is " << m.problem
-                                                 << (m.damaged ? "; delete " + dir + " to resume from an earlier checkpoint"
-                                                               : std::string()));
+                                                 << (!m.advice.empty() ? ": " + m.advice
+                                                     : m.damaged      ? "; " + checkpoint_damage_advice(dir, resuming)
+                                                                      : std::string()));
   return std::move(m.j);
 }
 
@@ -292,6 +388,41 @@ void remove_as_incomplete(const std::string& root, const std::string& dir) {
   fs::remove_all(doomed);
 }
 
+// Rank 0, once the temporary directory tmp is complete: renames it to final_dir (replacing
+// an existing checkpoint of the same step only now) and removes the oldest others beyond
+// `keep`. A filesystem error (a read-only or full filesystem) names checkpoint.dir, the
+// path and the reason; the checkpoints already there stay.
+void put_in_place(const std::string& root, const std::string& tmp, const std::string& final_dir, int keep) {
+  try {
+    if (fs::exists(final_dir)) {
+      const std::string old = final_dir + ".old";
+      remove_as_incomplete(root, old);
+      fs::rename(final_dir, old);
+      fs::rename(tmp, final_dir);
+      remove_as_incomplete(root, old);
+    } else {
+      fs::rename(tmp, final_dir);
+    }
+    if (keep <= 0) return;
+    // The oldest others go; the checkpoint just written always stays.
+    std::vector<std::string> dirs;
+    for (const auto& e : fs::directory_iterator(root)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_directory() && checkpoint_step_name(n) && e.path().string() != fs::path(final_dir).string())
+        dirs.push_back(e.path());
+    }
+    std::sort(dirs.begin(), dirs.end());
+    for (size_t i = 0; i + keep < dirs.size() + 1; ++i) {
+      remove_as_incomplete(root, dirs[i] + ".old");  // a copy a killed save left beside it
+      remove_as_incomplete(root, dirs[i]);
+    }
+  } catch (const fs::filesystem_error& e) {
+    MT_FAIL("checkpoint.dir = " << root << ": cannot put " << final_dir << " in place (" << e.path1().string() << ": "
+                                << e.code().message() << "); make it writable (or free space) and run again with "
+                                << "checkpoint.resume=true, which continues from the newest checkpoint in it");
+  }
+}
+
 }  // namespace
 
 std::string checkpoint_save(const std::string& root, int64_t step, const Config& cfg, const std::vector<Unit>& layout,
@@ -301,14 +432,22 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
   const std::string tmp = root + "/.tmp-" + checkpoint_step_dir(step);
   const bool lead = world.rank() == 0;
   const std::string nonce = std::to_string(std::hash<std::string>{}(final_dir) ^ static_cast<size_t>(now_seconds() * 1e6));
-  if (lead) {
+  // Rank 0 makes the temporary directory and writes the nonce in it; where it cannot (a
+  // read-only or full filesystem), every rank stops with the path and the reason.
+  agreed(world, [&] {
+    if (!lead) return;
+    const std::string then = "; make it writable (or free space) and run again with checkpoint.resume=true, "
+                             "which continues from the newest checkpoint in it";
     std::error_code ec;
     fs::create_directories(root, ec);
-    MT_CHECK(!ec, "cannot create checkpoint.dir " << root << ": " << ec.message());
-    fs::remove_all(tmp);  // a save that died half-way
-    fs::create_directories(tmp);
-    std::ofstream(tmp + "/nonce") << nonce;
-  }
+    MT_CHECK(!ec, "cannot create checkpoint.dir = " << root << ": " << ec.message() << then);
+    fs::remove_all(tmp, ec);  // a save that died half-way
+    if (!ec) fs::create_directories(tmp, ec);
+    MT_CHECK(!ec, "cannot create " << tmp << " in checkpoint.dir = " << root << ": " << ec.message() << then);
+    std::ofstream f(tmp + "/nonce");
+    MT_CHECK(f << nonce << std::flush, "cannot write " << tmp << "/nonce in checkpoint.dir = " << root << ": "
+                                                       << std::strerror(errno) << then);
+  });
   // Every writer must see the directory rank 0 made: checkpoint.dir has to be shared.
   const std::string lead_nonce = allgather_strings(world, nonce)[0];
   if (!slices.empty()) {
@@ -398,30 +537,7 @@ std::string checkpoint_save(const std::string& root, int64_t step, const Config&
       f << meta.dump(1) << "\n";
       MT_CHECK(f.good(), "cannot write " << tmp << "/meta.json (disk full?)");
     }
-    // Replace an existing checkpoint of the same step only once the new one is complete.
-    if (fs::exists(final_dir)) {
-      const std::string old = final_dir + ".old";
-      remove_as_incomplete(root, old);
-      fs::rename(final_dir, old);
-      fs::rename(tmp, final_dir);
-      remove_as_incomplete(root, old);
-    } else {
-      fs::rename(tmp, final_dir);
-    }
-    if (keep > 0) {  // the oldest others go; the checkpoint just written always stays
-      std::vector<std::string> dirs;
-      for (const auto& e : fs::directory_iterator(root)) {
-        const std::string n = e.path().filename().string();
-        if (e.is_directory() && checkpoint_step_name(n) &&
-            e.path().string() != fs::path(final_dir).string())
-          dirs.push_back(e.path());
-      }
-      std::sort(dirs.begin(), dirs.end());
-      for (size_t i = 0; i + keep < dirs.size() + 1; ++i) {
-        remove_as_incomplete(root, dirs[i] + ".old");  // a copy a killed save left beside it
-        remove_as_incomplete(root, dirs[i]);
-      }
-    }
+    put_in_place(root, tmp, final_dir, keep);
   }
   world.barrier_slow();  // rank 0 finished writing meta.json and renaming
   return final_dir;
@@ -453,81 +569,40 @@ bool checkpoint_model_key_fixed(const std::string& key) {
          key != "model.init_from";
 }
 
-std::string checkpoint_step_dir(int64_t step) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
-  return buf;
-}
-
-bool checkpoint_step_name(const std::string& name, bool old) {
-  const std::string n = old && name.size() > 4 && name.ends_with(".old") ? name.substr(0, name.size() - 4) : name;
-  return n.size() > 5 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos;
-}
-
-std::vector<std::string> checkpoint_list(const std::string& root) {
-  std::vector<std::string> dirs;
-  if (!fs::is_directory(root)) return dirs;
-  for (const auto& e : fs::directory_iterator(root)) {
-    std::string name = e.path().filename().string();
-    if (!e.is_directory() || !checkpoint_step_name(name, true) || !fs::exists(e.path() / "meta.json")) continue;
-    // step_N.old is the previous copy of step N, complete; it counts only if a save died
-    // between its two renames and step_N is missing.
-    const size_t old = name.find(".old");
-    if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old))) continue;
-    dirs.push_back(e.path().string());
+std::string checkpoint_files_problem(const std::string& dir, const nlohmann::json& meta) {
+  std::vector<const nlohmann::json*> files;
+  for (const auto& sh : meta.at("shards")) files.push_back(&sh);
+  if (meta.contains("rank_state"))
+    for (const auto& st : meta["rank_state"].at("files")) files.push_back(&st);
+  for (const nlohmann::json* f : files) {
+    const std::string path = dir + "/" + f->at("file").get<std::string>();
+    std::error_code ec;
+    const uint64_t bytes = fs::file_size(path, ec), want = f->at("bytes").get<uint64_t>();
+    if (ec && !fs::exists(path)) return "checkpoint file " + path + " is missing: the checkpoint is incomplete";
+    if (ec) return "checkpoint file " + path + " cannot be read: " + ec.message();
+    if (bytes != want)
+      return "checkpoint file " + path + " is corrupt: " + std::to_string(bytes) + " bytes, meta.json records " +
+             std::to_string(want);
   }
-  std::sort(dirs.begin(), dirs.end());
-  return dirs;
+  return "";
 }
 
-std::string checkpoint_latest(const std::string& root) {
-  if (fs::exists(root + "/meta.json")) return root;
-  const std::vector<std::string> dirs = checkpoint_list(root);
-  return dirs.empty() ? "" : dirs.back();
-}
+nlohmann::json checkpoint_meta(const std::string& dir, bool resuming) { return read_meta(dir, resuming); }
 
-std::vector<std::string> checkpoint_damaged(const std::string& root) {
-  std::vector<std::string> dirs;
-  std::error_code ec;
-  if (!fs::is_directory(root, ec) || fs::exists(root + "/meta.json", ec)) return dirs;
-  for (const auto& e : fs::directory_iterator(root, ec)) {
-    const std::string name = e.path().filename().string();
-    if (!e.is_directory(ec) || !checkpoint_step_name(name, true) || fs::exists(e.path() / "meta.json", ec)) continue;
-    const size_t old = name.find(".old");
-    if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old), ec)) continue;
-    if (!fs::exists(e.path(), ec)) continue;  // renamed away meanwhile: pruned by a running save
-    dirs.push_back(e.path().string());
-  }
-  std::sort(dirs.begin(), dirs.end());
-  return dirs;
-}
-
-std::vector<std::string> checkpoint_remove_incomplete(const std::string& root) {
-  std::vector<std::string> removed;
-  if (!fs::is_directory(root)) return removed;
-  for (const auto& e : fs::directory_iterator(root))
-    if (e.is_directory() && e.path().filename().string().rfind(".tmp-step_", 0) == 0) removed.push_back(e.path());
-  std::sort(removed.begin(), removed.end());
-  for (const std::string& d : removed) fs::remove_all(d);
-  return removed;
-}
-
-nlohmann::json checkpoint_meta(const std::string& dir) { return read_meta(dir); }
-
-Config checkpoint_saved_config(const std::string& dir, const nlohmann::json& meta) {
+Config checkpoint_saved_config(const std::string& dir, const nlohmann::json& meta, bool resuming) {
   Config c;
   try {
     c = config_from_json(meta.at("config"));
     c.model.validate();  // an edited model.seq_len = -1 reached the model's buffers
   } catch (const Error& e) {
     MT_FAIL("checkpoint file " << dir << "/meta.json records a configuration this meshtrain does not take (" << e.what()
-                               << "); delete " << dir << " to resume from an earlier checkpoint");
+                               << "); " << checkpoint_damage_advice(dir, resuming));
   }
   // A run saves the layout it resolved: its dp and micro-batch, never 0 ("derive it").
   MT_CHECK(c.parallel.dp >= 1 && c.training.micro_batch >= 1,
            "checkpoint file " << dir << "/meta.json is corrupt (it records parallel.dp = " << c.parallel.dp
                               << " and training.micro_batch = " << c.training.micro_batch << ", not the layout a run "
-                              << "resolved); delete " << dir << " to resume from an earlier checkpoint");
+                              << "resolved); " << checkpoint_damage_advice(dir, resuming));
   return c;
 }
 
@@ -551,11 +626,10 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
     const std::string path = dir + "/" + sh.at("file").get<std::string>();
     auto it = open.find(path);
     if (it != open.end()) return *it->second;
-    MT_CHECK(fs::exists(path), "checkpoint shard " << path << " is missing; the checkpoint is incomplete — delete "
-                                                   << dir << " to resume from an earlier one");
     const std::string problem = file_problem(path, sh);
-    MT_CHECK(problem.empty(), "checkpoint shard " << path << " is " << problem << "; delete " << dir
-                                                  << " to resume from an earlier checkpoint");
+    MT_CHECK(problem.empty(), "checkpoint shard " << path << " is " << problem
+                                                  << (problem == "missing" ? ": the checkpoint is incomplete" : "")
+                                                  << "; " << checkpoint_damage_advice(dir, false));
     return *(open[path] = std::make_unique<SafetensorsReader>(path));
   };
   for (const CheckpointSlice& want : slices) {
@@ -604,12 +678,11 @@ std::string checkpoint_load_rank_state(const std::string& dir, int rank, const R
   const auto& files = saved.at("files");
   const auto it = std::find_if(files.begin(), files.end(), [&](const nlohmann::json& f) { return f.at("rank") == rank; });
   MT_CHECK(it != files.end(), "checkpoint " << dir << " holds no " << rank_state_name(rank) << " though rank " << rank
-                                            << " wrote state at this layout; delete " << dir
-                                            << " to resume from an earlier checkpoint");
+                                            << " wrote state at this layout; " << checkpoint_damage_advice(dir, false));
   const std::string path = dir + "/" + it->at("file").get<std::string>();
   const std::string problem = file_problem(path, *it);
-  MT_CHECK(problem.empty(), "checkpoint file " << path << " is " << problem << "; delete " << dir
-                                               << " to resume from an earlier checkpoint");
+  MT_CHECK(problem.empty(), "checkpoint file " << path << " is " << problem << "; "
+                                               << checkpoint_damage_advice(dir, false));
   SafetensorsReader reader(path);
   MT_CHECK(reader.entries().size() == state.tensors.size(), "internal: " << path << " holds " << reader.entries().size()
                                                                          << " tensors, this rank's state "
@@ -629,6 +702,7 @@ CheckpointInfo checkpoint_inspect(const std::string& dir) {
   std::error_code ec;
   const uint64_t bytes = fs::file_size(dir + "/meta.json", ec);
   info.files.push_back({"meta.json", -1, ec ? 0 : bytes, m.problem});
+  info.advice = m.advice;
   if (!m.problem.empty()) return info;  // nothing else can be checked without it
   info.meta = std::move(m.j);
   // Each shard against the size and CRC-32 that meta.json records for it, then what its

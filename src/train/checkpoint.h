@@ -98,10 +98,16 @@ std::string checkpoint_step_dir(int64_t step);
 // Whether a directory's name is one a save gives a checkpoint: step_ and digits (step_N),
 // with ".old" for the previous copy of step N while it is being replaced (old = true).
 bool checkpoint_step_name(const std::string& name, bool old = false);
+// The step a checkpoint directory's name says (step_N, step_N.old; "." and a final / are
+// resolved); -1 when its name is not a step directory's (a copy kept under another name),
+// or for a number past int64.
+int64_t checkpoint_name_step(const std::string& dir);
 // The complete checkpoint directories under root (step_* with a meta.json), oldest first.
 std::vector<std::string> checkpoint_list(const std::string& root);
 // The newest complete checkpoint directory under root ("" if none); a step directory
-// itself is accepted too.
+// itself is accepted too. Throws where a damaged one (checkpoint_damaged) is newer than it,
+// or root is a step directory without meta.json: a damaged checkpoint is never passed over
+// for an older one (export and sample would read an older model in silence).
 std::string checkpoint_latest(const std::string& root);
 // The step_* directories under root without a meta.json (a partial copy, a damaged
 // checkpoint), oldest first: never read, and never passed over in silence. Not among them:
@@ -112,12 +118,24 @@ std::vector<std::string> checkpoint_damaged(const std::string& root);
 // Removes what interrupted saves left under root (.tmp-step_* directories); returns their
 // paths. Only while no save runs: rank 0 at start-up.
 std::vector<std::string> checkpoint_remove_incomplete(const std::string& root);
-// A checkpoint directory's meta.json, checked (format, version, its CRC-32, the kind of
-// each field meshtrain reads).
-nlohmann::json checkpoint_meta(const std::string& dir);
+// A checkpoint directory's meta.json, checked: one JSON object (nothing after it), its
+// format, version and CRC-32, the kind of each field meshtrain reads, that its model
+// settings make the units and parameter shapes its tensor table records, and that the
+// step it records is the one its directory's name says (step_N: a copy under another
+// step's name is refused, naming both). resuming: the advice about a damaged one speaks of
+// checkpoint.resume (checkpoint_damage_advice).
+nlohmann::json checkpoint_meta(const std::string& dir, bool resuming = false);
 // The configuration stored in a checkpoint directory; from its meta.json, read already.
 Config checkpoint_config(const std::string& dir);
-Config checkpoint_saved_config(const std::string& dir, const nlohmann::json& meta);
+Config checkpoint_saved_config(const std::string& dir, const nlohmann::json& meta, bool resuming = false);
+// What to do about damaged checkpoint dir, after a message that names the file: restore it
+// from a copy first, else delete the checkpoint, naming the one before it beside it (or
+// saying that none is left). resuming: as training says it (checkpoint.resume=true then
+// continues from ...); else as a command that reads one checkpoint (export, sample).
+std::string checkpoint_damage_advice(const std::string& dir, bool resuming);
+// A file meta.json records (shard, rank state) that is missing or not of its recorded size,
+// named ("" when none): found before anything loads, without reading the files.
+std::string checkpoint_files_problem(const std::string& dir, const nlohmann::json& meta);
 // Fills every slice from whichever shards hold its range. Checks that the model shape
 // matches and that each shard file read is intact (size and CRC-32). Returns the step;
 // *optimizer (when given) receives the optimizer's progress (loss_scale 0, spike_guard
@@ -149,6 +167,7 @@ struct CheckpointInfo {
   std::vector<CheckpointFile> files;            // meta.json first, then each shard, then each rank state
   std::map<std::string, int64_t> elements;      // per tensor kind ("params", "adam_m", ...): elements saved
   std::vector<std::string> coverage_problems;   // a unit some kind does not cover whole
+  std::string advice;                           // what to do where it is not a damaged one's (a misnamed directory)
   bool intact() const;
 };
 CheckpointInfo checkpoint_inspect(const std::string& dir);

@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -16,6 +18,110 @@
 namespace fs = std::filesystem;
 
 namespace mt {
+
+// The names and listing of checkpoint directories (train/checkpoint.h).
+
+std::string checkpoint_step_dir(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+bool checkpoint_step_name(const std::string& name, bool old) {
+  const std::string n = old && name.size() > 4 && name.ends_with(".old") ? name.substr(0, name.size() - 4) : name;
+  return n.size() > 5 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos;
+}
+
+std::vector<std::string> checkpoint_list(const std::string& root) {
+  std::vector<std::string> dirs;
+  if (!fs::is_directory(root)) return dirs;
+  for (const auto& e : fs::directory_iterator(root)) {
+    std::string name = e.path().filename().string();
+    if (!e.is_directory() || !checkpoint_step_name(name, true) || !fs::exists(e.path() / "meta.json")) continue;
+    // step_N.old is the previous copy of step N, complete; it counts only if a save died
+    // between its two renames and step_N is missing.
+    const size_t old = name.find(".old");
+    if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old))) continue;
+    dirs.push_back(e.path().string());
+  }
+  std::sort(dirs.begin(), dirs.end());
+  return dirs;
+}
+
+std::string checkpoint_latest(const std::string& root) {
+  if (fs::exists(root + "/meta.json")) return root;
+  MT_CHECK(checkpoint_name_step(root) < 0 || !fs::is_directory(root),
+           "checkpoint " << root << " has no meta.json: a damaged checkpoint or a partial copy (meshtrain checkpoint "
+                         << "info " << root << " says more); restore it whole (its meta.json and every shard) from a "
+                         << "copy, or pass another checkpoint");
+  const std::vector<std::string> dirs = checkpoint_list(root);
+  const std::vector<std::string> damaged = checkpoint_damaged(root);
+  const std::string newest = dirs.empty() ? "" : dirs.back();
+  if (!damaged.empty() && (newest.empty() || fs::path(damaged.back()).filename() > fs::path(newest).filename()))
+    MT_FAIL(root << " holds " << damaged.back() << " without meta.json, newer than "
+                 << (newest.empty() ? std::string("any complete checkpoint") : newest)
+                 << ": a damaged checkpoint or a partial copy, never passed over for an older one (meshtrain checkpoint "
+                 << "info " << root << " says more). Restore it whole (its meta.json and every shard) or remove it"
+                 << (newest.empty() ? std::string() : "; or pass " + newest + " to read that one"));
+  return newest;
+}
+
+std::vector<std::string> checkpoint_damaged(const std::string& root) {
+  std::vector<std::string> dirs;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec) || fs::exists(root + "/meta.json", ec)) return dirs;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory(ec) || !checkpoint_step_name(name, true) || fs::exists(e.path() / "meta.json", ec)) continue;
+    const size_t old = name.find(".old");
+    if (old != std::string::npos && fs::exists(root + "/" + name.substr(0, old), ec)) continue;
+    if (!fs::exists(e.path(), ec)) continue;  // renamed away meanwhile: pruned by a running save
+    dirs.push_back(e.path().string());
+  }
+  std::sort(dirs.begin(), dirs.end());
+  return dirs;
+}
+
+std::vector<std::string> checkpoint_remove_incomplete(const std::string& root) {
+  std::vector<std::string> removed;
+  if (!fs::is_directory(root)) return removed;
+  for (const auto& e : fs::directory_iterator(root))
+    if (e.is_directory() && e.path().filename().string().rfind(".tmp-step_", 0) == 0) removed.push_back(e.path());
+  std::sort(removed.begin(), removed.end());
+  for (const std::string& d : removed) fs::remove_all(d);
+  return removed;
+}
+
+int64_t checkpoint_name_step(const std::string& dir) {
+  std::error_code ec;
+  fs::path p = fs::weakly_canonical(dir, ec);
+  if (ec) p = fs::path(dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  std::string name = p.filename().string();
+  if (!checkpoint_step_name(name, true)) return -1;
+  if (name.ends_with(".old")) name.resize(name.size() - 4);
+  const std::string digits = name.substr(5);
+  return digits.size() > 18 ? -1 : std::stoll(digits);
+}
+
+std::string checkpoint_damage_advice(const std::string& dir, bool resuming) {
+  // The checkpoint before it: the newest complete one beside it with an older name.
+  const fs::path d = fs::path(dir).lexically_normal();
+  const fs::path step = d.filename().empty() ? d.parent_path() : d;
+  std::string before;
+  if (checkpoint_step_name(step.filename().string(), true)) {
+    std::error_code ec;
+    for (const std::string& c : checkpoint_list(step.parent_path().string()))
+      if (fs::path(c).filename() < step.filename() && !fs::equivalent(c, step, ec)) before = c;
+  }
+  const std::string check = " (check it with meshtrain checkpoint info " + before + ")";
+  if (resuming)
+    return "restore the file from a copy, or delete " + dir + " so that checkpoint.resume=true continues from " +
+           (before.empty() ? std::string("step 0 (no earlier checkpoint is left)") : before + check);
+  if (before.empty()) return "restore the file from a copy (no earlier checkpoint is left beside it)";
+  return "restore the file from a copy, or pass --checkpoint " + before + ", the checkpoint before it" + check;
+}
+
 
 void checkpoint_dir_check(const CheckpointConfig& c) {
   if (c.dir.empty()) return;
@@ -46,7 +152,8 @@ void checkpoint_dir_check(const CheckpointConfig& c) {
   // and later overwrite them. Older ones are no such loss (checkpoint info names them all).
   std::string newest, list;
   try {
-    newest = fs::path(checkpoint_latest(c.dir)).filename().string();
+    const std::vector<std::string> complete = checkpoint_list(c.dir);  // checkpoint_latest would refuse with its words
+    if (!complete.empty()) newest = fs::path(complete.back()).filename().string();
     for (const std::string& d : checkpoint_damaged(c.dir))
       if (fs::path(d).filename().string() > newest) list += (list.empty() ? "" : ", ") + d;
   } catch (const fs::filesystem_error& e) {  // unreadable: no permission, a directory gone meanwhile

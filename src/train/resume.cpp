@@ -165,8 +165,19 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
     cfg.resolve_layout(world_size);
     return {};
   }
-  const nlohmann::json meta = checkpoint_meta(dir);
-  const Config saved = checkpoint_saved_config(dir, meta);
+  // Damage found before any work, with what to do as training says it: meta.json, and each
+  // file it records there at its size (their CRC-32s are checked as they load).
+  const nlohmann::json meta = checkpoint_meta(dir, /*resuming=*/true);
+  const Config saved = checkpoint_saved_config(dir, meta, /*resuming=*/true);
+  const std::string missing = checkpoint_files_problem(dir, meta);
+  MT_CHECK(missing.empty(), missing << "; " << checkpoint_damage_advice(dir, /*resuming=*/true));
+  // A checkpoint past training.steps is refused (the run cannot go back to it); one at it
+  // is a complete run, said in a note, and trains no step (as a rerun of a finished job).
+  const int64_t step = meta.at("step").get<int64_t>();
+  MT_CHECK(step <= cfg.training.steps,
+           "checkpoint " << dir << " is at step " << step << ", past training.steps = " << cfg.training.steps
+                         << ": a resumed run continues it and cannot go back. Set training.steps above " << step
+                         << " to train further (meshtrain export and sample read it as it is)");
   std::vector<std::string> notes;
   const std::vector<std::string> differ = compare_keys(saved, cfg, notes);
   if (!differ.empty()) {
@@ -203,12 +214,18 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
   const std::string was = layout_text(saved, saved_world), is = layout_text(cfg, world_size);
   if (was != is) {
     const int64_t G = cfg.training.global_batch, M = cfg.training.micro_batch;
-    const int64_t n = G / (int64_t{cfg.parallel.dp} * M), step = meta.at("step").get<int64_t>();
+    const int64_t n = G / (int64_t{cfg.parallel.dp} * M);
     notes.insert(notes.begin(), "elastic restart: saved at " + was + "; resumed at " + is + ". The global batch stays " +
                                     std::to_string(G) + " sequences (now " + std::to_string(n) + " micro-batch" +
                                     (n == 1 ? "" : "es") + " of " + std::to_string(M) + " per rank), and step " +
                                     std::to_string(step) + " reads from sequence " + std::to_string(step * G) +
                                     " on, as it would have");
+  }
+  if (step == cfg.training.steps) {  // the schedule's note would say nothing true: no step runs
+    notes.push_back("checkpoint " + dir + " is at step " + std::to_string(step) + " = training.steps: the run is " +
+                    "complete and trains no step; set training.steps above " + std::to_string(step) +
+                    " to train further");
+    return notes;
   }
   const bool decays = cfg.optim.schedule == "cosine" || cfg.optim.schedule == "linear";
   if (decays && cfg.training.steps != saved.training.steps)

@@ -13,7 +13,9 @@
 //   new layout     parallel.* (dp 0 takes every rank left), training.micro_batch,
 //                  training.recompute, training.recompute_blocks, training.attention,
 //                  training.threads.
-//   new run keys   training.steps (a schedule that decays over it changes: noted),
+//   new run keys   training.steps (a schedule that decays over it changes: noted; at the
+//                  checkpoint's step the run is complete, noted, and trains no step; below
+//                  it the run is refused),
 //                  validation (training.val_*, data.val_path), data.tokenizer (for sample),
 //                  checkpoint.*, logging.*.
 //

@@ -1,5 +1,6 @@
 #include "train/start_checks.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -29,11 +30,8 @@ std::string plot_path(const Config& c) {
   return (dot != std::string::npos && (slash == std::string::npos || dot > slash) ? m.substr(0, dot) : m) + ".svg";
 }
 
-namespace {
-
-// Creates path's directory and opens path for appending, which keeps what an existing file
-// holds; a file that was not there is removed again, so a run that fails leaves none.
-void try_output(const std::string& path, const std::string& key) {
+// A file that was not there is removed again, so a run that fails leaves none.
+void output_try(const std::string& path, const std::string& key) {
   output_parent_create(path, key);
   std::error_code ec;
   const bool existed = fs::exists(path, ec);
@@ -44,13 +42,115 @@ void try_output(const std::string& path, const std::string& key) {
   if (!existed) fs::remove(path, ec);
 }
 
-void check_outputs(const Config& c) {
-  if (!c.logging.metrics.empty()) try_output(c.logging.metrics, "logging.metrics");
-  if (!c.logging.trace.empty()) {
-    try_output(c.logging.trace, "logging.trace");
-    try_output(c.logging.trace + ".svg", "logging.trace");  // its picture, written beside it
+namespace {
+
+const std::string& file_of(const NamedPath& p) { return p.path.empty() ? p.given : p.path; }
+
+// "logging.metrics = m.json", "--out t.bin", "logging.plot = auto (m.svg)"
+std::string shown(const NamedPath& p) {
+  std::string s = p.key + (p.key.rfind("--", 0) == 0 ? " " : " = ") + p.given;
+  return file_of(p) == p.given ? s : s + " (" + file_of(p) + ")";
+}
+
+// The path absolute, its symbolic links resolved as far as it exists.
+fs::path resolved(const fs::path& p) {
+  std::error_code ec;
+  const fs::path abs = fs::absolute(p, ec);
+  if (ec) return p.lexically_normal();
+  const fs::path r = fs::weakly_canonical(abs, ec);
+  return ec ? abs.lexically_normal() : r;
+}
+
+// One file under two names: the same inode where both exist (a hard or symbolic link, a
+// path through ..), else the same resolved path (a file the run has not made yet).
+bool same_file(const std::string& a, const std::string& b) {
+  std::error_code ea, eb;
+  if (fs::exists(a, ea) && fs::exists(b, eb)) {
+    const bool same = fs::equivalent(a, b, ea);
+    if (!ea) return same;
   }
-  if (const std::string plot = plot_path(c); !plot.empty()) try_output(plot, "logging.plot");
+  return resolved(a) == resolved(b);
+}
+
+bool step_name(const fs::path& p) {  // step_ and digits: a checkpoint's directory
+  const std::string n = p.filename().string();
+  return n.size() > 5 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos;
+}
+
+// Refuses an output at or inside a checkpoint (a step_ directory, an input or a save
+// directory, holding meta.json), or inside a step_ directory of a save directory that holds
+// none yet: the save of that step would replace it (or fail).
+void check_not_in_checkpoint(const NamedPath& out, const std::vector<NamedPath>& inputs,
+                             const std::vector<NamedPath>& save_dirs) {
+  std::error_code ec;
+  std::vector<fs::path> read, saved;
+  for (const NamedPath& in : inputs) read.push_back(resolved(file_of(in)));
+  for (const NamedPath& d : save_dirs) saved.push_back(resolved(file_of(d)));
+  const auto among = [](const std::vector<fs::path>& v, const fs::path& a) { return std::find(v.begin(), v.end(), a) != v.end(); };
+  for (fs::path a = resolved(file_of(out)); !a.empty(); a = a.parent_path()) {
+    const bool checkpoint = fs::exists(a / "meta.json", ec);
+    MT_CHECK(!checkpoint || !(step_name(a) || among(read, a) || among(saved, a)),
+             shown(out) << " lies inside the checkpoint " << a.string() << ": writing it would damage the "
+                        << "checkpoint; choose another " << out.key << ", outside it");
+    for (size_t i = 0; i < saved.size() && step_name(a); ++i)
+      MT_CHECK(a.parent_path() != saved[i],
+               shown(out) << " lies inside " << a.string() << ", the directory where " << shown(save_dirs[i])
+                          << " saves that step's checkpoint (the save would replace it, or fail); choose another "
+                          << out.key << ", outside the step_ directories");
+    if (a == a.parent_path()) break;
+  }
+}
+
+}  // namespace
+
+void output_paths_check(const std::vector<NamedPath>& outputs, const std::vector<NamedPath>& inputs,
+                        const std::vector<NamedPath>& save_dirs) {
+  const auto given = [](std::vector<NamedPath> v) {  // empty paths: none
+    v.erase(std::remove_if(v.begin(), v.end(), [](const NamedPath& p) { return file_of(p).empty(); }), v.end());
+    return v;
+  };
+  const std::vector<NamedPath> outs = given(outputs), ins = given(inputs), saves = given(save_dirs);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const NamedPath& out = outs[i];
+    for (const NamedPath& in : ins)
+      MT_CHECK(!same_file(file_of(out), file_of(in)),
+               shown(out) << " is the same file as " << shown(in) << ": writing it would destroy what " << in.key
+                          << " holds; choose another " << out.key);
+    for (size_t j = 0; j < i; ++j)
+      MT_CHECK(!same_file(file_of(out), file_of(outs[j])),
+               shown(out) << " and " << shown(outs[j]) << " are the same file: one would overwrite the other; "
+                          << "give " << out.key << " and " << outs[j].key << " different paths");
+    check_not_in_checkpoint(out, ins, saves);
+  }
+}
+
+void check_train_paths(const Config& c) {
+  std::vector<NamedPath> outputs = {{"logging.metrics", c.logging.metrics, ""}, {"logging.trace", c.logging.trace, ""}};
+  if (!c.logging.trace.empty()) outputs.push_back({"logging.trace", c.logging.trace, c.logging.trace + ".svg"});
+  if (const std::string plot = plot_path(c); !plot.empty()) outputs.push_back({"logging.plot", c.logging.plot, plot});
+  std::vector<NamedPath> inputs = {{"data.path", c.data.path, ""}, {"data.val_path", c.data.val_path, ""}};
+  std::error_code ec;
+  if (c.data.tokenizer != "byte") inputs.push_back({"data.tokenizer", c.data.tokenizer, ""});
+  if (fs::is_regular_file(c.logging.hardware, ec)) inputs.push_back({"logging.hardware", c.logging.hardware, ""});
+  if (!c.model.init_from.empty()) {  // a directory stands for its model.safetensors
+    const bool dir = fs::is_directory(c.model.init_from, ec);
+    inputs.push_back({"model.init_from", c.model.init_from, dir ? c.model.init_from + "/model.safetensors" : ""});
+  }
+  if (c.parallel.pp_schedule.rfind("file:", 0) == 0)
+    inputs.push_back({"parallel.pp_schedule", c.parallel.pp_schedule, c.parallel.pp_schedule.substr(5)});
+  output_paths_check(outputs, inputs, {{"checkpoint.dir", c.checkpoint.dir, ""}});
+}
+
+namespace {
+
+void check_outputs(const Config& c) {
+  check_train_paths(c);  // before any directory is made or file tried
+  if (!c.logging.metrics.empty()) output_try(c.logging.metrics, "logging.metrics");
+  if (!c.logging.trace.empty()) {
+    output_try(c.logging.trace, "logging.trace");
+    output_try(c.logging.trace + ".svg", "logging.trace");  // its picture, written beside it
+  }
+  if (const std::string plot = plot_path(c); !plot.empty()) output_try(plot, "logging.plot");
   if (!c.logging.hardware.empty()) {
     try {
       plan::hardware_get(c.logging.hardware);
@@ -160,6 +260,23 @@ std::vector<std::string> settings_without_effect(const Config& c) {
       (c.optim.loss_scale != unset.loss_scale || c.optim.loss_scale_window != unset.loss_scale_window))
     notes.push_back("optim.loss_scale and optim.loss_scale_window apply to training.precision = fp16 only (this run: " +
                     c.model.precision + ")");
+  const CheckpointConfig& ck = c.checkpoint;  // the checkpoint keys do nothing without a directory
+  const CheckpointConfig no_ck;
+  if (ck.dir.empty() && ck.every != no_ck.every)
+    notes.push_back("checkpoint.every = " + std::to_string(ck.every) + " without checkpoint.dir: nothing is saved; "
+                    "set checkpoint.dir=DIR");
+  if (ck.dir.empty() && ck.keep != no_ck.keep)
+    notes.push_back("checkpoint.keep = " + std::to_string(ck.keep) + " without checkpoint.dir: nothing is saved or "
+                    "kept; set checkpoint.dir=DIR");
+  // The first N blocks of each model chunk recompute: N past the most a chunk can hold
+  // (n_layer less a block for each other chunk) is every block, as N = 0 says.
+  const int chunks = p.pp * std::max(1, p.pp_chunks), most = c.model.n_layer - (chunks - 1);
+  if (c.training.recompute && c.training.recompute_blocks > most && most >= 1)
+    notes.push_back("training.recompute_blocks = " + std::to_string(c.training.recompute_blocks) + " is more than " +
+                    (chunks == 1 ? "the " + std::to_string(most) + " blocks of the model (model.n_layer)"
+                                 : "the " + std::to_string(most) + " blocks any of its " + std::to_string(chunks) +
+                                       " chunks holds (model.n_layer = " + std::to_string(c.model.n_layer) + ")") +
+                    ": every block recomputes, as with recompute_blocks = 0");
   if (c.optim.warmup_steps > c.training.steps && c.training.steps > 0)
     notes.push_back("optim.warmup_steps = " + std::to_string(c.optim.warmup_steps) + " is more than " +
                     "training.steps = " + std::to_string(c.training.steps) + ": the learning rate never reaches " +
