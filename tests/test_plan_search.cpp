@@ -117,7 +117,16 @@ TEST(PlanLayout, KeysAndAliases) {
   EXPECT_EQ(layout_parse("micro_batch=4").micro_batch, 4);
   EXPECT_EQ(layout_parse("global_batch=512").global_batch, 512);
   EXPECT_TRUE(layout_parse("sequence_parallel=true").sequence_parallel);
-  EXPECT_FALSE(layout_parse("sp=1,sequence_parallel=false").sequence_parallel);
+  // A field given twice, under its name or an alias, is refused (the last would win silently).
+  for (const char* twice : {"sp=1,sequence_parallel=false", "tp=2,tp=4", "chunks=2,v=4"}) {
+    SCOPED_TRACE(twice);
+    EXPECT_THROW(
+        try { layout_parse(twice); } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("given twice"), std::string::npos) << e.what();
+          throw;
+        },
+        Error);
+  }
   EXPECT_EQ(layout_parse("pp_schedule=zbv").schedule, "zbv");
 
   // Onto a base: what the text does not name stays the base's, and is not recorded.
