@@ -84,10 +84,10 @@ class MpiComm final : public Communicator {
   }
 
  protected:
-  // Nonblocking sends and receives; MPI_Testall also moves them on (OpenMPI progresses
-  // messages only inside MPI calls), so the communication thread's polling drives them.
-  // MPI_Testsome sets each finished request to MPI_REQUEST_NULL, so the ones left name the
-  // peers still awaited.
+  // Nonblocking sends and receives; MPI_Testsome also moves them on (OpenMPI progresses
+  // messages only inside MPI calls), so the communication thread's polling drives them. It
+  // sets each finished request to MPI_REQUEST_NULL, so the ones left name the peers still
+  // awaited.
   struct MpiTransfer final : Transfer {
     std::vector<MPI_Request> reqs;  // the receives first, then the sends
     std::vector<int> recv_peers;    // [receives]
