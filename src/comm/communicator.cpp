@@ -24,12 +24,6 @@ struct Descriptor {
   int32_t peer, pad;
 };
 
-std::string g_text(double x) {  // printf's %g
-  char b[32];
-  std::snprintf(b, sizeof b, "%g", x);
-  return b;
-}
-
 // How the communication thread naps while other ranks are not ready (see the header).
 constexpr int64_t kFirstNapUs = 50, kLongestNapUs = 500;
 
@@ -289,24 +283,23 @@ void Communicator::watchdog_main() {
     const double slack = history_.back().slack;
     const std::vector<int> peers = waiting_for_;
     lock.unlock();
-    std::string limit = "parallel.timeout_s = " + g_text(opts_.timeout_s);
-    if (slack != 1)
-      limit += ", x " + g_text(slack) + " for a barrier around one rank's slow work: a checkpoint's save, loading";
-    std::string who = "another rank is stuck, dead, or issued a different operation";
-    if (!peers.empty()) {
-      who = "nothing has come yet from ";
-      for (size_t i = 0; i < peers.size(); ++i)
-        who += (i ? ", " : "") + std::string("rank ") + std::to_string(peers[i]) +
-               (world_rank_of(peers[i]) != peers[i] ? " (world rank " + std::to_string(world_rank_of(peers[i])) + ")"
-                                                    : "");
-      who += std::string(" of the group: ") + (peers.size() > 1 ? "those ranks are" : "that rank is") +
-             " stuck, dead, or issued a different operation";
+    std::ostringstream why;  // the limit, then who has not sent its part
+    why << "parallel.timeout_s = " << opts_.timeout_s;
+    if (slack != 1) why << ", x " << slack << " for a barrier around one rank's slow work: a checkpoint's save, loading";
+    why << "): ";
+    if (peers.empty()) why << "another rank is";
+    else why << "nothing has come yet from ";
+    for (size_t i = 0; i < peers.size(); ++i) {
+      const int w = world_rank_of(peers[i]);
+      why << (i ? ", " : "") << "rank " << peers[i];
+      if (w != peers[i]) why << " (world rank " << w << ")";
+      if (i + 1 == peers.size()) why << " of the group: " << (peers.size() > 1 ? "those ranks are" : "that rank is");
     }
+    why << " stuck, dead, or issued a different operation";
     std::fprintf(stderr,
-                 "meshtrain: rank %d: error: operation %s on group '%s' has not finished after %.0f s (%s): %s; "
+                 "meshtrain: rank %d: error: operation %s on group '%s' has not finished after %.0f s (%s; "
                  "rerun with parallel.debug_collectives=true to check.\n%s",
-                 world_rank_, running.c_str(), name_.c_str(), waited, limit.c_str(), who.c_str(),
-                 flight_dump().c_str());
+                 world_rank_, running.c_str(), name_.c_str(), waited, why.str().c_str(), flight_dump().c_str());
     std::fflush(stderr);
     // Give the other ranks' watchdogs a moment to print their recorders too.
     std::this_thread::sleep_for(std::chrono::seconds(2));

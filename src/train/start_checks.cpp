@@ -14,6 +14,7 @@
 #include "plan/hardware.h"
 #include "plan/memory.h"
 #include "plan/search.h"        // knobs
+#include "train/checkpoint.h"   // checkpoint_step_name
 #include "train/metrics.h"      // output_parent_create
 #include "train/plan_report.h"  // run_layout
 
@@ -72,10 +73,7 @@ bool same_file(const std::string& a, const std::string& b) {
   return resolved(a) == resolved(b);
 }
 
-bool step_name(const fs::path& p) {  // step_ and digits: a checkpoint's directory
-  const std::string n = p.filename().string();
-  return n.size() > 5 && n.rfind("step_", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos;
-}
+bool step_name(const fs::path& p) { return checkpoint_step_name(p.filename().string()); }  // step_ and digits
 
 // Refuses an output at or inside a checkpoint (a step_ directory, an input or a save
 // directory, holding meta.json), or inside a step_ directory of a save directory that holds
