@@ -198,12 +198,19 @@ TEST(CheckpointIntegrity, DamagedCheckpointAdviceSaysRestoreFirst) {
   EXPECT_NE(out.find("is missing: the checkpoint is incomplete; restore the file from a copy (no earlier checkpoint "
                      "is left beside it)"),
             std::string::npos) << out;
-  // A corrupt shard (found as it loads): the same advice.
+  // A corrupt shard (found as it loads): the same advice, each command's own.
   fs::rename(d / "kept.safetensors", shard);
   std::fstream(shard, std::ios::in | std::ios::out | std::ios::binary).seekp(200).put('\x7f');
   EXPECT_EQ(run("sample --checkpoint " + d / "ck" + " --prompt ab --tokens 2", &out), 1) << out;
   EXPECT_NE(out.find("checkpoint shard " + shard + " is corrupt: CRC-32"), std::string::npos) << out;
   EXPECT_NE(out.find("restore the file from a copy (no earlier checkpoint is left beside it)"), std::string::npos) << out;
+  // A resume finds it as it loads too (the check before work covers presence and size): its
+  // advice is the resume's, not export's.
+  EXPECT_EQ(run(resume_cmd(d, o, 4), &out), 1) << out;
+  EXPECT_NE(out.find("checkpoint shard " + shard + " is corrupt: CRC-32"), std::string::npos) << out;
+  EXPECT_NE(out.find("so that checkpoint.resume=true continues from step 0 (no earlier checkpoint is left)"),
+            std::string::npos) << out;
+  EXPECT_EQ(out.find("pass --checkpoint"), std::string::npos) << out;
 }
 
 // A save whose temporary directory cannot be written says so, naming the path and the

@@ -95,7 +95,11 @@ TEST(OutputPaths, NoOutputGoesIntoACheckpoint) {
       // where this run will save a checkpoint: its step_ directories
       {"--checkpoint.dir=" + d / "ck2" + " --logging.trace=" + d / "ck2/step_00000001/t.json",
        "logging.trace = " + d / "ck2/step_00000001/t.json" + " lies inside " + d / "ck2/step_00000001" + ", the "
-       "directory where checkpoint.dir = " + d / "ck2" + " saves that step's checkpoint"}});
+       "directory where checkpoint.dir = " + d / "ck2" + " saves that step's checkpoint"},
+      // a save's temporary directory: the start of the run removes it
+      {"--checkpoint.dir=" + d / "ck2" + " --logging.metrics=" + d / "ck2/.tmp-step_00000001/m.jsonl",
+       "logging.metrics = " + d / "ck2/.tmp-step_00000001/m.jsonl" + " lies inside " + d / "ck2/.tmp-step_00000001" +
+       ", a temporary directory of checkpoint.dir = " + d / "ck2" + "'s saves, which the run removes"}});
   EXPECT_FALSE(fs::exists(d / "ck2"));
   expect_refused("export", {
       {"--checkpoint " + ck + " --out " + shard, "--out " + shard + inside + "choose another --out, outside it"},

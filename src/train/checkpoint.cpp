@@ -609,10 +609,10 @@ Config checkpoint_saved_config(const std::string& dir, const nlohmann::json& met
 Config checkpoint_config(const std::string& dir) { return checkpoint_saved_config(dir, read_meta(dir)); }
 
 int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
-                        OptimizerProgress* optimizer) {
-  nlohmann::json meta = read_meta(dir);
+                        OptimizerProgress* optimizer, bool resuming) {
+  nlohmann::json meta = read_meta(dir, resuming);
   // The model's shape must be the one saved (init_from does not matter once trained).
-  Config saved = checkpoint_saved_config(dir, meta);
+  Config saved = checkpoint_saved_config(dir, meta, resuming);
   Config now;
   now.model = model;
   nlohmann::json a = config_to_json(saved)["model"], b = config_to_json(now)["model"];
@@ -629,7 +629,7 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
     const std::string problem = file_problem(path, sh);
     MT_CHECK(problem.empty(), "checkpoint shard " << path << " is " << problem
                                                   << (problem == "missing" ? ": the checkpoint is incomplete" : "")
-                                                  << "; " << checkpoint_damage_advice(dir, false));
+                                                  << "; " << checkpoint_damage_advice(dir, resuming));
     return *(open[path] = std::make_unique<SafetensorsReader>(path));
   };
   for (const CheckpointSlice& want : slices) {
@@ -670,7 +670,7 @@ int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const 
 }
 
 std::string checkpoint_load_rank_state(const std::string& dir, int rank, const RankState& state) {
-  const nlohmann::json meta = read_meta(dir);
+  const nlohmann::json meta = read_meta(dir, /*resuming=*/true);
   if (!meta.contains("rank_state")) return "";
   const nlohmann::json& saved = meta["rank_state"];
   const std::string layout = saved.at("layout").get<std::string>();
@@ -678,11 +678,11 @@ std::string checkpoint_load_rank_state(const std::string& dir, int rank, const R
   const auto& files = saved.at("files");
   const auto it = std::find_if(files.begin(), files.end(), [&](const nlohmann::json& f) { return f.at("rank") == rank; });
   MT_CHECK(it != files.end(), "checkpoint " << dir << " holds no " << rank_state_name(rank) << " though rank " << rank
-                                            << " wrote state at this layout; " << checkpoint_damage_advice(dir, false));
+                                            << " wrote state at this layout; " << checkpoint_damage_advice(dir, true));
   const std::string path = dir + "/" + it->at("file").get<std::string>();
   const std::string problem = file_problem(path, *it);
   MT_CHECK(problem.empty(), "checkpoint file " << path << " is " << problem << "; "
-                                               << checkpoint_damage_advice(dir, false));
+                                               << checkpoint_damage_advice(dir, true));
   SafetensorsReader reader(path);
   MT_CHECK(reader.entries().size() == state.tensors.size(), "internal: " << path << " holds " << reader.entries().size()
                                                                          << " tensors, this rank's state "

@@ -139,15 +139,17 @@ std::string checkpoint_files_problem(const std::string& dir, const nlohmann::jso
 // Fills every slice from whichever shards hold its range. Checks that the model shape
 // matches and that each shard file read is intact (size and CRC-32). Returns the step;
 // *optimizer (when given) receives the optimizer's progress (loss_scale 0, spike_guard
-// empty: none saved).
+// empty: none saved). resuming: the advice about a damaged file speaks of checkpoint.resume
+// (checkpoint_damage_advice).
 int64_t checkpoint_load(const std::string& dir, const ModelConfig& model, const std::vector<CheckpointSlice>& slices,
-                        OptimizerProgress* optimizer = nullptr);
+                        OptimizerProgress* optimizer = nullptr, bool resuming = false);
 
 // Rank `rank`'s state from checkpoint dir, into state.tensors, when the checkpoint's
 // state was saved with the same layout line (size and CRC-32 checked as for shards).
 // Returns the checkpoint's layout line ("" when it holds no rank state): the state was
 // restored exactly when that equals state.layout and is not empty, and is otherwise left
 // as it is. The same verdict on every rank (it depends on meta.json and the line only).
+// Only a resume reads it: the advice about a damaged file speaks of checkpoint.resume.
 std::string checkpoint_load_rank_state(const std::string& dir, int rank, const RankState& state);
 
 // One file of a checkpoint and what checking it found (meshtrain checkpoint info).

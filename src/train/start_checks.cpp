@@ -74,10 +74,12 @@ bool same_file(const std::string& a, const std::string& b) {
 }
 
 bool step_name(const fs::path& p) { return checkpoint_step_name(p.filename().string()); }  // step_ and digits
+bool save_tmp_name(const fs::path& p) { return p.filename().string().rfind(".tmp-step_", 0) == 0; }  // a save's, removed
 
 // Refuses an output at or inside a checkpoint (a step_ directory, an input or a save
 // directory, holding meta.json), or inside a step_ directory of a save directory that holds
-// none yet: the save of that step would replace it (or fail).
+// none yet: the save of that step would replace it (or fail); or inside a save's temporary
+// directory (.tmp-step_...), which the start of a run removes.
 void check_not_in_checkpoint(const NamedPath& out, const std::vector<NamedPath>& inputs,
                              const std::vector<NamedPath>& save_dirs) {
   std::error_code ec;
@@ -95,6 +97,10 @@ void check_not_in_checkpoint(const NamedPath& out, const std::vector<NamedPath>&
                shown(out) << " lies inside " << a.string() << ", the directory where " << shown(save_dirs[i])
                           << " saves that step's checkpoint (the save would replace it, or fail); choose another "
                           << out.key << ", outside the step_ directories");
+    for (size_t i = 0; i < saved.size() && save_tmp_name(a); ++i)
+      MT_CHECK(a.parent_path() != saved[i],
+               shown(out) << " lies inside " << a.string() << ", a temporary directory of " << shown(save_dirs[i])
+                          << "'s saves, which the run removes; choose another " << out.key << ", outside it");
     if (a == a.parent_path()) break;
   }
 }

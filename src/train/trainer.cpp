@@ -95,7 +95,7 @@ void set_nodes(const ParallelConfig& p, Communicator& data) {
 
 // The data-parallel strategy, with the parameters each rank keeps (whole units without
 // ZeRO or at stages 1-2, its chunks at stage 3) filled from the checkpoint `from`, a
-// Hugging Face file (model.init_from, opened as hf) or the seed. *start: the checkpoint's step.
+// Hugging Face file (model.init_from, opened as hf) or the seed. *start: the resumed checkpoint's step.
 std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Communicator& dp, Allocator& alloc,
                                             const std::string& from, const HfImporter* hf, int64_t* start) {
   const std::vector<Unit> whole_layout = model_layout(c.model);  // files hold whole units
@@ -107,7 +107,7 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
         for (CheckpointSlice& s : checkpoint_unit_slices(model.units()[r.unit], r.begin, r.end, {{"params", r.params}}, false))
           slices.push_back(std::move(s));
       }
-      *start = checkpoint_load(from, c.model, slices);
+      *start = checkpoint_load(from, c.model, slices, nullptr, /*resuming=*/true);
       return;
     }
     for (const ParamSlice& r : ranges) {
@@ -372,7 +372,8 @@ std::string load_resumed(const std::string& from, const Config& c, Communicator&
                          Allocator& alloc) {
   OptimizerProgress saved;
   HostCopies copies(alloc.device() == Device::cuda);
-  checkpoint_load(from, c.model, state_slices(strategy.owned(), opt, model.units(), false, copies), &saved);
+  checkpoint_load(from, c.model, state_slices(strategy.owned(), opt, model.units(), false, copies), &saved,
+                  /*resuming=*/true);
   copies.write_back();
   opt.set_steps_taken(saved.steps_taken);
   if (saved.loss_scale > 0) scaler.restore(saved.loss_scale, saved.loss_scale_clean);  // an fp16 run goes on as it was
