@@ -13,9 +13,11 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <thread>
 
@@ -224,6 +226,23 @@ TEST(Preempt, HangupOrKillOfLaunchStopsTheJobAfterOneStep) {
     }
     EXPECT_FALSE(processes_left("[-]-checkpoint.dir=" + d / name));
   }
+  // The killed launch's directory is left in TMPDIR; the next launch removes it, and keeps
+  // one whose launch is alive (its owner file: host and pid, here this test's).
+  const auto launch_dirs = [&] {
+    std::vector<std::string> r;
+    for (const std::string& e : entries(d.path))
+      if (e.rfind("meshtrain-launch-", 0) == 0) r.push_back(e);
+    return r;
+  };
+  ASSERT_EQ(launch_dirs().size(), 1u);
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  fs::create_directory(d / "meshtrain-launch-live");
+  std::ofstream(d / "meshtrain-launch-live/owner") << host << " " << getpid() << "\n";
+  std::string out;
+  EXPECT_EQ(run_command("env TMPDIR=" + d.path + " " + train_cmd(d, "next", 2, opts(d) + " --training.steps=1"), &out), 0)
+      << out;
+  EXPECT_EQ(launch_dirs(), std::vector<std::string>{"meshtrain-launch-live"});
 }
 
 // Ctrl-C ends the job at once, and launch says so and what is on disk, with 130 (128 +

@@ -25,10 +25,13 @@
 // started in the same instant can race there and one fails before any rank starts ("mkdir
 // ... File exists", orte_init failed). On one machine launch points mpirun at a directory
 // of its own instead (OMPI_MCA_orte_tmpdir_base, unless the user set it) and removes it
-// whole afterwards, with whatever an mpirun killed hard left there.
+// whole afterwards, with whatever an mpirun killed hard left there. A launch killed outright
+// cannot: the next launch removes the directories whose launch (host and pid in their
+// `owner` file) is gone.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -41,6 +44,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,15 +80,43 @@ std::string host_name() {
   return name;
 }
 
+// The directories of earlier launches on this machine in `tmp` that are gone (killed
+// outright): this user's, with an owner file naming this host and a process that no longer
+// exists. One without the file (being made, or another's) is left.
+void remove_abandoned(const std::string& tmp) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string host = host_name();
+  for (fs::directory_iterator it(tmp, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path d = it->path();
+    struct stat st {};
+    if (d.filename().string().rfind("meshtrain-launch-", 0) != 0 || lstat(d.c_str(), &st) != 0 ||
+        !S_ISDIR(st.st_mode) || st.st_uid != geteuid())
+      continue;
+    std::ifstream owner(d / "owner");
+    std::string owner_host;
+    long pid = 0;
+    if (!(owner >> owner_host >> pid) || owner_host != host || pid <= 0) continue;
+    if (kill(static_cast<pid_t>(pid), 0) == -1 && errno == ESRCH) {
+      std::error_code rm;
+      fs::remove_all(d, rm);
+    }
+  }
+}
+
 // A fresh directory only launch's user can write (so no other user's file or link can
-// stand in for the ranks' ready file or mpirun's session), removed whole when launch ends.
+// stand in for the ranks' ready file or mpirun's session), removed whole when launch ends;
+// its owner file (host, launch's pid) lets a later launch remove it if this one is killed.
 struct LaunchDir {
   std::string dir;
   LaunchDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/meshtrain-launch-XXXXXX";
+    const char* env = std::getenv("TMPDIR");
+    const std::string tmp = env && *env ? env : "/tmp";
+    remove_abandoned(tmp);
+    dir = tmp + "/meshtrain-launch-XXXXXX";
     MT_CHECK(mkdtemp(dir.data()), "launch: cannot create a directory " << dir << " (" << std::strerror(errno)
                                                                        << "); set TMPDIR to a writable directory");
+    std::ofstream(dir + "/owner") << host_name() << " " << getpid() << "\n";
   }
   ~LaunchDir() {
     std::error_code ec;  // a failure leaves a directory in TMPDIR behind, nothing else
