@@ -433,6 +433,15 @@ TEST(Precision, GradDtypeErrorsNameTheKeys) {
   EXPECT_NE(error({"training.precision=bf16", "training.grad_dtype=bf16", "parallel.grad_comm_dtype=fp16"})
                 .find("parallel.grad_comm_dtype = fp16 with training.grad_dtype = bf16"),
             std::string::npos);
+  // ZeRO reduce-scatters in the gradients' dtype: a 16-bit grad_comm_dtype over fp32
+  // gradients went unused (the bytes, the range and the sums were fp32's).
+  for (const std::string zero : {"parallel.zero=1", "parallel.sharding=FULL_SHARD"})
+    EXPECT_NE(error({zero, "parallel.grad_comm_dtype=bf16"})
+                  .find("parallel.grad_comm_dtype = bf16 is DDP's (parallel.zero = 0): ZeRO reduce-scatters the "
+                        "gradients in their own dtype, training.grad_dtype = fp32"),
+              std::string::npos) << zero;
+  EXPECT_EQ(config_load("", {"parallel.zero=2", "training.precision=bf16", "training.grad_dtype=bf16",
+                             "parallel.grad_comm_dtype=bf16"}).parallel.grad_comm_dtype, "bf16");
 }
 
 // The optimizer reads 16-bit gradients through its fp32 scratch, with the clip / unscale

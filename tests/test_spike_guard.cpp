@@ -4,7 +4,8 @@
 // - in training on two data-parallel ranks, a gradient spike or a NaN loss injected on one
 //   rank (parallel.test_fault) is skipped at exactly that step on every rank, the skipped
 //   step changes nothing, and skips in a row up to training.max_skips stop the run with a
-//   message naming the key;
+//   message naming the key; without the guard, a non-finite loss or non-finite gradients
+//   (fp16 reduction past its range) stop the run before the update and its checkpoint;
 // - across a resume: the checkpoint keeps the guard's history and its skips in a row, so a
 //   resumed run skips what the uninterrupted one skips and trains it bit for bit; a
 //   checkpoint written without them still loads (the guard starts empty).
@@ -133,6 +134,24 @@ TEST(SpikeGuard, StopsTheRunAfterMaxSkipsInARow) {
       << out;
   EXPECT_NE(out.find("step 12: skipped as a spike: rank 1: the loss is nan"), std::string::npos) << out;
   EXPECT_NE(out.find("the last at step 13 (rank 1: the loss is nan)"), std::string::npos) << out;
+  // Gradients that overflow fp16's range in the reduction under a finite loss (fp32 training,
+  // parallel.grad_comm_dtype = fp16) were applied: every parameter became NaN, the step's
+  // checkpoint took them in, and the run stopped only at the next step's NaN loss. Now it
+  // stops before the update and the save: the newest checkpoint is the step before.
+  const std::string ck = d / "inf_ck";
+  const std::string inf_cmd = std::string("OMP_NUM_THREADS=1 ") + MESHTRAIN_BIN + " launch -n 2 train " +
+                              spike_options(d) + " --training.skip_spikes=0 --parallel.zero=0 --parallel.grad_comm_dtype=fp16" +
+                              " --parallel.test_fault=overflow:1:3 --checkpoint.every=1 --checkpoint.keep=0" +
+                              " --checkpoint.dir=" + ck + " --logging.progress=off --logging.metrics=" + d / "inf.jsonl";
+  EXPECT_NE(run_command(inf_cmd, &out), 0) << out;
+  EXPECT_NE(out.find("the gradients became infinite at step 3 (the loss is finite); the step was not applied. "
+                     "parallel.grad_comm_dtype = fp16 sums them in fp16"),
+            std::string::npos) << out;
+  EXPECT_EQ(out.find("error:"), out.rfind("error:")) << out;
+  const nlohmann::json inf_last = nlohmann::json::parse(read_lines(d / "inf.jsonl").back());
+  EXPECT_EQ(inf_last["event"], "error") << inf_last;
+  EXPECT_EQ(inf_last["step"], 3) << inf_last;
+  EXPECT_EQ(checkpoint_latest(ck), ck + "/step_00000003");
   std::string bad;
   EXPECT_NE(run_command(std::string(MESHTRAIN_BIN) + " train " + spike_options(d) + " --training.skip_spikes=-1", &bad), 0);
   EXPECT_NE(bad.find("training.skip_spikes = -1 must not be negative"), std::string::npos) << bad;

@@ -37,6 +37,7 @@ class Allocator {
   // What a failed allocation's message tells the user to change (default: the training
   // keys that shrink memory); a command that allocates for something else says its own.
   void set_advice(std::string advice) { advice_ = std::move(advice); }
+  const std::string& advice() const { return advice_; }
 
  protected:
   virtual void* raw_allocate(size_t bytes) = 0;

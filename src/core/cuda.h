@@ -55,10 +55,18 @@ void cuda_round(DType t, float* x, int64_t n, uint16_t* bits = nullptr);
 void cuda_sum_in_order(DType dt, const void* pieces, int64_t stride, int count, const void* own, int own_at, void* out,
                        int64_t n, void* stream);
 
+// Stream-ordered device memory for a kernel's scratch (cudaMallocAsync on the compute
+// stream, from a pool that keeps what it once took); give it back with cudaFreeAsync on the
+// compute stream. When the pool cannot grow, every CudaAllocator's cache is returned to the
+// driver and the allocation tried again; then it fails naming the bytes and `what`.
+void* cuda_scratch_allocate(size_t bytes, const char* what);
+
 // Device memory, cached: freed blocks go to a free list by size and serve later requests
 // of the same rounded size without cudaMalloc (which synchronizes the device); when
-// cudaMalloc fails, the cache is returned to the driver and the allocation tried again.
-// Live bytes per tag are counted by the Allocator base as on the host.
+// cudaMalloc runs out, this cache and the scratch pool's unused memory are returned to the
+// driver and the allocation tried again (any other CUDA error fails, naming it, rather
+// than passing for a lack of memory). Live bytes per tag are counted by the Allocator base
+// as on the host.
 class CudaAllocator final : public Allocator {
  public:
   CudaAllocator();

@@ -26,6 +26,7 @@ void cuda_convert(DType, void*, DType, const void*, int64_t) { no_cuda(); }
 void cuda_accumulate(DType, void*, DType, const void*, int64_t) { no_cuda(); }
 void cuda_round(DType, float*, int64_t, uint16_t*) { no_cuda(); }
 void cuda_sum_in_order(DType, const void*, int64_t, int, const void*, int, void*, int64_t, void*) { no_cuda(); }
+void* cuda_scratch_allocate(size_t, const char*) { no_cuda(); }
 CudaAllocator::CudaAllocator() { no_cuda(); }
 CudaAllocator::~CudaAllocator() = default;
 size_t CudaAllocator::cached_bytes() const { return 0; }

@@ -139,6 +139,17 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
   throw AgreedError(message);
 }
 
+// Why a run stops at step s whose gradients' sum of squares is not finite, and what to change.
+std::string nonfinite_gradients_message(const Config& c, int64_t s, double sumsq) {
+  std::string m = std::string("the gradients became ") + (std::isnan(sumsq) ? "NaN" : "infinite") + " at step " +
+                  std::to_string(s) + " (the loss is finite); the step was not applied. ";
+  if (c.parallel.grad_comm_dtype == "fp16")
+    m += "parallel.grad_comm_dtype = fp16 sums them in fp16, whose range ends at 65504: use bf16 (fp32's range) or "
+         "fp32. Else ";
+  return m + "lower optim.lr, " + (c.optim.grad_clip > 0 ? "tighten optim.grad_clip" : "set optim.grad_clip") +
+         ", add optim.warmup_steps, or skip such steps (training.skip_spikes)";
+}
+
 // training.skip_spikes: whether step s (its loss and gradient norm, the same on every rank)
 // is skipped as a spike. The ranks agree by gathering their verdicts: a step is skipped where
 // any rank judged it a spike, with the lowest such rank's reason. Stops the run after
@@ -215,6 +226,11 @@ nlohmann::json step_run(Run& run, int64_t s) {
                               std::to_string(s) + "; lower optim.lr, " +
                               (c.optim.grad_clip > 0 ? "tighten optim.grad_clip" : "set optim.grad_clip") +
                               ", add optim.warmup_steps, or skip such steps (training.skip_spikes)");
+  // Gradients that are not finite under a finite loss (a reduction in fp16 past its range, a
+  // divergence): fp16's loss scaling and the spike guard skip such a step; else the run
+  // stops before the update, so that no parameter and no checkpoint takes them in.
+  if (!std::isfinite(sumsq) && !run.scaler.enabled() && !run.spikes.enabled())
+    stop_training(run, s, nonfinite_gradients_message(c, s, sumsq));
   // The schedule follows the updates taken: a skipped step (fp16 overflow, spike) does not
   // advance warmup or decay, so the first update after ten skips is warmup's first.
   const double norm = std::sqrt(sumsq) / S;

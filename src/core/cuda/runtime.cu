@@ -3,6 +3,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
 #include "core/cuda.h"
 #include "core/cuda/check.h"
 #include "core/error.h"
@@ -211,12 +215,51 @@ static size_t round_block(size_t bytes) {
   return (bytes + q - 1) / q * q;
 }
 
+// Every CudaAllocator alive, so that scratch that cannot grow can empty their caches.
+static std::mutex g_allocators_mu;
+static std::vector<CudaAllocator*> g_allocators;
+
+// The scratch pool's memory that no allocation holds, back to the driver (after the work
+// queued, whose frees it waits for).
+static void trim_scratch_pool() {
+  cudaMemPool_t pool;
+  if (g_stream_device < 0 || cudaDeviceGetDefaultMemPool(&pool, g_stream_device) != cudaSuccess) return;
+  cudaStreamSynchronize(stream());
+  cudaMemPoolTrimTo(pool, 0);
+}
+
+void* cuda_scratch_allocate(size_t bytes, const char* what) {
+  void* p = nullptr;
+  cudaError_t err = cudaMallocAsync(&p, bytes, stream());
+  std::string advice = "use a smaller model, micro_batch or seq_len";
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    {
+      std::lock_guard<std::mutex> lock(g_allocators_mu);
+      for (CudaAllocator* a : g_allocators) a->release_cache();
+      if (!g_allocators.empty()) advice = g_allocators.front()->advice();
+    }
+    err = cudaMallocAsync(&p, bytes, stream());
+  }
+  MT_CHECK(err != cudaErrorMemoryAllocation,
+           "out of cuda memory allocating " << format_bytes(bytes) << " of scratch for " << what << "; " << advice);
+  MT_CHECK(err == cudaSuccess, "CUDA error allocating " << format_bytes(bytes) << " of scratch for " << what << ": "
+                                                         << cudaGetErrorString(err));
+  return p;
+}
+
 CudaAllocator::CudaAllocator() {
   MT_CHECK(cuda_device_count() > 0,
            "training.device = cuda, but no GPU is visible (cudaGetDeviceCount found none); use training.device = cpu");
+  std::lock_guard<std::mutex> lock(g_allocators_mu);
+  g_allocators.push_back(this);
 }
 
 CudaAllocator::~CudaAllocator() {
+  {
+    std::lock_guard<std::mutex> lock(g_allocators_mu);
+    g_allocators.erase(std::find(g_allocators.begin(), g_allocators.end(), this));
+  }
   cudaStreamSynchronize(stream());
   std::lock_guard<std::mutex> lock(cache_mu_);
   for (auto& [p, size] : sizes_) cudaFree(p);
@@ -251,14 +294,21 @@ void* CudaAllocator::raw_allocate(size_t bytes) {
     }
   }
   void* p = nullptr;
-  if (cudaMalloc(&p, size) != cudaSuccess) {
+  cudaError_t err = cudaMalloc(&p, size);
+  if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();
     release_cache();
-    if (cudaMalloc(&p, size) != cudaSuccess) {
+    trim_scratch_pool();
+    err = cudaMalloc(&p, size);
+    if (err == cudaErrorMemoryAllocation) {
       cudaGetLastError();
       return nullptr;  // the base class reports what ran out
     }
   }
+  // Another error (a kernel's fault, sticky since) is that error, not a lack of memory.
+  MT_CHECK(err == cudaSuccess, "CUDA error allocating " << format_bytes(size) << " of device memory: "
+                                                         << cudaGetErrorString(err)
+                                                         << " (a kernel queued before may have failed)");
   std::lock_guard<std::mutex> lock(cache_mu_);
   sizes_[p] = size;
   return p;

@@ -495,9 +495,8 @@ void launch_forward(float* out, float* lse, const float* qkv_q, const float* qkv
 void launch_backward(float* dqkv_q, float* dqkv_kv, const float* dout, const float* qkv_q, const float* out,
                      const float* lse, const float* qkv_kv, const Dims& z, int64_t B) {
   const int64_t rows = B * z.NH * z.Tq;
-  // delta[B, NH, Tq] scratch, stream-ordered
-  float* delta = nullptr;
-  MT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&delta), sizeof(float) * rows, stream()));
+  const Scratch delta_slot(sizeof(float) * rows, "attention's backward");
+  float* delta = delta_slot.as<float>();  // [B, NH, Tq]
   attention_delta_kernel<<<(unsigned)ceil_div(rows, kWarps), kThreads, 0, stream()>>>(delta, dout, out, rows, z);
   MT_CUDA_LAUNCHED("attention_delta_kernel");
 
@@ -510,8 +509,6 @@ void launch_backward(float* dqkv_q, float* dqkv_kv, const float* dout, const flo
   const dim3 dq_grid((unsigned)ceil_div(z.Tq, kTile), (unsigned)z.NH, (unsigned)B);
   attention_dq_kernel<<<dq_grid, kThreads, dq_bytes, stream()>>>(dqkv_q, qkv_q, qkv_kv, dout, lse, delta, z);
   MT_CUDA_LAUNCHED("attention_dq_kernel");
-
-  MT_CUDA_CHECK(cudaFreeAsync(delta, stream()));
 }
 
 // A part call's shape, checked as on the CPU (ops/attention_fused.cpp, part_args): qkv_kv

@@ -50,12 +50,12 @@ __device__ T block_reduce(T x, T* buf, Combine combine) {
 
 // Device memory for one op, stream-ordered: allocated on the compute stream and freed on it
 // after the work queued so far (so a later op may reuse it only after this one's kernels).
-// None for 0 bytes; 256-byte aligned.
+// None for 0 bytes; 256-byte aligned. `what` names it where memory runs out.
 class Scratch {
  public:
   Scratch() = default;
-  explicit Scratch(size_t bytes) {
-    if (bytes) MT_CUDA_CHECK(cudaMallocAsync(&p_, bytes < 256 ? 256 : bytes, stream()));
+  explicit Scratch(size_t bytes, const char* what = "a kernel") {
+    if (bytes) p_ = cuda_scratch_allocate(bytes < 256 ? 256 : bytes, what);
   }
   ~Scratch() {
     if (p_) cudaFreeAsync(p_, stream());

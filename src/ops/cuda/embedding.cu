@@ -118,7 +118,7 @@ struct DeviceInts {
   int32_t* p = nullptr;
   DeviceInts(const int32_t* host, size_t n) {
     if (!n) return;
-    MT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&p), n * sizeof(int32_t), stream()));
+    p = static_cast<int32_t*>(cuda_scratch_allocate(n * sizeof(int32_t), "token ids"));
     MT_CUDA_CHECK(cudaMemcpyAsync(p, host, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream()));
   }
   ~DeviceInts() {
@@ -363,7 +363,7 @@ const float* rope_table(float theta, int64_t D, const std::vector<int32_t>& pos)
       host[T * half + t * half + i] = std::sin(ang);
     }
   float* dev = nullptr;
-  MT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&dev), host.size() * sizeof(float), stream()));
+  dev = static_cast<float*>(cuda_scratch_allocate(host.size() * sizeof(float), "RoPE's table"));
   MT_CUDA_CHECK(cudaMemcpyAsync(dev, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream()));
   if (cache.size() >= kRopeCacheSize) {
     MT_CUDA_CHECK(cudaFreeAsync(cache.front().dev, stream()));  // after the kernels already queued

@@ -30,7 +30,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -414,7 +416,14 @@ void product(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const Operand& a
   if (gemm_rm(ta, tb, M, N, K, pa, lda, pb, ldb, cuda_dtype(d), beta, c, ldc, bias)) return;
   MT_CHECK(d != DType::f32, op << ": cuBLASLt has no fp32 algorithm for M=" << M << " N=" << N << " K=" << K);
   // No 16-bit algorithm for this shape (odd leading dims): the rounded operands widened
-  // back and multiplied in fp32, the same exact products accumulated in fp32.
+  // back and multiplied in fp32, the same exact products accumulated in fp32. Correct but
+  // slower, with a copy of each operand: said once per process.
+  static std::atomic<bool> said{false};
+  if (!said.exchange(true))
+    std::fprintf(stderr, "meshtrain: note: %s: cuBLASLt has no %s algorithm for M=%lld N=%lld K=%lld (leading "
+                 "dimensions %lld, %lld, %lld); it runs in fp32, slower (a vocabulary and widths that are multiples "
+                 "of 8 avoid it)\n", op, dtype_name(d), (long long)M, (long long)N, (long long)K, (long long)lda,
+                 (long long)ldb, (long long)ldc);
   const void *wa, *wb;
   both_in(DType::f32, Operand{pa, d, a.n}, Operand{pb, d, b.n}, wide, wa, wb);
   MT_CHECK(gemm_rm(ta, tb, M, N, K, wa, lda, wb, ldb, CUDA_R_32F, beta, c, ldc, bias),

@@ -190,8 +190,8 @@ void reduce_weight_grads(const Tensor& dw, const Tensor* db, const Tensor& dout,
                          const Tensor& rstd, int64_t N, int64_t C) {
   if (N == 0) return;
   const int64_t nchunk = ceil_div(N, kRowChunk);
-  float* part = nullptr;
-  MT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&part), (size_t)(nchunk * 2 * C) * sizeof(float), stream()));
+  const Scratch part_slot((size_t)(nchunk * 2 * C) * sizeof(float), "a norm's backward");
+  float* part = part_slot.as<float>();  // [nchunk, 2, C]
   const dim3 pgrid((unsigned)nchunk, (unsigned)ceil_div(C, kColThreads));
   norm_partials_kernel<<<pgrid, kColThreads, 0, stream()>>>(part, dout.f32(), x.f32(), mean, rstd.f32(), N, C,
                                                            db != nullptr);
@@ -203,7 +203,6 @@ void reduce_weight_grads(const Tensor& dw, const Tensor* db, const Tensor& dout,
     add_partials_kernel<<<cblocks, kColThreads, 0, stream()>>>(db->f32(), part + C, nchunk, C, 2 * C);
     MT_CUDA_LAUNCHED("add_partials_kernel (db)");
   }
-  MT_CUDA_CHECK(cudaFreeAsync(part, stream()));
 }
 
 // fn(out's data as float*, __nv_bfloat16* or __half*): a forward's launch for out's dtype.

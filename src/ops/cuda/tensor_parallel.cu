@@ -267,7 +267,7 @@ double cross_entropy_finish(const Tensor& losses, const Tensor& lse, const Tenso
                                                                   sum_exp.f32(), target_logit.f32(), targets.i32(), N);
   MT_CUDA_LAUNCHED("finish_kernel");
   double* total = nullptr;
-  MT_CUDA_CHECK(cudaMallocAsync(&total, sizeof(double), stream()));
+  total = static_cast<double*>(cuda_scratch_allocate(sizeof(double), "the loss's total"));
   total_kernel<<<1, kThreads, 0, stream()>>>(total, losses.f32(), N);
   const cudaError_t launched = cudaGetLastError();
   double h = 0.0;
