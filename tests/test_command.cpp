@@ -87,6 +87,12 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
            {"bench comm --max-bytes 1T", "error: bench comm: bad size 1T: write e.g. 1K, 64M or 1G, at most 16G"},
            {"bench comm --max-bytes 1e400", "error: bench comm: bad size 1e400"},
            {"bench comm --iters 99999999999", "error: bench comm: --iters 99999999999: give a whole number from 1"},
+           // an NCCL or host-staged GPU group over CPU buffers measured the CPU's, saying nothing
+           {"bench comm --gpu-comm nccl", "error: bench comm: --gpu-comm nccl carries GPU buffers, but --device is "
+                                          "cpu; add --device cuda, or leave --gpu-comm out"},
+           {"bench comm --dtype fp16", "error: bench comm: --dtype fp16: use f32 (fp32) or bf16"},
+           {"bench comm --min-bytes 8K --max-bytes 4K", "error: bench comm: --min-bytes 8192 and --max-bytes 4096: "
+                                                        "need 4 <= min-bytes <= max-bytes"},
            // bench profile likewise (an unknown option or a missing value printed the usage
            // with exit status 2); --out is checked before the minutes of measuring
            {"bench profile --bogus 1", "error: bench profile: unknown option --bogus\nusage:"},
@@ -153,6 +159,21 @@ TEST(Command, RepeatsDirectoriesAndSettingsThatDoNothingAreSaid) {
                      "whole nodes"), std::string::npos) << out;
   ASSERT_EQ(test::run_command(plan + "4", &out), 0) << out;
   EXPECT_EQ(out.find("whole number of nodes"), std::string::npos) << out;
+  // bench profile wrote a CPU profile for a GPU configuration, and one from a blink of
+  // measuring, without a word: now said before the measuring and in the file.
+  std::ofstream(d / "gpu.toml") << "[model]\nn_layer = 2\nd_model = 32\nn_head = 2\nseq_len = 16\n"
+                                   "[training]\ndevice = \"cuda\"\nmicro_batch = 2\n";
+  ASSERT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " bench profile --seconds 0.1 --config " + d / "gpu.toml" +
+                                  " --out " + d / "p.toml", &out), 0) << out;
+  std::ifstream in(d / "p.toml");
+  std::string profile{std::istreambuf_iterator<char>(in), {}};  // its comments as one text
+  for (size_t at; (at = profile.find("\n# ")) != std::string::npos;) profile.replace(at, 3, " ");
+  for (const std::string& note : {std::string("note: --seconds 0.1 is a short measurement: its rates vary from run to run"),
+                                  "note: --config " + d / "gpu.toml" + " trains on GPUs (training.device = cuda), but "
+                                  "this profile measures the CPUs; for GPUs, plan has profiles built in"}) {
+    EXPECT_NE(out.find(note), std::string::npos) << note << "\n" << out;
+    EXPECT_NE(profile.find(note), std::string::npos) << note << "\n" << profile;
+  }
 }
 
 // launch passes mpirun an option's value after '=' as the next argument (Open MPI 4 said

@@ -10,12 +10,14 @@
 #include <random>
 #include <vector>
 
+#include "core/machine.h"
 #include "core/tensor.h"
 #include "gemm_cases.h"
 #include "ops/autocast.h"
 #include "ops/gemm.h"
 #include "ops/gemm_bf16.h"
 #include "ops/linear.h"
+#include "test_util.h"
 
 using namespace mt;
 
@@ -139,4 +141,25 @@ TEST(GemmBf16, LinearUnderBf16RunsIt) {
     linear_forward(yt, xt, wt, nullptr);
   }
   EXPECT_NE(y, ref) << "fp16 products are not bf16 ones";
+}
+
+// MESHTRAIN_CPU_BF16 (and MESHTRAIN_FUSED_GELU) take off in any case, or 0: OFF and false
+// were a silent "on", and any other value is refused, naming the variable.
+TEST(GemmBf16, ItsSwitchTakesOffInAnyCaseAndRefusesOtherValues) {
+  const char* name = "MESHTRAIN_TEST_SWITCH";
+  unsetenv(name);
+  EXPECT_TRUE(env_switch_on(name));
+  for (const char* on : {"", "on", "ON", "1"}) {
+    setenv(name, on, 1);
+    EXPECT_TRUE(env_switch_on(name)) << on;
+  }
+  for (const char* off : {"off", "OFF", "Off", "0"}) {
+    setenv(name, off, 1);
+    EXPECT_FALSE(env_switch_on(name)) << off;
+  }
+  setenv(name, "false", 1);
+  EXPECT_NE(test::error_of([&] { env_switch_on(name); })
+                .find("MESHTRAIN_TEST_SWITCH=false is not a switch: set it to off (or 0), or leave it unset"),
+            std::string::npos);
+  unsetenv(name);
 }

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -413,6 +415,22 @@ TEST(Schedule, CommandTextAndFileRoundTrip) {
   out = schedule_cmd("--schedule file:" + d / "s/i.csv" + " --pp 4", &status);
   EXPECT_NE(status, 0);
   EXPECT_NE(out.find("--pp 4 differs from"), std::string::npos) << out;
+  // An output that is the schedule file read, or the other output: refused before it is written
+  // (the file was replaced by the picture).
+  std::ifstream in(d / "s/i.csv");
+  const std::string text{std::istreambuf_iterator<char>(in), {}};
+  for (const std::string& flag : {" --svg ", " --csv "}) {
+    out = schedule_cmd("--schedule file:" + d / "s/i.csv" + flag + d / "s/i.csv", &status);
+    EXPECT_EQ(status, 1) << out;
+    EXPECT_NE(out.find(flag.substr(1) + d / "s/i.csv" + " is the same file as --schedule file:" + d / "s/i.csv"),
+              std::string::npos) << out;
+  }
+  out = schedule_cmd("--svg " + d / "s/o" + " --csv " + d / "s/o", &status);
+  EXPECT_EQ(status, 1) << out;
+  EXPECT_NE(out.find("are the same file"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(d / "s/o"));
+  std::ifstream again(d / "s/i.csv");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(again), {}), text);
 }
 
 TEST(Schedule, CommandErrorsNameTheFlagAndAValue) {
@@ -425,11 +443,14 @@ TEST(Schedule, CommandErrorsNameTheFlagAndAValue) {
       {"--schedule 2f2b", "--schedule 2f2b: no such schedule"},
       {"--microbatches 0", "--microbatches 0: must be at least 1"},
       {"--costs BX=1", "--costs: \"BX=1\" is not ACTION=TIME"},
+      {"--costs F=inf", "--costs: F=inf: a time must be from 0 to 1e+09"},  // the step was inf, the bubble NaN
+      {"--costs F=1e308,B=1e308", "--costs: F=1e308: a time must be from 0 to 1e+09"},
+      {"--costs F=1,F=2", "--costs: F is given twice"},
       {"--compare --csv x.csv", "--csv writes one schedule"},
       {"--schedule file:/nonexistent/s.csv", "cannot open the schedule file /nonexistent/s.csv"},
       // A million micro-batches: its timelines took minutes and every byte of memory.
       {"--pp 4 --microbatches 1048576 --json", "pp x chunks x micro-batches = 4 x 1 x 1048576 forward passes, more than "
-                                               "the 65536 this command simulates and draws: use fewer micro-batches"},
+                                               "the 65536 this command simulates and draws: use fewer micro-batches, chunks or pipeline ranks"},
       {"--pp 2147483647 --chunks 2147483647 --microbatches 2147483647", "2147483647 x 2147483647 x 2147483647"},
   };
   for (const auto& [args, message] : cases) {

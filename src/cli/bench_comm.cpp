@@ -63,16 +63,16 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
        }},
       {"--dtype",
        [&](const std::string& v) {
-         MT_CHECK(v == "f32" || v == "bf16", "bench comm: --dtype is f32 or bf16");
-         dtype = v == "f32" ? DType::f32 : DType::bf16;
+         MT_CHECK(v == "f32" || v == "fp32" || v == "bf16", "bench comm: --dtype " << v << ": use f32 (fp32) or bf16");
+         dtype = v == "bf16" ? DType::bf16 : DType::f32;
        }},
       {"--device",
        [&](const std::string& v) {
-         MT_CHECK(v == "cpu" || v == "cuda", "bench comm: --device is cpu or cuda");
+         MT_CHECK(v == "cpu" || v == "cuda", "bench comm: --device " << v << ": use cpu or cuda");
          device = v;
        }},
       {"--gpu-comm", [&](const std::string& v) {
-         MT_CHECK(v == "auto" || v == "nccl" || v == "host", "bench comm: --gpu-comm is auto, nccl or host");
+         MT_CHECK(v == "auto" || v == "nccl" || v == "host", "bench comm: --gpu-comm " << v << ": use auto, nccl or host");
          gpu_comm = v;
        }}};
   for (size_t i = 0; i < args.size(); ++i) {
@@ -86,7 +86,11 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
     MT_CHECK(i + 1 < args.size(), "bench comm: option " << a << " needs a value");
     option->second(args[++i]);
   }
-  MT_CHECK(min_bytes >= 4 && max_bytes >= min_bytes, "bench comm: need 4 <= min-bytes <= max-bytes");
+  MT_CHECK(min_bytes >= 4 && max_bytes >= min_bytes, "bench comm: --min-bytes " << min_bytes << " and --max-bytes "
+                                                     << max_bytes << ": need 4 <= min-bytes <= max-bytes");
+  // (train refuses parallel.gpu_comm on the CPU alike)
+  MT_CHECK(gpu_comm == "auto" || device == "cuda", "bench comm: --gpu-comm " << gpu_comm << " carries GPU buffers, "
+                                                   << "but --device is cpu; add --device cuda, or leave --gpu-comm out");
   const int n = world.size();
   const size_t es = dtype_size(dtype);
   // The buffers' memory, and the group that carries them (on the GPU, as training does).

@@ -65,10 +65,21 @@ int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world)
   MT_CHECK(!out.empty(), "bench profile: --out is empty; give a file name, e.g. --out hardware_profile.toml");
   MT_CHECK(!std::filesystem::is_directory(out), "bench profile: --out " << out << " is a directory; give a file "
                                                 << "name, e.g. --out " << (std::filesystem::path(out) / "hardware_profile.toml").string());
+  // What makes the profile less than the user may think: said before the measuring, and in the file.
+  std::vector<std::string> cautions;
+  if (o.seconds < 5) {
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%g", o.seconds);
+    cautions.push_back(std::string("--seconds ") + secs + " is a short measurement: its rates vary from run to run " +
+                       "(the default, 20 s, is steadier)");
+  }
   if (!config.empty()) {
     const Config c = config_load(config, {});
     o.model = c.model;
     o.micro_batch = static_cast<int>(c.training.micro_batch > 0 ? c.training.micro_batch : c.training.global_batch);
+    if (c.training.device == "cuda")
+      cautions.push_back("--config " + config + " trains on GPUs (training.device = cuda), but this profile measures " +
+                         "the CPUs; for GPUs, plan has profiles built in (--hardware h100, h200, a100-80gb, a100-40gb)");
   }
   if (lead && out != "-") {  // opened as train opens its outputs: one that cannot be made is found now
     output_paths_check({{"--out", out, ""}}, {{"--config", config, ""}});
@@ -79,11 +90,14 @@ int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world)
   if (lead)
     std::fprintf(talk, "# meshtrain bench profile: %d rank%s, about %.0f s\n", world.size(), world.size() > 1 ? "s" : "",
                  o.seconds);
-  const plan::Measured m = plan::hardware_measure(world, o, [&](const std::string& line) {
+  if (lead)
+    for (const std::string& c : cautions) std::fprintf(talk, "note: %s\n", c.c_str());
+  plan::Measured m = plan::hardware_measure(world, o, [&](const std::string& line) {
     std::fprintf(talk, "%s\n", line.c_str());
     std::fflush(talk);
   });
   if (!lead) return 0;
+  for (const std::string& c : cautions) m.notes.header.push_back("note: " + c);
   const std::string text = plan::hardware_to_toml(m.hw, m.notes);
   std::fprintf(talk, "\nprofile %s (per rank):\n", m.hw.name.c_str());
   for (const std::string& l : m.summary) std::fprintf(talk, "  %s\n", l.c_str());

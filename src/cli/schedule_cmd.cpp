@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <nlohmann/json.hpp>
 
@@ -16,6 +17,7 @@
 #include "parallel/schedule_sim.h"     // schedule_simulate
 #include "parallel/schedule_svg.h"     // schedule_svg
 #include "train/metrics.h"             // output_parent_create
+#include "train/start_checks.h"        // output_paths_check
 
 namespace mt {
 
@@ -23,11 +25,14 @@ namespace {
 
 constexpr int kDefaultPp = 4, kDefaultMicro = 8;
 
-// "--costs F=1,B=2,BI=1,BW=1,SEND=0,RECV=0": any of them, the rest keep their defaults.
+// "--costs F=1,B=2,BI=1,BW=1,SEND=0,RECV=0": any of them, each once, from 0 to kMaxCost (a
+// step's sum of them stays finite); the rest keep their defaults.
 ActionCosts costs_parse(const std::string& text) {
+  constexpr double kMaxCost = 1e9;
   ActionCosts c;
   std::stringstream ss(text);
   std::string item;
+  std::set<std::string> given;
   while (std::getline(ss, item, ',')) {
     const size_t eq = item.find('=');
     const std::string key = item.substr(0, eq);
@@ -42,6 +47,9 @@ ActionCosts costs_parse(const std::string& text) {
       used = 0;
     }
     MT_CHECK(used > 0 && used == item.size() - eq - 1, "--costs: \"" << item.substr(eq + 1) << "\" is not a number");
+    MT_CHECK(*slot >= 0 && *slot <= kMaxCost,
+             "--costs: " << item << ": a time must be from 0 to " << kMaxCost << " (any unit; only ratios matter)");
+    MT_CHECK(given.insert(key).second, "--costs: " << key << " is given twice; give each action once");
   }
   return c;
 }
@@ -191,6 +199,8 @@ int cmd_schedule(const ScheduleOptions& o) {
            "--schedule " << o.schedule << ": no such schedule; use gpipe, 1f1b, interleaved, zb-h1, zbv or file:PATH");
   MT_CHECK(!o.compare || o.csv.empty(), "--csv writes one schedule; leave out --compare");
   const ActionCosts costs = costs_parse(o.costs);
+  output_paths_check({{"--svg", o.svg, ""}, {"--csv", o.csv, ""}},
+                     {{"--schedule", from_file ? o.schedule : "", from_file ? o.schedule.substr(5) : ""}});
 
   std::vector<Schedule> schedules;
   std::vector<std::pair<std::string, std::string>> not_run;  // (schedule, why)
@@ -207,8 +217,8 @@ int cmd_schedule(const ScheduleOptions& o) {
     if (schedule_within(pp, chunks, micro, kMaxDrawn)) return std::nullopt;
     return "pp x chunks x micro-batches = " + std::to_string(pp) + " x " + std::to_string(chunks) + " x " +
            std::to_string(micro) + " forward passes, more than the " + std::to_string(kMaxDrawn) + " this command " +
-           "simulates and draws: use fewer micro-batches (the bubble follows the micro-batches per pipeline rank, " +
-           "which a smaller count shows)";
+           "simulates and draws: use fewer micro-batches, chunks or pipeline ranks (the bubble follows the " +
+           "micro-batches per pipeline rank, which smaller counts show)";
   };
   if (auto why = from_file ? too_large(schedules[0].layout.chunks) : std::nullopt) MT_FAIL(*why);
   std::vector<std::string> named;  // the named schedules to make

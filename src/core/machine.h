@@ -11,4 +11,9 @@ int affinity_cpus();
 // among the job's ranks on this machine, at least 1.
 int threads_per_rank(int ranks_on_machine);
 
+// An on/off switch in the environment (MESHTRAIN_CPU_BF16, MESHTRAIN_FUSED_GELU): true where
+// it is unset, empty, on or 1, false where it is off or 0 (any case); another value fails,
+// naming the variable and what it takes (OFF and false were a silent "on").
+bool env_switch_on(const char* name);
+
 }  // namespace mt

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/machine.h"  // env_switch_on
 
 namespace mt {
 
@@ -131,8 +132,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void pack_panel(uint32_t* o
 
 bool bf16_gemm_available() {
   static const bool available = [] {
-    const char* env = std::getenv("MESHTRAIN_CPU_BF16");
-    if (env && std::strcmp(env, "off") == 0) return false;
+    if (!env_switch_on("MESHTRAIN_CPU_BF16")) return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") != 0;
   }();
@@ -141,8 +141,7 @@ bool bf16_gemm_available() {
 
 std::string bf16_gemm_description() {
   if (bf16_gemm_available()) return "AVX512_BF16 kernel";
-  const char* env = std::getenv("MESHTRAIN_CPU_BF16");
-  if (env && std::strcmp(env, "off") == 0) return "fp32 products of rounded operands (MESHTRAIN_CPU_BF16=off)";
+  if (!env_switch_on("MESHTRAIN_CPU_BF16")) return "fp32 products of rounded operands (MESHTRAIN_CPU_BF16=off)";
   return "fp32 products of rounded operands (this CPU has no AVX512_BF16)";
 }
 

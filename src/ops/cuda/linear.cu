@@ -39,6 +39,7 @@
 #include <mutex>
 #include <utility>
 
+#include "core/machine.h"  // env_switch_on
 #include "ops/autocast.h"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/ops.h"
@@ -563,10 +564,7 @@ void linear_io_backward(const Tensor& dx, const Tensor& dw, const Tensor* db, co
 
 // Whether the two GELU products run: MESHTRAIN_FUSED_GELU=off turns them off (the separate
 // ops run instead), for an A/B of the fusion without a rebuild. Read at each call.
-bool gelu_fusion_on() {
-  const char* e = std::getenv("MESHTRAIN_FUSED_GELU");
-  return !(e && std::strcmp(e, "off") == 0);
-}
+bool gelu_fusion_on() { return env_switch_on("MESHTRAIN_FUSED_GELU"); }
 
 // act[N, O] = gelu(x @ w[O, I]^T + b) and pre[N, O] = x @ w^T + b under a 16-bit Autocast
 // scope, in one cuBLASLt product: its epilogue adds the bias (below), writes the sum
