@@ -63,6 +63,10 @@ TEST(CheckpointInfo, ReportsEveryFieldOfAFreshCheckpoint) {
   EXPECT_FALSE(L.contains("test_fault"));
   EXPECT_EQ(j["batch"], nlohmann::json({{"global_batch", 8}, {"micro_batch", 2}, {"micro_batches_per_step", 2},
                                         {"seq_len", 16}}));
+  // The precision and the optimizer's settings (a resume's mismatch message points here).
+  EXPECT_EQ(j["precision"], nlohmann::json({{"precision", "fp32"}, {"grad_dtype", "fp32"}, {"device", "cpu"}}));
+  EXPECT_EQ(j["optim"]["lr"], 3e-3);
+  EXPECT_EQ(j["optim"]["name"], "adamw");
   // The model and its units, against the layout the model configuration gives.
   ModelConfig m;
   m.n_layer = 2, m.n_head = 4, m.d_model = 32, m.vocab_size = 37, m.seq_len = 16;
@@ -112,7 +116,8 @@ TEST(CheckpointInfo, ReportsEveryFieldOfAFreshCheckpoint) {
   ASSERT_EQ(info(dir, &out), 0) << out;
   for (const std::string& want : std::vector<std::string>{"step        2; optimizer adamw, 2 steps taken", "4 ranks: dp 2 x tp 2 x pp 1",
                                   "transformer.h.1.mlp.c_fc.weight", "params " + std::to_string(parameters) + " elements",
-                                  "shard_00003.safetensors", "epoch 0 of 187 sequences"})
+                                  "shard_00003.safetensors", "epoch 0 of 187 sequences",
+                                  "precision   fp32, gradients fp32, trained on cpu", "optim       "})
     EXPECT_NE(out.find(want), std::string::npos) << want << "\n" << out;
   EXPECT_EQ(out.find("corrupt"), std::string::npos) << out;
 }

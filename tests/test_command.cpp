@@ -591,6 +591,30 @@ TEST(Command, SampleFindsTheTokenizerFromAnyDirectory) {
 // A resumed run whose data.tokenizer is not the checkpoint's says so, naming both: one left
 // out (byte) went into the new checkpoints silently, and sample printed noise. The same
 // model, given relative or absolute, is no change.
+// A resume in another precision trained on without a word, and fp16's loss scale was
+// dropped silently: said, with what carries over.
+TEST(Command, ResumeNotesAnotherPrecision) {
+  test::TempDir d;
+  const std::string train = std::string(MESHTRAIN_BIN) + " train " + test::options("gpt2", 4, 2) +
+                            " --data.path=" + test::write_tokens(d, "t.bin", 400, 37) + " --checkpoint.dir=" + d / "ck" +
+                            " --checkpoint.every=1 --logging.progress=off";
+  std::string out;
+  ASSERT_EQ(test::run_command(train + " --training.steps=1 --training.precision=fp16", &out), 0) << out;
+  ASSERT_EQ(test::run_command(train + " --training.steps=2 --training.precision=fp16 --checkpoint.resume=true", &out), 0)
+      << out;
+  EXPECT_EQ(out.find("training.precision ="), std::string::npos) << "the same precision\n" << out;
+  ASSERT_EQ(test::run_command(train + " --training.steps=3 --training.precision=bf16 --training.grad_dtype=bf16 "
+                                      "--checkpoint.resume=true", &out), 0) << out;
+  EXPECT_NE(out.find("training.precision = bf16, grad_dtype = bf16 instead of the checkpoint's fp16, fp32: the "
+                     "fp32 parameters and optimizer state carry over; fp16's loss scale is dropped"),
+            std::string::npos) << out;
+  ASSERT_EQ(test::run_command(train + " --training.steps=4 --training.precision=fp16 --checkpoint.resume=true", &out), 0)
+      << out;
+  EXPECT_NE(out.find("instead of the checkpoint's bf16, bf16: the fp32 parameters and optimizer state carry over; the "
+                     "loss scale starts at optim.loss_scale"),
+            std::string::npos) << out;
+}
+
 TEST(Command, ResumeNotesAnotherTokenizer) {
   test::TempDir d;
   const std::string train = sentencepiece_run(d);

@@ -98,6 +98,8 @@ nlohmann::json info_json(const CheckpointInfo& info, const std::string& root) {
   const int64_t micro_per_step = c.training.global_batch / (int64_t{c.parallel.dp} * c.training.micro_batch);
   j["batch"] = {{"global_batch", c.training.global_batch}, {"micro_batch", c.training.micro_batch},
                 {"micro_batches_per_step", micro_per_step}, {"seq_len", c.model.seq_len}};
+  j["precision"] = {{"precision", c.model.precision}, {"grad_dtype", c.model.grad_dtype}, {"device", c.training.device}};
+  j["optim"] = cj["optim"];  // the settings a resume must keep (or change with checkpoint.allow_change)
   nlohmann::json model = cj["model"];
   nlohmann::json units = nlohmann::json::array();
   int64_t parameters = 0;
@@ -160,6 +162,13 @@ void print_text(const nlohmann::json& j) {
     line("batch", "global " + b["global_batch"].dump() + " sequences x " + b["seq_len"].dump() + " tokens; micro-batch " +
                       b["micro_batch"].dump() + " per rank, " + b["micro_batches_per_step"].dump() +
                       (b["micro_batches_per_step"] == 1 ? " micro-batch" : " micro-batches") + " per rank per step");
+    const auto& pr = j["precision"];
+    line("precision", pr["precision"].get<std::string>() + ", gradients " + pr["grad_dtype"].get<std::string>() +
+                          ", trained on " + pr["device"].get<std::string>());
+    std::string optim;
+    for (auto it = j["optim"].begin(); it != j["optim"].end(); ++it)
+      optim += (optim.empty() ? "" : " ") + it.key() + "=" + it->dump();
+    line("optim", optim);
     const auto& m = j["model"];
     line("model", m["family"].get<std::string>() + ": " + m["n_layer"].dump() + " layers, d_model " + m["d_model"].dump() +
                       ", " + m["n_head"].dump() + " heads (" + m["kv_heads"].dump() + " key/value), d_ff " +

@@ -201,6 +201,17 @@ std::vector<std::string> resume_resolve(Config& cfg, int world_size) {
                           << "or use a new checkpoint.dir");
   }
   fit_micro_batch(cfg, world_size, saved.training.micro_batch, notes);
+  // The precision may change (checkpoints hold fp32 masters and optimizer state): said, with
+  // what does not carry over.
+  if (cfg.model.precision != saved.model.precision || cfg.model.grad_dtype != saved.model.grad_dtype) {
+    std::string what = "training.precision = " + cfg.model.precision + ", grad_dtype = " + cfg.model.grad_dtype +
+                       " instead of the checkpoint's " + saved.model.precision + ", " + saved.model.grad_dtype +
+                       ": the fp32 parameters and optimizer state carry over";
+    if (saved.model.precision == "fp16" && cfg.model.precision != "fp16") what += "; fp16's loss scale is dropped";
+    if (cfg.model.precision == "fp16" && saved.model.precision != "fp16")
+      what += "; the loss scale starts at optim.loss_scale";
+    notes.push_back(what);
+  }
   // The tokenizer may change (a moved file), but one left out of the command line is the
   // default byte, which then goes into this run's checkpoints: said, with what keeps it.
   // (A relative path in an older checkpoint is read from this directory.)
