@@ -115,6 +115,22 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
     EXPECT_EQ(test::run_command(std::string(MESHTRAIN_BIN) + " " + args, &out), 1) << args << "\n" << out;
     EXPECT_NE(out.find(want), std::string::npos) << args << "\n" << out;
   }
+  // On several ranks a bad option is said once, by rank 0, and no rank is aborted (every rank
+  // said it, inside Open MPI's MPI_ABORT banner); and small sizes that round up to the same
+  // count per rank are measured once (three rows of 12 bytes were printed for 4, 8 and 16).
+  const std::string bench = "OMP_NUM_THREADS=1 " + std::string(MESHTRAIN_BIN) + " launch -n ";
+  EXPECT_EQ(test::run_command(bench + "2 bench comm --bogus 1", &out), 1) << out;
+  EXPECT_NE(out.find("error: bench comm: unknown option --bogus"), std::string::npos) << out;
+  EXPECT_EQ(out.find("error:"), out.rfind("error:")) << out;
+  EXPECT_EQ(out.find("MPI_ABORT"), std::string::npos) << out;
+  ASSERT_EQ(test::run_command(bench + "3 bench comm --min-bytes 4 --max-bytes 16 --iters 1", &out), 0) << out;
+  size_t rows = 0;
+  for (size_t at = 0; (at = out.find(" allreduce ", at)) != std::string::npos; ++at) ++rows;
+  EXPECT_EQ(rows, 1u) << out;
+  // Buffers that do not fit say which option makes them (it was training's advice).
+  EXPECT_EQ(test::run_command("ulimit -v 12000000; " + std::string(MESHTRAIN_BIN) +
+                                  " bench comm --min-bytes 16G --max-bytes 16G", &out), 1) << out;
+  EXPECT_NE(out.find("out of cpu memory allocating 16.00 GiB for comm; lower --max-bytes"), std::string::npos) << out;
 }
 
 // A second --config dropped the first file's keys; a directory as data.path was "cannot read

@@ -42,55 +42,83 @@ int64_t parse_size(const std::string& s) {  // 1K, 64M, 1G: bytes, at most 16G (
   return static_cast<int64_t>(v);
 }
 
-}  // namespace
-
-int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
+// The options, read alike on every rank.
+struct BenchCommOptions {
   int64_t min_bytes = 1024, max_bytes = 64 << 20;
   int iters = 20;
   DType dtype = DType::f32;
   std::string device = "cpu", gpu_comm = "auto";
+  bool help = false;
+};
+
+BenchCommOptions comm_options(const std::vector<std::string>& args) {
+  BenchCommOptions o;
   // Each option and what its value sets: the one list of the options there are.
   const std::map<std::string, std::function<void(const std::string&)>> options = {
-      {"--min-bytes", [&](const std::string& v) { min_bytes = parse_size(v); }},
-      {"--max-bytes", [&](const std::string& v) { max_bytes = parse_size(v); }},
+      {"--min-bytes", [&](const std::string& v) { o.min_bytes = parse_size(v); }},
+      {"--max-bytes", [&](const std::string& v) { o.max_bytes = parse_size(v); }},
       {"--iters",
        [&](const std::string& v) {
          char* end = nullptr;
          const long n = std::strtol(v.c_str(), &end, 10);
          MT_CHECK(end != v.c_str() && *end == '\0' && n >= 1 && n <= 1000000,
                   "bench comm: --iters " << v << ": give a whole number from 1 to 1000000");
-         iters = static_cast<int>(n);
+         o.iters = static_cast<int>(n);
        }},
       {"--dtype",
        [&](const std::string& v) {
          MT_CHECK(v == "f32" || v == "fp32" || v == "bf16", "bench comm: --dtype " << v << ": use f32 (fp32) or bf16");
-         dtype = v == "bf16" ? DType::bf16 : DType::f32;
+         o.dtype = v == "bf16" ? DType::bf16 : DType::f32;
        }},
       {"--device",
        [&](const std::string& v) {
          MT_CHECK(v == "cpu" || v == "cuda", "bench comm: --device " << v << ": use cpu or cuda");
-         device = v;
+         o.device = v;
        }},
       {"--gpu-comm", [&](const std::string& v) {
          MT_CHECK(v == "auto" || v == "nccl" || v == "host", "bench comm: --gpu-comm " << v << ": use auto, nccl or host");
-         gpu_comm = v;
+         o.gpu_comm = v;
        }}};
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
-      if (world.rank() == 0) std::printf("%s\n", kUsage);
-      return 0;
+      o.help = true;
+      return o;
     }
     const auto option = options.find(a);
     MT_CHECK(option != options.end(), "bench comm: unknown option " << a << "; " << kUsage);
     MT_CHECK(i + 1 < args.size(), "bench comm: option " << a << " needs a value");
     option->second(args[++i]);
   }
-  MT_CHECK(min_bytes >= 4 && max_bytes >= min_bytes, "bench comm: --min-bytes " << min_bytes << " and --max-bytes "
-                                                     << max_bytes << ": need 4 <= min-bytes <= max-bytes");
+  MT_CHECK(o.min_bytes >= 4 && o.max_bytes >= o.min_bytes, "bench comm: --min-bytes " << o.min_bytes << " and --max-bytes "
+                                                           << o.max_bytes << ": need 4 <= min-bytes <= max-bytes");
   // (train refuses parallel.gpu_comm on the CPU alike)
-  MT_CHECK(gpu_comm == "auto" || device == "cuda", "bench comm: --gpu-comm " << gpu_comm << " carries GPU buffers, "
-                                                   << "but --device is cpu; add --device cuda, or leave --gpu-comm out");
+  MT_CHECK(o.gpu_comm == "auto" || o.device == "cuda", "bench comm: --gpu-comm " << o.gpu_comm << " carries GPU "
+                                                       << "buffers, but --device is cpu; add --device cuda, or leave "
+                                                       << "--gpu-comm out");
+  return o;
+}
+
+}  // namespace
+
+int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
+  BenchCommOptions o;
+  try {
+    o = comm_options(args);
+  } catch (const AgreedError&) {
+    throw;
+  } catch (const Error& e) {  // every rank reads the same options: said once, no rank aborted
+    throw AgreedError(e.what());
+  }
+  if (o.help) {
+    if (world.rank() == 0) std::printf("%s\n", kUsage);
+    return 0;
+  }
+  const int64_t min_bytes = o.min_bytes, max_bytes = o.max_bytes;
+  const int iters = o.iters;
+  const DType dtype = o.dtype;
+  const std::string& device = o.device;
+  const std::string& gpu_comm = o.gpu_comm;
   const int n = world.size();
   const size_t es = dtype_size(dtype);
   // The buffers' memory, and the group that carries them (on the GPU, as training does).
@@ -102,6 +130,10 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
     use_local_gpu();
     gpu = std::make_unique<CudaAllocator>();
   }
+  CpuAllocator host;
+  Allocator& buffers = gpu ? static_cast<Allocator&>(*gpu) : host;
+  buffers.set_advice("lower --max-bytes (each rank holds a buffer of that size and one of 1/" + std::to_string(n) +
+                     " of it)");
   Mesh mesh(world, n, 1, 1);
   if (gpu) how = attach_gpu_comm(mesh, gpu_comm, *gpu);
   Communicator& group = mesh.dp();
@@ -113,10 +145,13 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
                 "busbw (GB/s)");
   }
   const CommOp ops[] = {CommOp::allreduce, CommOp::allgather, CommOp::reduce_scatter, CommOp::broadcast};
+  int64_t last_count = 0;
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
     const int64_t count = std::max<int64_t>(n, bytes / es / n * n);  // divisible by n
+    if (count == last_count) continue;  // small sizes rounded up to the same count: measured once
+    last_count = count;
     for (CommOp op : ops) {
-      const double per_op = plan::comm_op_seconds(group, op, count, dtype, iters, gpu.get());
+      const double per_op = plan::comm_op_seconds(group, op, count, dtype, iters, &buffers);
       const double data = static_cast<double>(count * es);  // nccl-tests: the full buffer's size
       const double algbw = data / per_op / 1e9;
       if (world.rank() == 0)
