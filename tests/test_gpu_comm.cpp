@@ -5,6 +5,7 @@
 // are tested on GPUs (test_cuda_nccl.cpp, mpi_test_cuda_nccl.cpp).
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <regex>
 #include <string>
 #include <vector>
@@ -94,6 +95,23 @@ TEST(GpuComm, BenchCommOnGpuBuffersSaysHowTheyTravel) {
   else if (cuda_device_count() == 1)
     EXPECT_NE(out.find("dp (2 ranks) through host memory: ranks 0 and 1 share one GPU"), std::string::npos) << out;
   EXPECT_NE(out.find("reduce_scatter"), std::string::npos) << out;
+}
+
+// training.device = cuda where a rank sees no GPU: every rank stops, said once (each rank
+// said it inside Open MPI's MPI_ABORT banner, after the output directories were made).
+TEST(GpuComm, TrainingOnCudaWithoutAGpuStopsOnceBeforeAnyFile) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible";
+  mt::test::TempDir d;
+  std::string out;
+  EXPECT_EQ(mt::test::run_command(std::string("OMP_NUM_THREADS=1 ") + MESHTRAIN_BIN + " launch -n 2 train " +
+                                      "--training.device=cuda --training.steps=1 --logging.metrics=" + d / "m/m.jsonl",
+                                  &out), 1) << out;
+  const bool built = cuda_built();
+  EXPECT_NE(out.find(built ? "error: training.device = cuda, but no GPU is visible" : "built without CUDA"),
+            std::string::npos) << out;
+  EXPECT_EQ(out.find("error:"), out.rfind("error:")) << out;
+  EXPECT_EQ(out.find("MPI_ABORT"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(d / "m")) << out;
 }
 
 }  // namespace

@@ -371,16 +371,21 @@ TEST(Precision, Fp16LossScalingSkipsExactlyTheOverflowingSteps) {
   std::printf("scale 2^24: %d of %zu steps skipped\n", skipped, hi.size());
 }
 
-// A scale past int64's range is printed as the number it is (it was cast to int64 and
-// printed as -9223372036854775808): 1e30 overflows at once and halves at each step.
+// A scale past int32's range is printed as the number it is (a scale past int64's, before
+// optim.loss_scale was bounded, was cast and printed as -9223372036854775808): 2^32, the
+// largest start, overflows at once and halves at each step. Past 2^32 it is refused (1e39,
+// past fp32, skipped 110 steps while it halved).
 TEST(Precision, Fp16OverflowMessagePrintsAnyScale) {
   PrecisionRuns& rs = precision_runs();
-  const RunResult& r = rs.run("fp16_huge", 1, rs.base("fp16") + " --training.steps=2 --optim.loss_scale=1e30");
-  for (const char* line : {"step 0: fp16 gradients overflowed at loss scale 1e+30; step skipped, loss scale halved to "
-                           "5e+29",
-                           "step 1: fp16 gradients overflowed at loss scale 5e+29; step skipped, loss scale halved to "
-                           "2.5e+29"})
+  const RunResult& r = rs.run("fp16_huge", 1, rs.base("fp16") + " --training.steps=2 --optim.loss_scale=4294967296");
+  for (const char* line : {"step 0: fp16 gradients overflowed at loss scale 4.29497e+09; step skipped, loss scale "
+                           "halved to 2.14748e+09",
+                           "step 1: fp16 gradients overflowed at loss scale 2.14748e+09; step skipped, loss scale "
+                           "halved to 1.07374e+09"})
     EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
+  EXPECT_NE(error_of([] { config_load("", {"training.precision=fp16", "optim.loss_scale=1e39"}); })
+                .find("optim.loss_scale = 1e+39 must be from 1 to 2^32 = 4294967296"),
+            std::string::npos);
 }
 
 // At loss scale 1, its least, an overflow is in the gradients themselves: the message says

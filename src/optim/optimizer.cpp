@@ -28,8 +28,10 @@ void OptimConfig::validate() const {
   MT_CHECK(min_lr_ratio >= 0 && min_lr_ratio <= 1, "optim.min_lr_ratio = " << min_lr_ratio << " must be in [0, 1]");
   MT_CHECK(step_size >= 1, "optim.step_size = " << step_size << " must be at least 1");
   MT_CHECK(step_gamma > 0, "optim.step_gamma = " << step_gamma << " must be positive");
-  MT_CHECK(loss_scale >= 1 && std::isfinite(loss_scale),
-           "optim.loss_scale = " << loss_scale << " must be a finite number of at least 1 (e.g. 65536)");
+  // Above 2^32 the first steps only overflow and halve it (1e39, past fp32, skipped 110 steps).
+  MT_CHECK(loss_scale >= 1 && loss_scale <= 0x1p32,
+           "optim.loss_scale = " << loss_scale << " must be from 1 to 2^32 = 4294967296 (65536 is the usual start; "
+                                 << "a scale the gradients overflow at is halved, one skipped step each)");
   MT_CHECK(loss_scale_window >= 1, "optim.loss_scale_window = " << loss_scale_window << " must be at least 1");
 }
 

@@ -423,17 +423,19 @@ TrainSummary train(const Config& cfg, Communicator& world) {
                     std::to_string(cpus) + " CPUs, which then take turns: set training.threads (or OMP_NUM_THREADS) "
                     "to " + std::to_string(threads_per_rank(here)) + ", its CPUs over the ranks on it");
   const auto t_start = Clock::now();
+  // training.device: the model, its gradients and the optimizer state in host or GPU memory;
+  // communication buffers stay on the host. A rank that sees no GPU stops every rank, said
+  // once, before any file is touched.
+  CpuAllocator host_alloc;
+  std::unique_ptr<CudaAllocator> gpu_alloc;
+  if (c.training.device == "cuda")
+    agreed(world, [&] {
+      use_local_gpu();
+      gpu_alloc = std::make_unique<CudaAllocator>();
+    });
   outputs_prepare(c, world);  // output paths, hardware profile, tokenizer: before any work
   MetricsLog log(c.logging.metrics, c.logging.progress, c.logging.every, world.rank() == 0);  // rank 0 prints
 
-  // training.device: the model, its gradients and the optimizer state in host or GPU memory;
-  // communication buffers stay on the host.
-  CpuAllocator host_alloc;
-  std::unique_ptr<CudaAllocator> gpu_alloc;
-  if (c.training.device == "cuda") {
-    use_local_gpu();
-    gpu_alloc = std::make_unique<CudaAllocator>();
-  }
   Allocator& alloc = gpu_alloc ? static_cast<Allocator&>(*gpu_alloc) : host_alloc;
   // The caller's world gets this run's checks and limits (restored on the way out); the
   // mesh's groups also count their buffers in this run's allocator.
