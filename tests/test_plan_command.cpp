@@ -170,6 +170,39 @@ TEST(PlanCommand, GradDtypeHalvesTheGradients) {
   EXPECT_TRUE(has(bad.out, "--grad-dtype fp16 with precision bf16")) << bad.out;
 }
 
+// The configuration's training.precision is planned where no --precision is given, and
+// --precision is the configuration's before it is checked (its grad_dtype once was checked
+// against fp32); the configuration's own pair the engine refuses is refused by its keys.
+TEST(PlanCommand, PrecisionIsTheConfigurations) {
+  const TempDir d;
+  const std::string cfg = "--config " + kBench + " --gpus 2 --hardware h100 --top 1 ";
+  const Plan half = plan_cmd(d, cfg + "--set training.precision=fp16 --set training.grad_dtype=fp16");
+  ASSERT_EQ(half.rc, 0) << half.out;
+  EXPECT_TRUE(has(half.printed, "fp16 with fp16 gradients")) << half.printed;
+  const Plan kept = plan_cmd(d, cfg + "--set training.precision=fp16");
+  ASSERT_EQ(kept.rc, 0) << kept.out;
+  EXPECT_TRUE(has(kept.printed, "tokens, fp16\n")) << kept.printed;
+  const Plan given = plan_cmd(d, cfg + "--precision=bf16 --set training.grad_dtype=bf16");
+  ASSERT_EQ(given.rc, 0) << given.out;
+  EXPECT_TRUE(has(given.printed, "bf16 with bf16 gradients")) << given.printed;
+  const Plan over = plan_cmd(d, cfg + "--precision=bf16 --set training.precision=fp16 --set training.grad_dtype=fp16");
+  ASSERT_EQ(over.rc, 0) << over.out;  // --grad-dtype's default: fp32 where the configuration's is not the precision's
+  EXPECT_TRUE(has(over.printed, "tokens, bf16\n")) << over.printed;
+  const Plan bad = plan_cmd(d, cfg + "--set training.precision=bf16 --set training.grad_dtype=fp16");
+  EXPECT_EQ(bad.rc, 1) << bad.out;
+  EXPECT_TRUE(has(bad.out, "training.grad_dtype = \"fp16\" under training.precision = bf16")) << bad.out;
+}
+
+// A named v holds (it once fell away where the search chose pp = 1).
+TEST(PlanCommand, NamedChunksHold) {
+  const TempDir d;
+  const Plan p = plan_cmd(d, "--config " + kBench + " --gpus 4 --gpus-per-node 4 --hardware h100 --layout v=2 --json");
+  ASSERT_EQ(p.rc, 0) << p.out;
+  const nlohmann::json l = parse(p.printed)["layouts"][0]["layout"];
+  EXPECT_EQ(l["pp_chunks"], 2) << l.dump();
+  EXPECT_GT(l["pp"].get<int>(), 1) << l.dump();
+}
+
 TEST(PlanCommand, PartialLayoutIsCompleted) {
   const TempDir d;
   const std::string args = "--config " + kBench + " --gpus 4 --gpus-per-node 4 --hardware h100 --layout tp=2";
@@ -295,6 +328,34 @@ TEST(PlanCommand, BadInputIsExplained) {
     EXPECT_TRUE(has(p.out, "expected a whole number from 1 to")) << p.out;
     expect_one_error(p.out, layout);
   }
+  // --top, --global-batch (whose -1 once read as "not given") and --precision out of range:
+  // the option named, what it takes.
+  for (const char* top : {"0", "-5"}) {
+    const Plan p = plan_cmd(d, cfg + "--top " + top);
+    EXPECT_EQ(p.rc, 1) << p.out;
+    EXPECT_TRUE(has(p.out, std::string("--top ") + top + ": give the number of layouts to list, at least 1")) << p.out;
+    expect_one_error(p.out, top);
+  }
+  for (const char* gb : {"-1", "0", "-7"}) {
+    const Plan p = plan_cmd(d, cfg + "--global-batch " + gb);
+    EXPECT_EQ(p.rc, 1) << p.out;
+    EXPECT_TRUE(has(p.out, std::string("--global-batch: ") + gb + " sequences per step: give at least 1")) << p.out;
+    expect_one_error(p.out, gb);
+  }
+  {
+    const Plan p = plan_cmd(d, cfg + "--precision fp8");
+    EXPECT_EQ(p.rc, 1) << p.out;
+    EXPECT_TRUE(has(p.out, "--precision fp8: use fp32, bf16 or fp16")) << p.out;
+    expect_one_error(p.out, "fp8");
+  }
+  {
+    // v chunks per rank need a pipeline: said by the layout's fields, not a key not set.
+    const Plan p = plan_cmd(d, cfg + "--layout pp=1,v=2,schedule=zbv");
+    EXPECT_EQ(p.rc, 1) << p.out;
+    EXPECT_TRUE(has(p.out, "--layout v=2 with pp=1:")) << p.out;
+    EXPECT_FALSE(has(p.out, "parallel.pp_chunks")) << p.out;
+    expect_one_error(p.out, "v=2");
+  }
   {
     // A named layout the engine refuses: the engine's reason.
     const Plan p = plan_cmd(d, cfg + "--layout tp=4");
@@ -302,6 +363,24 @@ TEST(PlanCommand, BadInputIsExplained) {
     EXPECT_TRUE(has(p.out, "--layout tp=4: model.n_head = 6 does not split over parallel.tp = 4")) << p.out;
     expect_one_error(p.out, "tp=4");
   }
+}
+
+// The slowest device a profile may describe, a huge model and batch: every figure prints
+// whole, with its unit (they were cut at 31 characters: "step 4755...200.00, 0 tokens/s").
+TEST(PlanCommand, LongFiguresPrintWhole) {
+  const TempDir d;
+  Hardware slow = cpu_like();
+  slow.flops_fp32 = slow.flops_bf16 = slow.flops_fp16 = 1e6, slow.efficiency = 1e-4;
+  slow.mem_bytes = 1e15, slow.latency_s = 10;
+  slow.mem_bw = slow.intra_node_bw = slow.inter_node_bw = 1e3;
+  write_file(d / "slow.toml", hardware_to_toml(slow));
+  const Plan p = plan_cmd(d, "--config " + kBench + " --gpus 1 --hardware " + (d / "slow.toml") +
+                                 " --layout mb=1099511627776,gb=1099511627776 --set model.n_layer=4096 "
+                                 "--set model.d_model=65536 --set model.n_head=64");
+  EXPECT_EQ(p.rc, 1) << p.out;  // 2.6e14 GiB does not fit
+  EXPECT_TRUE(has(p.printed, ".00 s, bubble 0.0%: step ")) << p.printed;
+  EXPECT_TRUE(has(p.printed, "00.00 s, 0 tokens/s")) << p.printed;
+  EXPECT_TRUE(has(p.printed, "GiB: does not fit")) << p.printed;
 }
 
 // --svg: memory per rank of the top layouts; with pp, the chosen layout's pipeline nested.

@@ -94,11 +94,11 @@ TEST(PlanHardware, TomlRoundTripIsExact) {
   odd.gpu = false;
   odd.flops_fp32 = 1.2345678901234567e11;
   odd.flops_bf16 = 1.0 / 3.0 * 1e12;
-  odd.flops_fp16 = 7;
+  odd.flops_fp16 = 7e6 / 3.0;
   odd.mem_bytes = 25276026880;
   odd.mem_bw = 3.3e10 + 0.1;
   odd.intra_node_bw = 2.0 / 3.0 * 1e10;
-  odd.inter_node_bw = 1e-3;
+  odd.inter_node_bw = 1e4 / 3.0;
   odd.latency_s = 0;
   odd.efficiency = 0.1 + 0.2;
   all.push_back(odd);
@@ -161,11 +161,19 @@ TEST(PlanHardware, BadValueIsNamed) {
   const Case cases[] = {
       {"flops_fp32", "\"fast\"", "\"fast\"", "FLOP/s"}, {"mem_bytes", "-1", "-1", "bytes"},
       {"mem_bw", "0", "0", "bytes/s"},                  {"latency_s", "-1e-6", "-1e-06", "seconds"},
-      {"efficiency", "1.5", "1.5", "(0, 1]"},            {"gpu", "1", "1", "true or false"},
+      {"efficiency", "1.5", "1.5", "from 1e-4 to 1"},    {"gpu", "1", "1", "true or false"},
       {"name", "\"\"", "\"\"", "string"},               {"inter_node_bw", "[1, 2]", "an array", "bytes/s"},
+      // Finite and positive, but past any device: the planner's times went inf and nan, and
+      // its text cut off the unit.
+      {"flops_bf16", "1e-300", "1e-300", "from 1e6 to 1e18, FLOP/s"},
+      {"latency_s", "1e300", "1e+300", "from 0 to 10, seconds"},
+      {"mem_bytes", "1e300", "1e+300", "from 1e6 to 1e15, bytes"},
+      {"mem_bw", "1e16", "1e+16", "from 1e3 to 1e15, bytes/s"},
+      {"efficiency", "1e-300", "1e-300", "from 1e-4 to 1"},
+      {"flops_fp32", "inf", "inf", "FLOP/s"},
   };
   for (const Case& c : cases) {
-    SCOPED_TRACE(c.field);
+    SCOPED_TRACE(c.field + " = " + c.value);
     std::istringstream in(full);
     std::string text;
     for (std::string l; std::getline(in, l);) text += (l.rfind(c.field + " =", 0) == 0 ? c.field + " = " + c.value : l) + "\n";

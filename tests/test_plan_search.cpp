@@ -303,7 +303,7 @@ TEST(PlanSearch, EnginesReasonsForLayoutsItRefuses) {
 TEST(PlanSearch, NamedFieldsAreRespected) {
   const Question q = bench_question(4, hardware_get("h100"));
   const char* texts[] = {"tp=2", "pp=2,schedule=zb-h1", "pp=2,schedule=interleaved,v=2", "zero=3", "mb=2,recompute=full",
-                         "dp=2,cp=2", "pp=4,schedule=1f1b", "tp=2,sp=1"};
+                         "dp=2,cp=2", "pp=4,schedule=1f1b", "tp=2,sp=1", "v=2"};
   for (const char* text : texts) {
     Layout base;
     base.global_batch = q.global_batch;
@@ -336,6 +336,59 @@ TEST(PlanSearch, NamedFieldsAreRespected) {
   for (const std::string& rc : recomputes)
     EXPECT_TRUE(rc == "none" || rc == "full" || Layout{.recompute = rc}.recomputed().any()) << rc;
   EXPECT_TRUE(mbs.count(1) && mbs.count(8)) << "micro-batches 1 .. 8 divide 32 / 4";
+}
+
+// A named v holds: only pipelines (pp > 1) hold v chunks per rank (the search once ran the
+// pp = 1 layouts with v = 1). Where v leaves no layout, search_closest says why by v and pp.
+TEST(PlanSearch, NamedChunksNeedAPipeline) {
+  const Question q = bench_question(4, hardware_get("h100"));
+  Layout base;
+  base.global_batch = q.global_batch;
+  const SearchResult r = search(q, layout_parse("v=2", base));
+  ASSERT_FALSE(r.ranked.empty());
+  for (const Prediction& p : r.ranked) {
+    EXPECT_GT(p.layout.pp, 1) << p.layout.text();
+    EXPECT_EQ(p.layout.chunks, 2) << p.layout.text();
+  }
+  const auto refusal = [&](const Question& question, const char* text) {
+    try {
+      search_closest(question, layout_parse(text, base));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string named = refusal(q, "pp=1,v=2,schedule=zbv");
+  EXPECT_TRUE(has(named, "--layout v=2 with pp=1: v is the model chunks each pipeline rank holds")) << named;
+  EXPECT_FALSE(has(named, "parallel.pp_chunks")) << named;
+  const std::string one = refusal(bench_question(1, hardware_get("h100")), "v=2");
+  EXPECT_TRUE(has(one, "--layout v=2: v is the model chunks")) << one;
+  EXPECT_TRUE(has(one, "no pp > 1 fits the 1 GPUs")) << one;
+}
+
+// The pipeline's message tags bound 2 x micro-batches x stages at every pp, pp = 1 too (the
+// engine builds a pipeline of one stage): at a global batch of 2^21 sequences on 8 GPUs no
+// layout runs, and every family says why (the pp = 1 ones were once ranked, then dropped
+// by the schedule check without a word).
+TEST(PlanSearch, MessageTagsBoundEveryPipeline) {
+  Question q = bench_question(8, hardware_get("h100"));
+  q.global_batch = 2097152;
+  Layout base;
+  base.global_batch = q.global_batch;
+  const auto problem = layout_problem(q, layout_parse("dp=8,tp=1,pp=1,cp=1,mb=16", base), /*full=*/false);
+  ASSERT_TRUE(problem.has_value());
+  EXPECT_TRUE(has(*problem, "16384 micro-batches over 1 pipeline stage are more than the engine's transfers can "
+                            "tell apart")) << *problem;
+  const SearchResult r = search(q, base);
+  EXPECT_TRUE(r.ranked.empty()) << r.ranked.front().layout.text();
+  std::map<std::string, std::string> why;
+  int layouts = 0;
+  for (const Rejected& x : r.rejected) why[x.family] = x.reason, layouts += x.layouts;
+  EXPECT_EQ(layouts, r.tried) << "every layout tried is in a rejected family";
+  for (const char* family : {"tp=1,pp=1,cp=1", "tp=2,pp=1,cp=1", "tp=1,pp=1,cp=2", "tp=1,pp=2,cp=1"}) {
+    ASSERT_TRUE(why.count(family)) << family;
+    EXPECT_TRUE(has(why[family], "tell apart")) << family << ": " << why[family];
+  }
 }
 
 // Where keeping every block's activations does not fit, the search also weighs the fewest

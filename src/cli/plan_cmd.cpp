@@ -2,9 +2,13 @@
 // without --layout, every layout that fits ranked by predicted step time and the reason
 // each rejected family fails (src/plan/).
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <toml++/toml.h>
+#include <vector>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -25,10 +29,23 @@ void plan_options_add(CLI::App* cmd, PlanOptions* o) {
   cmd->add_option("--gpus-per-node", o->gpus_per_node, "devices per node")->capture_default_str();
   cmd->add_option("--hardware", o->hardware, "a100-40gb | a100-80gb | h100 | h200 | FILE.toml (meshtrain bench profile)")
       ->capture_default_str();
-  cmd->add_option("--global-batch", o->global_batch, "sequences per step (default: the configuration's)");
+  // -1 is the marker for "not given": a given value below 1 is refused here, before it could read as that.
+  const CLI::Validator at_least_1(
+      [](std::string& v) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const long long x = std::strtoll(v.c_str(), &end, 10);
+        if (end == v.c_str() || *end != '\0' || errno) return "";  // not a whole number: the conversion says so
+        return x >= 1 ? "" : v + " sequences per step: give at least 1 (or leave it out: the configuration's "
+                             "training.global_batch)";
+      },
+      "");
+  cmd->add_option("--global-batch", o->global_batch, "sequences per step (default: the configuration's)")
+      ->check(at_least_1);
   cmd->add_option("--layout", o->layout, "dp=..,tp=..,pp=..,cp=..,v=..,schedule=..,zero=..,shard_group=..,sp=..,"
                                          "recompute=..,mb=..,gb=..; fields left out are chosen");
-  cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp16 (default: bf16 on GPUs, fp32 on CPUs)");
+  cmd->add_option("--precision", o->precision, "fp32 | bf16 | fp16 (default: the configuration's training.precision where it is not fp32, "
+                  "else bf16 on GPUs, fp32 on CPUs)");
   cmd->add_option("--grad-dtype", o->grad_dtype,
                   "fp32 | the precision's 16-bit type: gradients kept in it, 2Ψ + 2Ψ + 12Ψ (default: the "
                   "configuration's training.grad_dtype where it is that type, else fp32)");
@@ -39,23 +56,36 @@ void plan_options_add(CLI::App* cmd, PlanOptions* o) {
 
 namespace {
 
-std::string gib(double b) {
-  char s[32];
-  std::snprintf(s, sizeof s, "%.2f GiB", b / (1024.0 * 1024 * 1024));
-  return s;
+// A [training] key's text as the configuration gives it (its file, then --set), before any
+// check (config_load checks them, and names what does not read); `fallback` where neither does.
+std::string configured_training(const PlanOptions& o, const std::string& key, const std::string& fallback) {
+  std::string value = fallback;
+  if (!o.config.empty()) {
+    try {
+      if (auto v = toml::parse_file(o.config)["training"][key].value<std::string>()) value = *v;
+    } catch (const toml::parse_error&) {
+    }
+  }
+  const std::string set = "training." + key + "=";
+  for (const std::string& s : o.overrides)
+    if (s.rfind(set, 0) == 0) value = s.substr(set.size());
+  return value;
 }
+
+// printf's text of one number, whole however long (a finite double has up to 309 digits).
+std::string format(const char* fmt, double x) {
+  std::vector<char> s(static_cast<size_t>(std::snprintf(nullptr, 0, fmt, x)) + 1);
+  std::snprintf(s.data(), s.size(), fmt, x);
+  return s.data();
+}
+
+std::string gib(double b) { return format("%.2f GiB", b / (1024.0 * 1024 * 1024)); }
 
 std::string seconds(double s) {
-  char out[32];
-  std::snprintf(out, sizeof out, s >= 1 ? "%.2f s" : s >= 1e-3 ? "%.1f ms" : "%.0f us", s >= 1 ? s : s >= 1e-3 ? 1e3 * s : 1e6 * s);
-  return out;
+  return s >= 1 ? format("%.2f s", s) : s >= 1e-3 ? format("%.1f ms", 1e3 * s) : format("%.0f us", 1e6 * s);
 }
 
-std::string gb(double b) {
-  char s[32];
-  std::snprintf(s, sizeof s, b >= 1e9 ? "%.1f GB" : "%.1f MB", b >= 1e9 ? b / 1e9 : b / 1e6);
-  return s;
-}
+std::string gb(double b) { return b >= 1e9 ? format("%.1f GB", b / 1e9) : format("%.1f MB", b / 1e6); }
 
 void print_breakdown(const plan::Prediction& p, const plan::Question& q) {
   const plan::Memory& m = p.memory;
@@ -95,21 +125,32 @@ int cmd_plan(const PlanOptions& o) {
                 std::to_string(whole + per) + " for whole nodes"
           : "";
   if (!partial_node.empty() && o.json) std::fprintf(stderr, "%s\n", partial_node.c_str());  // the JSON alone on stdout
+  MT_CHECK(o.top >= 1, "--top " << o.top << ": give the number of layouts to list, at least 1");
+  MT_CHECK(o.precision.empty() || o.precision == "fp32" || o.precision == "bf16" || o.precision == "fp16",
+           "--precision " << o.precision << ": use fp32, bf16 or fp16");
   plan::Question q;
-  q.config = config_load(o.config, o.overrides);
-  q.config.validate();
   q.cluster.gpus = o.gpus;
   q.cluster.gpus_per_node = std::min(o.gpus_per_node, o.gpus);
   q.cluster.hw = plan::hardware_get(o.hardware);
-  std::error_code ec;  // --svg must not replace the files the plan reads (a built-in --hardware is none)
-  const std::string hw_file = std::filesystem::is_regular_file(o.hardware, ec) ? o.hardware : "";
-  output_paths_check({{"--svg", o.svg, ""}}, {{"--config", o.config, ""}, {"--hardware", hw_file, ""}});
-  const std::string precision = o.precision.empty() ? (q.cluster.hw.gpu ? "bf16" : "fp32") : o.precision;
+  const std::string configured = configured_training(o, "precision", "fp32");
+  const std::string precision = !o.precision.empty()   ? o.precision
+                                : configured != "fp32" ? configured
+                                                       : (q.cluster.hw.gpu ? "bf16" : "fp32");
   std::string grad = o.grad_dtype;
-  if (grad.empty()) grad = q.config.model.grad_dtype == precision ? precision : "fp32";
+  if (grad.empty()) grad = configured_training(o, "grad_dtype", "fp32") == precision ? precision : "fp32";
   MT_CHECK(grad == "fp32" || grad == precision, "--grad-dtype " << grad << " with precision " << precision
                                                    << ": gradients are kept in fp32 or in the working precision ("
                                                    << (precision == "fp32" ? "fp32 here" : precision) << ")");
+  // The precisions planned are the configuration's before it is checked. With neither option
+  // given, a configuration planned in its own precision keeps its own grad_dtype: a pair the
+  // engine refuses is refused by its keys.
+  std::vector<std::string> overrides = o.overrides;
+  if (!o.precision.empty() || !o.grad_dtype.empty() || configured == "fp32")
+    overrides.insert(overrides.end(), {"training.precision=" + precision, "training.grad_dtype=" + grad});
+  q.config = config_load(o.config, overrides);
+  std::error_code ec;  // --svg must not replace the files the plan reads (a built-in --hardware is none)
+  const std::string hw_file = std::filesystem::is_regular_file(o.hardware, ec) ? o.hardware : "";
+  output_paths_check({{"--svg", o.svg, ""}}, {{"--config", o.config, ""}, {"--hardware", hw_file, ""}});
   q.precision = plan::Precisions::trained(precision, grad != "fp32");
   MT_CHECK(o.global_batch == -1 || o.global_batch >= 1,
            "--global-batch " << o.global_batch << ": give at least 1 sequence per step (or leave it out: the "

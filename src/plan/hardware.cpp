@@ -123,9 +123,10 @@ Hardware hardware_get(const std::string& name_or_file) {
 
 namespace {
 
-enum class Kind { text, flag, positive, non_negative, fraction };
+enum class Kind { text, flag, number };
 
-// Every field of a profile file: what it holds (with its unit) and where it goes.
+// Every field of a profile file: what it holds (with its unit and range) and where it goes.
+// A number must lie in [lo, hi].
 struct Field {
   const char* name;
   Kind kind;
@@ -133,33 +134,47 @@ struct Field {
   std::string Hardware::*text = nullptr;
   bool Hardware::*flag = nullptr;
   double Hardware::*number = nullptr;
+  double lo = 0, hi = 0;
 };
 
+// The ranges are far wider than any device: every built-in profile lies inside them, and so
+// does whatever `meshtrain bench profile` measures on any machine (one slow CPU core does
+// 1e9 FLOP/s; a rank's share of a machine's memory is over 1e8 bytes; a collective through
+// shared memory moves over 1e6 bytes/s and takes well under a second; a step reaches over
+// 1e-3 of the products' peak). Their purpose is that every time and rate the planner
+// derives stays finite and prints whole: flops x efficiency >= 1e2 FLOP/s, bandwidths >= 1e3
+// bytes/s, latency <= 10 s.
+//   flops_*:        1e6 .. 1e18 FLOP/s (an H100's bf16 is 9.89e14)
+//   mem_bytes:      1e6 .. 1e15 bytes (a 1 PB device)
+//   *_bw:           1e3 .. 1e15 bytes/s (an H200's memory, 4.8e12)
+//   latency_s:      0 .. 10 s
+//   efficiency:     1e-4 .. 1
 const std::vector<Field>& fields() {
   using H = Hardware;
+  constexpr Kind N = Kind::number;
   static const std::vector<Field> all = {
       {"name", Kind::text, "the profile's name (a string)", &H::name},
       {"gpu", Kind::flag, "whether the device is a GPU (true or false)", nullptr, &H::gpu},
-      {"flops_fp32", Kind::positive, "dense matrix FLOP/s per device in fp32 (a positive number, FLOP/s)", nullptr,
-       nullptr, &H::flops_fp32},
-      {"flops_bf16", Kind::positive, "dense matrix FLOP/s per device in bf16 (a positive number, FLOP/s)", nullptr,
-       nullptr, &H::flops_bf16},
-      {"flops_fp16", Kind::positive, "dense matrix FLOP/s per device in fp16 (a positive number, FLOP/s)", nullptr,
-       nullptr, &H::flops_fp16},
-      {"mem_bytes", Kind::positive, "memory per device (a positive number, bytes)", nullptr, nullptr, &H::mem_bytes},
-      {"mem_bw", Kind::positive, "memory bandwidth per device (a positive number, bytes/s)", nullptr, nullptr,
-       &H::mem_bw},
-      {"intra_node_bw", Kind::positive,
-       "bandwidth per device to the others of its node, one direction (a positive number, bytes/s)", nullptr, nullptr,
-       &H::intra_node_bw},
-      {"inter_node_bw", Kind::positive,
-       "bandwidth per device across nodes, one direction (a positive number, bytes/s)", nullptr, nullptr,
-       &H::inter_node_bw},
-      {"latency_s", Kind::non_negative, "latency per collective or point-to-point message (a number >= 0, seconds)",
-       nullptr, nullptr, &H::latency_s},
-      {"efficiency", Kind::fraction,
-       "the fraction of peak FLOP/s a training step's matrix work reaches (a number in (0, 1])", nullptr, nullptr,
-       &H::efficiency},
+      {"flops_fp32", N, "dense matrix FLOP/s per device in fp32 (a number from 1e6 to 1e18, FLOP/s)", nullptr,
+       nullptr, &H::flops_fp32, 1e6, 1e18},
+      {"flops_bf16", N, "dense matrix FLOP/s per device in bf16 (a number from 1e6 to 1e18, FLOP/s)", nullptr,
+       nullptr, &H::flops_bf16, 1e6, 1e18},
+      {"flops_fp16", N, "dense matrix FLOP/s per device in fp16 (a number from 1e6 to 1e18, FLOP/s)", nullptr,
+       nullptr, &H::flops_fp16, 1e6, 1e18},
+      {"mem_bytes", N, "memory per device (a number from 1e6 to 1e15, bytes)", nullptr, nullptr, &H::mem_bytes, 1e6,
+       1e15},
+      {"mem_bw", N, "memory bandwidth per device (a number from 1e3 to 1e15, bytes/s)", nullptr, nullptr, &H::mem_bw,
+       1e3, 1e15},
+      {"intra_node_bw", N,
+       "bandwidth per device to the others of its node, one direction (a number from 1e3 to 1e15, bytes/s)", nullptr,
+       nullptr, &H::intra_node_bw, 1e3, 1e15},
+      {"inter_node_bw", N, "bandwidth per device across nodes, one direction (a number from 1e3 to 1e15, bytes/s)",
+       nullptr, nullptr, &H::inter_node_bw, 1e3, 1e15},
+      {"latency_s", N, "latency per collective or point-to-point message (a number from 0 to 10, seconds)", nullptr,
+       nullptr, &H::latency_s, 0, 10},
+      {"efficiency", N,
+       "the fraction of peak FLOP/s a training step's matrix work reaches (a number from 1e-4 to 1)", nullptr,
+       nullptr, &H::efficiency, 1e-4, 1},
   };
   return all;
 }
@@ -188,10 +203,7 @@ bool set_field(Hardware& hw, const Field& f, const toml::node& v) {
   if (auto i = v.as_integer()) x = static_cast<double>(i->get());
   else if (auto d = v.as_floating_point()) x = d->get();
   else return false;
-  if (!std::isfinite(x)) return false;
-  if (f.kind == Kind::positive && !(x > 0)) return false;
-  if (f.kind == Kind::non_negative && !(x >= 0)) return false;
-  if (f.kind == Kind::fraction && !(x > 0 && x <= 1)) return false;
+  if (!(x >= f.lo && x <= f.hi)) return false;  // NaN too
   hw.*f.number = x;
   return true;
 }

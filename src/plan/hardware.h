@@ -20,7 +20,10 @@
 //   latency_s = 5e-06        # seconds per collective or point-to-point message
 //   efficiency = 0.5         # fraction of peak FLOP/s a step's matrix work reaches
 //
-// Missing, mistyped or unknown fields are errors naming the field, the file and the unit.
+// Missing, mistyped or unknown fields, and numbers outside a field's range (far wider than any
+// device: FLOP/s 1e6..1e18, mem_bytes 1e6..1e15, bandwidths 1e3..1e15 bytes/s, latency_s
+// 0..10, efficiency 1e-4..1; hardware.cpp), are errors naming the field, the file, the unit
+// and the range.
 #pragma once
 #include <functional>
 #include <map>

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "comm/communicator.h"
 #include "core/error.h"
@@ -36,9 +37,13 @@ Config layout_config(const Question& q, const Layout& l) {
 }
 
 std::string gib(double bytes) {
-  char s[32];
+  char s[400];  // "%.1f" of any finite double fits (at most 309 digits before the point)
   std::snprintf(s, sizeof s, "%.1f GiB", bytes / (1024.0 * 1024 * 1024));
   return s;
+}
+
+std::string family_of(const Layout& l) {
+  return "tp=" + std::to_string(l.tp) + ",pp=" + std::to_string(l.pp) + ",cp=" + std::to_string(l.cp);
 }
 
 std::vector<int> divisors_of(int n) {  // divisors() as ints
@@ -88,9 +93,11 @@ std::optional<std::string> layout_problem(const Question& q, const Layout& l, bo
     c.resolve_layout(q.cluster.gpus, full);
     pipeline_shape(c.model, l, c.parallel.pp_layers);  // a parallel.pp_layers list fits the stages
     const int64_t m = l.micro_batches(), stages = int64_t{l.pp} * l.chunks;
-    MT_CHECK(l.pp == 1 || 2 * m * stages <= Communicator::kMaxPostTag,
-             m << " micro-batches over " << stages << " pipeline stages are more than the engine's transfers can "
-               << "tell apart; use a larger micro-batch");
+    // The engine's pipeline numbers its transfers at every pp (pipeline.cpp), pp = 1 too.
+    MT_CHECK(2 * m * stages <= Communicator::kMaxPostTag,
+             m << " micro-batches over " << stages << (stages == 1 ? " pipeline stage" : " pipeline stages")
+               << " are more than the engine's transfers can tell apart (2 x micro-batches x stages at most "
+               << Communicator::kMaxPostTag << "); use a larger micro-batch");
   } catch (const Error& e) {
     return std::string(e.what());
   }
@@ -148,6 +155,7 @@ std::vector<Layout> candidates(const Question& q, const Layout& base) {
       for (int cp : values("cp", base.cp, {1, 2, 4, 8})) {
         const int64_t model_ranks = int64_t{tp} * pp * cp;
         if (G % model_ranks != 0 || (!named("pp") && pp > q.config.model.n_layer)) continue;
+        if (named("v") && base.chunks > 1 && pp == 1) continue;  // v chunks per rank need a pipeline
         const int dp = static_cast<int>(G / model_ranks);
         if (named("dp") && dp != base.dp) continue;
         // A named schedule without v runs its own default chunks (interleaved and zbv: 2).
@@ -207,16 +215,15 @@ SearchResult search(const Question& q, const Layout& base) {
   SearchResult r;
   struct Family {
     int tried = 0;
-    bool any = false;
     std::string problem;           // the first engine refusal seen
+    std::string refused;           // the first refusal of a layout that fits, once its schedule is checked
     double least_peak = -1;        // the smallest peak among layouts that run
     std::string least_layout;
   };
   std::map<std::string, Family> families;
   for (const Layout& l : candidates(q, base)) {
     ++r.tried;
-    const std::string fam = "tp=" + std::to_string(l.tp) + ",pp=" + std::to_string(l.pp) + ",cp=" + std::to_string(l.cp);
-    Family& f = families[fam];
+    Family& f = families[family_of(l)];
     ++f.tried;
     if (auto problem = layout_problem(q, l, /*full=*/false)) {
       if (f.problem.empty()) f.problem = *problem;
@@ -227,14 +234,12 @@ SearchResult search(const Question& q, const Layout& base) {
       if (f.least_peak < 0 || mem.peak < f.least_peak) f.least_peak = mem.peak, f.least_layout = l.text();
       if (base.named.count("recompute") || l.recompute != "none" || schedule_splits_backward(l.schedule)) continue;
       if (auto partial = fewest_recomputed(q, l)) {
-        ++r.tried, ++f.tried, f.any = true;
+        ++r.tried, ++f.tried;
         r.ranked.push_back(predict_accepted(q, partial->first, partial->second));
       }
       continue;
     }
-    Prediction p = predict_accepted(q, l, mem);
-    f.any = true;
-    r.ranked.push_back(std::move(p));
+    r.ranked.push_back(predict_accepted(q, l, mem));
   }
   // Fastest first; between layouts equally fast (to a part in a million), the simpler (fewer
   // axes split, a lower ZeRO stage), then the larger micro-batch (larger products run
@@ -248,16 +253,26 @@ SearchResult search(const Question& q, const Layout& base) {
     if (a.layout.micro_batch != b.layout.micro_batch) return a.layout.micro_batch > b.layout.micro_batch;
     return a.memory.peak < b.memory.peak;
   });
-  // The fastest few are checked as the engine would (their schedules built and checked).
+  // The fastest few are checked as the engine would (their schedules built and checked); a
+  // family left with no ranked layout is rejected with the engine's reason.
   for (size_t i = 0; i < r.ranked.size() && i < 20;) {
-    if (auto problem = layout_problem(q, r.ranked[i].layout, /*full=*/true)) r.ranked.erase(r.ranked.begin() + i);
-    else ++i;
+    if (auto problem = layout_problem(q, r.ranked[i].layout, /*full=*/true)) {
+      Family& f = families[family_of(r.ranked[i].layout)];
+      if (f.refused.empty()) f.refused = *problem;
+      r.ranked.erase(r.ranked.begin() + i);
+    } else {
+      ++i;
+    }
   }
+  std::set<std::string> ranked;
+  for (const Prediction& p : r.ranked) ranked.insert(family_of(p.layout));
   for (const auto& [fam, f] : families) {
-    if (f.any) continue;
-    std::string why = f.least_peak >= 0 ? "does not fit: at least " + gib(f.least_peak) + " per GPU (" + f.least_layout +
-                                              "), the " + q.cluster.hw.name + " has " + gib(q.cluster.hw.mem_bytes)
-                                        : f.problem;
+    if (ranked.count(fam)) continue;
+    std::string why = !f.refused.empty() ? f.refused
+                      : f.least_peak >= 0 ? "does not fit: at least " + gib(f.least_peak) + " per GPU (" +
+                                                f.least_layout + "), the " + q.cluster.hw.name + " has " +
+                                                gib(q.cluster.hw.mem_bytes)
+                                          : f.problem;
     r.rejected.push_back({fam, why, f.tried});
   }
   return r;
@@ -265,6 +280,20 @@ SearchResult search(const Question& q, const Layout& base) {
 
 Layout search_closest(const Question& q, const Layout& base) {
   const std::vector<Layout> all = candidates(q, base);
+  if (all.empty() && base.named.count("v") && base.chunks > 1) {  // is v what leaves no layout?
+    Layout open = base;
+    open.named.erase("v");
+    const std::string v = "v=" + std::to_string(base.chunks);
+    const bool without_v = !candidates(q, open).empty();
+    MT_CHECK(!without_v || !base.named.count("pp"),
+             "--layout " << v << " with pp=" << base.pp << ": v is the model chunks each pipeline rank holds and needs "
+                         << "a pipeline (pp > 1); name pp > 1 with it, or leave v out");
+    MT_CHECK(!without_v,
+             "--layout " << v << ": v is the model chunks each pipeline rank holds and needs a pipeline (pp > 1), but no "
+                         << "pp > 1 fits the " << q.cluster.gpus << " GPUs with the fields named (pp divides the GPUs "
+                         << "dp x tp x cp leave, at most model.n_layer = " << q.config.model.n_layer
+                         << "); leave v out");
+  }
   if (all.empty()) {
     int64_t fixed = 1;  // each size is at most 2^31 - 1: the product of four fits
     std::string named;
