@@ -1,6 +1,7 @@
 // core/cuda.h: the caching CudaAllocator (counts per tag, reuse of freed blocks, the cache's
-// release), copies between host and device, Tensor::zero_ on the device, and cuda_convert
-// and round_tensor against the host's convert and round_to bit for bit. Without a GPU only
+// release, and its give and take with the kernels' scratch pool), copies between host and
+// device, Tensor::zero_ on the device, and cuda_convert and round_tensor against the host's
+// convert and round_to bit for bit. Without a GPU only
 // the allocator's refusal runs.
 #include <gtest/gtest.h>
 
@@ -34,6 +35,7 @@ TEST(CudaRuntime, AllocatorWithoutGpuThrows) {
 }
 
 #if MESHTRAIN_CUDA
+#include <cuda_runtime_api.h>  // cudaMemGetInfo, cudaFreeAsync
 
 namespace {
 
@@ -132,6 +134,32 @@ TEST(CudaRuntime, AllocatorCountsAndCaches) {
     Tensor t = Tensor::empty({3 << 20}, DType::f32, gpu, MemTag::comm);
     EXPECT_EQ(t.raw(), first);
   }
+}
+
+// The kernels' scratch pool keeps what it once took, and the tensor cache keeps freed blocks:
+// each gives way to the other. Scratch of 60% of the free memory, given back, then a tensor
+// of that size (the pool is trimmed for it); freed into the cache, then scratch of that
+// size again (the cache is emptied for it). Either used to fail as out of memory with the
+// memory idle in the other.
+TEST(CudaRuntime, ScratchAndTensorCachesGiveWayToEachOther) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine";
+  CudaAllocator gpu;
+  cudaStream_t st = static_cast<cudaStream_t>(cuda_stream());
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  const size_t big = free_bytes / 10 * 6 / 4 * 4;
+  void* s = cuda_scratch_allocate(big, "the test's scratch");
+  ASSERT_EQ(cudaFreeAsync(s, st), cudaSuccess);
+  cuda_synchronize();
+  {
+    const Tensor t = Tensor::empty({static_cast<int64_t>(big / 4)}, DType::f32, gpu, MemTag::other);
+    EXPECT_NE(t.raw(), nullptr);
+  }
+  EXPECT_GE(gpu.cached_bytes(), big);
+  s = cuda_scratch_allocate(big, "the test's scratch");
+  EXPECT_EQ(gpu.cached_bytes(), 0u) << "the tensor cache gave its blocks back";
+  ASSERT_EQ(cudaFreeAsync(s, st), cudaSuccess);
+  cuda_synchronize();
 }
 
 TEST(CudaRuntime, CopiesRoundTripExactly) {
