@@ -339,7 +339,7 @@ TEST(Command, WhatCannotRunIsRefusedBeforeAnyWork) {
   }
   std::string out;
   EXPECT_NE(test::run_command(std::string(MESHTRAIN_BIN) + " plan --gpus 8 --global-batch 0", &out), 0);
-  EXPECT_NE(out.find("--global-batch 0: give at least 1 sequence"), std::string::npos) << out;
+  EXPECT_NE(out.find("--global-batch: 0 sequences per step: give at least 1"), std::string::npos) << out;
 }
 
 // prepare refuses what would write an empty or unasked-for file: a directory as --input

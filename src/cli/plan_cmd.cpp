@@ -152,9 +152,6 @@ int cmd_plan(const PlanOptions& o) {
   const std::string hw_file = std::filesystem::is_regular_file(o.hardware, ec) ? o.hardware : "";
   output_paths_check({{"--svg", o.svg, ""}}, {{"--config", o.config, ""}, {"--hardware", hw_file, ""}});
   q.precision = plan::Precisions::trained(precision, grad != "fp32");
-  MT_CHECK(o.global_batch == -1 || o.global_batch >= 1,
-           "--global-batch " << o.global_batch << ": give at least 1 sequence per step (or leave it out: the "
-                             << "configuration's training.global_batch)");
   q.global_batch = o.global_batch > 0 ? o.global_batch : q.config.training.global_batch;
   plan::Layout base;
   base.global_batch = q.global_batch;
