@@ -231,18 +231,18 @@ static void trim_scratch_pool() {
 void* cuda_scratch_allocate(size_t bytes, const char* what) {
   void* p = nullptr;
   cudaError_t err = cudaMallocAsync(&p, bytes, stream());
-  std::string advice = "use a smaller model, micro_batch or seq_len";
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();
+    std::string advice = "use a smaller model, micro_batch or seq_len";
     {
       std::lock_guard<std::mutex> lock(g_allocators_mu);
       for (CudaAllocator* a : g_allocators) a->release_cache();
       if (!g_allocators.empty()) advice = g_allocators.front()->advice();
     }
     err = cudaMallocAsync(&p, bytes, stream());
+    MT_CHECK(err != cudaErrorMemoryAllocation,
+             "out of cuda memory allocating " << format_bytes(bytes) << " of scratch for " << what << "; " << advice);
   }
-  MT_CHECK(err != cudaErrorMemoryAllocation,
-           "out of cuda memory allocating " << format_bytes(bytes) << " of scratch for " << what << "; " << advice);
   MT_CHECK(err == cudaSuccess, "CUDA error allocating " << format_bytes(bytes) << " of scratch for " << what << ": "
                                                          << cudaGetErrorString(err));
   return p;
