@@ -151,6 +151,7 @@ int cmd_plan(const PlanOptions& o) {
   std::error_code ec;  // --svg must not replace the files the plan reads (a built-in --hardware is none)
   const std::string hw_file = std::filesystem::is_regular_file(o.hardware, ec) ? o.hardware : "";
   output_paths_check({{"--svg", o.svg, ""}}, {{"--config", o.config, ""}, {"--hardware", hw_file, ""}});
+  if (!o.svg.empty()) output_try(o.svg, "--svg");  // a directory or an unwritable place, named before the search
   q.precision = plan::Precisions::trained(precision, grad != "fp32");
   q.global_batch = o.global_batch > 0 ? o.global_batch : q.config.training.global_batch;
   plan::Layout base;
