@@ -78,6 +78,7 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
            {"plan --gpus 8 --layout chunks=2,v=4", "error: --layout: v given twice (chunks=2 and v=4)"},
            // a directory was found after the whole plan had printed, without the reason
            {"plan --gpus 8 --svg /tmp", "error: cannot write the --svg file /tmp: Is a directory; choose another --svg"},
+           {"plan --gpus 8 --config a.toml --config b.toml", "error: --config is given 2 times; give it once"},
            {"plan --gpus 8 --set model.n_layer", "error: --set model.n_layer has no value: write --set "
                                                  "section.key=value, e.g. --set model.n_layer=VALUE"},
            {"bench profile --seconds 1 --seconds 2", "error: bench profile: --seconds given twice (1 and 2); give it "

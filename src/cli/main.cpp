@@ -308,6 +308,8 @@ std::string parse_error_text(const CLI::App& app, const CLI::ParseError& e) {
     return m[1].str() + " " + m[2].str() + " is not " + kind;
   }
   if (std::regex_match(text, m, std::regex(R"((\S+): \d+ required \S+ missing)"))) return m[1].str() + " needs a value";
+  if (std::regex_match(text, m, std::regex(R"((\S+): At Most 1 required but received (\d+))")))
+    return m[1].str() + " is given " + m[2].str() + " times; give it once";
   // "The following argument was not expected: x" goes on after "error: ", in lower case.
   const auto c = [&](size_t i) { return static_cast<unsigned char>(text[i]); };
   if (text.size() > 1 && std::isupper(c(0)) && std::islower(c(1))) text[0] = static_cast<char>(std::tolower(c(0)));
