@@ -55,6 +55,36 @@ int64_t kv_sharers(const ModelConfig& m, int tp) { return m.kv_heads() % tp == 0
 
 // ---- Shares --------------------------------------------------------------------------
 
+namespace {
+
+// pipeline_layers, remembered: a search weighs thousands of layouts that share a pipeline,
+// and balancing one takes n_layer steps (a deep model's search spent half its time there).
+std::vector<int> planned_layers(const ModelConfig& model, const PipeLayout& lay, const std::string& pp_layers) {
+  struct Entry {
+    ModelConfig model;
+    int pp, chunks;
+    Placement placement;
+    std::string pp_layers;
+    std::vector<int> layers;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const Entry& e : cache)
+      if (e.pp == lay.pp && e.chunks == lay.chunks && e.placement == lay.placement && e.pp_layers == pp_layers &&
+          e.model == model)
+        return e.layers;
+  }
+  std::vector<int> layers = pipeline_layers(model, lay, pp_layers);  // throws where they do not fit
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= 256) cache.clear();
+  cache.push_back({model, lay.pp, lay.chunks, lay.placement, pp_layers, layers});
+  return layers;
+}
+
+}  // namespace
+
 PipelineShape pipeline_shape(const ModelConfig& model, const Layout& layout, const std::string& pp_layers) {
   PipelineShape p;
   p.pp = layout.pp;
@@ -63,7 +93,7 @@ PipelineShape pipeline_shape(const ModelConfig& model, const Layout& layout, con
   if (p.chunks == 1) p.chunks = schedule_default_chunks(layout.schedule);
   p.vee = layout.schedule == "zbv";
   const PipeLayout lay{p.pp, p.chunks, p.micro, p.vee ? Placement::vee : Placement::loop};
-  const std::vector<int> layers = pipeline_layers(model, lay, pp_layers);
+  const std::vector<int> layers = planned_layers(model, lay, pp_layers);
   std::vector<int> begin(lay.stages() + 1, 0);
   for (int st = 0; st < lay.stages(); ++st) begin[st + 1] = begin[st] + layers[st];
   p.ranks.resize(p.pp);
