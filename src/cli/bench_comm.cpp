@@ -103,28 +103,17 @@ BenchCommOptions comm_options(const std::vector<std::string>& args) {
 
 int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
   BenchCommOptions o;
-  try {
-    o = comm_options(args);
-  } catch (const AgreedError&) {
-    throw;
-  } catch (const Error& e) {  // every rank reads the same options: said once, no rank aborted
-    throw AgreedError(e.what());
-  }
+  agreed(world, [&] { o = comm_options(args); });  // a bad option: said once, no rank aborted
   if (o.help) {
     if (world.rank() == 0) std::printf("%s\n", kUsage);
     return 0;
   }
-  const int64_t min_bytes = o.min_bytes, max_bytes = o.max_bytes;
-  const int iters = o.iters;
-  const DType dtype = o.dtype;
-  const std::string& device = o.device;
-  const std::string& gpu_comm = o.gpu_comm;
   const int n = world.size();
-  const size_t es = dtype_size(dtype);
+  const size_t es = dtype_size(o.dtype);
   // The buffers' memory, and the group that carries them (on the GPU, as training does).
   std::unique_ptr<CudaAllocator> gpu;
   std::string how;
-  if (device == "cuda") {
+  if (o.device == "cuda") {
     MT_CHECK(cuda_device_count() > 0, "bench comm --device cuda: no GPU is visible here (cudaGetDeviceCount found "
                                       "none, or this meshtrain was built without CUDA); use --device cpu");
     use_local_gpu();
@@ -135,23 +124,23 @@ int cmd_bench_comm(const std::vector<std::string>& args, Communicator& world) {
   buffers.set_advice("lower --max-bytes (each rank holds a buffer of that size and one of 1/" + std::to_string(n) +
                      " of it)");
   Mesh mesh(world, n, 1, 1);
-  if (gpu) how = attach_gpu_comm(mesh, gpu_comm, *gpu);
+  if (gpu) how = attach_gpu_comm(mesh, o.gpu_comm, *gpu);
   Communicator& group = mesh.dp();
   if (world.rank() == 0) {
     std::printf("# meshtrain bench comm: %d ranks, %s, %d iterations per size (time is the slowest rank's mean)\n", n,
-                dtype_name(dtype), iters);
+                dtype_name(o.dtype), o.iters);
     if (gpu) std::printf("# GPU buffers (%s)%s%s\n", cuda_device_name(0).c_str(), how.empty() ? "" : "; ", how.c_str());
     std::printf("%14s %12s  %-15s %12s %12s %12s\n", "size (B)", "count", "op", "time (us)", "algbw (GB/s)",
                 "busbw (GB/s)");
   }
   const CommOp ops[] = {CommOp::allreduce, CommOp::allgather, CommOp::reduce_scatter, CommOp::broadcast};
   int64_t last_count = 0;
-  for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {
+  for (int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= 2) {
     const int64_t count = std::max<int64_t>(n, bytes / es / n * n);  // divisible by n
     if (count == last_count) continue;  // small sizes rounded up to the same count: measured once
     last_count = count;
     for (CommOp op : ops) {
-      const double per_op = plan::comm_op_seconds(group, op, count, dtype, iters, &buffers);
+      const double per_op = plan::comm_op_seconds(group, op, count, o.dtype, o.iters, &buffers);
       const double data = static_cast<double>(count * es);  // nccl-tests: the full buffer's size
       const double algbw = data / per_op / 1e9;
       if (world.rank() == 0)

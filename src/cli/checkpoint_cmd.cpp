@@ -135,6 +135,14 @@ nlohmann::json info_json(const CheckpointInfo& info, const std::string& root) {
   return j;
 }
 
+// "key=value key=value ...": an object's fields, but `skip`.
+std::string key_values(const nlohmann::json& o, const std::string& skip = "") {
+  std::string text;
+  for (auto it = o.begin(); it != o.end(); ++it)
+    if (it.key() != skip) text += (text.empty() ? "" : " ") + it.key() + "=" + it->dump();
+  return text;
+}
+
 void print_text(const nlohmann::json& j) {
   auto line = [](const char* label, const std::string& text) { std::printf("%-11s %s\n", label, text.c_str()); };
   std::string others;
@@ -154,10 +162,7 @@ void print_text(const nlohmann::json& j) {
     lay += ", ZeRO " + L["zero"].dump();
     if (!L["sharding"].get<std::string>().empty()) lay += " (" + L["sharding"].get<std::string>() + ")";
     line("layout", lay);
-    std::string keys;
-    for (auto it = L.begin(); it != L.end(); ++it)
-      if (it.key() != "world_size") keys += (keys.empty() ? "" : " ") + it.key() + "=" + it->dump();
-    line("parallel", keys);
+    line("parallel", key_values(L, "world_size"));
     const auto& b = j["batch"];
     line("batch", "global " + b["global_batch"].dump() + " sequences x " + b["seq_len"].dump() + " tokens; micro-batch " +
                       b["micro_batch"].dump() + " per rank, " + b["micro_batches_per_step"].dump() +
@@ -165,10 +170,7 @@ void print_text(const nlohmann::json& j) {
     const auto& pr = j["precision"];
     line("precision", pr["precision"].get<std::string>() + ", gradients " + pr["grad_dtype"].get<std::string>() +
                           ", trained on " + pr["device"].get<std::string>());
-    std::string optim;
-    for (auto it = j["optim"].begin(); it != j["optim"].end(); ++it)
-      optim += (optim.empty() ? "" : " ") + it.key() + "=" + it->dump();
-    line("optim", optim);
+    line("optim", key_values(j["optim"]));
     const auto& m = j["model"];
     line("model", m["family"].get<std::string>() + ": " + m["n_layer"].dump() + " layers, d_model " + m["d_model"].dump() +
                       ", " + m["n_head"].dump() + " heads (" + m["kv_heads"].dump() + " key/value), d_ff " +

@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <toml++/toml.h>
 #include <vector>
 
 #include "cli/commands.h"
@@ -55,22 +54,6 @@ void plan_options_add(CLI::App* cmd, PlanOptions* o) {
 }
 
 namespace {
-
-// A [training] key's text as the configuration gives it (its file, then --set), before any
-// check (config_load checks them, and names what does not read); `fallback` where neither does.
-std::string configured_training(const PlanOptions& o, const std::string& key, const std::string& fallback) {
-  std::string value = fallback;
-  if (!o.config.empty()) {
-    try {
-      if (auto v = toml::parse_file(o.config)["training"][key].value<std::string>()) value = *v;
-    } catch (const toml::parse_error&) {
-    }
-  }
-  const std::string set = "training." + key + "=";
-  for (const std::string& s : o.overrides)
-    if (s.rfind(set, 0) == 0) value = s.substr(set.size());
-  return value;
-}
 
 // printf's text of one number, whole however long (a finite double has up to 309 digits).
 std::string format(const char* fmt, double x) {
@@ -132,22 +115,24 @@ int cmd_plan(const PlanOptions& o) {
   q.cluster.gpus = o.gpus;
   q.cluster.gpus_per_node = std::min(o.gpus_per_node, o.gpus);
   q.cluster.hw = plan::hardware_get(o.hardware);
-  const std::string configured = configured_training(o, "precision", "fp32");
+  q.config = config_read(o.config, o.overrides);
+  const std::string configured = q.config.model.precision;
   const std::string precision = !o.precision.empty()   ? o.precision
                                 : configured != "fp32" ? configured
                                                        : (q.cluster.hw.gpu ? "bf16" : "fp32");
   std::string grad = o.grad_dtype;
-  if (grad.empty()) grad = configured_training(o, "grad_dtype", "fp32") == precision ? precision : "fp32";
+  if (grad.empty()) grad = q.config.model.grad_dtype == precision ? precision : "fp32";
   MT_CHECK(grad == "fp32" || grad == precision, "--grad-dtype " << grad << " with precision " << precision
                                                    << ": gradients are kept in fp32 or in the working precision ("
                                                    << (precision == "fp32" ? "fp32 here" : precision) << ")");
   // The precisions planned are the configuration's before it is checked. With neither option
   // given, a configuration planned in its own precision keeps its own grad_dtype: a pair the
   // engine refuses is refused by its keys.
-  std::vector<std::string> overrides = o.overrides;
-  if (!o.precision.empty() || !o.grad_dtype.empty() || configured == "fp32")
-    overrides.insert(overrides.end(), {"training.precision=" + precision, "training.grad_dtype=" + grad});
-  q.config = config_load(o.config, overrides);
+  if (!o.precision.empty() || !o.grad_dtype.empty() || configured == "fp32") {
+    config_set(q.config, "training.precision", precision);
+    config_set(q.config, "training.grad_dtype", grad);
+  }
+  q.config.validate();
   std::error_code ec;  // --svg must not replace the files the plan reads (a built-in --hardware is none)
   const std::string hw_file = std::filesystem::is_regular_file(o.hardware, ec) ? o.hardware : "";
   output_paths_check({{"--svg", o.svg, ""}}, {{"--config", o.config, ""}, {"--hardware", hw_file, ""}});

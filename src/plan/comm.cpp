@@ -4,6 +4,9 @@
 #include <cmath>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "nn/model.h"
@@ -57,30 +60,45 @@ int64_t kv_sharers(const ModelConfig& m, int tp) { return m.kv_heads() % tp == 0
 
 namespace {
 
-// pipeline_layers, remembered: a search weighs thousands of layouts that share a pipeline,
-// and balancing one takes n_layer steps (a deep model's search spent half its time there).
+// Values made from their keys, remembered for the process: a search asks for the same few
+// for thousands of layouts. Thread-safe; emptied when `most` are held. Key needs ==.
+template <class Key, class Value>
+class Remembered {
+ public:
+  explicit Remembered(size_t most) : most_(most) {}
+  template <class Make>
+  Value get(const Key& key, Make make) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [k, v] : entries_)
+        if (k == key) return v;
+    }
+    Value v = make();  // a throw keeps nothing
+    std::lock_guard<std::mutex> lock(mu_);
+    if (entries_.size() >= most_) entries_.clear();
+    entries_.push_back({key, v});
+    return v;
+  }
+
+ private:
+  size_t most_;
+  std::mutex mu_;
+  std::vector<std::pair<Key, Value>> entries_;
+};
+
+// pipeline_layers, remembered: balancing one pipeline takes n_layer steps (a deep model's
+// search spent half its time there). The micro-batches do not enter it.
 std::vector<int> planned_layers(const ModelConfig& model, const PipeLayout& lay, const std::string& pp_layers) {
-  struct Entry {
-    ModelConfig model;
+  struct Key {
     int pp, chunks;
     Placement placement;
     std::string pp_layers;
-    std::vector<int> layers;
+    ModelConfig model;  // last: compared only where the rest agree
+    bool operator==(const Key&) const = default;
   };
-  static std::mutex mu;
-  static std::vector<Entry> cache;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const Entry& e : cache)
-      if (e.pp == lay.pp && e.chunks == lay.chunks && e.placement == lay.placement && e.pp_layers == pp_layers &&
-          e.model == model)
-        return e.layers;
-  }
-  std::vector<int> layers = pipeline_layers(model, lay, pp_layers);  // throws where they do not fit
-  std::lock_guard<std::mutex> lock(mu);
-  if (cache.size() >= 256) cache.clear();
-  cache.push_back({model, lay.pp, lay.chunks, lay.placement, pp_layers, layers});
-  return layers;
+  static Remembered<Key, std::vector<int>> cache(256);
+  return cache.get({lay.pp, lay.chunks, lay.placement, pp_layers, model},
+                   [&] { return pipeline_layers(model, lay, pp_layers); });  // throws where they do not fit
 }
 
 }  // namespace
@@ -106,23 +124,15 @@ PipelineShape pipeline_shape(const ModelConfig& model, const Layout& layout, con
 }
 
 std::shared_ptr<const std::vector<Unit>> planned_units(const ModelConfig& model, int tp) {
-  struct Entry {
-    ModelConfig model;
+  struct Key {
     int tp;
-    std::shared_ptr<const std::vector<Unit>> units;
+    ModelConfig model;
+    bool operator==(const Key&) const = default;
   };
-  static std::mutex mu;
-  static std::vector<Entry> cache;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const Entry& e : cache)
-      if (e.tp == tp && e.model == model) return e.units;
-  }
-  auto units = std::make_shared<const std::vector<Unit>>(model_layout(model, TpShard{tp, 0}));  // throws if invalid
-  std::lock_guard<std::mutex> lock(mu);
-  if (cache.size() >= 64) cache.clear();
-  cache.push_back({model, tp, units});
-  return units;
+  static Remembered<Key, std::shared_ptr<const std::vector<Unit>>> cache(64);
+  return cache.get({tp, model}, [&] {  // throws if invalid
+    return std::make_shared<const std::vector<Unit>>(model_layout(model, TpShard{tp, 0}));
+  });
 }
 
 std::vector<double> unit_numels(const ModelConfig& model, int tp) {

@@ -292,6 +292,12 @@ std::vector<std::string> config_keys() {
 }
 
 Config config_load(const std::string& toml_path, const std::vector<std::string>& overrides) {
+  Config c = config_read(toml_path, overrides);
+  c.validate();
+  return c;
+}
+
+Config config_read(const std::string& toml_path, const std::vector<std::string>& overrides) {
   Config c;
   if (!toml_path.empty()) {
     // toml++ reads a directory as an empty file, which would train on the defaults.
@@ -322,7 +328,6 @@ Config config_load(const std::string& toml_path, const std::vector<std::string>&
     MT_CHECK(eq != std::string::npos, "bad option --" << o << ": write --section.key=value, e.g. --training.steps=100");
     config_set(c, o.substr(0, eq), o.substr(eq + 1));
   }
-  c.validate();
   return c;
 }
 

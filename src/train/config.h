@@ -96,8 +96,12 @@ struct Config {
 // run restores the state only where its line is the checkpoint's. "" without compression.
 std::string compression_state_layout(const Config& c, int world_size);
 
-// Applies a TOML file (if non-empty) then the overrides ("section.key=value", no dashes).
+// Applies a TOML file (if non-empty) then the overrides ("section.key=value", no dashes), and
+// checks the whole (Config::validate).
 Config config_load(const std::string& toml_path, const std::vector<std::string>& overrides);
+// The same without the check of the whole (each value is checked as it is set): for a caller
+// that sets keys of its own before validate().
+Config config_read(const std::string& toml_path, const std::vector<std::string>& overrides);
 // Applies one key = value (value as text, as on the command line).
 void config_set(Config& c, const std::string& key, const std::string& value);
 nlohmann::json config_to_json(const Config& c);

@@ -139,6 +139,12 @@ std::unique_ptr<DataParallel> strategy_make(const Config& c, Model& model, Commu
   throw AgreedError(message);
 }
 
+// What to change where training diverged (a non-finite loss or gradients).
+std::string divergence_advice(const Config& c) {
+  return std::string("lower optim.lr, ") + (c.optim.grad_clip > 0 ? "tighten optim.grad_clip" : "set optim.grad_clip") +
+         ", add optim.warmup_steps, or skip such steps (training.skip_spikes)";
+}
+
 // Why a run stops at step s whose gradients' sum of squares is not finite, and what to change.
 std::string nonfinite_gradients_message(const Config& c, int64_t s, double sumsq) {
   std::string m = std::string("the gradients became ") + (std::isnan(sumsq) ? "NaN" : "infinite") + " at step " +
@@ -146,8 +152,7 @@ std::string nonfinite_gradients_message(const Config& c, int64_t s, double sumsq
   if (c.parallel.grad_comm_dtype == "fp16")
     m += "parallel.grad_comm_dtype = fp16 sums them in fp16, whose range ends at 65504: use bf16 (fp32's range) or "
          "fp32. Else ";
-  return m + "lower optim.lr, " + (c.optim.grad_clip > 0 ? "tighten optim.grad_clip" : "set optim.grad_clip") +
-         ", add optim.warmup_steps, or skip such steps (training.skip_spikes)";
+  return m + divergence_advice(c);
 }
 
 // training.skip_spikes: whether step s (its loss and gradient norm, the same on every rank)
@@ -222,10 +227,7 @@ nlohmann::json step_run(Run& run, int64_t s) {
   }
   if (bad_losses > 0 && !run.spikes.enabled())
     stop_training(run, s, std::string("the loss became ") + (std::fmod(bad_losses, 1024) > 0 ? "NaN" : "infinite") +
-                              " at step " +
-                              std::to_string(s) + "; lower optim.lr, " +
-                              (c.optim.grad_clip > 0 ? "tighten optim.grad_clip" : "set optim.grad_clip") +
-                              ", add optim.warmup_steps, or skip such steps (training.skip_spikes)");
+                              " at step " + std::to_string(s) + "; " + divergence_advice(c));
   // Gradients that are not finite under a finite loss (a reduction in fp16 past its range, a
   // divergence): fp16's loss scaling and the spike guard skip such a step; else the run
   // stops before the update, so that no parameter and no checkpoint takes them in.
