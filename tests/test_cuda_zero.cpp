@@ -201,6 +201,27 @@ TEST(CudaZero, Bf16GradientsTrainWhatOneRankTrains) {
   }
 }
 
+// fp32 gradients reduced in bf16 under ZeRO on the GPU (parallel.grad_comm_dtype): each
+// unit's gradient rounded on the device, the reduced 16-bit chunk widened into the fp32
+// shard there (cuda_accumulate). The CPU's bounds (tests/test_precision.cpp,
+// ZeroReducesFp32GradientsIn16Bits): 1e-4 in loss and 1e-2 in parameters against one rank.
+TEST(CudaZero, Fp32GradientsReducedInBf16TrainWhatOneRankTrains) {
+  SKIP_WITHOUT_GPU();
+  test::TempDir d;
+  const std::string rest = " --training.device=cuda --training.precision=bf16 --data.path=" +
+                           test::write_tokens(d, "t.bin", 3000, 37) + kClip;
+  const test::RunResult one = test::train_run(d, "one", 1, test::options("gpt2", 8, 2) + rest);
+  for (const std::string zero : {"1", "2", "3"}) {
+    const test::RunResult r = test::train_run(d, "c16_zero" + zero, 2, test::options("gpt2", 8, 1) + rest +
+                                                   " --parallel.dp=2 --parallel.grad_comm_dtype=bf16 --parallel.zero=" + zero);
+    ASSERT_EQ(r.loss.size(), one.loss.size()) << zero << "\n" << r.output;
+    EXPECT_NE(r.output.find("fp32 gradients reduced in bf16"), std::string::npos) << r.output;
+    EXPECT_LT(loss_diff(one.loss, r.loss), 1e-4) << "zero " << zero;
+    EXPECT_LT(rel_diff(one.units, r.units), 1e-2) << "zero " << zero;
+    EXPECT_EQ(r.summary["mem_model_state"].get<double>(), r.summary["mem_model_state_predicted"].get<double>()) << zero;
+  }
+}
+
 // fp16 gradients on the GPU keep fp16's range: exactly the steps with an injected overflow
 // (rank 1 of dp 2, DDP reducing fp16 in place) are skipped on both ranks, the scale halving
 // at each and doubling after 3 clean steps (tests/test_precision.cpp on the CPU).

@@ -185,9 +185,11 @@ void convert(DType to, void* dst, DType from, const void* src, int64_t n) {
 }
 
 void accumulate(DType to, void* dst, DType from, const void* src, int64_t n) {
-  MT_CHECK((to == DType::f32 || to == DType::bf16 || to == DType::f16) && (from == DType::f32 || from == to),
+  const bool half = from == DType::bf16 || from == DType::f16;
+  MT_CHECK((to == DType::f32 || to == DType::bf16 || to == DType::f16) && (from == DType::f32 || from == to ||
+                                                                           (to == DType::f32 && half)),
            "internal: no accumulation of " << dtype_name(from) << " into " << dtype_name(to));
-  if (to == DType::f32) {
+  if (to == DType::f32 && from == DType::f32) {
     float* d = static_cast<float*>(dst);
     const float* s = static_cast<const float*>(src);
 #pragma omp parallel for simd schedule(static)

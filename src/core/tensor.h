@@ -37,8 +37,9 @@ struct Storage {
 
 // dst[i] = src[i] between f32 and bf16 / f16 (or the same dtype), n elements.
 void convert(DType to, void* dst, DType from, const void* src, int64_t n);
-// dst[i] = dst[i] + src[i] over n elements, src in f32 or dst's dtype, dst in f32, bf16 or
-// f16: a 16-bit element is widened, the sum taken in float and rounded once (host memory).
+// dst[i] = dst[i] + src[i] over n elements, src in f32 or dst's dtype (or 16 bits into f32),
+// dst in f32, bf16 or f16: a 16-bit element is widened, the sum taken in float and rounded
+// once (host memory).
 void accumulate(DType to, void* dst, DType from, const void* src, int64_t n);
 
 class Tensor {

@@ -30,6 +30,10 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
   }
   wd_ = working_dtype(model.config());
   gd_ = grad_dtype(model.config());
+  // parallel.grad_comm_dtype: fp32 gradients reduced in 16 bits (the configuration allows a
+  // 16-bit grad_comm_dtype over 16-bit gradients only in their own dtype, and no compression)
+  const std::string& comm = cfg.grad_comm_dtype;
+  cd_ = gd_ == DType::f32 && comm != "fp32" && dp.size() > 1 ? (comm == "bf16" ? DType::bf16 : DType::f16) : gd_;
   const bool mixed = wd_ != DType::f32;
   auto& units = model.units();
   st_.resize(units.size());
@@ -57,6 +61,7 @@ ZeRO::ZeRO(Model& model, Communicator& dp, Allocator& alloc, const ParallelConfi
     if (stage_ == 1) {
       s.full_g = Tensor::zeros({padded}, gd_, alloc, MemTag::grads);
       unit.g = s.full_g.view(0, {s.n});
+      if (cd_ != gd_) s.sent = Tensor::zeros({padded}, cd_, alloc, MemTag::comm);  // its 16-bit copy
     } else {  // the whole gradient exists only during the unit's backward
       s.shard_g = Tensor::zeros({s.chunk}, gd_, alloc, MemTag::grads);
     }
@@ -193,8 +198,10 @@ void ZeRO::launch_reduce(int u) {
   auto reduce_scatter = [&](const Tensor& in, const Tensor& out) {
     return cfg_.hierarchical ? shard_->reduce_scatter_hierarchical_async(in, out) : shard_->reduce_scatter_async(in, out);
   };
-  if (stage_ == 1) {  // in place: chunk k of the full gradient receives the sum
-    s.reduce = reduce_scatter(s.full_g, s.full_g.view(k_ * s.chunk, {s.chunk}));
+  if (stage_ == 1) {  // in place: chunk k of the full gradient (or of its 16-bit copy) receives the sum
+    if (s.sent.defined()) s.sent.convert_from(s.full_g);
+    const Tensor& g = s.sent.defined() ? s.sent : s.full_g;
+    s.reduce = reduce_scatter(g, g.view(k_ * s.chunk, {s.chunk}));
     return;
   }
   if ((s.int8 || s.psgd) && !over_replicas_) {  // blocking: chunk k of the result, accumulated at once
@@ -210,9 +217,14 @@ void ZeRO::launch_reduce(int u) {
     model_.units()[u].g = Tensor();
     return;
   }
-  s.reduced = Tensor::empty({s.chunk}, gd_, alloc_, MemTag::comm);
-  s.reduce = reduce_scatter(s.full_g, s.reduced);
   model_.units()[u].g = Tensor();
+  if (narrow_shard()) {  // the whole gradient rounded into 16 bits, the fp32 one freed at once
+    s.sent = Tensor::empty({s.chunk * S_}, cd_, alloc_, MemTag::comm);
+    s.sent.convert_from(s.full_g);
+    s.full_g = Tensor();
+  }
+  s.reduced = Tensor::empty({s.chunk}, narrow_shard() ? cd_ : gd_, alloc_, MemTag::comm);
+  s.reduce = reduce_scatter(narrow_shard() ? s.sent : s.full_g, s.reduced);
 }
 
 void ZeRO::after_backward(int unit) {
@@ -243,6 +255,7 @@ void ZeRO::complete_reduce(UnitState& s) {
   accumulate(s.shard_g, s.reduced);  // on the parameters' device; 16-bit gradients: rounded once
   s.reduced = Tensor();
   s.full_g = Tensor();
+  s.sent = Tensor();
 }
 
 void ZeRO::finish() {
@@ -257,6 +270,9 @@ void ZeRO::finish() {
       if (s.reduce) {
         s.reduce->wait();
         s.reduce.reset();
+        // 16 bits: widened into chunk k (under HYBRID_SHARD after the replicas' all-reduce below)
+        const Tensor mine = s.full_g.view(k_ * s.chunk, {s.chunk});
+        if (s.sent.defined() && replicate_->size() == 1) mine.convert_from(s.sent.view(k_ * s.chunk, {s.chunk}));
       }
   } else {
     drain();
@@ -267,17 +283,27 @@ void ZeRO::finish() {
   // HYBRID_SHARD: the same shard's gradients from the other groups (compressed: the
   // chunk's elements, unit by unit, blocking).
   std::vector<WorkPtr> works;
+  std::vector<std::pair<Tensor, Tensor>> widen;  // 16 bits: (the chunk, its sum in cd_)
   for (UnitState& s : st_) {
     if (s.n == 0) continue;
     const Tensor chunk = stage_ == 1 ? s.full_g.view(k_ * s.chunk, {s.chunk}) : s.shard_g;
     if (s.int8 || s.psgd) {
       const Tensor sum = compressed_reduce(s, chunk);
       if (sum.raw() != chunk.raw()) chunk.convert_from(sum);  // rounded once
-    } else if (!over_replicas_) {
+    } else if (over_replicas_) {
+      continue;  // a chunk of padding only
+    } else if (cd_ == gd_) {
       works.push_back(replicate_->allreduce_async(chunk));
+    } else {  // stage 1's 16-bit copy holds the shard group's sum already; else a [c] copy
+      const Tensor t = s.sent.defined() ? s.sent.view(k_ * s.chunk, {s.chunk})
+                                        : Tensor::empty({s.chunk}, cd_, alloc_, MemTag::comm);
+      if (!s.sent.defined()) t.convert_from(chunk);
+      works.push_back(replicate_->allreduce_async(t));
+      widen.emplace_back(chunk, t);
     }
   }
   for (WorkPtr& w : works) w->wait();
+  for (auto& [chunk, sum] : widen) chunk.convert_from(sum);
 }
 
 void ZeRO::zero_grad() {
@@ -359,7 +385,7 @@ std::vector<std::pair<std::string, Tensor>> ZeRO::compression_state() {
 
 std::string ZeRO::compression() const {
   const std::string& kind = cfg_.grad_compression;
-  if (kind == "none") return "";
+  if (kind == "none") return cd_ != gd_ ? std::string(", fp32 gradients reduced in ") + dtype_name(cd_) : "";
   if (over_replicas_) return ", " + kind + "-compressed all-reduce over the replicas (error feedback on the chunks)";
   if (kind == "powersgd")
     return std::string(", powersgd-compressed (all-reduced factors, error feedback") +

@@ -32,6 +32,16 @@
 // run on fp32: 16-bit gradients are widened into one fp32 scratch (wide_, as large as the
 // largest padded unit, or chunk under HYBRID_SHARD) and the kept sum is rounded back once.
 //
+// parallel.grad_comm_dtype = bf16 / fp16 with fp32 gradients (DeepSpeed's
+// communication_data_type, FSDP's reduce_dtype): the gradients accumulate in fp32 and travel
+// in 16 bits, summed in float and rounded once, then widened into the fp32 shard. Stage 1
+// keeps a 16-bit copy of every unit's padded gradient [S c] (2Ψ, MemTag::comm), rounded from
+// the accumulated gradient on the last micro-step and reduce-scattered in place; stages 2-3
+// (shard groups of more than one rank) round a unit's whole gradient into a 16-bit copy when
+// its backward ends, free the fp32 one at once, and reduce-scatter the copy into a 16-bit [c].
+// HYBRID_SHARD's all-reduce over the replicas moves 16 bits too (stage 1 in its copy's chunk
+// k, stages 2-3 through a [c] copy per unit during finish()). One rank alone rounds nothing.
+//
 // parallel.grad_compression = int8 (one shard group): each unit's reduce-scatter is an
 // Int8Reduction (compress.h). Stage 1, with error feedback, blocking in finish(): this rank's
 // full gradient plus its residual quantized, an all-to-all of the chunks to their owners,
@@ -135,7 +145,9 @@ class ZeRO final : public DataParallel {
     Tensor shard_g;  // stages 2-3: [c] gradient shard, accumulated over micro-steps
     WorkPtr gather;  // stage 3: pending all-gather into full_w
     WorkPtr reduce;  // pending reduce-scatter of full_g
-    Tensor reduced;  // stages 2-3: [c] where the pending reduce-scatter lands
+    Tensor reduced;  // stages 2-3: [c] where the pending reduce-scatter lands (in cd_)
+    Tensor sent;     // 16-bit communication of fp32 gradients: stage 1 [S c] kept; stages 2-3 the
+                     // unit's gradient rounded, during its reduce-scatter
     Tensor master;   // mixed precision: [c] fp32 parameters of this rank's chunk (the w above are 16-bit)
     std::unique_ptr<PowerSGDReduction> psgd;  // grad_compression = powersgd: the all-reduces of factors
     std::unique_ptr<Int8Reduction> int8;  // grad_compression = int8: the reduce-scatter, or the replicas' all-reduce
@@ -149,6 +161,7 @@ class ZeRO final : public DataParallel {
   void complete_reduce(UnitState& s);
   void make_compression(int unit);
   Tensor compressed_reduce(UnitState& s, const Tensor& g);
+  bool narrow_shard() const { return cd_ != gd_ && S_ > 1; }  // stages 2-3: the reduce-scatters in 16 bits
   std::string compression() const;  // describe()'s words for parallel.grad_compression
 
   Model& model_;
@@ -158,6 +171,7 @@ class ZeRO final : public DataParallel {
   int stage_, S_, k_;
   DType wd_;        // the working parameters' dtype: f32, or bf16 / f16 with fp32 masters
   DType gd_;        // the gradients' dtype: f32, or the working dtype (training.grad_dtype)
+  DType cd_;        // the dtype the gradient reductions move: gd_, or grad_comm_dtype's 16 bits over fp32
   bool pipelined_;  // pipeline parallelism: stage 3 gathers each unit once per step, freed in finish()
   bool over_replicas_ = false;  // HYBRID_SHARD with grad_compression: the replicas' all-reduce is compressed
   std::unique_ptr<Communicator> shard_, replicate_;

@@ -32,6 +32,14 @@ double dtype_bytes(const std::string& dtype) {
   return dtype == "fp32" ? 4 : 2;
 }
 
+}  // namespace
+
+double zero_reduction_bytes(const Precisions& prec, const std::string& grad_comm_dtype, double data_ranks) {
+  return prec.grad == 4 && data_ranks > 1 ? dtype_bytes(grad_comm_dtype) : prec.grad;
+}
+
+namespace {
+
 int64_t micro_batches_checked(const Layout& l) {
   MT_CHECK(l.dp >= 1 && l.tp >= 1 && l.pp >= 1 && l.cp >= 1 && l.micro_batch >= 1,
            "layout " << l.text() << ": every degree and the micro-batch must be at least 1");
@@ -356,6 +364,7 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
   MT_CHECK(S >= 1 && std::fmod(D, S) == 0,
            "layout " << layout.text() << ": shard_group " << S << " does not divide dp x cp = " << D);
   p.every_micro = layout.zero >= 2;
+  const double zb = zero_reduction_bytes(prec, opt.grad_comm_dtype, D);  // each gradient element's bytes
   const bool pipelined = layout.pp > 1, reshard = opt.reshard_after_forward && !pipelined;
   p.gather_every_micro = !pipelined;
   for (const HeldUnit& h : held) {
@@ -363,7 +372,7 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
     if (S > 1) {
       if (opt.hierarchical) {  // Communicator::reduce_scatter_hierarchical, as data rank 0 sends it
         const double L = opt.ranks_per_node > 0 ? opt.ranks_per_node : S, nodes = S / L;
-        p.reductions.push_back({h.chunk, {(L - 1) * nodes * chunk * prec.grad + (nodes > 1 ? 4 * nodes * chunk : 0), 2}});
+        p.reductions.push_back({h.chunk, {(L - 1) * nodes * chunk * zb + (nodes > 1 ? 4 * nodes * chunk : 0), 2}});
       } else if (opt.grad_compression == "int8" && R == 1) {  // every stage: the same blocks
         const BucketReduction r = int8_reduce_scatter(numel[h.unit], S);
         p.reductions.push_back({h.chunk, {r.bytes, r.messages}});
@@ -371,7 +380,7 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
         const BucketReduction r = bucket_reduction(model, layout.tp, {h.unit}, numel[h.unit], S, opt, prec.grad);
         p.reductions.push_back({h.chunk, {r.bytes, r.messages}});
       } else {
-        p.reductions.push_back({h.chunk, reduce_scatter(S, chunk * S * prec.grad)});
+        p.reductions.push_back({h.chunk, reduce_scatter(S, chunk * S * zb)});
       }
       const Flow gather = allgather(S, chunk * prec.param);
       if (layout.zero < 3) {
@@ -387,7 +396,7 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
       const BucketReduction r = chunk_reduction(model, layout.tp, h.unit, S, R, opt);
       p.replica += Flow{r.bytes, r.messages};
     } else if (R > 1) {
-      p.replica += allreduce(R, chunk * prec.grad);
+      p.replica += allreduce(R, chunk * zb);
     }
   }
   if (S > 1) p.scalars += allgather(S, 8.0 * (model.n_layer + 2));  // the gradient norm's per-unit sums

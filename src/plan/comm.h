@@ -34,9 +34,10 @@
 //         forward and (reshard_after_forward) again before backward; HYBRID_SHARD adds the
 //         all-reduce of each gradient shard over the shard groups' replicas; the loss's
 //         sum (and ZeRO's gradient norm sums)
-// ZeRO moves parameters in the working precision and gradients in the gradient precision
-// (ZeRO with grad_compression = int8: one all-to-all of int8 blocks per unit instead of
-// the reduce-scatter); DDP's all-reduce uses grad_comm_dtype.
+// ZeRO moves parameters in the working precision and gradients in the gradient precision,
+// or fp32 gradients in a 16-bit grad_comm_dtype (ZeRO with grad_compression = int8: one
+// all-to-all of int8 blocks per unit instead of the reduce-scatter); DDP's all-reduce uses
+// grad_comm_dtype.
 #pragma once
 #include <memory>
 #include <string>
@@ -52,7 +53,7 @@ namespace mt::plan {
 
 // The [parallel] keys that change what the data-parallel strategies send.
 struct TrafficOptions {
-  std::string grad_comm_dtype = "fp32";  // parallel.grad_comm_dtype: DDP's all-reduce (fp32 | bf16 | fp16)
+  std::string grad_comm_dtype = "fp32";  // parallel.grad_comm_dtype: fp32 gradients' reductions (fp32 | bf16 | fp16)
   bool reshard_after_forward = true;     // parallel.reshard_after_forward (ZeRO 3 without pipelining)
   double bucket_mb = 25;                 // parallel.bucket_mb: DDP's buckets (messages, the last one's tail)
   bool hierarchical = false;             // parallel.hierarchical: DDP's buckets by node
@@ -79,6 +80,11 @@ BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::ve
 // (parallel/zero.h): int8's all-reduce, or PowerSGD on the chunk's whole rows of each matrix.
 BucketReduction chunk_reduction(const ModelConfig& model, int tp, int unit, double S, double R,
                                 const TrafficOptions& opt);
+
+// Bytes per gradient element ZeRO's reductions move over a data group of data_ranks ranks
+// (parallel/zero.h): fp32 gradients in grad_comm_dtype (fp32, bf16 or fp16; throws otherwise),
+// 16-bit gradients in their own dtype; a group of one moves none and rounds nothing.
+double zero_reduction_bytes(const Precisions& prec, const std::string& grad_comm_dtype, double data_ranks);
 
 // ZeRO's int8 reduce-scatter of one unit of n elements over a shard group of S ranks
 // (Int8Reduction::Mode::reduce_scatter, parallel/compress.h): one all-to-all of the chunks'

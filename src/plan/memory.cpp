@@ -70,6 +70,7 @@ struct Setup {
   Recompute rc;              // the blocks that recompute (training.recompute, recompute_blocks)
   bool selective = false;    // attention scores recomputed: no T x T tensor kept
   int N = 1, R = 1;          // ZeRO's shard group and its replicas (dp x cp = N R)
+  double zb = 4;             // bytes per gradient element ZeRO's reductions move (ZeRO::cd_)
   std::shared_ptr<const std::vector<Unit>> units;  // tp rank 0's units, all held
   std::vector<int> layers;   // blocks per virtual stage
   std::shared_ptr<const PipeFacts> pipe;
@@ -108,6 +109,7 @@ Setup setup(const ModelConfig& model, const Layout& lay, const Precisions& prec,
     s.N = lay.shard();
     MT_CHECK(s.N >= 1 && data % s.N == 0, "parallel.shard_group = " << s.N << " does not divide dp x cp = " << data);
     s.R = data / s.N;
+    s.zb = zero_reduction_bytes(prec, knobs.grad_comm_dtype, data);
   } else {
     s.R = data;  // DDP: one copy per rank
   }
@@ -229,12 +231,16 @@ double activations(const Setup& s, const ModelShare& share) {
 class ZeroReplay {
  public:
   ZeroReplay(const Setup& s, const RankShare& r, int rank)
-      : s_(s), r_(r), rank_(rank), n_(static_cast<int>(r.numel.size())) {
+      : s_(s), r_(r), rank_(rank), n_(static_cast<int>(r.numel.size())), narrow_(s.zb != s.prec.grad && s.N > 1) {
     for (int64_t numel : r.numel) {
       const double c = static_cast<double>(ceil_div(numel, s.N));
       w_.push_back(c * s.N * s.prec.param);  // a gathered unit [N c]
       g_.push_back(c * s.N * s.prec.grad);   // a unit's whole gradient [N c]
-      c_.push_back(c * s.prec.grad);         // the reduced chunk [c]
+      c_.push_back(c * (narrow_ ? s.zb : s.prec.grad));  // the reduced chunk [c]
+      // fp32 gradients reduced in 16 bits: the whole gradient's 16-bit copy [N c], sent in
+      // place of the fp32 one (freed at once)
+      sent_.push_back(narrow_ ? c * s.N * s.zb : 0);
+      replica_copy_ += numel > 0 && s.zb != s.prec.grad && s.R > 1 ? c * s.zb : 0;  // HYBRID_SHARD: [c] per unit in finish()
       blocks_.push_back(int8_reduce_scatter(static_cast<double>(numel), s.N, false).buffers);  // int8's blocks
     }
     // Compressed (one shard group): each reduction blocking, none pending; PowerSGD's
@@ -311,7 +317,7 @@ class ZeroReplay {
   }
   void complete(int u) {  // the reduce-scatter waited for: its buffers freed
     pending_[u] = full_g_[u] = false;
-    live_ -= c_[u] + g_[u];
+    live_ -= c_[u] + (narrow_ ? sent_[u] : g_[u]);
     order_.erase(std::find(order_.begin(), order_.end(), u));
   }
   void ensure_grad(int u) {
@@ -349,6 +355,10 @@ class ZeroReplay {
       if (s_.lay.zero == 3 && !pipelined()) release(u);
       return;
     }
+    if (narrow_) {  // launch_reduce: the 16-bit copy, then the fp32 whole gradient freed
+      take(sent_[u]);
+      live_ -= g_[u], full_g_[u] = false;
+    }
     take(c_[u]);                  // launch_reduce: the reduced chunk; the whole gradient stays until drained
     pending_[u] = true;
     order_.push_back(u);
@@ -361,6 +371,8 @@ class ZeroReplay {
     drain();
     if (s_.lay.zero == 3 && pipelined())
       for (int u = 0; u < n_; ++u) release(u);
+    take(replica_copy_);  // 16 bits over the replicas: every unit's [c] copy at once
+    live_ -= replica_copy_;
   }
   // The model's hook calls for one chunk (Model::forward, Model::backward, backward_unit).
   void forward(const ChunkSpec& ch) {
@@ -385,7 +397,9 @@ class ZeroReplay {
   const Setup& s_;
   const RankShare& r_;
   int rank_, n_;
-  std::vector<double> w_, g_, c_, blocks_;
+  const bool narrow_;  // the shard group's reduce-scatters in 16 bits over fp32 gradients (ZeRO::narrow_shard)
+  std::vector<double> w_, g_, c_, sent_, blocks_;
+  double replica_copy_ = 0;
   bool blocking_ = false;  // grad_compression over the shard group: each reduction blocking, none pending
   std::vector<bool> gathered_, full_g_, pending_;
   std::deque<int> order_;                          // pending reductions, oldest first
@@ -460,11 +474,14 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
   if (s.lay.zero > 0) {
     double chunk = 0;
     for (int64_t n : r.numel) chunk = std::max(chunk, static_cast<double>(ceil_div(n, s.N)));
+    const double zb = s.zb;  // what the reductions move: the gradients' dtype, or grad_comm_dtype's 16 bits
+    if (s.lay.zero == 1 && zb != gb)
+      for (int64_t n : r.numel) bytes += ceil_div(n, s.N) * s.N * zb;  // every unit's 16-bit copy [N c]
     if (s.knobs.hierarchical) {
-      // reduce_scatter_hierarchical: the node's pieces [(L - 1) x nodes x c] in the gradients'
+      // reduce_scatter_hierarchical: the node's pieces [(L - 1) x nodes x c] in the reduced
       // dtype, the partial sums [nodes x c] in float, the finished chunks [nodes x c]
       const double L = s.knobs.ranks_per_node > 0 ? s.knobs.ranks_per_node : s.N, nodes = s.N / L;
-      bytes += 4 * (std::ceil((L - 1) * nodes * chunk * gb / 4) + nodes * chunk + std::ceil(nodes * chunk * gb / 4));
+      bytes += 4 * (std::ceil((L - 1) * nodes * chunk * zb / 4) + nodes * chunk + std::ceil(nodes * chunk * zb / 4));
     } else if (s.knobs.grad_compression != "none" && s.R > 1) {
       // HYBRID_SHARD: the shard group's reduce-scatter exact, the replicas' all-reduce of each
       // chunk compressed (its buffers per unit, the largest staging of the replicas' group)
@@ -495,12 +512,12 @@ double comm_persistent(const Setup& s, const RankShare& r, int rank) {
       }
       bytes += staging;
     } else {
-      bytes += staging_bytes(chunk * (s.N - 1), gb);  // reduce-scatter into [c]: (N - 1) pieces
+      bytes += staging_bytes(chunk * (s.N - 1), zb);  // reduce-scatter into [c]: (N - 1) pieces
     }
     if (s.knobs.grad_compression != "none" && gb != 4 && (s.N > 1 || s.R > 1))
       bytes += 4 * (s.R > 1 ? chunk : chunk * s.N);  // 16-bit gradients' fp32 scratch (ZeRO::wide_)
     if (s.R > 1 && s.knobs.grad_compression == "none")  // HYBRID_SHARD's all-reduce
-      bytes += staging_bytes(ceil_div(static_cast<int64_t>(chunk), s.R) * (s.R - 1.0), gb);
+      bytes += staging_bytes(ceil_div(static_cast<int64_t>(chunk), s.R) * (s.R - 1.0), zb);
   }
   // A tied head on another rank than the embedding: the pair all-reduces the embedding's
   // gradient (its optimizer segment: the whole unit, or its ZeRO chunk).

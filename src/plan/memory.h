@@ -21,9 +21,10 @@
 //   comm         the communication buffers at their peak: each group's staging buffer (a
 //                reduction's incoming pieces, grown to the largest), tp's gather
 //                workspaces, the context-parallel ring's blocks, the pipeline's send copies,
-//                DDP's bucket copies when gradients are sent in 16 bits, and ZeRO 2-3's
-//                transient buffers (a unit's whole gradient from its backward until its
-//                reduce-scatter is drained, the reduced chunk, ZeRO 3's gathered units).
+//                DDP's bucket copies when gradients are sent in 16 bits (ZeRO 1's unit
+//                copies likewise), and ZeRO 2-3's transient buffers (a unit's whole gradient
+//                from its backward until its reduce-scatter is drained, or its 16-bit copy,
+//                the reduced chunk, ZeRO 3's gathered units).
 //   other        bf16 / fp16 training's fp32 staging: the model's for the largest set of
 //                units one unit's compute reads (the final unit's with a tied embedding),
 //                and with 16-bit gradients a second one for the gradients and the
@@ -55,8 +56,8 @@
 //
 // Precisions: working parameters prec.param bytes, fp32 masters prec.master, gradients
 // prec.grad, moments prec.moment, activations and activation messages prec.activation
-// (token ids stay 4-byte integers); ZeRO reductions move gradients in prec.grad and gathers
-// parameters in prec.param. Staging buffers are whole 4-byte words, as the engine sizes them.
+// (token ids stay 4-byte integers); ZeRO reductions move gradients in prec.grad (fp32
+// gradients: in a 16-bit grad_comm_dtype when one is set) and gathers parameters in prec.param. Staging buffers are whole 4-byte words, as the engine sizes them.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -71,7 +72,7 @@ namespace mt::plan {
 // engine's).
 struct MemoryKnobs {
   double bucket_mb = 25;                 // parallel.bucket_mb: DDP's buckets (the reduction's staging)
-  std::string grad_comm_dtype = "fp32";  // parallel.grad_comm_dtype: 16-bit copies of every bucket
+  std::string grad_comm_dtype = "fp32";  // parallel.grad_comm_dtype: 16-bit copies of DDP's buckets, of ZeRO's fp32 gradients
   bool prefetch = true;                  // parallel.prefetch (ZeRO 3: the next unit gathered early)
   bool reshard_after_forward = true;     // parallel.reshard_after_forward (ZeRO 3 without pp)
   std::string pp_layers = "auto";        // parallel.pp_layers: blocks per stage

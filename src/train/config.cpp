@@ -411,15 +411,6 @@ void Config::validate() const {
              "parallel.sharding = " << s << " means parallel.zero = " << stage << ", but parallel.zero = "
                                     << parallel.zero << "; set only one of them");
   }
-  // ZeRO reduce-scatters the gradients in their own dtype (parallel/zero.h); grad_comm_dtype
-  // is DDP's bucket dtype, and was silently not used under ZeRO.
-  const bool zero = parallel.zero > 0 || (!parallel.sharding.empty() && parallel.sharding != "NO_SHARD");
-  MT_CHECK(!zero || parallel.grad_comm_dtype == "fp32" || parallel.grad_comm_dtype == model.grad_dtype,
-           "parallel.grad_comm_dtype = " << parallel.grad_comm_dtype << " is DDP's (parallel.zero = 0): ZeRO "
-           << "reduce-scatters the gradients in their own dtype, training.grad_dtype = " << model.grad_dtype
-           << "; to reduce them in " << parallel.grad_comm_dtype << ", keep them in it (training.precision = "
-           << parallel.grad_comm_dtype << " with training.grad_dtype = " << parallel.grad_comm_dtype
-           << "), else leave grad_comm_dtype = fp32");
 }
 
 // Hierarchical reductions (DDP's all-reduce, ZeRO's reduce-scatters) and gradient

@@ -188,6 +188,8 @@ void cuda_round(DType t, float* x, int64_t n, uint16_t* bits) {
 void cuda_accumulate(DType to, void* dst, DType from, const void* src, int64_t n) {
   if (n == 0) return;
   if (to == DType::f32 && from == DType::f32) return launch_accumulate<float, float>(dst, src, n);
+  if (to == DType::f32 && from == DType::bf16) return launch_accumulate<float, __nv_bfloat16>(dst, src, n);
+  if (to == DType::f32 && from == DType::f16) return launch_accumulate<float, __half>(dst, src, n);
   if (to == DType::bf16 && from == DType::bf16) return launch_accumulate<__nv_bfloat16, __nv_bfloat16>(dst, src, n);
   if (to == DType::bf16 && from == DType::f32) return launch_accumulate<__nv_bfloat16, float>(dst, src, n);
   if (to == DType::f16 && from == DType::f16) return launch_accumulate<__half, __half>(dst, src, n);
