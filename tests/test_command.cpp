@@ -126,6 +126,15 @@ TEST(Command, ErrorsExitNonZeroWithAMessage) {
   EXPECT_NE(out.find("error: bench comm: unknown option --bogus"), std::string::npos) << out;
   EXPECT_EQ(out.find("error:"), out.rfind("error:")) << out;
   EXPECT_EQ(out.find("MPI_ABORT"), std::string::npos) << out;
+  // bench profile likewise, and an --out only rank 0 tries (the others went on measuring)
+  for (const auto& [profile, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--seconds 0", "error: bench profile: --seconds 0: expected"},
+           {"--out /proc/h.toml", "error: cannot write the --out file /proc/h.toml"}}) {
+    EXPECT_EQ(test::run_command(bench + "2 bench profile " + profile, &out), 1) << out;
+    EXPECT_NE(out.find(want), std::string::npos) << out;
+    EXPECT_EQ(out.find("error:"), out.rfind("error:")) << out;
+    EXPECT_EQ(out.find("MPI_ABORT"), std::string::npos) << out;
+  }
   ASSERT_EQ(test::run_command(bench + "3 bench comm --min-bytes 4 --max-bytes 16 --iters 1", &out), 0) << out;
   size_t rows = 0;
   for (size_t at = 0; (at = out.find(" allreduce ", at)) != std::string::npos; ++at) ++rows;
@@ -607,11 +616,9 @@ TEST(Command, SampleFindsTheTokenizerFromAnyDirectory) {
   EXPECT_EQ(test::run_command(sample + " --tokenizer " + d / "moved.model", &out), 0) << out;
 }
 
-// A resumed run whose data.tokenizer is not the checkpoint's says so, naming both: one left
-// out (byte) went into the new checkpoints silently, and sample printed noise. The same
-// model, given relative or absolute, is no change.
 // A resume in another precision trained on without a word, and fp16's loss scale was
-// dropped silently: said, with what carries over.
+// dropped silently: said, with what carries over. fp16's loss-scaling keys must match only
+// where both runs are fp16 (a bf16 run was refused for an optim.loss_scale it does not use).
 TEST(Command, ResumeNotesAnotherPrecision) {
   test::TempDir d;
   const std::string train = std::string(MESHTRAIN_BIN) + " train " + test::options("gpt2", 4, 2) +
@@ -627,12 +634,21 @@ TEST(Command, ResumeNotesAnotherPrecision) {
   EXPECT_NE(out.find("training.precision = bf16, grad_dtype = bf16 instead of the checkpoint's fp16, fp32: the "
                      "fp32 parameters and optimizer state carry over; fp16's loss scale is dropped"),
             std::string::npos) << out;
-  ASSERT_EQ(test::run_command(train + " --training.steps=4 --training.precision=fp16 --checkpoint.resume=true", &out), 0)
+  ASSERT_EQ(test::run_command(train + " --training.steps=4 --training.precision=bf16 --training.grad_dtype=bf16 "
+                                      "--optim.loss_scale=1024 --checkpoint.resume=true", &out), 0) << out;
+  ASSERT_EQ(test::run_command(train + " --training.steps=5 --training.precision=fp16 --checkpoint.resume=true", &out), 0)
       << out;
   EXPECT_NE(out.find("instead of the checkpoint's bf16, bf16: the fp32 parameters and optimizer state carry over; the "
                      "loss scale starts at optim.loss_scale"),
             std::string::npos) << out;
+  EXPECT_EQ(test::run_command(train + " --training.steps=6 --training.precision=fp16 --optim.loss_scale_window=7 "
+                                      "--checkpoint.resume=true", &out), 1) << out;
+  EXPECT_NE(out.find("optim.loss_scale_window = 1000 (this run: 7)"), std::string::npos) << "both fp16\n" << out;
 }
+
+// A resumed run whose data.tokenizer is not the checkpoint's says so, naming both: one left
+// out (byte) went into the new checkpoints silently, and sample printed noise. The same
+// model, given relative or absolute, is no change.
 
 TEST(Command, ResumeNotesAnotherTokenizer) {
   test::TempDir d;

@@ -361,6 +361,11 @@ TEST(PlanSearch, NamedChunksNeedAPipeline) {
   const std::string named = refusal(q, "pp=1,v=2,schedule=zbv");
   EXPECT_TRUE(has(named, "--layout v=2 with pp=1: v is the model chunks each pipeline rank holds")) << named;
   EXPECT_FALSE(has(named, "parallel.pp_chunks")) << named;
+  for (const char* schedule : {"zbv", "interleaved"}) {  // the engine's "set parallel.pp_chunks=2"
+    const std::string text = std::string("pp=1,schedule=") + schedule, why = refusal(q, text.c_str());
+    EXPECT_TRUE(has(why, std::string("--layout schedule=") + schedule + " with pp=1: " + schedule + " runs 2 model "
+                         "chunks on each pipeline rank and needs a pipeline (pp > 1)")) << why;
+  }
   const std::string one = refusal(bench_question(1, hardware_get("h100")), "v=2");
   EXPECT_TRUE(has(one, "--layout v=2: v is the model chunks")) << one;
   EXPECT_TRUE(has(one, "no pp > 1 fits the 1 GPUs")) << one;

@@ -31,27 +31,31 @@ constexpr const char* kUsage =
     "  --config FILE     the model whose training step calibrates `efficiency`, at its\n"
     "                    training.micro_batch (default: configs/gpt2_bench.toml's model, micro-batch 8)";
 
-}  // namespace
-
-int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world) {
-  const bool lead = world.rank() == 0;
+// What the command line asks for, checked (every rank reads the same arguments).
+struct ProfileOptions {
+  bool help = false;
   std::string out = "hardware_profile.toml", config;
-  plan::MeasureOptions o;
+  plan::MeasureOptions measure;
+  std::vector<std::string> cautions;  // what makes the profile less than the user may think
+};
+
+ProfileOptions profile_options(const std::vector<std::string>& args, bool lead) {
+  ProfileOptions o;
   const std::map<std::string, std::function<void(const std::string&)>> options = {
-      {"--out", [&](const std::string& v) { out = v; }},
-      {"--config", [&](const std::string& v) { config = v; }},
+      {"--out", [&](const std::string& v) { o.out = v; }},
+      {"--config", [&](const std::string& v) { o.config = v; }},
       {"--seconds", [&](const std::string& v) {
          char* end = nullptr;
-         o.seconds = std::strtod(v.c_str(), &end);
-         MT_CHECK(!v.empty() && !*end && o.seconds > 0 && o.seconds <= 3600,
+         o.measure.seconds = std::strtod(v.c_str(), &end);
+         MT_CHECK(!v.empty() && !*end && o.measure.seconds > 0 && o.measure.seconds <= 3600,
                   "bench profile: --seconds " << v << ": expected a number of seconds, more than 0 and at most 3600");
        }}};
   std::map<std::string, std::string> given;  // an option given twice would drop its first value
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
-      if (lead) std::printf("%s\n", kUsage);
-      return 0;
+      o.help = true;
+      return o;
     }
     const auto option = options.find(a);
     MT_CHECK(option != options.end(), "bench profile: unknown option " << a << "\n" << kUsage);
@@ -62,29 +66,45 @@ int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world)
     option->second(args[++i]);
   }
   // The file is written after minutes of measuring: a place it cannot go is named first.
+  const std::string& out = o.out;
   MT_CHECK(!out.empty(), "bench profile: --out is empty; give a file name, e.g. --out hardware_profile.toml");
   MT_CHECK(!std::filesystem::is_directory(out), "bench profile: --out " << out << " is a directory; give a file "
                                                 << "name, e.g. --out " << (std::filesystem::path(out) / "hardware_profile.toml").string());
-  // What makes the profile less than the user may think: said before the measuring, and in the file.
-  std::vector<std::string> cautions;
-  if (o.seconds < 5) {
+  if (o.measure.seconds < 5) {
     char secs[32];
-    std::snprintf(secs, sizeof secs, "%g", o.seconds);
-    cautions.push_back(std::string("--seconds ") + secs + " is a short measurement: its rates vary from run to run " +
-                       "(the default, 20 s, is steadier)");
+    std::snprintf(secs, sizeof secs, "%g", o.measure.seconds);
+    o.cautions.push_back(std::string("--seconds ") + secs + " is a short measurement: its rates vary from run to run " +
+                         "(the default, 20 s, is steadier)");
   }
-  if (!config.empty()) {
-    const Config c = config_load(config, {});
-    o.model = c.model;
-    o.micro_batch = static_cast<int>(c.training.micro_batch > 0 ? c.training.micro_batch : c.training.global_batch);
+  if (!o.config.empty()) {
+    const Config c = config_load(o.config, {});
+    o.measure.model = c.model;
+    o.measure.micro_batch = static_cast<int>(c.training.micro_batch > 0 ? c.training.micro_batch : c.training.global_batch);
     if (c.training.device == "cuda")
-      cautions.push_back("--config " + config + " trains on GPUs (training.device = cuda), but this profile measures " +
-                         "the CPUs; for GPUs, plan has profiles built in (--hardware h100, h200, a100-80gb, a100-40gb)");
+      o.cautions.push_back("--config " + o.config + " trains on GPUs (training.device = cuda), but this profile " +
+                           "measures the CPUs; for GPUs, plan has profiles built in (--hardware h100, h200, a100-80gb, "
+                           "a100-40gb)");
   }
   if (lead && out != "-") {  // opened as train opens its outputs: one that cannot be made is found now
-    output_paths_check({{"--out", out, ""}}, {{"--config", config, ""}});
+    output_paths_check({{"--out", out, ""}}, {{"--config", o.config, ""}});
     output_try(out, "--out");
   }
+  return o;
+}
+
+}  // namespace
+
+int cmd_bench_profile(const std::vector<std::string>& args, Communicator& world) {
+  const bool lead = world.rank() == 0;
+  ProfileOptions po;
+  agreed(world, [&] { po = profile_options(args, lead); });  // a bad option: said once, no rank aborted
+  if (po.help) {
+    if (lead) std::printf("%s\n", kUsage);
+    return 0;
+  }
+  const std::string& out = po.out;
+  const std::vector<std::string>& cautions = po.cautions;
+  const plan::MeasureOptions& o = po.measure;
   // Progress goes to stdout, or to stderr when the profile itself does.
   FILE* talk = out == "-" ? stderr : stdout;
   if (lead)

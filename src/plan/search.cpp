@@ -279,6 +279,13 @@ SearchResult search(const Question& q, const Layout& base) {
 }
 
 Layout search_closest(const Question& q, const Layout& base) {
+  // A schedule of several chunks per rank names a pipeline: at pp = 1 the layout would run
+  // pp_chunks = 1, which the engine refuses in its own keys.
+  const int chunks = schedule_default_chunks(base.schedule);
+  MT_CHECK(!(base.named.count("schedule") && base.named.count("pp") && base.pp == 1 && chunks > 1 && !base.named.count("v")),
+           "--layout schedule=" << base.schedule << " with pp=1: " << base.schedule << " runs " << chunks
+                                << " model chunks on each pipeline rank and needs a pipeline (pp > 1); name pp > 1 "
+                                << "with it, or leave schedule out");
   const std::vector<Layout> all = candidates(q, base);
   if (all.empty() && base.named.count("v") && base.chunks > 1) {  // is v what leaves no layout?
     Layout open = base;

@@ -70,9 +70,13 @@ std::vector<std::string> compare_keys(const Config& saved, const Config& now, st
   auto held_out = [](const Config& c) { return c.data.val_path.empty() ? c.data.val_fraction : 0.0; };
   a["data"]["val_fraction"] = held_out(saved);
   b["data"]["val_fraction"] = held_out(now);
+  // fp16's loss-scaling keys do nothing in the other precisions: they must match only where
+  // both runs scale the loss (a change of precision is noted by the caller).
+  const bool both_scale = saved.model.precision == "fp16" && now.model.precision == "fp16";
   std::vector<std::string> differ;
   for (const std::string& key : config_keys()) {
     if (!resume_key_must_match(key)) continue;
+    if (!both_scale && (key == "optim.loss_scale" || key == "optim.loss_scale_window")) continue;
     const std::string sec = key.substr(0, key.find('.')), name = key.substr(key.find('.') + 1);
     const nlohmann::json &was = a[sec][name], &is = b[sec][name];
     if (was == is) continue;
