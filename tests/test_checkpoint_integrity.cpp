@@ -21,6 +21,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
+// Byte ids 1 and 2, inside the test models' 37 ids: sample checks the prompt before it
+// loads, so the damage is what it meets.
+const std::string kPrompt = " --prompt \"$(printf '\\001\\002')\" --tokens 2";
+
 const std::string kBin = MESHTRAIN_BIN;
 
 // A one-rank run of a small GPT-2 (d_model 32, vocabulary 37) for `steps` steps, a
@@ -50,7 +54,7 @@ nlohmann::json read_json(const std::string& path) {
 // export, sample, info and a resume of d/ck each exit 1 with `want` in their output.
 void expect_every_reader_refuses(const TempDir& d, const std::string& o, const std::string& want) {
   for (const std::string& cmd : {"checkpoint info " + d / "ck", "export --checkpoint " + d / "ck" + " --out " + d / "o.st",
-                                 "sample --checkpoint " + d / "ck" + " --prompt ab --tokens 2",
+                                 "sample --checkpoint " + d / "ck" + kPrompt,
                                  resume_cmd(d, o, 9) + " --checkpoint.keep=2"}) {
     std::string out;
     EXPECT_EQ(run(cmd, &out), 1) << cmd << "\n" << out;
@@ -93,14 +97,14 @@ TEST(CheckpointIntegrity, DamagedNewestIsNotPassedOverByExportOrSample) {
   fs::remove(step_dir(d, 3) + "/meta.json");
   std::string out;
   for (const std::string& cmd : {"export --checkpoint " + d / "ck" + " --out " + d / "o.st",
-                                 "sample --checkpoint " + d / "ck" + " --prompt ab --tokens 2"}) {
+                                 "sample --checkpoint " + d / "ck" + kPrompt}) {
     EXPECT_EQ(run(cmd, &out), 1) << cmd << "\n" << out;
     EXPECT_NE(out.find(d / "ck" + " holds " + step_dir(d, 3) + " without meta.json, newer than " + step_dir(d, 2)),
               std::string::npos) << out;
     EXPECT_NE(out.find("Restore it whole (its meta.json and every shard) or remove it; or pass " + step_dir(d, 2)),
               std::string::npos) << out;
   }
-  EXPECT_EQ(run("sample --checkpoint " + step_dir(d, 3) + " --prompt ab --tokens 2", &out), 1) << out;
+  EXPECT_EQ(run("sample --checkpoint " + step_dir(d, 3) + kPrompt, &out), 1) << out;
   EXPECT_NE(out.find("checkpoint " + step_dir(d, 3) + " has no meta.json"), std::string::npos) << out;
   EXPECT_EQ(run("export --checkpoint " + step_dir(d, 2) + " --out " + d / "o.st", &out), 0) << out;
   EXPECT_TRUE(fs::exists(step_dir(d, 3) + "/shard_00000.safetensors")) << "left as it was";
@@ -182,7 +186,7 @@ TEST(CheckpointIntegrity, DamagedCheckpointAdviceSaysRestoreFirst) {
                      step_dir(d, 1) + " (check it with meshtrain checkpoint info " + step_dir(d, 1) + ")"),
             std::string::npos) << out;
   for (const std::string& cmd : {"export --checkpoint " + d / "ck" + " --out " + d / "o.st",
-                                 "sample --checkpoint " + d / "ck" + " --prompt ab --tokens 2"}) {
+                                 "sample --checkpoint " + d / "ck" + kPrompt}) {
     EXPECT_EQ(run(cmd, &out), 1) << cmd << "\n" << out;
     EXPECT_NE(out.find("checkpoint shard " + shard + " is missing: the checkpoint is incomplete; restore the file from "
                        "a copy, or pass --checkpoint " + step_dir(d, 1) + ", the checkpoint before it"),
@@ -201,7 +205,7 @@ TEST(CheckpointIntegrity, DamagedCheckpointAdviceSaysRestoreFirst) {
   // A corrupt shard (found as it loads): the same advice, each command's own.
   fs::rename(d / "kept.safetensors", shard);
   std::fstream(shard, std::ios::in | std::ios::out | std::ios::binary).seekp(200).put('\x7f');
-  EXPECT_EQ(run("sample --checkpoint " + d / "ck" + " --prompt ab --tokens 2", &out), 1) << out;
+  EXPECT_EQ(run("sample --checkpoint " + d / "ck" + kPrompt, &out), 1) << out;
   EXPECT_NE(out.find("checkpoint shard " + shard + " is corrupt: CRC-32"), std::string::npos) << out;
   EXPECT_NE(out.find("restore the file from a copy (no earlier checkpoint is left beside it)"), std::string::npos) << out;
   // A resume finds it as it loads too (the check before work covers presence and size): its

@@ -8,6 +8,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <sys/stat.h>  // mkfifo
+
 #include "test_util.h"
 
 using namespace mt;
@@ -140,6 +142,44 @@ TEST(OutputPaths, PrepareKeepsItsInputAndEachOutput) {
   EXPECT_EQ(bytes_of(d / "c2.txt"), text);
   EXPECT_FALSE(fs::exists(d / "t3.bin"));
   EXPECT_FALSE(fs::exists(d / "sub"));
+}
+
+// prepare and export write beside an output and rename it into place: a FIFO there was
+// replaced by a regular file (and /dev/null, which this test leaves alone, likewise), a
+// directory was found only after the tokenizer trained and the validation file was written,
+// and a symbolic link was replaced instead of written through. Now each is refused before any
+// work, and a link is written through to its target.
+TEST(OutputPaths, PrepareAndExportReplaceOnlyRegularFiles) {
+  test::TempDir d;
+  std::ofstream(d / "c.txt") << "hello world, hello meshtrain\n";
+  const std::string fifo = d / "fifo", dir = d / "dir";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  fs::create_directories(dir);
+  const std::string replaced = ": the file is written beside it and renamed into place, which would replace it";
+  expect_refused("prepare --input " + d / "c.txt", {
+      {"--out " + fifo, "--out " + fifo + " is a FIFO" + replaced},
+      {"--out " + dir + " --val-fraction 0.5 --val-out " + d / "v.bin", "--out " + dir + " is a directory" + replaced},
+      {"--out " + d / "t.bin --val-fraction 0.5 --val-out " + fifo, "--val-out " + fifo + " is a FIFO"},
+      {"--out " + d / "new.bin/", "--out " + d / "new.bin/" + " names a directory; give the path of a file"},
+      {"--out " + d / "t.bin --train-tokenizer 300 --tokenizer-prefix " + d / "sp/", "--tokenizer-prefix " + d / "sp/" +
+                                                                                    " names a directory"}});
+  EXPECT_EQ(fs::status(fifo).type(), fs::file_type::fifo);
+  EXPECT_FALSE(fs::exists(d / "v.bin") || fs::exists(d / "new.bin") || fs::exists(d / "sp")) << "nothing written";
+  fs::create_directories(d / "target");
+  fs::create_symlink(d / "target/t.bin", d / "link.bin");  // to a file not there yet
+  const Outcome linked = meshtrain("prepare --input " + d / "c.txt --out " + d / "link.bin");
+  ASSERT_EQ(linked.rc, 0) << linked.out;
+  EXPECT_TRUE(fs::is_symlink(d / "link.bin"));
+  EXPECT_GT(fs::file_size(d / "target/t.bin"), 0u);
+  const Outcome trained = meshtrain("train" + kTiny + " --model.vocab_size=257 --data.path=" + d / "link.bin" +
+                                    " --checkpoint.dir=" + d / "ck");
+  ASSERT_EQ(trained.rc, 0) << trained.out;
+  fs::create_directories(d / "hf/config.json");
+  expect_refused("export --checkpoint " + d / "ck", {
+      {"--out " + fifo, "--out " + fifo + " is a FIFO" + replaced},
+      {"--out " + d / "hf", "--out " + d / "hf/config.json" + " is a directory" + replaced}});
+  EXPECT_EQ(fs::status(fifo).type(), fs::file_type::fifo);
+  EXPECT_FALSE(fs::exists(d / "hf/model.safetensors")) << "refused before the parameters are written";
 }
 
 }  // namespace

@@ -192,6 +192,9 @@ void run_prepare(const std::string& input, const std::string& out, const std::st
                           << "--train-tokenizer trains a new SentencePiece model and tokenizes with it. Drop "
                           << "--train-tokenizer (and --tokenizer-prefix) to tokenize with " << tokenizer
                           << ", or drop --tokenizer to train a new model");
+  MT_CHECK(sp_vocab == 0 || (sp_vocab >= 260 && sp_vocab <= (1 << 24)),
+           "--train-tokenizer " << sp_vocab << " must be a vocabulary size from 260 (256 byte pieces, <unk>, <s>, </s> "
+                                << "and one merged piece) to 16777216");
   MT_CHECK(sp_prefix.empty() || sp_vocab > 0, "--tokenizer-prefix " << sp_prefix << " needs --train-tokenizer N (the "
                                               << "vocabulary size of the model to train), or leave it out");
   std::error_code ec;
@@ -203,12 +206,23 @@ void run_prepare(const std::string& input, const std::string& out, const std::st
   MT_CHECK(val_out.empty() || val_fraction > 0, "--val-out " << val_out << " needs --val-fraction F (the tail of "
                                                 << "the tokens to write there, e.g. 0.05); or leave out --val-out");
   if (sp_vocab > 0 && sp_prefix.empty()) sp_prefix = out + ".spm";
+  MT_CHECK(sp_prefix.empty() || sp_prefix.back() != '/',
+           "--tokenizer-prefix " << sp_prefix << " names a directory; give a path and a name for the model's two "
+                                 << "files, e.g. " << sp_prefix << "tok (tok.model, tok.vocab)");
+  // The token files are written beside and renamed into place, the tokenizer's by SentencePiece:
+  // none may be a device, FIFO or directory, and each is tried before the tokenizer trains.
+  const std::string out_file = mt::output_replaceable(out, "--out");
+  const std::string val_file = val_out.empty() ? "" : mt::output_replaceable(val_out, "--val-out");
+  if (sp_vocab > 0)
+    for (const char* ext : {".model", ".vocab"}) mt::output_replaceable(sp_prefix + ext, "--tokenizer-prefix");
   // No output may replace the text, the tokenizer or another output (the text would be
   // read, then replaced by its tokens).
   std::vector<mt::NamedPath> outputs = {{"--out", out, ""}, {"--val-out", val_out, ""}};
   if (sp_vocab > 0)
     for (const char* ext : {".model", ".vocab"}) outputs.push_back({"--tokenizer-prefix", sp_prefix, sp_prefix + ext});
   mt::output_paths_check(outputs, {{"--input", input, ""}, {"--tokenizer", tokenizer == "byte" ? "" : tokenizer, ""}});
+  mt::output_try(out_file, "--out");
+  if (!val_file.empty()) mt::output_try(val_file, "--val-out");
   if (sp_vocab > 0) {
     mt::output_parent_create(sp_prefix, "--tokenizer-prefix");
     mt::sentencepiece_train(input, sp_prefix, sp_vocab);
@@ -243,12 +257,10 @@ void run_prepare(const std::string& input, const std::string& out, const std::st
                                           << " holds out none; use a larger --val-fraction or a longer --input");
     std::vector<int32_t> val(ids.end() - static_cast<std::ptrdiff_t>(n_val), ids.end());
     ids.resize(ids.size() - n_val);
-    mt::output_parent_create(val_out, "--val-out");
-    mt::token_file_write(val_out, val);
+    mt::token_file_write(val_file, val);
     std::printf("wrote %zu validation token%s to %s\n", val.size(), val.size() == 1 ? "" : "s", val_out.c_str());
   }
-  mt::output_parent_create(out, "--out");
-  mt::token_file_write(out, ids);
+  mt::token_file_write(out_file, ids);
   std::printf("wrote %zu token%s to %s (vocabulary %d: set model.vocab_size >= %d)\n", ids.size(),
               ids.size() == 1 ? "" : "s", out.c_str(), tok->vocab_size(), tok->vocab_size());
 }
@@ -269,8 +281,13 @@ void run_export(const std::string& ckpt, const std::string& exp_out) {
   std::vector<mt::NamedPath> outputs = {{"--out", exp_out, file.string()}};
   if (to_dir) outputs.push_back({"--out", exp_out, (file.parent_path() / "config.json").string()});
   mt::output_paths_check(outputs, {{"--checkpoint", ckpt, ""}});
-  const std::string dir = mt::checkpoint_latest(ckpt);
-  MT_CHECK(!dir.empty(), "no checkpoint in " << ckpt << "; pass a checkpoint directory or checkpoint.dir");
+  // Both written beside and renamed into place: neither may be a device, FIFO or directory,
+  // and both are tried before the parameters are read.
+  const std::string file_out = mt::output_replaceable(file.string(), "--out");
+  const std::filesystem::path json = to_dir ? mt::output_replaceable((file.parent_path() / "config.json").string(), "--out") : "";
+  const std::string dir = mt::checkpoint_given(ckpt, "pass a checkpoint directory or checkpoint.dir");
+  mt::output_try(file_out, "--out");
+  if (to_dir) mt::output_try(json.string(), "--out");
   mt::Config cfg = mt::checkpoint_config(dir);
   const std::vector<mt::Unit> layout = mt::model_layout(cfg.model);
   // Streams unit by unit: only one unit's parameters are in memory at a time.
@@ -280,12 +297,13 @@ void run_export(const std::string& ckpt, const std::string& exp_out) {
     mt::checkpoint_load(dir, cfg.model, {{layout[u].name, 0, layout[u].numel, {{"params", buf.data()}}}});
     return buf.data();
   };
-  mt::output_parent_create(file.string(), "--out");
-  mt::hf_export(cfg.model, layout, fetch, file.string());
+  mt::hf_export(cfg.model, layout, fetch, file_out);
   if (to_dir) {  // written beside, then renamed into place, as the safetensors file is
-    const std::filesystem::path json = file.parent_path() / "config.json", tmp = json.string() + ".tmp";
+    const std::filesystem::path tmp = json.string() + ".tmp";
     std::ofstream(tmp) << mt::hf_config_json(cfg.model);
     std::filesystem::rename(tmp, json, ec);
+    std::error_code gone;
+    if (ec) std::filesystem::remove(tmp, gone);
     MT_CHECK(!ec, "--out " << exp_out << ": cannot write " << json.string() << ": " << ec.message());
   }
   std::printf("exported %s to %s%s\n", dir.c_str(), file.string().c_str(), to_dir ? " and config.json" : "");

@@ -3,11 +3,32 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
 
 namespace mt {
+
+// What a path that exists is when it is not a regular file, its links followed ("a
+// directory", "a FIFO", "a character device", ...); "" for a regular file or nothing there.
+// Opening a FIFO blocks until something writes to it, and a file renamed into place over a
+// device or FIFO replaces it: readers and writers of files ask first.
+inline std::string not_regular_kind(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  switch (fs::status(path, ec).type()) {
+    case fs::file_type::directory: return "a directory";
+    case fs::file_type::fifo: return "a FIFO";
+    case fs::file_type::character: return "a character device";
+    case fs::file_type::block: return "a block device";
+    case fs::file_type::socket: return "a socket";
+    case fs::file_type::regular:
+    case fs::file_type::not_found:
+    case fs::file_type::none: return "";
+    default: return "not a regular file";
+  }
+}
 
 // A float as the double of its shortest decimal (1e-05, not 9.999999747378752e-06): the number
 // a person wrote, for JSON and messages; read back into a float, the same float.

@@ -14,6 +14,7 @@
 #include <memory>
 
 #include "core/error.h"
+#include "core/message.h"
 
 namespace mt {
 namespace {
@@ -42,9 +43,10 @@ void store_le32(unsigned char* p, uint32_t v) {
 }  // namespace
 
 std::vector<int32_t> token_file_read(const std::string& path, const std::string& key) {
-  std::error_code ec;  // fopen opens a directory, whose read fails with no key named
-  MT_CHECK(!std::filesystem::is_directory(path, ec), key << " = " << path << " is a directory; set " << key
-                                                          << " to a token file (" << kHowToFix << ")");
+  // fopen opens a directory, whose read fails with no key named, and waits on a FIFO for a writer
+  const std::string kind = not_regular_kind(path);
+  MT_CHECK(kind.empty(), key << " = " << path << " is " << kind << "; set " << key << " to a token file ("
+                             << kHowToFix << ")");
   FilePtr f(std::fopen(path.c_str(), "rb"));
   MT_CHECK(f, "cannot open token file " << path << ": " << std::strerror(errno)
                                         << "; set " << key << " to an existing file or create one with "

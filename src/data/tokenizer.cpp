@@ -10,11 +10,13 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <regex>
 #include <fstream>
 #include <string>
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/message.h"
 
 namespace mt {
 namespace {
@@ -50,13 +52,13 @@ class ByteTokenizer final : public Tokenizer {
 class SentencePieceTokenizer final : public Tokenizer {
  public:
   explicit SentencePieceTokenizer(const std::string& path) {
+    const std::string kind = not_regular_kind(path);  // a FIFO would block the open below
+    MT_CHECK(kind.empty(), path << " is " << kind << "; the tokenizer must be \"byte\" or the path of a "
+                                                     "SentencePiece .model file");
     std::ifstream probe(path, std::ios::binary);
     MT_CHECK(probe, "cannot open SentencePiece model " << path << ": " << std::strerror(errno)
                                                        << "; the tokenizer must be \"byte\" or the path of "
                                                           "an existing .model file");
-    std::error_code ec;
-    MT_CHECK(!std::filesystem::is_directory(path, ec), path << " is a directory; the tokenizer must be \"byte\" or "
-                                                             "the path of a SentencePiece .model file");
     sentencepiece::util::Status status;
     try {
       status = sp_.Load(path);
@@ -159,8 +161,22 @@ void sentencepiece_train(const std::string& text_path, const std::string& model_
       {"minloglevel", "2"},  // quiet: warnings and errors only
   };
   const auto status = sentencepiece::SentencePieceTrainer::Train(args);
-  MT_CHECK(status.ok(), "SentencePiece training on " << text_path << " failed: " << status.ToString()
-                                                     << "; check the text and vocab_size " << vocab_size);
+  if (status.ok()) return;
+  // The trainer's two failures a text meets, in meshtrain's words (it names its own flags).
+  const std::string why = status.ToString();
+  std::smatch m;
+  if (std::regex_search(why, m, std::regex(R"(required_chars\. (\d+) vs (\d+))"))) {
+    const long long required = std::stoll(m[2]);  // the characters, 256 byte pieces, <unk>, <s>, </s>
+    MT_FAIL("the tokenizer's training text " << text_path << " has " << required - 259 << " distinct characters, "
+                                             << "each a piece of its own beside the 256 byte pieces and <unk>, <s>, "
+                                             << "</s>: " << required << " pieces, more than the " << vocab_size
+                                             << " asked for; ask for at least " << required + 1);
+  }
+  MT_CHECK(why.find("!sentences_.empty()") == std::string::npos,
+           "the tokenizer's training text " << text_path << " has no line of at most 65536 bytes to learn from "
+                                            << "(each line is one training sentence): break it into lines");
+  MT_FAIL("SentencePiece training on " << text_path << " failed: " << why << "; check the text and vocab_size "
+                                       << vocab_size);
 }
 
 }  // namespace mt

@@ -109,6 +109,10 @@ std::vector<std::string> checkpoint_list(const std::string& root);
 // or root is a step directory without meta.json: a damaged checkpoint is never passed over
 // for an older one (export and sample would read an older model in silence).
 std::string checkpoint_latest(const std::string& root);
+// checkpoint_latest of what a command's --checkpoint names (sample, export), an empty value,
+// a file, a path that is not there and a directory without checkpoints each said as such
+// (`advice`: what to do about the last two).
+std::string checkpoint_given(const std::string& given, const std::string& advice);
 // The step_* directories under root without a meta.json (a partial copy, a damaged
 // checkpoint), oldest first: never read, and never passed over in silence. Not among them:
 // what interrupted saves leave (.tmp-step_*; step_N.old beside a step_N, a replaced copy

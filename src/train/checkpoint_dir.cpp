@@ -66,6 +66,17 @@ std::string checkpoint_latest(const std::string& root) {
   return newest;
 }
 
+std::string checkpoint_given(const std::string& given, const std::string& advice) {
+  std::error_code ec;
+  MT_CHECK(!given.empty(), "--checkpoint is empty; give a checkpoint directory (step_N) or a run's checkpoint.dir");
+  MT_CHECK(fs::exists(given, ec), "--checkpoint " << given << " is not there; " << advice);
+  MT_CHECK(fs::is_directory(given, ec), "--checkpoint " << given << " is a file, not a checkpoint directory; give a "
+                                                        << "checkpoint directory (step_N) or a run's checkpoint.dir");
+  const std::string dir = checkpoint_latest(given);
+  MT_CHECK(!dir.empty(), "no checkpoint in " << given << "; " << advice);
+  return dir;
+}
+
 std::vector<std::string> checkpoint_damaged(const std::string& root) {
   std::vector<std::string> dirs;
   std::error_code ec;

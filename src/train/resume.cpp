@@ -70,6 +70,11 @@ std::vector<std::string> compare_keys(const Config& saved, const Config& now, st
   auto held_out = [](const Config& c) { return c.data.val_path.empty() ? c.data.val_fraction : 0.0; };
   a["data"]["val_fraction"] = held_out(saved);
   b["data"]["val_fraction"] = held_out(now);
+  // The files, not the words typed (a relative path in an older checkpoint is read from here).
+  for (const char* key : {"path", "val_path"}) {
+    a["data"][key] = path_absolute(a["data"][key].get<std::string>());
+    b["data"][key] = path_absolute(b["data"][key].get<std::string>());
+  }
   // fp16's loss-scaling keys do nothing in the other precisions: they must match only where
   // both runs scale the loss (a change of precision is noted by the caller).
   const bool both_scale = saved.model.precision == "fp16" && now.model.precision == "fp16";
@@ -157,8 +162,11 @@ bool resume_key_must_match(const std::string& key) {
 // A SentencePiece model by its absolute path; "byte" (and "", which the start-up checks
 // refuse) as they are.
 std::string tokenizer_absolute(const std::string& tokenizer) {
-  if (tokenizer == "byte" || tokenizer.empty()) return tokenizer;
-  return std::filesystem::absolute(tokenizer).lexically_normal().string();
+  return tokenizer == "byte" ? tokenizer : path_absolute(tokenizer);
+}
+
+std::string path_absolute(const std::string& path) {
+  return path.empty() ? path : std::filesystem::absolute(path).lexically_normal().string();
 }
 
 std::vector<std::string> resume_resolve(Config& cfg, int world_size) {

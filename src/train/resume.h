@@ -45,5 +45,8 @@ bool resume_key_must_match(const std::string& key);
 // run in another directory); "byte" and "" as they are. train() applies it after the ranks
 // have compared their configurations, which may start in different directories.
 std::string tokenizer_absolute(const std::string& tokenizer);
+// A data file's path made absolute ("" as it is), as checkpoints record data.path and
+// data.val_path: a resume from another directory compares the files, not the words typed.
+std::string path_absolute(const std::string& path);
 
 }  // namespace mt

@@ -100,7 +100,7 @@ std::string sample_summary(const SampleStats& st) {
   std::ostringstream s;
   s << "sample: ";
   if (st.samples > 1) s << st.samples << " samples, ";
-  s << st.generated << " tokens";
+  s << st.generated << (st.generated == 1 ? " token" : " tokens");
   if (st.prompt_read > 0) {
     s << "; the prompt's " << st.prompt_read << " read in " << std::fixed << std::setprecision(2) << st.prompt_s << " s";
     if (st.prompt_read < st.prompt_tokens)
@@ -127,8 +127,7 @@ std::vector<std::string> sample_text(const SampleOptions& o, const std::function
   MT_CHECK(o.samples >= 1 && o.samples <= 1024, "--samples " << o.samples << " must be from 1 to 1024");
   MT_CHECK(o.top_p > 0 && o.top_p <= 1, "--top-p " << o.top_p << " must be above 0 and at most 1 (1: no nucleus cut; "
                                                    "e.g. 0.9)");
-  const std::string dir = checkpoint_latest(o.checkpoint);
-  MT_CHECK(!dir.empty(), "no checkpoint in " << o.checkpoint << "; train with --checkpoint.dir=" << o.checkpoint << " first");
+  const std::string dir = checkpoint_given(o.checkpoint, "train with --checkpoint.dir=" + o.checkpoint + " first");
   Config cfg = checkpoint_config(dir);
   CpuAllocator alloc;
   cfg.model.precision = "fp32";  // a checkpoint holds fp32 parameters (the masters of a mixed-precision run)
@@ -136,12 +135,9 @@ std::vector<std::string> sample_text(const SampleOptions& o, const std::function
   alloc.set_advice(o.samples > 1 ? "--samples " + std::to_string(o.samples) +
                                        " side by side do not fit: draw fewer samples at once"
                                  : std::string("the checkpoint's model does not fit this machine's memory"));
-  // parameters only (no gradients), activations for the samples side by side
-  Model model(cfg.model, alloc, o.samples, Recompute{}, /*allocate_state=*/false);
-  for (Unit& u : model.units()) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
-  checkpoint_load(dir, cfg.model, checkpoint_param_slices(model.units()));
   // The checkpoint's tokenizer, as the run recorded it: a relative path (checkpoints written
-  // before runs recorded absolute ones) is read from this directory.
+  // before runs recorded absolute ones) is read from this directory. It and the prompt are
+  // checked before the parameters load (minutes for a large model).
   std::unique_ptr<Tokenizer> tok;
   try {
     tok = tokenizer_make(o.tokenizer.empty() ? cfg.data.tokenizer : o.tokenizer);
@@ -164,6 +160,10 @@ std::vector<std::string> sample_text(const SampleOptions& o, const std::function
                  << id << ", past the model's model.vocab_size = " << cfg.model.vocab_size << " ids"
                  << (o.prompt.empty() ? ": give a --prompt" : ": the model was trained on other ids than this "
                                                               "tokenizer's; pass the one it was trained with (--tokenizer)"));
+  // parameters only (no gradients), activations for the samples side by side
+  Model model(cfg.model, alloc, o.samples, Recompute{}, /*allocate_state=*/false);
+  for (Unit& u : model.units()) u.w = Tensor::empty({u.numel}, DType::f32, alloc, MemTag::params);
+  checkpoint_load(dir, cfg.model, checkpoint_param_slices(model.units()));
   const size_t n_prompt = ids.size();
   const int V = cfg.model.vocab_size, N = o.samples;
   if (emit && N == 1) emit(o.prompt);

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/message.h"  // not_regular_kind
 #include "data/tokenizer.h"
 #include "plan/hardware.h"
 #include "plan/memory.h"
@@ -41,6 +42,24 @@ void output_try(const std::string& path, const std::string& key) {
                                   << key);
   std::fclose(f);
   if (!existed) fs::remove(path, ec);
+}
+
+std::string output_replaceable(const std::string& path, const std::string& key) {
+  MT_CHECK(!path.empty(), key << " is empty; give the path of a file");
+  MT_CHECK(path.back() != '/', key << " " << path << " names a directory; give the path of a file");
+  const std::string kind = not_regular_kind(path);
+  MT_CHECK(kind.empty(), key << " " << path << " is " << kind << ": the file is written beside it and renamed into "
+                             << "place, which would replace it; give the path of a file");
+  std::error_code ec;
+  if (!fs::is_symlink(path, ec)) return path;
+  fs::path target = path;  // followed link by link: a link to a file not yet there names where to write it
+  for (int hops = 0; fs::is_symlink(target, ec); ++hops) {
+    MT_CHECK(hops < 40, "the " << key << " link " << path << " goes round in a loop of links; give the path of a file");
+    const fs::path next = fs::read_symlink(target, ec);
+    MT_CHECK(!ec, "cannot read the " << key << " link " << path << ": " << ec.message());
+    target = next.is_absolute() ? next : target.parent_path() / next;
+  }
+  return fs::weakly_canonical(fs::absolute(target)).string();
 }
 
 namespace {
@@ -264,6 +283,11 @@ std::vector<std::string> settings_without_effect(const Config& c) {
       (c.optim.loss_scale != unset.loss_scale || c.optim.loss_scale_window != unset.loss_scale_window))
     notes.push_back("optim.loss_scale and optim.loss_scale_window apply to training.precision = fp16 only (this run: " +
                     c.model.precision + ")");
+  std::error_code ec;
+  if (!c.data.val_path.empty() && !c.data.path.empty() && fs::equivalent(c.data.val_path, c.data.path, ec))
+    notes.push_back("data.val_path = " + c.data.val_path + " is data.path's file: validation reads the tokens the run "
+                    "trains on and says nothing of unseen text; use data.val_fraction to hold out its tail, or another "
+                    "file");
   const CheckpointConfig& ck = c.checkpoint;  // the checkpoint keys do nothing without a directory
   const CheckpointConfig no_ck;
   if (ck.dir.empty() && ck.every != no_ck.every)

@@ -41,6 +41,13 @@ void check_train_paths(const Config& c);
 // and the system's reason.
 void output_try(const std::string& path, const std::string& key);
 
+// An output written beside and renamed into place (prepare's token files, export's files):
+// the rename would replace a device, FIFO or directory of that name, and a symbolic link
+// itself rather than write through it. Refuses an empty path, one ending in '/', and one
+// naming something other than a regular file, naming key; returns the file to write (a
+// link's target, else path).
+std::string output_replaceable(const std::string& path, const std::string& key);
+
 // Rank 0 refuses outputs that would destroy data (check_train_paths), then creates the
 // directories of logging.metrics, logging.trace (and its .svg) and
 // logging.plot, tries opening those files for writing (an existing file is kept as it is),

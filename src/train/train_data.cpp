@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 
 #include "core/error.h"
@@ -15,6 +17,20 @@ namespace {
 
 // Lines of the built-in generated tasks: enough that the default run sees each about once.
 constexpr int64_t kBuiltinLines = 60000;
+
+// The smallest fraction, printed with up to 6 significant digits and rounded up, whose
+// floor(total x fraction) holds out `need` tokens (0.00472223 of 3600 holds out 17 where
+// 0.00472222 held 16).
+std::string least_fraction(int64_t need, int64_t total) {
+  for (int digits = 6; digits <= 17; ++digits) {
+    const double scale = std::pow(10.0, digits - 1 - std::floor(std::log10(double(need) / double(total))));
+    const double f = std::ceil(double(need) / double(total) * scale) / scale;
+    char text[40];
+    std::snprintf(text, sizeof text, "%.*g", digits, f);
+    if (static_cast<int64_t>(static_cast<double>(total) * std::strtod(text, nullptr)) >= need) return text;
+  }
+  return std::to_string(double(need) / double(total));
+}
 
 }  // namespace
 
@@ -45,8 +61,8 @@ Data data_load(const Config& c) {
                                                    << total << " tokens of data.path " << c.data.path
                                                    << "; one validation sequence needs model.seq_len + 1 = " << need
                                                    << ": use data.val_fraction of at least "
-                                                   << static_cast<double>(need) / static_cast<double>(total)
-                                                   << ", a longer file, or 0 for no validation");
+                                                   << least_fraction(need, total) << ", a longer file, or 0 for no "
+                                                   << "validation");
     d.val.assign(d.train.end() - n_val, d.train.end());
     d.train.resize(d.train.size() - n_val);
   }
@@ -54,7 +70,9 @@ Data data_load(const Config& c) {
   MT_CHECK(kept >= need, "data.path " << c.data.path << " has " << kept << (kept == 1 ? " token" : " tokens")
                                       << (kept < total ? " besides those data.val_fraction holds out" : "")
                                       << "; one training sequence needs model.seq_len + 1 = " << need
-                                      << ": use a longer token file or a smaller model.seq_len");
+                                      << ": use a longer token file"
+                                      << (kept < total ? ", a smaller data.val_fraction" : "")
+                                      << " or a smaller model.seq_len");
   auto check_vocab = [&](const std::vector<int32_t>& t, const std::string& what) {
     int32_t mx = t.empty() ? 0 : *std::max_element(t.begin(), t.end());
     MT_CHECK(mx < c.model.vocab_size, what << " holds token id " << mx << " but model.vocab_size = " << c.model.vocab_size
@@ -116,8 +134,9 @@ ValResult validate(Model& model, Pipeline& pipe, const TokenLoader& val, const C
   };
   // [loss sum, correct answers, answers, answers per target character...]
   std::vector<double> tally(3 + V, 0.0);
+  const bool tasks = builtin && c.data.val_path.empty();  // a data.val_path holds no tasks' answers to score
   auto count_answers = [&](int micro, int slot, double) {
-    if (!builtin) return;
+    if (!tasks) return;
     val.fill(dp.rank() + R * int64_t{micro} * M, M, in.data(), tg.data(), R);  // whole sequences: answers need context
     model.predictions(best.data(), slot);  // greedy, over the whole vocabulary (collective over tp)
     for (int s = 0; s < M; ++s) {

@@ -416,7 +416,9 @@ TrainSummary train(const Config& cfg, Communicator& world) {
   std::vector<std::string> notes;  // what a resumed layout changed, settings that do nothing
   agreed(world, [&] { notes = resume_resolve(c, world.size()); });
   check_same_config(c, world);  // before the options (a debug_collectives on one rank only) apply
-  c.data.tokenizer = tokenizer_absolute(c.data.tokenizer);  // as checkpoints record it
+  c.data.tokenizer = tokenizer_absolute(c.data.tokenizer);  // as checkpoints record them
+  c.data.path = path_absolute(c.data.path);
+  c.data.val_path = path_absolute(c.data.val_path);
   for (const std::string& n : settings_without_effect(c)) notes.push_back("note: " + n);
   if (c.training.threads > 0) omp_set_num_threads(c.training.threads);
   if (const int t = omp_get_max_threads(), here = world.ranks_on_node(), cpus = affinity_cpus(); t > 1 && here * t > cpus)
