@@ -1,5 +1,6 @@
 // The files a run and the commands read, as a user gives them: a FIFO where a file belongs
-// (train waited on it forever, deaf to SIGTERM), a data.path typed relative to another
+// (train waited on it forever, deaf to SIGTERM: data, tokenizer, init_from, hardware
+// profile, schedule file), a data.path typed relative to another
 // directory on resume, data.val_fraction's suggested minimum, a validation file under the
 // built-in tasks, --checkpoint values that are no checkpoint, and SentencePiece's training
 // failures in meshtrain's words.
@@ -40,6 +41,12 @@ TEST(DataInputs, AFifoWhereAFileBelongsIsRefused) {
            {"train" + kTiny + " --data.path=" + tokens + " --data.val_path=" + fifo, "data.val_path = " + fifo + " is a FIFO"},
            {"train" + kTiny + " --data.path=" + tokens + " --data.tokenizer=" + fifo,
             fifo + " is a FIFO; the tokenizer must be \"byte\" or the path of a SentencePiece .model file"},
+           {"train" + kTiny + " --data.path=" + tokens + " --model.init_from=" + fifo, fifo + " is a FIFO, not a "
+                                                                                              "safetensors file"},
+           {"train" + kTiny + " --data.path=" + tokens + " --logging.hardware=" + fifo, "hardware profile " + fifo +
+                                                                                         " is a FIFO"},
+           {"train" + kTiny + " --data.path=" + tokens + " --parallel.pp_schedule=file:" + fifo, fifo + " is a FIFO, "
+                                                                                                  "not a schedule file"},
            {"sample --checkpoint " + d / "ck" + " --tokenizer " + fifo, fifo + " is a FIFO"},
            {"prepare --input " + tokens + " --out " + d / "p.bin --tokenizer " + fifo, fifo + " is a FIFO"}}) {
     EXPECT_EQ(meshtrain(args, &out), 1) << args << "\n" << out;

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/message.h"  // not_regular_kind
 #include "core/half.h"
 
 namespace mt {
@@ -26,7 +27,8 @@ size_t st_dtype_size(const std::string& d) {
 }  // namespace
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
-  MT_CHECK(!std::filesystem::is_directory(path), path << " is a directory, not a safetensors file");
+  const std::string kind = not_regular_kind(path);  // a FIFO would block the open below
+  MT_CHECK(kind.empty(), path << " is " << kind << ", not a safetensors file");
   FILE* f = std::fopen(path.c_str(), "rb");
   MT_CHECK(f, "cannot open safetensors file " << path << ": " << std::strerror(errno));
   std::fseek(f, 0, SEEK_END);

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/message.h"  // not_regular_kind
 #include "parallel/schedule.h"
 
 namespace mt {
@@ -120,8 +121,8 @@ Schedule schedule_from_text(const std::string& text, const std::string& source) 
 }
 
 Schedule schedule_read(const std::string& path) {
-  std::error_code ec;
-  MT_CHECK(!std::filesystem::is_directory(path, ec), path << " is a directory, not a schedule file");
+  const std::string kind = not_regular_kind(path);  // a FIFO would block the open below
+  MT_CHECK(kind.empty(), path << " is " << kind << ", not a schedule file");
   std::ifstream f(path);
   MT_CHECK(f, "cannot open the schedule file " << path << ": " << std::strerror(errno));
   std::stringstream text;

@@ -4,11 +4,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <toml++/toml.h>
 
 #include "core/error.h"
+#include "core/message.h"  // not_regular_kind
 
 namespace mt::plan {
 
@@ -111,7 +113,7 @@ Hardware hardware_get(const std::string& name_or_file) {
     if (h.name == key) return h;
   const bool looks_like_file = name_or_file.find('/') != std::string::npos ||
                                (name_or_file.size() > 5 && name_or_file.ends_with(".toml"));
-  if (looks_like_file || std::ifstream(name_or_file).good()) return hardware_read(name_or_file);
+  if (looks_like_file || std::filesystem::exists(name_or_file)) return hardware_read(name_or_file);
   std::string alias_list;
   for (const auto& [a, n] : aliases()) alias_list += (alias_list.empty() ? "" : ", ") + a;
   MT_FAIL("unknown hardware \"" << name_or_file << "\": the built-in profiles are " << builtin_list()
@@ -259,6 +261,9 @@ std::string node_text(const toml::node& n) {
 }  // namespace
 
 Hardware hardware_read(const std::string& path) {
+  const std::string kind = not_regular_kind(path);  // a FIFO would block the read below
+  MT_CHECK(kind.empty(), "hardware profile " << path << " is " << kind << "; give a built-in name (" << builtin_list()
+                                             << ") or a profile file");
   toml::table tbl;
   try {
     tbl = toml::parse_file(path);
