@@ -168,6 +168,9 @@ TEST(PlanCommand, GradDtypeHalvesTheGradients) {
   const Plan bad = plan_cmd(d, cfg + "--grad-dtype fp16");
   EXPECT_EQ(bad.rc, 1) << bad.out;
   EXPECT_TRUE(has(bad.out, "--grad-dtype fp16 with precision bf16")) << bad.out;
+  // fp32 gradients sent in 16 bits: said in the header (the bytes and buffers assume it)
+  const Plan sent = plan_cmd(d, cfg + "--set parallel.grad_comm_dtype=bf16");
+  EXPECT_TRUE(has(sent.printed, "bf16, fp32 gradients reduced in bf16\n")) << sent.printed;
 }
 
 // The configuration's training.precision is planned where no --precision is given, and

@@ -157,7 +157,10 @@ int cmd_plan(const PlanOptions& o) {
                 q.config.model.family.c_str(), q.config.model.n_layer, q.config.model.d_model, params / 1e9, o.gpus,
                 q.cluster.hw.name.c_str(), q.cluster.gpus_per_node, static_cast<long long>(q.global_batch),
                 q.config.model.seq_len, q.precision.name.c_str(),
-                q.precision.grad == 2 ? (" with " + precision + " gradients").c_str() : "");
+                q.precision.grad == 2                            ? (" with " + precision + " gradients").c_str()
+                : q.config.parallel.grad_comm_dtype != "fp32" ? (", fp32 gradients reduced in " +
+                                                                  q.config.parallel.grad_comm_dtype).c_str()
+                                                               : "");
     if (!partial_node.empty()) std::printf("%s\n", partial_node.c_str());
     if (!q.config.parallel.pp_layers.empty() && q.config.parallel.pp_layers != "auto")
       std::printf("pipeline stages of %s blocks (parallel.pp_layers)\n", q.config.parallel.pp_layers.c_str());

@@ -385,7 +385,7 @@ std::vector<std::pair<std::string, Tensor>> ZeRO::compression_state() {
 
 std::string ZeRO::compression() const {
   const std::string& kind = cfg_.grad_compression;
-  if (kind == "none") return cd_ != gd_ ? std::string(", fp32 gradients reduced in ") + dtype_name(cd_) : "";
+  if (kind == "none") return cd_ == gd_ ? "" : cd_ == DType::bf16 ? ", fp32 gradients reduced in bf16" : ", fp32 gradients reduced in fp16";
   if (over_replicas_) return ", " + kind + "-compressed all-reduce over the replicas (error feedback on the chunks)";
   if (kind == "powersgd")
     return std::string(", powersgd-compressed (all-reduced factors, error feedback") +

@@ -61,6 +61,7 @@ struct TrafficOptions {
   std::string grad_compression = "none";  // parallel.grad_compression: none | int8 | powersgd
   int powersgd_rank = 4;                 // parallel.powersgd_rank
   std::string pp_layers = "auto";        // parallel.pp_layers: blocks per stage (which units a rank reduces)
+  std::string optim = "adamw";           // optim.name: LAMB and LARS sum two norms per tensor over its holders
 };
 
 // DDP's reduction of one bucket of n elements (the units `units` as tp rank 0 holds them)

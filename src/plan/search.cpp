@@ -63,6 +63,7 @@ TrafficOptions traffic(const Config& c) {
   t.grad_compression = c.parallel.grad_compression;
   t.powersgd_rank = c.parallel.powersgd_rank;
   t.pp_layers = c.parallel.pp_layers;
+  t.optim = c.optim.name;
   return t;
 }
 
