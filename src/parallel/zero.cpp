@@ -271,8 +271,8 @@ void ZeRO::finish() {
         s.reduce->wait();
         s.reduce.reset();
         // 16 bits: widened into chunk k (under HYBRID_SHARD after the replicas' all-reduce below)
-        const Tensor mine = s.full_g.view(k_ * s.chunk, {s.chunk});
-        if (s.sent.defined() && replicate_->size() == 1) mine.convert_from(s.sent.view(k_ * s.chunk, {s.chunk}));
+        if (s.sent.defined() && replicate_->size() == 1)
+          s.full_g.view(k_ * s.chunk, {s.chunk}).convert_from(s.sent.view(k_ * s.chunk, {s.chunk}));
       }
   } else {
     drain();

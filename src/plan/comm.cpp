@@ -252,14 +252,14 @@ BucketReduction bucket_reduction(const ModelConfig& model, int tp, const std::ve
 
 namespace {
 
-// LAMB and LARS: the sums of squares of each tensor the rank holds and of its update (two
-// doubles per tensor, Optimizer::step_lamb), added over the tensor's ZeRO shards and tp
-// pieces; 0 for the other optimizers.
-double trust_norms(const ModelConfig& model, int tp, const std::vector<HeldUnit>& held, const std::string& optim) {
+// LAMB and LARS: the sums of squares of each tensor the rank holds (its chunks' units) and
+// of its update (two doubles per tensor, Optimizer::step_lamb), added over the tensor's ZeRO
+// shards and tp pieces; 0 for the other optimizers.
+double trust_norms(const ModelConfig& model, int tp, const std::vector<ChunkShare>& chunks, const std::string& optim) {
   if (optim != "lamb" && optim != "lars") return 0;
   const std::shared_ptr<const std::vector<Unit>> units = planned_units(model, tp);
   double tensors = 0;
-  for (const HeldUnit& h : held) tensors += static_cast<double>((*units)[h.unit].params.size());
+  for (const HeldUnit& h : held_units(model, chunks)) tensors += static_cast<double>((*units)[h.unit].params.size());
   return 2 * tensors;
 }
 
@@ -415,8 +415,8 @@ DataPlan data_plan(const ModelConfig& model, const Layout& layout, const Precisi
     }
   }
   if (S > 1) p.scalars += allgather(S, 8.0 * (model.n_layer + 2));  // the gradient norm's per-unit sums
-  if (S > 1 && trust_norms(model, layout.tp, held, opt.optim) > 0)  // LAMB / LARS: each tensor's two norms
-    p.scalars += allgather(S, 8.0 * trust_norms(model, layout.tp, held, opt.optim));
+  if (const double n = S > 1 ? trust_norms(model, layout.tp, chunks, opt.optim) : 0; n > 0)
+    p.scalars += allgather(S, 8.0 * n);  // LAMB / LARS: each tensor's two norms
   return p;
 }
 
@@ -449,7 +449,7 @@ RankTraffic comm_traffic(const ModelConfig& model, const Layout& layout, const P
     t.cp += m * cp_flows(model, layout, prec, ch).total();
   }
   if (layout.tp > 1) t.tp += allgather(layout.tp, 8 * (units + 1));  // the gradient norm's per-unit sums, a loss check
-  if (const double n = trust_norms(model, layout.tp, held_units(model, chunks), opt.optim); layout.tp > 1 && n > 0)
+  if (const double n = layout.tp > 1 ? trust_norms(model, layout.tp, chunks, opt.optim) : 0; n > 0)
     t.tp += allgather(layout.tp, 8 * n);  // LAMB / LARS: each tensor's two norms
   if (layout.pp > 1) {
     const PipeLayout lay{shape.pp, shape.chunks, shape.micro, shape.vee ? Placement::vee : Placement::loop};
